@@ -1,0 +1,45 @@
+"""Compute kernels, one package per op.
+
+    forkpoint/kernels/<op>/reference.py   plain PyTorch: the spec and the CPU path
+    forkpoint/kernels/<op>/<variant>.py   fast GPU variant with the same signatures (optional)
+    forkpoint/kernels/<op>/__init__.py    the public names; each call picks a variant
+
+Ops: ``gated_delta`` (Gated DeltaNet), ``conv1d`` (short causal conv), ``attention`` (paged KV),
+``moe`` (routed experts). Contracts: ``docs/INTERFACES.md``, "Kernels".
+"""
+
+import functools
+import importlib
+from collections.abc import Sequence
+from types import ModuleType
+
+
+@functools.cache
+def select_variant(op: str, gpu_variant: str, on_cuda: bool) -> ModuleType:
+    """The module implementing ``op`` for tensors on CUDA (``on_cuda``) or elsewhere.
+
+    On CUDA this is ``forkpoint.kernels.<op>.<gpu_variant>`` when it and its dependencies
+    (triton, fla) import; otherwise, and always off CUDA, ``forkpoint.kernels.<op>.reference``.
+    Cached, so the import is attempted once per process.
+    """
+    if on_cuda:
+        try:
+            return importlib.import_module(f"forkpoint.kernels.{op}.{gpu_variant}")
+        except ModuleNotFoundError:
+            pass
+    return importlib.import_module(f"forkpoint.kernels.{op}.reference")
+
+
+def check_cu_seqlens(cu_seqlens_host: Sequence[int], num_tokens: int, name: str = "cu_seqlens_host") -> int:
+    """Validate host offsets of a packed batch and return the number of segments N.
+
+    ``cu_seqlens_host`` must be ``[0, ..., num_tokens]``, non-decreasing, with N + 1 entries.
+    """
+    if len(cu_seqlens_host) < 1 or cu_seqlens_host[0] != 0 or cu_seqlens_host[-1] != num_tokens:
+        raise ValueError(
+            f"{name} must run from 0 to the number of packed tokens ({num_tokens}), "
+            f"got {list(cu_seqlens_host)[:8]}{'...' if len(cu_seqlens_host) > 8 else ''}"
+        )
+    if any(b < a for a, b in zip(cu_seqlens_host, cu_seqlens_host[1:])):
+        raise ValueError(f"{name} must be non-decreasing (segment lengths >= 0), got {list(cu_seqlens_host)}")
+    return len(cu_seqlens_host) - 1

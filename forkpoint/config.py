@@ -1,0 +1,254 @@
+"""Frozen configuration objects, built once and passed down.
+
+`ModelConfig` is the model architecture read from a Hugging Face `config.json`; `EngineConfig` holds
+the engine's knobs (the keyword arguments of `LLM`). Neither changes after construction.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# Hugging Face model types that forkpoint runs, mapped to the text-config key holding their
+# text model (None: the config is the text config itself).
+SUPPORTED_MODEL_TYPES: dict[str, str | None] = {
+    "qwen3_5_text": None,
+    "qwen3_5_moe_text": None,
+    "qwen3_next": None,
+    "qwen3_5": "text_config",
+    "qwen3_5_moe": "text_config",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a hybrid Gated DeltaNet / attention model.
+
+    Invariants: `len(layer_types) == num_layers`; each entry is "linear_attention" (GDN) or
+    "full_attention"; `linear_num_value_heads % linear_num_key_heads == 0`;
+    `num_attention_heads % num_key_value_heads == 0`.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]
+    rms_norm_eps: float
+    # full attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    attention_bias: bool
+    # gated delta net
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    # feed-forward: dense (intermediate_size) or MoE (num_experts > 0) per `moe_layers`
+    intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
+    moe_layers: tuple[bool, ...]
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...] = ()
+    # weights of a multimodal checkpoint live under this prefix ("" for text-only checkpoints)
+    weight_prefix: str = "model."
+    grouped_gdn_projections: bool = False  # Qwen3-Next's in_proj_qkvz / in_proj_ba layout
+
+    @property
+    def gdn_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def attention_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the GDN causal convolution: q, k and v concatenated."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + (
+            self.linear_num_value_heads * self.linear_value_head_dim
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "ModelConfig":
+        """Read `config.json` (and `generation_config.json` if present) from a model directory."""
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"no config.json in model directory {path}: is this a Hugging Face model dir?")
+        try:
+            raw = json.loads(config_file.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"cannot read {config_file}: {err}") from err
+        generation = {}
+        generation_file = path / "generation_config.json"
+        if generation_file.is_file():
+            try:
+                generation = json.loads(generation_file.read_text())
+            except (OSError, json.JSONDecodeError) as err:
+                raise ValueError(f"cannot read {generation_file}: {err}") from err
+        return cls.from_dict(raw, generation)
+
+    @classmethod
+    def from_dict(cls, raw: dict, generation: dict | None = None) -> "ModelConfig":
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}: forkpoint runs {sorted(SUPPORTED_MODEL_TYPES)}"
+            )
+        text_key = SUPPORTED_MODEL_TYPES[model_type]
+        weight_prefix = "model."
+        text = raw
+        if text_key is not None:
+            text = dict(raw.get(text_key) or {})
+            weight_prefix = "model.language_model."
+            text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+        num_layers = int(text["num_hidden_layers"])
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            interval = int(text.get("full_attention_interval", 4))
+            layer_types = [
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)
+            ]
+        layer_types = tuple(layer_types[:num_layers])
+        unknown = set(layer_types) - {"linear_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"unsupported layer types {sorted(unknown)} in config")
+
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        rope_theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
+        partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"unsupported rope_type {rope_type!r}: only 'default' rotary embeddings are implemented")
+        num_heads = int(text["num_attention_heads"])
+        hidden = int(text["hidden_size"])
+        head_dim = int(text.get("head_dim") or hidden // num_heads)
+        rotary_dim = int(head_dim * partial)
+
+        num_experts = int(text.get("num_experts", 0) or 0)
+        is_moe_type = model_type in ("qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
+        if is_moe_type and num_experts > 0:
+            step = int(text.get("decoder_sparse_step", 1) or 1)
+            mlp_only = set(text.get("mlp_only_layers") or [])
+            moe_layers = tuple((i not in mlp_only) and (i + 1) % step == 0 for i in range(num_layers))
+        else:
+            num_experts = 0
+            moe_layers = (False,) * num_layers
+
+        eos = (generation or {}).get("eos_token_id", text.get("eos_token_id", raw.get("eos_token_id")))
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+
+        config = cls(
+            model_type=model_type,
+            vocab_size=int(text["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=num_layers,
+            layer_types=layer_types,
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(text.get("num_key_value_heads", num_heads)),
+            head_dim=head_dim,
+            rotary_dim=rotary_dim,
+            rope_theta=rope_theta,
+            attention_bias=bool(text.get("attention_bias", False)),
+            linear_num_key_heads=int(text["linear_num_key_heads"]),
+            linear_num_value_heads=int(text["linear_num_value_heads"]),
+            linear_key_head_dim=int(text["linear_key_head_dim"]),
+            linear_value_head_dim=int(text["linear_value_head_dim"]),
+            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+            intermediate_size=int(text.get("intermediate_size", 0) or 0),
+            num_experts=num_experts,
+            num_experts_per_tok=int(text.get("num_experts_per_tok", 0) or 0),
+            moe_intermediate_size=int(text.get("moe_intermediate_size", 0) or 0),
+            shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size", 0) or 0),
+            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+            moe_layers=moe_layers,
+            tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+            eos_token_ids=eos_ids,
+            weight_prefix=weight_prefix,
+            grouped_gdn_projections=model_type == "qwen3_next",
+        )
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if not any(self.moe_layers) and self.intermediate_size <= 0:
+            raise ValueError("config has neither experts nor a dense intermediate_size")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine knobs: the keyword arguments of `LLM`, validated.
+
+    `kv_cache_bytes` / `state_cache_bytes` bound the KV block pool and the recurrent state pools on
+    CPU (on CUDA, `gpu_memory_utilization` of the free memory is split between them).
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    enable_checkpoints: bool = True
+    checkpoint_token: str = "<|mamba_checkpoint|>"
+    max_checkpoints_per_request: int = 4
+    load_format: str = "auto"
+    checkpoint_pool_size: int | None = None
+    checkpoint_wait_s: float = 30.0
+    num_kv_blocks: int | None = None
+    num_state_slots: int | None = None
+    kv_cache_bytes: int = 2 << 30
+    state_cache_bytes: int = 2 << 30
+    gpu_memory_utilization: float = 0.85
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_checkpoints_per_request < 0:
+            raise ValueError("max_checkpoints_per_request must be >= 0")
+        if self.checkpoint_wait_s <= 0:
+            raise ValueError("checkpoint_wait_s must be positive")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError("max_model_len must be positive")
+        for name in ("checkpoint_pool_size", "num_kv_blocks", "num_state_slots"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]

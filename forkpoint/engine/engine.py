@@ -1,0 +1,319 @@
+"""The step loop: admit requests, schedule, run the model, sample, finish, report.
+
+`LLMEngine` is single-threaded: one caller (the offline `LLM`, or the server's engine thread)
+drives `add_request` / `step` / `abort_request`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from forkpoint.cache.block_pool import BlockPool
+from forkpoint.cache.checkpoints import CheckpointRegistry
+from forkpoint.cache.hashing import PrefixHasher
+from forkpoint.cache.state_pool import StatePool
+from forkpoint.config import EngineConfig, ModelConfig
+from forkpoint.engine.request import Request, RequestStatus
+from forkpoint.engine.scheduler import Scheduler, StepPlan
+from forkpoint.inputs.default_model import DEFAULT_MODEL_NOTICE, ensure_default_model
+from forkpoint.inputs.markers import prompt_to_token_ids, strip_checkpoint_markers, validate_token_ids
+from forkpoint.inputs.tokenizer import load_tokenizer
+from forkpoint.models.loader import build_model
+from forkpoint.outputs import CompletionOutput, RequestOutput
+from forkpoint.runner.model_runner import ModelRunner
+from forkpoint.runner.sampler import sample
+from forkpoint.sampling_params import SamplingParams
+
+logger = logging.getLogger("forkpoint")
+
+_CPU_KV_BYTES = 256 << 20
+_CPU_STATE_BYTES = 512 << 20
+_DEFAULT_CHECKPOINT_SLOTS = 64
+
+
+@dataclass
+class _PromptGroup:
+    """The n sequences of one prompt, reported as one RequestOutput."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    checkpoint_positions: list[int]
+    sequences: list[Request]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype()
+        model_path = Path(config.model) if config.model else None
+        if model_path is None:
+            model_path = ensure_default_model()
+            logger.warning(DEFAULT_MODEL_NOTICE)
+        self.model_path = model_path
+        self.model_config = ModelConfig.from_hf_dir(model_path)
+        marker = config.checkpoint_token if config.enable_checkpoints else None
+        loaded = load_tokenizer(Path(config.tokenizer) if config.tokenizer else model_path, checkpoint_token=marker)
+        if loaded.base_vocab_size > self.model_config.vocab_size:
+            raise ValueError(
+                f"tokenizer has {loaded.base_vocab_size} tokens but the model's embedding only "
+                f"{self.model_config.vocab_size}: tokenizer and model do not belong together"
+            )
+        self.tokenizer = loaded.tokenizer
+        self.checkpoint_token_id = loaded.checkpoint_token_id
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+
+        torch.manual_seed(config.seed)
+        model = build_model(self.model_config, model_path, config.load_format, self.device, self.dtype, config.seed)
+        self.block_pool, self.state_pool = self._make_pools()
+        self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool)
+                         if config.enable_checkpoints else None)
+        self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry)
+        self.runner = ModelRunner(model, self.block_pool, self.state_pool, self.device)
+        self._groups: dict[str, _PromptGroup] = {}
+        self._seed_counter = config.seed
+        self._counters = {"prompt_tokens_total": 0, "prompt_tokens_computed": 0, "generation_tokens_total": 0,
+                          "requests_finished": 0, "requests_aborted": 0, "steps": 0}
+
+    # ------------------------------------------------------------------ set-up
+    def _make_pools(self) -> tuple[BlockPool, StatePool]:
+        mc, cfg = self.model_config, self.config
+        kv_layers = len(mc.attention_layer_ids)
+        per_block = BlockPool.bytes_per_block(cfg.block_size, max(kv_layers, 1), mc.num_key_value_heads, mc.head_dim,
+                                              self.dtype)
+        per_slot = StatePool.bytes_per_slot(len(mc.gdn_layer_ids), mc.conv_dim, mc.linear_conv_kernel_dim,
+                                            mc.linear_num_value_heads, mc.linear_key_head_dim,
+                                            mc.linear_value_head_dim, self.dtype)
+        kv_bytes, state_bytes = cfg.kv_cache_bytes, cfg.state_cache_bytes
+        if self.device.type == "cpu":
+            kv_bytes, state_bytes = min(kv_bytes, _CPU_KV_BYTES), min(state_bytes, _CPU_STATE_BYTES)
+        else:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            usable = int(free * cfg.gpu_memory_utilization)
+            state_bytes = min(usable // 2, per_slot * (cfg.max_num_seqs + _DEFAULT_CHECKPOINT_SLOTS))
+            kv_bytes = usable - state_bytes
+        checkpoint_slots = cfg.checkpoint_pool_size if cfg.checkpoint_pool_size is not None else (
+            _DEFAULT_CHECKPOINT_SLOTS if cfg.enable_checkpoints else 0)
+        if not cfg.enable_checkpoints:
+            checkpoint_slots = 0
+        request_slots = cfg.num_state_slots or max(1, min(cfg.max_num_seqs, state_bytes // max(per_slot, 1)
+                                                          - checkpoint_slots))
+        num_blocks = cfg.num_kv_blocks or max(1, min(kv_bytes // per_block,
+                                                     request_slots * -(-self.max_model_len // cfg.block_size)))
+        blocks = BlockPool(num_blocks, cfg.block_size, kv_layers, mc.num_key_value_heads, mc.head_dim, self.dtype,
+                           self.device)
+        states = StatePool(request_slots, checkpoint_slots, len(mc.gdn_layer_ids), mc.conv_dim,
+                           mc.linear_conv_kernel_dim, mc.linear_num_value_heads, mc.linear_key_head_dim,
+                           mc.linear_value_head_dim, self.dtype, self.device)
+        return blocks, states
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None) -> None:
+        """Validate and queue one prompt. Raises ValueError naming the problem; nothing is left behind."""
+        params = sampling_params or SamplingParams()
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, raw_ids, extra_positions = prompt_to_token_ids(prompt, self.tokenizer)
+        parsed = strip_checkpoint_markers(raw_ids, self.checkpoint_token_id, extra_positions,
+                                          self.config.max_checkpoints_per_request)
+        token_ids = list(parsed.token_ids)
+        validate_token_ids(token_ids, self.model_config.vocab_size)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, max_model_len is {self.max_model_len}: "
+                             "shorten the prompt or raise max_model_len")
+        needed = -(-(len(token_ids) + 1) // self.config.block_size)
+        if needed > self.block_pool.num_blocks:
+            raise ValueError(f"prompt needs {needed} KV blocks but the pool has {self.block_pool.num_blocks}: "
+                             "raise kv_cache_bytes / num_kv_blocks")
+        positions = list(parsed.checkpoint_positions) if self.registry is not None else []
+        seq_positions = list(positions)
+        if params.n > 1 and self.registry is not None and len(token_ids) > 1 and (len(token_ids) - 1) not in positions:
+            seq_positions.append(len(token_ids) - 1)  # siblings share the prompt through one checkpoint
+        hasher = PrefixHasher(token_ids, self.config.block_size)
+        now = time.monotonic()
+        sequences = []
+        for index in range(params.n):
+            sequences.append(Request(
+                request_id=f"{request_id}#{index}" if params.n > 1 else request_id,
+                parent_id=request_id,
+                index=index,
+                prompt_token_ids=token_ids,
+                checkpoint_positions=tuple(sorted(seq_positions)),
+                params=params,
+                arrival_time=now,
+                hasher=hasher,
+                generator=self._generator(params, index),
+            ))
+        self._groups[request_id] = _PromptGroup(request_id, text, token_ids, positions, sequences)
+        for sequence in sequences:
+            self.scheduler.add(sequence)
+            self._counters["prompt_tokens_total"] += len(token_ids)
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        generator = torch.Generator(device=self.device)
+        if params.seed is not None:
+            generator.manual_seed(params.seed + index)
+        else:
+            self._seed_counter += 1
+            generator.manual_seed(self._seed_counter * 1_000_003 + index)
+        return generator
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a prompt (all its sequences); unknown or finished ids are ignored."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return
+        for sequence in group.sequences:
+            if not sequence.is_finished:
+                self.scheduler.finish(sequence, "abort")
+        self._counters["requests_aborted"] += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step and forward. Returns outputs of prompts that progressed."""
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            if self.scheduler.has_unfinished():
+                time.sleep(0.001)  # everything is deferred or waiting for memory
+            return []
+        self._counters["steps"] += 1
+        logits, sampled = self.runner.execute(plan)
+        self._after_forward(plan)
+        tokens = sample(logits, [s.request.params for s in sampled], [s.request.generator for s in sampled])
+        touched: dict[str, _PromptGroup] = {}
+        for segment in plan.segments:
+            touched[segment.request.parent_id] = self._groups[segment.request.parent_id]
+        now = time.monotonic()
+        for segment, token in zip(sampled, tokens):
+            self._append_token(segment.request, token.token_id, token.logprobs, now)
+        outputs = [self._make_output(group) for group in touched.values()]
+        for output in outputs:
+            if output.finished:
+                del self._groups[output.request_id]
+                self._counters["requests_finished"] += 1
+        return outputs
+
+    def _after_forward(self, plan: StepPlan) -> None:
+        block_size = self.config.block_size
+        for segment in plan.segments:
+            request = segment.request
+            prompt_len = len(request.prompt_token_ids)
+            self._counters["prompt_tokens_computed"] += max(0, min(segment.end, prompt_len) - segment.start)
+            request.num_computed_tokens = max(request.num_computed_tokens, segment.end)
+        for checkpoint, producer in plan.written:
+            self.registry.mark_ready(checkpoint, producer.blocks[: -(-checkpoint.num_tokens // block_size)])
+            producer.producing.remove(checkpoint)
+            logger.debug("checkpoint ready: %d tokens, producer %s", checkpoint.num_tokens, producer.request_id)
+        for checkpoint in plan.consumed:
+            checkpoint.pins -= 1
+
+    def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None, now: float) -> None:
+        request.output_token_ids.append(token_id)
+        if request.params.logprobs is not None:
+            request.output_logprobs.append(logprobs)
+        self._counters["generation_tokens_total"] += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+        params = request.params
+        reason = None
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            reason = "stop"
+        elif params.stop:
+            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            hits = [text.find(s) for s in params.stop if s in text]
+            if hits:
+                request.stop_text_len = min(hits)
+                reason = "stop"
+        if reason is None and params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens:
+            reason = "length"
+        if reason is None and request.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(request, reason)
+
+    def _make_output(self, group: _PromptGroup) -> RequestOutput:
+        completions = []
+        for sequence in group.sequences:
+            text = self.tokenizer.decode(sequence.output_token_ids, skip_special_tokens=True)
+            if sequence.stop_text_len is not None:
+                text = text[: sequence.stop_text_len]
+            completions.append(CompletionOutput(
+                index=sequence.index,
+                text=text,
+                token_ids=list(sequence.output_token_ids),
+                finish_reason=sequence.finish_reason,
+                logprobs=list(sequence.output_logprobs) if sequence.params.logprobs is not None else None,
+            ))
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=list(group.prompt_token_ids),
+            outputs=completions,
+            num_cached_tokens=max(s.num_cached_tokens for s in group.sequences),
+            checkpoint_positions=list(group.checkpoint_positions),
+            finished=all(s.is_finished for s in group.sequences),
+        )
+
+    # ------------------------------------------------------------------ introspection
+    def metrics(self) -> dict[str, int | float]:
+        stats = self.scheduler.stats
+        registry = self.registry
+        values: dict[str, int | float] = dict(self._counters)
+        values.update(
+            checkpoints_created=registry.num_created if registry else 0,
+            checkpoints_evicted=registry.num_evicted if registry else 0,
+            checkpoints_pending=registry.num_pending if registry else 0,
+            checkpoints_live=len(registry) if registry else 0,
+            checkpoint_hits=stats.checkpoint_hits,
+            requests_deferred=stats.requests_deferred,
+            producer_promotions=stats.producer_promotions,
+            checkpoint_wait_timeouts=stats.checkpoint_wait_timeouts,
+            deferral_wait_s_total=stats.deferral_wait_s_total,
+            preemptions=stats.preemptions,
+            prompt_tokens_cached=self._counters["prompt_tokens_total"] - self._counters["prompt_tokens_computed"],
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            kv_blocks_used=self.block_pool.num_used,
+            kv_blocks_total=self.block_pool.num_blocks,
+            state_slots_used=self.state_pool.requests.num_used,
+            state_slots_total=self.state_pool.requests.count,
+            checkpoint_slots_used=self.state_pool.checkpoints.num_used,
+            checkpoint_slots_total=self.state_pool.checkpoints.count,
+        )
+        return values
+
+    def check_integrity(self) -> None:
+        """Cross-check pools, registry and requests; raises AssertionError on any inconsistency."""
+        self.state_pool.check_integrity()
+        expected: dict[int, int] = {}
+        for request in self.scheduler.running:
+            for block in request.blocks:
+                expected[block] = expected.get(block, 0) + 1
+            if request.slot is None:
+                raise AssertionError(f"running request {request.request_id} has no state slot")
+        if self.registry is not None:
+            self.registry.check_integrity()
+            for block, count in self.registry.block_refs().items():
+                expected[block] = expected.get(block, 0) + count
+        self.block_pool.check_integrity(expected)
+        if self.state_pool.requests.num_used != len(self.scheduler.running):
+            raise AssertionError("request state slots leaked")
+        for request in self.scheduler.waiting:
+            if request.slot is not None or request.blocks:
+                raise AssertionError(f"waiting request {request.request_id} holds resources")
+        if any(r.status is not RequestStatus.RUNNING for r in self.scheduler.running):
+            raise AssertionError("non-running request in the running list")

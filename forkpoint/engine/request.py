@@ -1,0 +1,64 @@
+"""One sequence being generated, and its place in the checkpoint protocol.
+
+A prompt with `n > 1` becomes n sequences that share the prompt (see engine.py). Token layout of a
+sequence: `token_ids = prompt_token_ids + output_token_ids`; `num_computed_tokens` of them have
+state in the request's slot and KV blocks. A step computes `token_ids[num_computed : num_computed + k]`;
+when that reaches the end of `token_ids`, the step's logits sample the next token.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from forkpoint.cache.checkpoints import Checkpoint
+from forkpoint.cache.hashing import PrefixHasher
+from forkpoint.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    parent_id: str
+    index: int
+    prompt_token_ids: list[int]
+    checkpoint_positions: tuple[int, ...]
+    params: SamplingParams
+    arrival_time: float
+    hasher: PrefixHasher
+    generator: torch.Generator | None
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    slot: int | None = None
+    blocks: list[int] = field(default_factory=list)
+    # checkpoint protocol
+    producing: list[Checkpoint] = field(default_factory=list)  # unready checkpoints this request writes
+    num_cached_tokens: int = 0
+    waiting_on: Checkpoint | None = None  # unready checkpoint this request is deferred on
+    deferred_since: float | None = None
+    gave_up_waiting: bool = False  # wait bound hit: never wait for an unready checkpoint again
+    finish_reason: str | None = None
+    stop_text_len: int | None = None
+    first_token_time: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

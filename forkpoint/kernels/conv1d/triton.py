@@ -1,0 +1,172 @@
+"""Causal depthwise conv1d on CUDA, in Triton (GPU variant of `reference.py`).
+
+Same signatures and semantics as `forkpoint.kernels.conv1d.reference`. This module imports Triton at
+its top; the dispatch in `forkpoint.kernels.conv1d` imports it only for CUDA tensors (and falls back
+to the reference when Triton is missing), so the CPU install never needs Triton.
+
+Layouts (D channels, W taps, N segments packed along T):
+
+    x        [T, D]        token t of segment n is row cu_seqlens[n] + t
+    weight   [D, W]        tap W-1 multiplies the current token, tap 0 the oldest
+    state    [N, D, W-1]   the W-1 inputs before a segment, oldest first
+
+    y[t] = act(bias + sum_j weight[:, j] * x[t - (W-1) + j]), reading x[t'] for t' < 0 from state.
+
+`causal_conv1d_varlen` is one launch: grid axis 0 has one program per 64-token chunk of every
+segment (the chunk list is built on the host from `cu_seqlens_host`, shared with the gated delta
+rule: `chunk_indices` below), followed by one program per segment that writes its
+final state, so segments of any length (zero too) get a final state and nothing syncs the host.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+_BT = 64    # tokens per program
+_BD = 128   # channels per program
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=64)
+def _chunk_indices_cached(offsets: tuple[int, ...], chunk_size: int, device: torch.device) -> torch.Tensor:
+    cu = np.asarray(offsets, dtype=np.int64)
+    counts = (np.diff(cu) + chunk_size - 1) // chunk_size
+    seg = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    intra = np.arange(int(counts.sum()), dtype=np.int64) - starts
+    host = torch.from_numpy(np.stack([seg, intra], axis=1))
+    if device.type != "cuda":
+        return host.to(device)
+    # pinned + non_blocking: the copy is queued on the current stream, the host does not wait
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def chunk_indices(cu_seqlens_host: Sequence[int], chunk_size: int, device) -> torch.Tensor:
+    """fla-style chunk list: LongTensor [NT, 2] on `device`, row c = (segment n, chunk i of n), for
+    NT = sum_n ceil(len_n / chunk_size) chunks. Built on the host from `cu_seqlens_host` and uploaded
+    without a host sync; cached per (offsets, chunk_size, device) so the layers of one step share one
+    upload (the cache holds at most 64 small tensors). Shared with `gated_delta.fla`."""
+    return _chunk_indices_cached(tuple(int(v) for v in cu_seqlens_host), int(chunk_size), torch.device(device))
+
+
+@triton.jit
+def _varlen_kernel(x, w, b, s0, y, sT, cu_seqlens, chunk_idx, NT, D, stride_xt,
+                   W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    i_c, i_d = tl.program_id(0), tl.program_id(1)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    if i_c < NT:
+        i_n = tl.load(chunk_idx + 2 * i_c).to(tl.int64)
+        i_t = tl.load(chunk_idx + 2 * i_c + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        o_t = i_t * BT + tl.arange(0, BT)
+        acc = tl.zeros([BT, BD], dtype=tl.float32)
+        for j in tl.static_range(W):
+            o_x = o_t - (W - 1) + j
+            w_j = tl.load(w + o_d * W + j, mask=m_d, other=0.0).to(tl.float32)
+            m_x = ((o_x >= 0) & (o_x < T))[:, None] & m_d[None, :]
+            x_j = tl.load(x + (bos + o_x)[:, None] * stride_xt + o_d[None, :], mask=m_x, other=0.0)
+            m_s = (o_x < 0)[:, None] & m_d[None, :]
+            s_j = tl.load(s0 + i_n * D * (W - 1) + o_d[None, :] * (W - 1) + (W - 1 + o_x)[:, None],
+                          mask=m_s, other=0.0)
+            acc += (x_j.to(tl.float32) + s_j.to(tl.float32)) * w_j[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        m_y = (o_t < T)[:, None] & m_d[None, :]
+        tl.store(y + (bos + o_t)[:, None] * D + o_d[None, :], acc.to(y.dtype.element_ty), mask=m_y)
+    else:
+        # final state of segment i_n: the last W-1 inputs, from the state when it is shorter
+        i_n = (i_c - NT).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        for j in tl.static_range(W - 1):
+            p = T - (W - 1) + j
+            x_j = tl.load(x + (bos + p) * stride_xt + o_d, mask=m_d & (p >= 0), other=0.0)
+            s_j = tl.load(s0 + i_n * D * (W - 1) + o_d * (W - 1) + (W - 1 + p), mask=m_d & (p < 0), other=0.0)
+            tl.store(sT + i_n * D * (W - 1) + o_d * (W - 1) + j,
+                     (x_j.to(tl.float32) + s_j.to(tl.float32)).to(sT.dtype.element_ty), mask=m_d)
+
+@triton.jit
+def _step_kernel(x, w, b, s0, y, sT, D, W: tl.constexpr, BD: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    i_n, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    x_n = tl.load(x + i_n * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+    acc = x_n * tl.load(w + o_d * W + (W - 1), mask=m_d, other=0.0).to(tl.float32)
+    for j in tl.static_range(W - 1):
+        s_j = tl.load(s0 + i_n * D * (W - 1) + o_d * (W - 1) + j, mask=m_d, other=0.0)
+        acc += s_j.to(tl.float32) * tl.load(w + o_d * W + j, mask=m_d, other=0.0).to(tl.float32)
+        if j > 0:
+            tl.store(sT + i_n * D * (W - 1) + o_d * (W - 1) + (j - 1), s_j, mask=m_d)
+    tl.store(sT + i_n * D * (W - 1) + o_d * (W - 1) + (W - 2), x_n.to(sT.dtype.element_ty), mask=m_d)
+    if HAS_BIAS:
+        acc += tl.load(b + o_d, mask=m_d, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(y + i_n * D + o_d, acc.to(y.dtype.element_ty), mask=m_d)
+
+
+def _check_activation(activation):
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation={activation!r} is not supported: use 'silu' or None")
+    return activation is not None
+
+
+def causal_conv1d_varlen(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_host, *, activation="silu"):
+    """Packed varlen causal depthwise conv1d, one launch.
+
+    x: [T, D] (bf16/fp16/fp32, last dim contiguous); weight: [D, W]; bias: [D] or None;
+    initial_state: [N, D, W-1] (the W-1 inputs before each segment, oldest first; read only);
+    cu_seqlens: LongTensor [N+1] on the device; cu_seqlens_host: the same offsets on the host.
+    Returns (y [T, D] in x.dtype, final_state [N, D, W-1] in initial_state.dtype, new tensors).
+    """
+    silu = _check_activation(activation)
+    D, W = weight.shape
+    n = len(cu_seqlens_host) - 1
+    if W < 2:
+        raise ValueError(f"conv width W={W}: the state path needs W >= 2")
+    if initial_state.shape != (n, D, W - 1):
+        raise ValueError(f"initial_state has shape {tuple(initial_state.shape)}, expected {(n, D, W - 1)} "
+                         "(one [D, W-1] row per segment)")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    weight, s0 = weight.contiguous(), initial_state.contiguous()
+    idx = chunk_indices(cu_seqlens_host, _BT, x.device)
+    nt = idx.shape[0]
+    y = torch.empty((x.shape[0], D), dtype=x.dtype, device=x.device)
+    final_state = torch.empty_like(s0)
+    grid = (nt + n, _cdiv(D, _BD))  # axis 0 may exceed 65535
+    _varlen_kernel[grid](x, weight, bias if bias is not None else weight, s0, y, final_state, cu_seqlens, idx,
+                         nt, D, x.stride(0), W=W, BT=_BT, BD=_BD, HAS_BIAS=bias is not None, SILU=silu,
+                         num_warps=4)
+    return y, final_state
+
+
+def causal_conv1d_step(x, weight, bias, state, *, activation="silu"):
+    """One token per sequence (decode). x: [N, D]; weight: [D, W]; bias: [D] or None;
+    state: [N, D, W-1] (read only). Returns (y [N, D] in x.dtype, new_state [N, D, W-1], new tensors)."""
+    silu = _check_activation(activation)
+    D, W = weight.shape
+    if W < 2:
+        raise ValueError(f"conv width W={W}: the state path needs W >= 2")
+    x, weight, s0 = x.contiguous(), weight.contiguous(), state.contiguous()
+    y = torch.empty_like(x)
+    new_state = torch.empty_like(s0)
+    grid = (x.shape[0], _cdiv(D, _BD))
+    _step_kernel[grid](x, weight, bias if bias is not None else weight, s0, y, new_state,
+                       D, W=W, BD=_BD, HAS_BIAS=bias is not None, SILU=silu, num_warps=4)
+    return y, new_state

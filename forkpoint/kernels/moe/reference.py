@@ -1,0 +1,55 @@
+"""Routed-expert MLP (SwiGLU experts), plain PyTorch: the spec and the CPU path.
+
+Weights use transformers' ``Qwen3NextExperts`` layout: ``gate_up[e]`` is ``[gate; up]`` stacked
+along rows, ``down[e]`` maps back to the hidden size. For token t with routes (e_j, w_j):
+
+    y_t = sum_j w_j * down[e_j] @ (silu(gate[e_j] @ x_t) * (up[e_j] @ x_t))
+"""
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+
+def fused_moe(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Apply each token's top-k experts and sum them with the routing weights.
+
+    x: [T, Hd]; gate_up: [E, 2I, Hd]; down: [E, Hd, I]; topk_weights: [T, k] (float);
+    topk_ids: [T, k] long, in [0, E). Returns y [T, Hd] in x.dtype (computed and summed in fp32).
+    Routes are sorted by expert, and each expert that was hit runs once on all its tokens.
+    """
+    num_experts, two_inter, hidden = gate_up.shape
+    if x.dim() != 2 or x.shape[1] != hidden or down.shape != (num_experts, hidden, two_inter // 2):
+        raise ValueError(
+            f"expected x [T, Hd], gate_up [E, 2I, Hd], down [E, Hd, I]; got {tuple(x.shape)}, "
+            f"{tuple(gate_up.shape)}, {tuple(down.shape)}"
+        )
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[:1] != x.shape[:1]:
+        raise ValueError(
+            f"topk_ids and topk_weights must both be [T, k] with T = {x.shape[0]}, "
+            f"got {tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}"
+        )
+    flat_ids = topk_ids.flatten()
+    counts = torch.bincount(flat_ids, minlength=num_experts)
+    if counts.numel() > num_experts:
+        raise ValueError(f"topk_ids must lie in [0, {num_experts}), got {int(flat_ids.max())}")
+    order = flat_ids.argsort(stable=True)  # routes grouped by expert
+    tokens = order // topk_ids.shape[1]
+    weights = topk_weights.flatten()[order].float()
+    counts_host = counts.tolist()
+    starts = list(itertools.accumulate(counts_host, initial=0))
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in counts.nonzero().flatten().tolist():
+        routes = slice(starts[e], starts[e] + counts_host[e])
+        tok = tokens[routes]
+        gate, up = (x[tok].float() @ gate_up[e].float().T).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ down[e].float().T
+        out.index_add_(0, tok, y * weights[routes, None])
+    return out.to(x.dtype)

@@ -1,0 +1,99 @@
+"""The offline API, shaped like vLLM's `LLM`: build once, then `generate` or `chat`.
+
+    from forkpoint import LLM, SamplingParams
+    llm = LLM()                                   # embedded default model, or LLM(model="hf_dir")
+    outs = llm.generate([anchor + "<|mamba_checkpoint|>" + q for q in questions],
+                        SamplingParams(temperature=0.0, max_tokens=8))
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from forkpoint.config import EngineConfig
+from forkpoint.engine.engine import LLMEngine
+from forkpoint.inputs.chat import render_chat
+from forkpoint.outputs import RequestOutput
+from forkpoint.sampling_params import SamplingParams
+
+
+class LLM:
+    """An engine plus the offline conveniences. Extra keyword arguments go to `EngineConfig`
+    (e.g. `checkpoint_pool_size`, `checkpoint_wait_s`, `num_kv_blocks`, `num_state_slots`)."""
+
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
+                 device: str = "auto", seed: int = 0, max_model_len: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, block_size: int = 16, enable_checkpoints: bool = True,
+                 checkpoint_token: str = "<|mamba_checkpoint|>", max_checkpoints_per_request: int = 4,
+                 load_format: str = "auto", **kwargs) -> None:
+        config = EngineConfig(
+            model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+            enable_checkpoints=enable_checkpoints, checkpoint_token=checkpoint_token,
+            max_checkpoints_per_request=max_checkpoints_per_request, load_format=load_format, **kwargs,
+        )
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    @property
+    def checkpoint_token_id(self) -> int | None:
+        return self.engine.checkpoint_token_id
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def metrics(self) -> dict[str, int | float]:
+        return self.engine.metrics()
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for one prompt or a list; outputs come back in prompt order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts: pass one or one each")
+        request_ids = []
+        try:
+            for prompt, param in zip(prompts, params):
+                request_id = f"offline-{next(self._ids)}"
+                self.engine.add_request(request_id, prompt, param)
+                request_ids.append(request_id)
+        except Exception:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             **template_kwargs) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [render_chat(self.engine.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                               chat_template=chat_template, **template_kwargs) for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm) as progress:
+            try:
+                while pending:
+                    for output in self.engine.step():
+                        if output.finished and output.request_id in pending:
+                            finished[output.request_id] = output
+                            pending.discard(output.request_id)
+                            progress.update(1)
+            except BaseException:
+                for request_id in pending:
+                    self.engine.abort_request(request_id)
+                raise
+        return [finished[request_id] for request_id in request_ids]

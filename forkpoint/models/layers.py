@@ -1,0 +1,131 @@
+"""Building blocks shared by the hybrid models: norms, rotary embedding, feed-forward blocks.
+
+All modules take packed token-major activations `x: [T, hidden]` (no batch dimension).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forkpoint.config import ModelConfig
+from forkpoint.kernels.moe import fused_moe
+
+
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm of Qwen3.5 / Qwen3-Next: `x / rms(x) * (1 + w)`, computed in float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over the last dim followed by a SiLU gate: `w * norm(x) * silu(z)` (weight not centred)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * x32.to(dtype)
+        out = out * F.silu(gate.float())
+        return out.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Partial rotary embedding (rotate-half convention) on the first `rotary_dim` dims of each head.
+
+    Qwen3.5's multi-axis rotary reduces to this for text, where all three axes carry the same position.
+    """
+
+    def __init__(self, rotary_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rotary_dim = rotary_dim
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] long -> cos, sin: [T, rotary_dim] in `dtype`."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos, sin: [T, rotary_dim]. Rotates the first rotary_dim dims."""
+    rotary_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    x_rot = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.cat((x_rot, x_pass), dim=-1)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TopKRouter(nn.Module):
+    """Softmax router: top-k of the softmax probabilities, renormalised when `norm_topk_prob`."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.top_k = top_k
+        self.renormalize = renormalize
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> (weights [T, k] in x.dtype, expert ids [T, k] long)."""
+        probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
+        top_w, top_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        return top_w.to(x.dtype), top_ids
+
+
+class Experts(nn.Module):
+    """Routed experts stored fused: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+
+class SparseMoE(nn.Module):
+    """Routed experts plus a shared expert scaled by a sigmoid gate."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.gate = TopKRouter(hidden, config.num_experts, config.num_experts_per_tok, config.norm_topk_prob)
+        self.experts = Experts(config.num_experts, hidden, config.moe_intermediate_size)
+        self.shared_expert = DenseMLP(hidden, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top_w, top_ids = self.gate(x)
+        routed = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, top_w, top_ids)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + shared

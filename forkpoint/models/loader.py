@@ -1,0 +1,185 @@
+"""Load Hugging Face checkpoints (or seeded dummy weights) straight into the target dtype and device.
+
+The model is built on the meta device and materialised once; each checkpoint tensor is read,
+converted and copied into its parameter, so at most one checkpoint tensor exists beside the model.
+
+Layout conversions handled here:
+- weights of multimodal checkpoints under `model.language_model.` (vision tower skipped);
+- experts stored per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`) or fused
+  (`mlp.experts.gate_up_proj [E, 2I, H]`, `mlp.experts.down_proj [E, H, I]`);
+- Qwen3-Next's grouped `in_proj_qkvz` / `in_proj_ba` into Qwen3.5's flat q|k|v, z, b, a.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from forkpoint.config import ModelConfig
+from forkpoint.models.qwen3_5 import HybridForCausalLM
+
+_SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.vision_tower.")
+_PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_GROUPED_QKVZ = re.compile(r"^(layers\.\d+\.linear_attn)\.in_proj_(qkvz|ba)\.weight$")
+
+
+def build_model(config: ModelConfig, path: Path | None, load_format: str, device: torch.device,
+                dtype: torch.dtype, seed: int) -> HybridForCausalLM:
+    """Return the model in eval mode with every parameter loaded (or dummy-initialised)."""
+    with torch.device("meta"):
+        model = HybridForCausalLM(config)
+    model = model.to(dtype=dtype)
+    model.to_empty(device=device)
+    model.rotary.inv_freq = _inv_freq(config, device)
+    if load_format == "dummy":
+        _init_dummy(model, seed)
+    else:
+        if path is None:
+            raise ValueError("a model path is needed unless load_format='dummy'")
+        _load_safetensors(model, config, path)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def _inv_freq(config: ModelConfig, device: torch.device) -> torch.Tensor:
+    dim = config.rotary_dim
+    return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+
+
+def _init_dummy(model: HybridForCausalLM, seed: int) -> None:
+    """Seeded random weights on the target device, with realistic scales (as vLLM's dummy format)."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("A_log"):
+            param.data.uniform_(0.0, 2.7, generator=generator)
+        elif name.endswith("dt_bias"):
+            param.data.fill_(1.0)
+        elif name.endswith("norm.weight") and "linear_attn" in name:
+            param.data.fill_(1.0)
+        elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            param.data.normal_(0.0, 0.05, generator=generator)
+        else:
+            param.data.normal_(0.0, 0.02, generator=generator)
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    if not path.is_dir():
+        raise ValueError(f"model path {path} is not a directory")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as err:
+            raise ValueError(f"cannot read {index}: {err}") from err
+        files = sorted({path / name for name in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {path}")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"checkpoint index names missing files: {missing[:3]}")
+    return files
+
+
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        except (OSError, SafetensorError) as err:
+            raise ValueError(f"cannot read weights file {file}: {err}") from err
+
+
+def _split_grouped(config: ModelConfig, kind: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Qwen3-Next grouped rows -> flat Qwen3.5 rows.
+
+    in_proj_qkvz rows: per key head g: [q_g (K), k_g (K), v_g (r*V), z_g (r*V)] with r = HV/H;
+    flat layout: [q_0..q_{H-1}, k_0.., v_0..] and z separately. in_proj_ba rows: per key head
+    [b (r), a (r)].
+    """
+    heads, dk, dv = config.linear_num_key_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    ratio = config.linear_num_value_heads // heads
+    hidden = weight.shape[-1]
+    if kind == "qkvz":
+        grouped = weight.reshape(heads, 2 * dk + 2 * ratio * dv, hidden)
+        q, k, v, z = torch.split(grouped, [dk, dk, ratio * dv, ratio * dv], dim=1)
+        qkv = torch.cat([q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)], dim=0)
+        return {"in_proj_qkv": qkv, "in_proj_z": z.reshape(-1, hidden)}
+    grouped = weight.reshape(heads, 2 * ratio, hidden)
+    b, a = torch.split(grouped, [ratio, ratio], dim=1)
+    return {"in_proj_b": b.reshape(-1, hidden), "in_proj_a": a.reshape(-1, hidden)}
+
+
+def _load_safetensors(model: HybridForCausalLM, config: ModelConfig, path: Path) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if config.tie_word_embeddings:
+        params.pop("lm_head.weight", None)
+    for param in params.values():  # poison: anything left unloaded fails the completeness check too
+        param.data.fill_(float("nan"))
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    expert_parts: dict[str, int] = {}
+    prefix = config.weight_prefix
+
+    def assign(name: str, tensor: torch.Tensor, index: tuple = ()) -> None:
+        param = params.get(name)
+        if param is None:
+            unexpected.append(name)
+            return
+        target = param.data[index] if index else param.data
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"shape mismatch for {name}{list(index) if index else ''}: checkpoint {tuple(tensor.shape)}, "
+                f"model {tuple(target.shape)} (does config.json match the weights?)"
+            )
+        target.copy_(tensor)
+        if not index:
+            loaded.add(name)
+
+    for raw_name, tensor in _iter_tensors(_checkpoint_files(path)):
+        if raw_name.startswith(_SKIPPED_PREFIXES):
+            continue
+        if raw_name == "lm_head.weight":
+            if not config.tie_word_embeddings:
+                assign("lm_head.weight", tensor)
+            continue
+        if not raw_name.startswith(prefix):
+            unexpected.append(raw_name)
+            continue
+        name = raw_name[len(prefix):]
+        expert = _PER_EXPERT.match(name)
+        grouped = _GROUPED_QKVZ.match(name)
+        if expert:
+            base, index, kind = expert.group(1), int(expert.group(2)), expert.group(3)
+            inter = config.moe_intermediate_size
+            if kind == "down_proj":
+                assign(f"{base}.down_proj", tensor, (index,))
+                key = f"{base}.down_proj"
+            else:
+                rows = slice(0, inter) if kind == "gate_proj" else slice(inter, 2 * inter)
+                assign(f"{base}.gate_up_proj", tensor, (index, rows))
+                key = f"{base}.gate_up_proj"
+            expert_parts[key] = expert_parts.get(key, 0) + 1
+        elif grouped:
+            for part, value in _split_grouped(config, grouped.group(2), tensor).items():
+                assign(f"{grouped.group(1)}.{part}.weight", value)
+        else:
+            assign(name, tensor)
+
+    for key, count in expert_parts.items():
+        needed = config.num_experts * (1 if key.endswith("down_proj") else 2)
+        if count == needed:
+            loaded.add(key)
+    if unexpected:
+        raise ValueError(f"checkpoint has {len(unexpected)} tensors the model does not know, e.g. {unexpected[:4]}")
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")

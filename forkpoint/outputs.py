@@ -1,0 +1,34 @@
+"""Result objects returned by `LLM.generate` and `LLMEngine.step` (vLLM's field names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One sampled sequence. logprobs: per generated token, {token_id: logprob} (sampled + top-k)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """Output of one prompt. prompt_token_ids never contain the checkpoint marker;
+    num_cached_tokens counts prompt tokens reused from a checkpoint (max over the n samples)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    checkpoint_positions: list[int] = field(default_factory=list)
+    finished: bool = False

@@ -1,0 +1,56 @@
+"""Configuration of the HTTP server: a frozen value built once by the CLI (or a test) and passed to
+`build_app`. Engine knobs are not here: they belong to `LLM` / `EngineConfig`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+DEFAULT_MODEL_NAME = "forkpoint-default"
+
+
+class MarkerPolicy(str, enum.Enum):
+    """What the server does with the checkpoint marker string when it arrives inside client text
+    (message content or a completion prompt, as text or as the marker's token id).
+
+    allow: it works as a checkpoint marker, exactly as in the offline API.
+    strip: it is removed from the client's text; structured controls (a content part's
+        ``"checkpoint": true``, ``checkpoint_positions``) still place checkpoints.
+    reject: the request is answered 400.
+    """
+
+    ALLOW = "allow"
+    STRIP = "strip"
+    REJECT = "reject"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Knobs of the OpenAI-compatible server.
+
+    served_model_name: the model id that /v1/models lists and requests must name.
+    max_waiting_requests: engine requests admitted but without a first token yet (queued,
+        deferred behind a checkpoint, or prefilling) above which new requests get 503.
+    retry_after_s: the Retry-After header of a 503.
+    marker_policy: see `MarkerPolicy`.
+    shutdown_timeout_s: on shutdown, in-flight requests get this long to finish before they
+        are aborted.
+    """
+
+    served_model_name: str = DEFAULT_MODEL_NAME
+    max_waiting_requests: int = 1024
+    retry_after_s: int = 1
+    marker_policy: MarkerPolicy = MarkerPolicy.ALLOW
+    shutdown_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ValueError("served_model_name must be a non-empty string")
+        if self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        object.__setattr__(self, "marker_policy", MarkerPolicy(self.marker_policy))

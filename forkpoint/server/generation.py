@@ -1,0 +1,130 @@
+"""Life of one HTTP generation request on the event loop: admission, submission of its prompts to
+the engine thread, the stream of outputs, and the cleanup that aborts whatever is unfinished.
+
+Everything here runs on the server's event loop, so the counters need no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from forkpoint.outputs import RequestOutput
+from forkpoint.sampling_params import SamplingParams
+from forkpoint.server.errors import APIError, invalid_request, overloaded
+from forkpoint.server.metrics import ServerMetrics
+from forkpoint.server.prompts import EnginePrompt
+from forkpoint.server.worker import EngineFailure, EngineWorker, NewRequest, OutputSink, ServerShuttingDown
+
+
+class Admission:
+    """Bounds the prompts that wait for their first token (queued, deferred or prefilling).
+
+    waiting: admitted prompts without a first token; running: prompts generating tokens.
+    """
+
+    def __init__(self, max_waiting: int, retry_after_s: int) -> None:
+        self.max_waiting = max_waiting
+        self.retry_after_s = retry_after_s
+        self.waiting = 0
+        self.running = 0
+
+    def admit(self, count: int) -> None:
+        """Take `count` waiting places, or raise a 503 `APIError` when they do not fit."""
+        if self.waiting + count > self.max_waiting:
+            raise overloaded(
+                self.retry_after_s,
+                f"the server is at capacity ({self.waiting} prompts waiting for their first token, "
+                f"limit {self.max_waiting}): retry after {self.retry_after_s} s",
+            )
+        self.waiting += count
+
+
+class Generation:
+    """The engine requests of one HTTP request (one per prompt), as one stream of outputs.
+
+    Use as ``async with Generation(...) as gen: async for index, output in gen.outputs(): ...``;
+    leaving the block in any way aborts the prompts that have not finished and releases their
+    admission places, so a client that goes away frees its engine resources.
+    """
+
+    def __init__(self, worker: EngineWorker, admission: Admission, metrics: ServerMetrics,
+                 request_id: str, prompts: Sequence[EnginePrompt], params: SamplingParams) -> None:
+        self._worker = worker
+        self._admission = admission
+        self._metrics = metrics
+        self._ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        self._index = {rid: i for i, rid in enumerate(self._ids)}
+        self._prompts = prompts
+        self._params = params
+        self._arrival = time.monotonic()
+        self._state = dict.fromkeys(self._ids, "new")  # new -> waiting -> running -> done
+        self._sink: OutputSink | None = None
+
+    async def __aenter__(self) -> "Generation":
+        self._admission.admit(len(self._ids))
+        for rid in self._ids:
+            self._state[rid] = "waiting"
+        self._sink = OutputSink(asyncio.get_running_loop())
+        requests = [NewRequest(rid, p.engine_input(), self._params) for rid, p in zip(self._ids, self._prompts)]
+        try:
+            await self._worker.add_many(requests, self._sink)
+        except ValueError as err:
+            self._release_all()
+            raise invalid_request(str(err), param="prompt") from None
+        except ServerShuttingDown as err:
+            self._release_all()
+            raise APIError(str(err), status=503, type="service_unavailable_error", code="shutting_down") from None
+        except BaseException:  # cancelled while adding: the add may still land, so abort it
+            self._abort_unfinished()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._abort_unfinished()
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield (prompt index, cumulative output) until every prompt has finished.
+
+        Raises `EngineFailure` or `ServerShuttingDown` when the engine thread ends the request.
+        """
+        assert self._sink is not None, "use Generation as an async context manager"
+        while any(self._state[rid] != "done" for rid in self._ids):
+            item = await self._sink.queue.get()
+            if isinstance(item, BaseException):
+                self._release_all()
+                raise item
+            for output in item:
+                self._observe(output)
+                yield self._index[output.request_id], output
+
+    def _observe(self, output: RequestOutput) -> None:
+        rid = output.request_id
+        now = time.monotonic()
+        if self._state[rid] == "waiting" and (output.finished or any(o.token_ids for o in output.outputs)):
+            self._admission.waiting -= 1
+            self._admission.running += 1
+            self._state[rid] = "running"
+            self._metrics.ttft.observe(now - self._arrival)
+        if output.finished and self._state[rid] == "running":
+            self._admission.running -= 1
+            self._state[rid] = "done"
+            self._metrics.e2e.observe(now - self._arrival)
+
+    def _release_all(self) -> None:
+        """Give back the admission places of every unfinished prompt and mark it done."""
+        for rid, state in self._state.items():
+            if state == "waiting":
+                self._admission.waiting -= 1
+            elif state == "running":
+                self._admission.running -= 1
+            self._state[rid] = "done"
+
+    def _abort_unfinished(self) -> None:
+        unfinished = [rid for rid, state in self._state.items() if state in ("waiting", "running")]
+        self._release_all()
+        self._worker.abort(unfinished)
+
+
+__all__ = ["Admission", "EngineFailure", "Generation", "ServerShuttingDown"]

@@ -1,0 +1,91 @@
+"""Prometheus metrics of one server (a per-app `CollectorRegistry`, never the global one).
+
+Server-side series are observed by the request handlers; engine-side series are read from the
+engine thread's latest `engine.metrics()` snapshot at scrape time, so a scrape never touches the
+engine itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# engine.metrics() key -> (metric name without "_total", help); exposed as counters
+ENGINE_COUNTERS = {
+    "prompt_tokens_total": ("forkpoint_prompt_tokens", "Prompt tokens of all requests (markers excluded)."),
+    "prompt_tokens_computed": ("forkpoint_prompt_tokens_computed", "Prompt tokens run through the model."),
+    "generation_tokens_total": ("forkpoint_generation_tokens", "Generated tokens."),
+    "checkpoints_created": ("forkpoint_checkpoints_created", "Checkpoints written."),
+    "checkpoint_hits": ("forkpoint_checkpoint_hits", "Requests that started from a checkpoint."),
+    "checkpoints_evicted": ("forkpoint_checkpoints_evicted", "Idle checkpoints evicted from a full pool."),
+    "requests_deferred": ("forkpoint_requests_deferred", "Requests deferred behind an unready checkpoint."),
+    "producer_promotions": ("forkpoint_producer_promotions", "Consumers promoted to producer after a producer failed."),
+    "deferral_wait_s_total": ("forkpoint_deferral_wait_seconds", "Seconds requests spent deferred."),
+}
+# pool name -> (used key, total key) of engine.metrics()
+ENGINE_POOLS = {
+    "kv_blocks": ("kv_blocks_used", "kv_blocks_total"),
+    "state_slots": ("state_slots_used", "state_slots_total"),
+    "checkpoint_slots": ("checkpoint_slots_used", "checkpoint_slots_total"),
+}
+OUTCOMES = ("success", "invalid_request", "rejected", "aborted", "error")
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class EngineCollector(Collector):
+    """Prometheus view of an engine metrics snapshot; keys the snapshot lacks are left out."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, float]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        values = self._snapshot()
+        for key, (name, doc) in ENGINE_COUNTERS.items():
+            if key in values:
+                yield CounterMetricFamily(name, doc, value=values[key])
+        if "prompt_tokens_total" in values and "prompt_tokens_computed" in values:
+            yield CounterMetricFamily(
+                "forkpoint_prompt_tokens_reused", "Prompt tokens taken from checkpoints instead of computed.",
+                value=values["prompt_tokens_total"] - values["prompt_tokens_computed"],
+            )
+        if "checkpoints_pending" in values:
+            yield GaugeMetricFamily("forkpoint_checkpoints_pending", "Checkpoints being produced (unready).",
+                                    value=values["checkpoints_pending"])
+        used = GaugeMetricFamily("forkpoint_pool_used", "Entries in use per cache pool.", labels=["pool"])
+        capacity = GaugeMetricFamily("forkpoint_pool_capacity", "Entries per cache pool.", labels=["pool"])
+        for pool, (used_key, total_key) in ENGINE_POOLS.items():
+            if used_key in values and total_key in values:
+                used.add_metric([pool], values[used_key])
+                capacity.add_metric([pool], values[total_key])
+        yield used
+        yield capacity
+
+
+class ServerMetrics:
+    """All series of one app. `requests` is labelled by endpoint and outcome (`OUTCOMES`)."""
+
+    def __init__(self, engine_snapshot: Callable[[], dict[str, float]],
+                 waiting: Callable[[], int], running: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("forkpoint_requests", "HTTP generation requests by outcome.",
+                                ["endpoint", "outcome"], registry=self.registry)
+        self.ttft = Histogram("forkpoint_time_to_first_token_seconds",
+                              "From arrival to the first generated token, per prompt.",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("forkpoint_e2e_request_latency_seconds",
+                             "From arrival to the last generated token, per prompt.",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        Gauge("forkpoint_requests_waiting", "Prompts admitted without a first token yet.",
+              registry=self.registry).set_function(waiting)
+        Gauge("forkpoint_requests_running", "Prompts generating tokens.",
+              registry=self.registry).set_function(running)
+        self.registry.register(EngineCollector(engine_snapshot))
+
+    def count(self, endpoint: str, outcome: str) -> None:
+        self.requests.labels(endpoint=endpoint, outcome=outcome).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

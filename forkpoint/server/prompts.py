@@ -1,0 +1,140 @@
+"""From HTTP request content to engine prompts: the marker policy, the structured checkpoint
+controls, chat rendering and tokenisation.
+
+Prompts are tokenised here, on the server's event loop, so that the server knows each prompt's
+length (for ``max_tokens`` checks and defaults) and its checkpoint positions before the engine
+sees it; the engine receives ``{"prompt_token_ids", "checkpoint_positions"}`` with the markers
+already removed, which it treats exactly like the marked text (DESIGN.md section 3).
+
+Where the marker can come from, and what the policy (`MarkerPolicy`) does to it:
+
+    client text (messages, prompt string)  --allow: kept / strip: removed / reject: 400-->
+    "checkpoint": true on a content part   --always: marker appended after the part's text-->
+    checkpoint_positions (completions)     --always: passed as positions-->
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import TemplateError
+from transformers import PreTrainedTokenizerBase
+
+from forkpoint.inputs.chat import render_chat
+from forkpoint.inputs.markers import prompt_to_token_ids, strip_checkpoint_markers
+from forkpoint.server.config import MarkerPolicy
+from forkpoint.server.errors import APIError, invalid_request
+from forkpoint.server.protocol import ChatMessage
+
+
+@dataclass(frozen=True)
+class EnginePrompt:
+    """A prompt ready for ``LLMEngine.add_request``: marker-free ids and exact positions."""
+
+    token_ids: list[int]
+    checkpoint_positions: tuple[int, ...]
+
+    def engine_input(self) -> dict[str, Any]:
+        return {"prompt_token_ids": self.token_ids, "checkpoint_positions": list(self.checkpoint_positions)}
+
+
+class PromptBuilder:
+    """Builds `EnginePrompt`s from request content under one marker policy.
+
+    checkpoint_token / checkpoint_token_id: the marker string and its id (None when the engine
+    has checkpoints disabled: then structured controls are ignored and the marker string is
+    plain text). Every method raises `APIError` (400) naming the request field at fault.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        checkpoint_token: str,
+        checkpoint_token_id: int | None,
+        max_checkpoints: int,
+        policy: MarkerPolicy,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.checkpoint_token = checkpoint_token
+        self.checkpoint_token_id = checkpoint_token_id
+        self.max_checkpoints = max_checkpoints
+        self.policy = policy
+
+    def from_text(self, text: str, positions: Sequence[int] | None = None, *, param: str = "prompt") -> EnginePrompt:
+        """A completion prompt string (markers in it obey the policy)."""
+        text = self._client_text(text, param)
+        try:
+            raw = prompt_to_token_ids(text, self.tokenizer)
+        except ValueError as err:
+            raise invalid_request(str(err), param=param) from None
+        return self._parse(raw.token_ids, positions, param)
+
+    def from_token_ids(self, token_ids: Sequence[int], positions: Sequence[int] | None = None,
+                       *, param: str = "prompt") -> EnginePrompt:
+        """A token-id prompt; a marker id in it counts as client marker text."""
+        if self.checkpoint_token_id is not None and self.checkpoint_token_id in token_ids:
+            if self.policy is MarkerPolicy.REJECT:
+                raise self._rejected(param)
+            if self.policy is MarkerPolicy.STRIP:
+                token_ids = [t for t in token_ids if t != self.checkpoint_token_id]
+        return self._parse(list(token_ids), positions, param)
+
+    def from_messages(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
+                      template_kwargs: dict[str, Any] | None = None) -> EnginePrompt:
+        """A chat conversation, rendered with the tokenizer's chat template."""
+        conversation = [self._message(i, message) for i, message in enumerate(messages)]
+        try:
+            text = render_chat(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                               **(template_kwargs or {}))
+            raw = prompt_to_token_ids(text, self.tokenizer)
+        except ValueError as err:
+            raise invalid_request(str(err), param="messages") from None
+        except TemplateError as err:  # e.g. the template's raise_exception on a role it does not know
+            raise invalid_request(f"the chat template could not render these messages: {err}",
+                                  param="messages") from None
+        return self._parse(raw.token_ids, None, "messages")
+
+    def _message(self, index: int, message: ChatMessage) -> dict[str, Any]:
+        param = f"messages[{index}].content"
+        content = message.content
+        if content is None:
+            content = ""
+        elif isinstance(content, str):
+            content = self._client_text(content, param)
+        else:
+            parts = []
+            for part in content:
+                fields = part.model_dump(exclude={"checkpoint"}, exclude_none=True)
+                if part.type == "text" and part.text is not None:
+                    text = self._client_text(part.text, param)
+                    if part.checkpoint and self.checkpoint_token_id is not None:
+                        text += self.checkpoint_token
+                    fields["text"] = text
+                parts.append(fields)
+            content = parts
+        return {**message.model_dump(exclude_none=True), "content": content}
+
+    def _client_text(self, text: str, param: str) -> str:
+        if self.checkpoint_token not in text or self.policy is MarkerPolicy.ALLOW:
+            return text
+        if self.policy is MarkerPolicy.REJECT:
+            raise self._rejected(param)
+        return text.replace(self.checkpoint_token, "")
+
+    def _rejected(self, param: str) -> APIError:
+        return invalid_request(
+            f"{param} contains the checkpoint marker {self.checkpoint_token!r}, which this server does "
+            "not accept in client content (--marker-in-user-content reject): place checkpoints with "
+            "a content part's \"checkpoint\": true or with checkpoint_positions",
+            param=param, code="checkpoint_marker_rejected",
+        )
+
+    def _parse(self, token_ids: list[int], positions: Sequence[int] | None, param: str) -> EnginePrompt:
+        try:
+            parsed = strip_checkpoint_markers(token_ids, self.checkpoint_token_id, positions, self.max_checkpoints)
+        except ValueError as err:
+            raise invalid_request(str(err), param=param) from None
+        return EnginePrompt(parsed.token_ids, parsed.checkpoint_positions)

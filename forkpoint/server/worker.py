@@ -1,0 +1,254 @@
+"""The engine thread: the one thread that owns and steps the `LLMEngine` (which is not
+thread-safe). Request handlers on the asyncio loop talk to it only through a command queue; it
+answers through futures and per-request `OutputSink`s.
+
+    event loop (handlers)                         engine thread
+    ---------------------                         -------------
+    add_many(...) --------> command queue ------> engine.add_request(...) -> future result
+    abort(ids)    --------> command queue ------> engine.abort_request(id)
+                                                  engine.step() -> outputs
+    sink.queue  <-- loop.call_soon_threadsafe --- one delivery per sink per step
+
+All commands waiting in the queue are applied before each step, so requests that arrive together
+(one producer and its consumers) are scheduled together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from forkpoint.engine.engine import LLMEngine
+from forkpoint.outputs import RequestOutput
+from forkpoint.sampling_params import SamplingParams
+
+logger = logging.getLogger("forkpoint.server")
+
+
+class ServerShuttingDown(RuntimeError):
+    """The server is draining: no new requests, and unfinished ones are aborted at the deadline."""
+
+
+class EngineFailure(RuntimeError):
+    """The engine raised while stepping; the requests in flight were aborted."""
+
+
+class OutputSink:
+    """Delivery point of one HTTP request's engine requests, on the server's event loop.
+
+    The engine thread puts either a list of `RequestOutput`s (cumulative, one per request that
+    progressed in a step) or an exception (`EngineFailure`, `ServerShuttingDown`) that ends them.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[list[RequestOutput] | BaseException] = asyncio.Queue()
+
+    def deliver_threadsafe(self, item: list[RequestOutput] | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the server is gone, nobody is listening
+            pass
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    request_id: str
+    prompt: dict[str, Any]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class _Add:
+    requests: Sequence[NewRequest]
+    sink: OutputSink
+    done: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_ids: Sequence[str]
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    done: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class _Stop:
+    deadline: float
+
+
+class EngineWorker:
+    """Owns `engine` on a background thread between `start()` and `shutdown()`."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="forkpoint-engine", daemon=True)
+        self._metrics: dict[str, float] = {}
+        # engine thread only:
+        self._sinks: dict[str, OutputSink] = {}
+        self._deadline: float | None = None
+
+    # ---- any thread ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._metrics = dict(self._engine.metrics())
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def metrics_snapshot(self) -> dict[str, float]:
+        """`engine.metrics()` as of the last step (a fresh dict each time; never mutated)."""
+        return self._metrics
+
+    async def add_many(self, requests: Sequence[NewRequest], sink: OutputSink) -> None:
+        """Add all `requests` in one go (all or none), delivering their outputs to `sink`.
+
+        Raises the engine's ValueError (nothing was added) or `ServerShuttingDown`.
+        """
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(_Add(requests, sink, done), done)
+        await asyncio.wrap_future(done)
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort these requests (unknown or finished ids are ignored); frees their resources."""
+        if request_ids:
+            self._commands.put(_Abort(tuple(request_ids)))
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Run `fn(engine)` on the engine thread between steps (for checks such as
+        `engine.check_integrity()`); the future holds its result or exception."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(_Call(fn, done), done)
+        return done
+
+    def shutdown(self, timeout_s: float) -> None:
+        """Stop taking requests, let in-flight ones finish for up to `timeout_s`, abort the rest
+        (their sinks get `ServerShuttingDown`) and join the thread. Blocking."""
+        if not self._thread.is_alive():
+            return
+        self._commands.put(_Stop(time.monotonic() + timeout_s))
+        self._thread.join()
+
+    def _send(self, command: Any, done: concurrent.futures.Future) -> None:
+        if not self._thread.is_alive():
+            done.set_exception(ServerShuttingDown("the engine thread is not running"))
+            return
+        self._commands.put(command)
+
+    # ---- engine thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            busy = self._engine.has_unfinished_requests()
+            if self._deadline is not None:
+                if not self._sinks or time.monotonic() >= self._deadline:
+                    break
+                self._drain(timeout=0.0 if busy else 0.01)
+            else:
+                self._drain(timeout=0.0 if busy else None)
+            if self._engine.has_unfinished_requests():
+                self._step()
+        self._fail_all(ServerShuttingDown("the server is shutting down; the request was aborted"))
+        self._fail_pending_commands()
+        self._metrics = dict(self._engine.metrics())
+
+    def _drain(self, timeout: float | None) -> None:
+        """Apply all queued commands; wait up to `timeout` (None: forever) for the first one."""
+        try:
+            command = self._commands.get(timeout=timeout) if timeout != 0.0 else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self._metrics = dict(self._engine.metrics())
+
+    def _apply(self, command: Any) -> None:
+        if isinstance(command, _Add):
+            self._add(command)
+        elif isinstance(command, _Abort):
+            for request_id in command.request_ids:
+                if self._sinks.pop(request_id, None) is not None:
+                    self._engine.abort_request(request_id)
+        elif isinstance(command, _Call):
+            try:
+                command.done.set_result(command.fn(self._engine))
+            except Exception as exc:
+                command.done.set_exception(exc)
+        elif isinstance(command, _Stop):
+            self._deadline = command.deadline
+
+    def _add(self, command: _Add) -> None:
+        if self._deadline is not None:
+            command.done.set_exception(ServerShuttingDown("the server is shutting down"))
+            return
+        added: list[str] = []
+        try:
+            for request in command.requests:
+                self._engine.add_request(request.request_id, request.prompt, request.params)
+                added.append(request.request_id)
+        except Exception as exc:
+            for request_id in added:
+                self._engine.abort_request(request_id)
+            command.done.set_exception(exc)
+            return
+        for request_id in added:
+            self._sinks[request_id] = command.sink
+        command.done.set_result(None)
+
+    def _step(self) -> None:
+        try:
+            outputs = self._engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; aborting the requests in flight")
+            self._fail_all(EngineFailure(f"the engine failed while generating: {type(exc).__name__}: {exc}"))
+            return
+        batches: dict[OutputSink, list[RequestOutput]] = defaultdict(list)
+        for output in outputs:
+            sink = self._sinks.get(output.request_id)
+            if sink is None:
+                continue
+            batches[sink].append(output)
+            if output.finished:
+                del self._sinks[output.request_id]
+        for sink, batch in batches.items():
+            sink.deliver_threadsafe(batch)
+        self._metrics = dict(self._engine.metrics())
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """Abort every request in flight and end its sink with `exc`."""
+        sinks = set(self._sinks.values())
+        for request_id in list(self._sinks):
+            try:
+                self._engine.abort_request(request_id)
+            except Exception:
+                logger.exception("aborting request %s failed", request_id)
+        self._sinks.clear()
+        for sink in sinks:
+            sink.deliver_threadsafe(exc)
+
+    def _fail_pending_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, (_Add, _Call)):
+                command.done.set_exception(ServerShuttingDown("the server is shutting down"))
