@@ -24,8 +24,8 @@ from forkpoint.config import ModelConfig
 from forkpoint.models.qwen3_5 import HybridForCausalLM
 
 _SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.vision_tower.")
-_PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_GROUPED_QKVZ = re.compile(r"^(layers\.\d+\.linear_attn)\.in_proj_(qkvz|ba)\.weight$")
+_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_GROUPED_QKVZ = re.compile(r"^(model\.layers\.\d+\.linear_attn)\.in_proj_(qkvz|ba)\.weight$")
 
 
 def build_model(config: ModelConfig, path: Path | None, load_format: str, device: torch.device,
@@ -154,7 +154,7 @@ def _load_safetensors(model: HybridForCausalLM, config: ModelConfig, path: Path)
         if not raw_name.startswith(prefix):
             unexpected.append(raw_name)
             continue
-        name = raw_name[len(prefix):]
+        name = "model." + raw_name[len(prefix):]
         expert = _PER_EXPERT.match(name)
         grouped = _GROUPED_QKVZ.match(name)
         if expert:

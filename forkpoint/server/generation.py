@@ -15,7 +15,7 @@ from forkpoint.sampling_params import SamplingParams
 from forkpoint.server.errors import APIError, invalid_request, overloaded
 from forkpoint.server.metrics import ServerMetrics
 from forkpoint.server.prompts import EnginePrompt
-from forkpoint.server.worker import EngineFailure, EngineWorker, NewRequest, OutputSink, ServerShuttingDown
+from forkpoint.server.worker import EngineWorker, NewRequest, OutputSink, ServerShuttingDown
 
 
 class Admission:
@@ -44,13 +44,18 @@ class Admission:
 class Generation:
     """The engine requests of one HTTP request (one per prompt), as one stream of outputs.
 
-    Use as ``async with Generation(...) as gen: async for index, output in gen.outputs(): ...``;
-    leaving the block in any way aborts the prompts that have not finished and releases their
+    ``await gen.start()``, then ``async for index, output in gen.outputs()``, and ``gen.close()``
+    however the request ends: it aborts the prompts that have not finished and releases their
     admission places, so a client that goes away frees its engine resources.
+    endpoint: label of the request in the outcome metric; prompt_param: the request field
+    named in a 400 when the engine rejects a prompt.
     """
 
-    def __init__(self, worker: EngineWorker, admission: Admission, metrics: ServerMetrics,
-                 request_id: str, prompts: Sequence[EnginePrompt], params: SamplingParams) -> None:
+    def __init__(self, worker: EngineWorker, admission: Admission, metrics: ServerMetrics, *,
+                 endpoint: str, prompt_param: str, request_id: str, prompts: Sequence[EnginePrompt],
+                 params: SamplingParams) -> None:
+        self._endpoint = endpoint
+        self._prompt_param = prompt_param
         self._worker = worker
         self._admission = admission
         self._metrics = metrics
@@ -61,8 +66,14 @@ class Generation:
         self._arrival = time.monotonic()
         self._state = dict.fromkeys(self._ids, "new")  # new -> waiting -> running -> done
         self._sink: OutputSink | None = None
+        self._outcome: str | None = None
+        self._started = False  # True once the prompts may be in the engine
+        self._closed = False
 
-    async def __aenter__(self) -> "Generation":
+    async def start(self) -> None:
+        """Admit and submit every prompt. Raises `APIError`: 503 when the server is at capacity or
+        shutting down, 400 when the engine rejects a prompt (nothing is left running then, and
+        `close()` has nothing to do: the error handler counts the outcome)."""
         self._admission.admit(len(self._ids))
         for rid in self._ids:
             self._state[rid] = "waiting"
@@ -70,29 +81,41 @@ class Generation:
         requests = [NewRequest(rid, p.engine_input(), self._params) for rid, p in zip(self._ids, self._prompts)]
         try:
             await self._worker.add_many(requests, self._sink)
+            self._started = True
         except ValueError as err:
             self._release_all()
-            raise invalid_request(str(err), param="prompt") from None
+            raise invalid_request(str(err), param=self._prompt_param) from None
         except ServerShuttingDown as err:
             self._release_all()
             raise APIError(str(err), status=503, type="service_unavailable_error", code="shutting_down") from None
         except BaseException:  # cancelled while adding: the add may still land, so abort it
-            self._abort_unfinished()
+            self._started = True
+            self.close()
             raise
-        return self
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._abort_unfinished()
+    def close(self) -> None:
+        """Abort the prompts that have not finished, release their places and count the request's
+        outcome (aborted if anything was unfinished). Idempotent; call it however the request ends."""
+        if self._closed or not self._started:
+            return
+        self._closed = True
+        unfinished = [rid for rid, state in self._state.items() if state in ("waiting", "running")]
+        self._release_all()
+        self._worker.abort(unfinished)
+        if self._outcome is None:
+            self._outcome = "aborted" if unfinished else "success"
+        self._metrics.count(self._endpoint, self._outcome)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yield (prompt index, cumulative output) until every prompt has finished.
 
         Raises `EngineFailure` or `ServerShuttingDown` when the engine thread ends the request.
         """
-        assert self._sink is not None, "use Generation as an async context manager"
+        assert self._sink is not None, "call start() first"
         while any(self._state[rid] != "done" for rid in self._ids):
             item = await self._sink.queue.get()
             if isinstance(item, BaseException):
+                self._outcome = "aborted" if isinstance(item, ServerShuttingDown) else "error"
                 self._release_all()
                 raise item
             for output in item:
@@ -121,10 +144,3 @@ class Generation:
                 self._admission.running -= 1
             self._state[rid] = "done"
 
-    def _abort_unfinished(self) -> None:
-        unfinished = [rid for rid, state in self._state.items() if state in ("waiting", "running")]
-        self._release_all()
-        self._worker.abort(unfinished)
-
-
-__all__ = ["Admission", "EngineFailure", "Generation", "ServerShuttingDown"]

@@ -1,6 +1,6 @@
-"""Paged attention: ``write_kv``, ``copy_kv_slots`` and ``paged_attention``. ``reference.py`` is the
-spec; a GPU variant goes in ``triton.py`` with the same signatures and is used for CUDA tensors when
-it imports."""
+"""Paged attention: ``write_kv``, ``copy_kv_slots`` and ``paged_attention``. ``reference.py`` is
+the spec; the GPU variant, ``triton.py``, has the same signatures and is used for CUDA tensors
+when it imports."""
 
 import functools
 

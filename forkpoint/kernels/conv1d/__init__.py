@@ -1,6 +1,6 @@
-"""Short causal depthwise conv: ``causal_conv1d_varlen`` (packed prefill) and ``causal_conv1d_step``
-(decode). ``reference.py`` is the spec; a GPU variant goes in ``triton.py`` with the same signatures
-and is used for CUDA tensors when it imports."""
+"""Short causal depthwise conv: ``causal_conv1d_varlen`` (packed prefill) and
+``causal_conv1d_step`` (decode). ``reference.py`` is the spec; the GPU variant, ``triton.py``,
+has the same signatures and is used for CUDA tensors when it imports."""
 
 import functools
 

@@ -1,6 +1,6 @@
 """Gated DeltaNet: ``chunk_gated_delta_rule`` (packed prefill) and ``recurrent_gated_delta_rule``
-(decode). ``reference.py`` is the spec; a GPU variant goes in ``fla.py`` with the same signatures
-and is used for CUDA tensors when it imports."""
+(decode). ``reference.py`` is the spec; the GPU variant, ``fla.py``, has the same signatures and
+is used for CUDA tensors when it imports."""
 
 import functools
 

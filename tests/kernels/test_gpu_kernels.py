@@ -1,0 +1,327 @@
+"""GPU variants of every kernel op against its plain-PyTorch reference (skipped without CUDA).
+
+Fresh seeded random inputs (never zeros), variable segment lengths, non-zero initial states and
+grouped heads. The reference runs on CPU copies of the same (bf16) inputs, in fp32. Error measure:
+relative RMS, ||out - ref|| / ||ref|| in fp64. Tolerances, for bf16 operands: 2e-2 for the gated
+delta rule (fla keeps per-chunk states in bf16 for the output product), 1e-2 elsewhere; copies
+(conv states) must match exactly. Each measured error is printed (`pytest -s` shows them).
+
+Outputs are fresh tensors from the op, so "poisoned before the kernel writes them" is arranged
+through the caching allocator: `_poison_allocator()` fills freshly cached blocks with 0xFF bytes
+(NaN in bf16, fp16 and fp32) and frees them, so the op's `torch.empty` outputs start as NaN; every
+test then checks that no NaN is left. `test_*_no_host_sync` run each op under
+`torch.cuda.set_sync_debug_mode("error")`.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEV = "cuda"
+
+
+def rel_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def check(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert not torch.isnan(out).any(), f"{name}: NaN left in the output (an element was never written)"
+    err = rel_rms(out, ref)
+    print(f"REL_RMS {name} = {err:.3e} (tol {tol:.0e})")
+    assert err < tol, f"{name}: relative RMS error {err:.3e} >= {tol:.0e}"
+
+
+def _poison_allocator() -> None:
+    """Make the next CUDA allocations land in NaN-filled memory (bytes 0xFF)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    # small pool (<= 1 MiB, 2 MiB segments) and large pool (bigger requests)
+    blocks = [torch.full((512 << 10,), 255, dtype=torch.uint8, device=DEV) for _ in range(256)]
+    blocks += [torch.full((8 << 20,), 255, dtype=torch.uint8, device=DEV) for _ in range(32)]
+    blocks += [torch.full((1 << 30,), 255, dtype=torch.uint8, device=DEV)]
+    del blocks
+    probe = torch.empty(4096, dtype=torch.bfloat16, device=DEV)
+    assert torch.isnan(probe).all(), "allocator poisoning did not take: fresh memory is not NaN"
+    del probe
+
+
+def _offsets(lens):
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def _gdn_inputs(gen, lens, h, hv, k, v, dtype=torch.bfloat16):
+    t = sum(lens)
+    q = torch.randn(t, h, k, generator=gen, device=DEV).to(dtype)
+    kk = torch.randn(t, h, k, generator=gen, device=DEV).to(dtype)
+    vv = torch.randn(t, hv, v, generator=gen, device=DEV).to(dtype)
+    g = F.logsigmoid(torch.randn(t, hv, generator=gen, device=DEV) + 2.0)  # fp32 log-decay in (-inf, 0)
+    beta = torch.rand(t, hv, generator=gen, device=DEV).to(dtype)
+    s0 = 0.1 * torch.randn(len(lens), hv, k, v, generator=gen, device=DEV)
+    return q, kk, vv, g, beta, s0
+
+
+def _cpu(*ts):
+    return [t.cpu() for t in ts]
+
+
+# ---------------------------------------------------------------- gated delta rule
+
+@pytest.mark.parametrize(
+    "lens,h,hv,dim",
+    [
+        ([1, 63, 64, 65, 200, 7], 2, 4, 128),      # GVA 2 -> 4, chunk edges
+        ([512, 64, 64, 64], 4, 8, 128),            # the seed's shape: producer + consumers
+        ([130, 3, 77], 4, 4, 64),                  # no grouping, small heads
+    ],
+)
+def test_chunk_gated_delta_rule_matches_reference(lens, h, hv, dim):
+    fla = pytest.importorskip("forkpoint.kernels.gated_delta.fla")
+    from forkpoint.kernels.gated_delta import reference
+
+    gen = torch.Generator(device=DEV).manual_seed(1000 + sum(lens))
+    q, k, v, g, beta, s0 = _gdn_inputs(gen, lens, h, hv, dim, dim)
+    cu = _offsets(lens)
+    cu_dev = torch.tensor(cu, device=DEV)
+    _poison_allocator()
+    o, st = fla.chunk_gated_delta_rule(q, k, v, g, beta, s0, cu_dev, cu)
+    torch.cuda.synchronize()
+    o_ref, st_ref = reference.chunk_gated_delta_rule(*_cpu(q, k, v, g, beta, s0), torch.tensor(cu), cu)
+    assert o.dtype == v.dtype and st.dtype == torch.float32
+    check(f"gdn_chunk_o lens={lens} H={h} HV={hv} K={dim}", o, o_ref, 2e-2)
+    check(f"gdn_chunk_state lens={lens} H={h} HV={hv} K={dim}", st, st_ref, 2e-2)
+
+
+def test_chunk_gated_delta_rule_zero_length_segment():
+    fla = pytest.importorskip("forkpoint.kernels.gated_delta.fla")
+    from forkpoint.kernels.gated_delta import reference
+
+    lens = [70, 0, 5]
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    q, k, v, g, beta, s0 = _gdn_inputs(gen, lens, 2, 4, 64, 64)
+    cu = _offsets(lens)
+    o, st = fla.chunk_gated_delta_rule(q, k, v, g, beta, s0, torch.tensor(cu, device=DEV), cu)
+    o_ref, st_ref = reference.chunk_gated_delta_rule(*_cpu(q, k, v, g, beta, s0), torch.tensor(cu), cu)
+    check("gdn_chunk_o zero-length segment", o, o_ref, 2e-2)
+    check("gdn_chunk_state zero-length segment", st, st_ref, 2e-2)
+
+
+def test_recurrent_gated_delta_rule_matches_reference():
+    fla = pytest.importorskip("forkpoint.kernels.gated_delta.fla")
+    from forkpoint.kernels.gated_delta import reference
+
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    q, k, v, g, beta, s0 = _gdn_inputs(gen, [1] * 9, 4, 8, 128, 128)
+    _poison_allocator()
+    o, st = fla.recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+    o_ref, st_ref = reference.recurrent_gated_delta_rule(*_cpu(q, k, v, g, beta, s0))
+    check("gdn_recurrent_o", o, o_ref, 1e-2)
+    check("gdn_recurrent_state", st, st_ref, 1e-2)
+
+
+def test_two_phase_equals_one_pass():
+    """Prefix once, gather its state for N consumers, run all suffixes packed: equals running each
+    prefix + suffix in one pass (outputs on the suffix tokens and final states)."""
+    fla = pytest.importorskip("forkpoint.kernels.gated_delta.fla")
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    p, suffixes, h, hv, d = 300, [64, 17, 128, 1], 4, 8, 128
+    qp, kp, vp, gp, bp, _ = _gdn_inputs(gen, [p], h, hv, d, d)
+    qs, ks, vs, gs, bs, _ = _gdn_inputs(gen, suffixes, h, hv, d, d)
+    s0 = 0.1 * torch.randn(1, hv, d, d, generator=gen, device=DEV)
+    # phase 1: the prefix; phase 2: every suffix from the gathered checkpoint state
+    _, ckpt = fla.chunk_gated_delta_rule(qp, kp, vp, gp, bp, s0, torch.tensor([0, p], device=DEV), [0, p])
+    cu = _offsets(suffixes)
+    init = ckpt.index_select(0, torch.zeros(len(suffixes), dtype=torch.long, device=DEV))
+    o2, st2 = fla.chunk_gated_delta_rule(qs, ks, vs, gs, bs, init, torch.tensor(cu, device=DEV), cu)
+    # one pass: [prefix, suffix_i] for every i, packed
+    cat = lambda a, b: torch.cat([x for i in range(len(suffixes)) for x in (a, b[cu[i]:cu[i + 1]])])  # noqa: E731
+    full = [cat(a, b) for a, b in zip((qp, kp, vp, gp, bp), (qs, ks, vs, gs, bs))]
+    cu_full = _offsets([p + s for s in suffixes])
+    o1, st1 = fla.chunk_gated_delta_rule(*full, s0.expand(len(suffixes), -1, -1, -1).contiguous(),
+                                         torch.tensor(cu_full, device=DEV), cu_full)
+    keep = torch.cat([torch.arange(cu_full[i] + p, cu_full[i + 1]) for i in range(len(suffixes))]).to(DEV)
+    check("two_phase_vs_one_pass_o", o2, o1.index_select(0, keep), 1e-2)
+    check("two_phase_vs_one_pass_state", st2, st1, 1e-2)
+
+
+# ---------------------------------------------------------------- conv1d
+
+def test_causal_conv1d_varlen_matches_reference():
+    tri = pytest.importorskip("forkpoint.kernels.conv1d.triton")
+    from forkpoint.kernels.conv1d import reference
+
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    lens, d, w = [1, 2, 0, 3, 64, 65, 130, 200], 320, 4
+    t = sum(lens)
+    x = torch.randn(t, d, generator=gen, device=DEV).bfloat16()
+    weight = (0.5 * torch.randn(d, w, generator=gen, device=DEV)).bfloat16()
+    bias = torch.randn(d, generator=gen, device=DEV).bfloat16()
+    s0 = torch.randn(len(lens), d, w - 1, generator=gen, device=DEV).bfloat16()
+    cu = _offsets(lens)
+    for b, act in ((bias, "silu"), (None, None)):
+        _poison_allocator()
+        y, st = tri.causal_conv1d_varlen(x, weight, b, s0, torch.tensor(cu, device=DEV), cu, activation=act)
+        y_ref, st_ref = reference.causal_conv1d_varlen(*_cpu(x, weight), None if b is None else b.cpu(), s0.cpu(),
+                                                       torch.tensor(cu), cu, activation=act)
+        check(f"conv_varlen_y act={act}", y, y_ref, 1e-2)
+        assert not torch.isnan(st).any() and torch.equal(st.cpu(), st_ref), "conv final state must be an exact copy"
+
+
+def test_causal_conv1d_step_matches_reference():
+    tri = pytest.importorskip("forkpoint.kernels.conv1d.triton")
+    from forkpoint.kernels.conv1d import reference
+
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    n, d, w = 6, 8192 + 64, 4
+    x = torch.randn(n, d, generator=gen, device=DEV).bfloat16()
+    weight = (0.5 * torch.randn(d, w, generator=gen, device=DEV)).bfloat16()
+    bias = torch.randn(d, generator=gen, device=DEV).bfloat16()
+    s0 = torch.randn(n, d, w - 1, generator=gen, device=DEV).bfloat16()
+    _poison_allocator()
+    y, st = tri.causal_conv1d_step(x, weight, bias, s0)
+    y_ref, st_ref = reference.causal_conv1d_step(*_cpu(x, weight, bias, s0))
+    check("conv_step_y", y, y_ref, 1e-2)
+    assert not torch.isnan(st).any() and torch.equal(st.cpu(), st_ref), "conv step state must be an exact copy"
+
+
+# ---------------------------------------------------------------- paged attention
+
+def _paged_case(gen, hq, hkv, dh, block_size):
+    """Segments: a fresh prefill (the producer), two consumers whose block tables start with the
+    producer's blocks (prefix shared) and add their own, and three decodes with long contexts."""
+    prod = 100
+    q_lens = [prod, 37, 5, 1, 1, 1]
+    seq_lens = [prod, prod + 37, prod + 5, 300, 17, 64]
+    nblk = lambda n: -(-n // block_size)  # noqa: E731
+    num_blocks = 4 * sum(nblk(s) for s in seq_lens)
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+    tables, shared = [], nblk(prod) - 1 if prod % block_size else nblk(prod)
+    for n, s in enumerate(seq_lens):
+        if n in (1, 2):  # consumers: the producer's full blocks, then their own
+            row = tables[0][:shared] + [perm.pop() for _ in range(nblk(s) - shared)]
+        else:
+            row = [perm.pop() for _ in range(nblk(s))]
+        tables.append(row)
+    width = max(len(r) for r in tables)
+    bt = torch.tensor([r + [0] * (width - len(r)) for r in tables], dtype=torch.int32)
+    k_cache = torch.randn(num_blocks, block_size, hkv, dh, generator=gen, device=DEV).bfloat16()
+    v_cache = torch.randn(num_blocks, block_size, hkv, dh, generator=gen, device=DEV).bfloat16()
+    q = torch.randn(sum(q_lens), hq, dh, generator=gen, device=DEV).bfloat16()
+    return q, k_cache, v_cache, bt, _offsets(q_lens), seq_lens
+
+
+@pytest.mark.parametrize("hq,hkv,dh,block_size", [(16, 2, 256, 16), (8, 8, 128, 16), (4, 1, 64, 5)])
+def test_paged_attention_matches_reference(hq, hkv, dh, block_size):
+    tri = pytest.importorskip("forkpoint.kernels.attention.triton")
+    from forkpoint.kernels.attention import reference
+
+    gen = torch.Generator(device=DEV).manual_seed(hq * 1000 + dh)
+    q, kc, vc, bt, cu, seq_lens = _paged_case(gen, hq, hkv, dh, block_size)
+    scale = dh ** -0.5
+    _poison_allocator()
+    o = tri.paged_attention(q, kc, vc, bt.to(DEV), torch.tensor(cu, device=DEV), cu,
+                            torch.tensor(seq_lens, device=DEV), seq_lens, scale=scale)
+    o_ref = reference.paged_attention(*_cpu(q, kc, vc, bt), torch.tensor(cu), cu, torch.tensor(seq_lens), seq_lens,
+                                      scale=scale)
+    check(f"paged_attention HQ={hq} HKV={hkv} Dh={dh} bs={block_size}", o, o_ref, 1e-2)
+    # decode-only step (smaller tiles)
+    dec = list(range(len(seq_lens) + 1))
+    qd = torch.randn(len(seq_lens), hq, dh, generator=gen, device=DEV).bfloat16()
+    od = tri.paged_attention(qd, kc, vc, bt.to(DEV), torch.tensor(dec, device=DEV), dec,
+                             torch.tensor(seq_lens, device=DEV), seq_lens, scale=scale)
+    od_ref = reference.paged_attention(qd.cpu(), kc.cpu(), vc.cpu(), bt, torch.tensor(dec), dec,
+                                       torch.tensor(seq_lens), seq_lens, scale=scale)
+    check(f"paged_attention decode HQ={hq} HKV={hkv} Dh={dh} bs={block_size}", od, od_ref, 1e-2)
+
+
+# ---------------------------------------------------------------- MoE
+
+@pytest.mark.parametrize("t,e,top_k,hidden,inter", [(100, 16, 4, 256, 128), (7, 64, 8, 512, 64)])
+def test_grouped_moe_matches_reference(t, e, top_k, hidden, inter):
+    grouped = pytest.importorskip("forkpoint.kernels.moe.grouped")
+    from forkpoint.kernels.moe import reference
+
+    gen = torch.Generator(device=DEV).manual_seed(t * e)
+    x = torch.randn(t, hidden, generator=gen, device=DEV).bfloat16()
+    gate_up = (torch.randn(e, 2 * inter, hidden, generator=gen, device=DEV) / math.sqrt(hidden)).bfloat16()
+    down = (torch.randn(e, hidden, inter, generator=gen, device=DEV) / math.sqrt(inter)).bfloat16()
+    logits = torch.randn(t, e, generator=gen, device=DEV)
+    logits[:, : e // 2] -= 100.0  # half the experts get no tokens: empty groups
+    weights, ids = logits.softmax(-1).topk(top_k)
+    _poison_allocator()
+    y = grouped.fused_moe(x, gate_up, down, weights, ids)
+    y_ref = reference.fused_moe(*_cpu(x, gate_up, down, weights, ids))
+    check(f"moe_grouped T={t} E={e} k={top_k}", y, y_ref, 1e-2)
+
+
+# ---------------------------------------------------------------- dispatch and host syncs
+
+def test_dispatch_picks_gpu_variants():
+    from forkpoint.kernels import select_variant
+
+    for op, variant in (("gated_delta", "fla"), ("conv1d", "triton"), ("attention", "triton"), ("moe", "grouped")):
+        pytest.importorskip(f"forkpoint.kernels.{op}.{variant}")
+        assert select_variant(op, variant, True).__name__ == f"forkpoint.kernels.{op}.{variant}"
+
+
+def _no_sync(fn):
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_prefill_ops_no_host_sync():
+    """Warm up (fla autotunes, syncing), then new offsets with the same token count: no sync."""
+    fla = pytest.importorskip("forkpoint.kernels.gated_delta.fla")
+    tri = pytest.importorskip("forkpoint.kernels.conv1d.triton")
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    x = torch.randn(256, 1024, generator=gen, device=DEV).bfloat16()
+    weight = torch.randn(1024, 4, generator=gen, device=DEV).bfloat16()
+    q, k, v, g, beta, _ = _gdn_inputs(gen, [256], 4, 8, 128, 128)
+
+    def run(lens):
+        cu = _offsets(lens)
+        cu_dev = torch.tensor(cu).pin_memory().to(DEV, non_blocking=True)
+        s0 = torch.zeros(len(lens), 8, 128, 128, device=DEV)
+        c0 = torch.zeros(len(lens), 1024, 3, device=DEV, dtype=torch.bfloat16)
+        tri.causal_conv1d_varlen(x, weight, None, c0, cu_dev, cu)
+        fla.chunk_gated_delta_rule(q, k, v, g, beta, s0, cu_dev, cu)
+        fla.recurrent_gated_delta_rule(q[:4], k[:4], v[:4], g[:4], beta[:4], s0[:1].expand(4, -1, -1, -1))
+        tri.causal_conv1d_step(x[:4], weight, None, c0[:1].expand(4, -1, -1))
+
+    run([100, 100, 56])
+    _no_sync(lambda: run([64, 1, 191]))
+
+
+def test_paged_attention_and_moe_no_host_sync():
+    tri = pytest.importorskip("forkpoint.kernels.attention.triton")
+    grouped = pytest.importorskip("forkpoint.kernels.moe.grouped")
+    gen = torch.Generator(device=DEV).manual_seed(10)
+    q, kc, vc, bt, cu, seq_lens = _paged_case(gen, 16, 2, 256, 16)
+    bt, cu_dev, sl_dev = bt.to(DEV), torch.tensor(cu, device=DEV), torch.tensor(seq_lens, device=DEV)
+    x = torch.randn(64, 256, generator=gen, device=DEV).bfloat16()
+    gate_up = torch.randn(8, 256, 256, generator=gen, device=DEV).bfloat16()
+    down = torch.randn(8, 256, 128, generator=gen, device=DEV).bfloat16()
+    weights, ids = torch.randn(64, 8, generator=gen, device=DEV).softmax(-1).topk(2)
+
+    def run():
+        tri.paged_attention(q, kc, vc, bt, cu_dev, cu, sl_dev, seq_lens, scale=0.0625)
+        grouped.fused_moe(x, gate_up, down, weights, ids)
+
+    run()
+    _no_sync(run)

@@ -1,0 +1,110 @@
+"""Tiny random Hugging Face checkpoints for tests, built with transformers (the oracle) and saved
+with `save_pretrained`, plus a small word-level tokenizer, so that forkpoint's real loading code runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+VOCAB = 160
+WORDS = [f"w{i}" for i in range(VOCAB - 8)]
+EOS = "<|im_end|>"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+
+_GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+            linear_conv_kernel_dim=4)
+_ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, rms_norm_eps=1e-6,
+               max_position_embeddings=4096, eos_token_id=1, tie_word_embeddings=False,
+               layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
+
+def save_tokenizer(directory: Path) -> None:
+    """Word-level tokenizer: ids 0..4 special, then w0, w1, ... (space separated)."""
+    specials = ["<|endoftext|>", EOS, "<|im_start|>", "user", "assistant"]
+    vocab = {tok: i for i, tok in enumerate(specials + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(directory)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """transformers initialises norms to identity; randomise them so the oracle test sees them."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.1)
+            elif name.endswith("gate.weight"):
+                param.normal_(0.0, 0.3, generator=generator)
+            elif "embed" in name or "lm_head" in name:
+                param.normal_(0.0, 0.5, generator=generator)
+
+
+def build_tiny_model(directory: Path, model_type: str, *, fused_experts: bool = False, seed: int = 0):
+    """Save a tiny random model of `model_type` into `directory`; return the transformers model (float32, eval)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if model_type == "qwen3_5_moe_text":
+        model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**_COMMON, **_GDN, **_ATTN, **_MOE))
+    elif model_type == "qwen3_5_text":
+        model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**_COMMON, **_GDN, **_ATTN, intermediate_size=96))
+    elif model_type == "qwen3_next":
+        model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**_COMMON, **_GDN, **_ATTN, **_MOE, intermediate_size=96,
+                                                           decoder_sparse_step=1, mlp_only_layers=[1],
+                                                           norm_topk_prob=True))
+    elif model_type == "qwen3_5_moe":
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+        config = tf.Qwen3_5MoeConfig(text_config=dict(**_COMMON, **_GDN, **_ATTN, **_MOE), vision_config=vision,
+                                     image_token_id=VOCAB - 1, video_token_id=VOCAB - 2,
+                                     vision_start_token_id=VOCAB - 3, vision_end_token_id=VOCAB - 4)
+        model = tf.Qwen3_5MoeForConditionalGeneration(config)
+    else:
+        raise ValueError(model_type)
+    _randomize(model, seed)
+    model = model.float().eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    save_tokenizer(directory)
+    if fused_experts:
+        fuse_expert_tensors(directory)
+    return model
+
+
+def fuse_expert_tensors(directory: Path) -> None:
+    """Rewrite per-expert tensors into the released checkpoints' fused layout
+    (`mlp.experts.gate_up_proj [E, 2I, H]`, `mlp.experts.down_proj [E, H, I]`)."""
+    path = directory / "model.safetensors"
+    tensors = load_file(str(path))
+    grouped: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    out = {}
+    for name, tensor in tensors.items():
+        if ".mlp.experts." in name and name.split(".mlp.experts.")[1].split(".")[0].isdigit():
+            base, rest = name.split(".mlp.experts.")
+            index, kind = rest.split(".")[0], rest.split(".")[1]
+            grouped.setdefault(base, {}).setdefault(int(index), {})[kind] = tensor
+        else:
+            out[name] = tensor
+    for base, experts in grouped.items():
+        order = sorted(experts)
+        out[f"{base}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in order])
+        out[f"{base}.mlp.experts.down_proj"] = torch.stack([experts[e]["down_proj"] for e in order])
+    save_file(out, str(path), metadata={"format": "pt"})
+
+
+def words(*indices: int) -> str:
+    return " ".join(WORDS[i] for i in indices)
