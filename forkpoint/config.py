@@ -217,6 +217,8 @@ class EngineConfig:
     load_format: str = "auto"
     checkpoint_pool_size: int | None = None
     checkpoint_wait_s: float = 30.0
+    # cap on one request's prefill tokens per step (vLLM's name), so long prompts share steps
+    long_prefill_token_threshold: int | None = None
     num_kv_blocks: int | None = None
     num_state_slots: int | None = None
     kv_cache_bytes: int = 2 << 30
@@ -238,7 +240,7 @@ class EngineConfig:
             raise ValueError("checkpoint_wait_s must be positive")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
-        for name in ("checkpoint_pool_size", "num_kv_blocks", "num_state_slots"):
+        for name in ("checkpoint_pool_size", "num_kv_blocks", "num_state_slots", "long_prefill_token_threshold"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

@@ -274,10 +274,10 @@ class LLMEngine:
         registry = self.registry
         values: dict[str, int | float] = dict(self._counters)
         values.update(
-            checkpoints_created=registry.num_created if registry else 0,
-            checkpoints_evicted=registry.num_evicted if registry else 0,
-            checkpoints_pending=registry.num_pending if registry else 0,
-            checkpoints_live=len(registry) if registry else 0,
+            checkpoints_created=registry.num_created if registry is not None else 0,
+            checkpoints_evicted=registry.num_evicted if registry is not None else 0,
+            checkpoints_pending=registry.num_pending if registry is not None else 0,
+            checkpoints_live=len(registry) if registry is not None else 0,
             checkpoint_hits=stats.checkpoint_hits,
             requests_deferred=stats.requests_deferred,
             producer_promotions=stats.producer_promotions,

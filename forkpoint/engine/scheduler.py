@@ -79,6 +79,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self.block_size = block_pool.block_size
+        self.chunk_cap = config.long_prefill_token_threshold or config.max_num_batched_tokens
 
     # ------------------------------------------------------------------ queue management
     def add(self, request: Request) -> None:
@@ -130,7 +131,7 @@ class Scheduler:
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or budget == 0:
                 continue
-            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            count = min(request.num_tokens - request.num_computed_tokens, budget, self.chunk_cap)
             if not self._grow_blocks(request, request.num_computed_tokens + count):
                 preempted = True
                 continue
@@ -205,7 +206,7 @@ class Scheduler:
         if self.states.requests.num_free == 0:
             return None
         start = source.num_tokens if source is not None else 0
-        count = min(request.num_tokens - start, budget)
+        count = min(request.num_tokens - start, budget, self.chunk_cap)
         shared = [] if source is None else (source.blocks if source.ready else source.producer_blocks)
         full = start // self.block_size
         own_needed = -(-(start + count) // self.block_size) - full

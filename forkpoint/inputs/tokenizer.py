@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -56,14 +56,18 @@ def load_tokenizer(path: str | os.PathLike[str], *, checkpoint_token: str | None
             "pass tokenizer=... pointing at a directory that has them"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        # tokenizer.json is loaded as written: AutoTokenizer would pick a class from config.json's
+        # model_type and rebuild the pre-tokenizer from that class's defaults instead
+        loader = PreTrainedTokenizerFast if (directory / "tokenizer.json").is_file() else AutoTokenizer
+        tokenizer = loader.from_pretrained(str(directory), local_files_only=True)
     except Exception as err:  # tokenizers raises bare Exception on some malformed files
         raise ValueError(f"could not load the tokenizer in {str(directory)!r}: {err}") from err
 
     base_vocab_size = len(tokenizer)
     if checkpoint_token is None:
         return LoadedTokenizer(tokenizer, None, base_vocab_size)
-    return LoadedTokenizer(tokenizer, register_checkpoint_token(tokenizer, checkpoint_token), base_vocab_size)
+    checkpoint_token_id = register_checkpoint_token(tokenizer, checkpoint_token)
+    return LoadedTokenizer(tokenizer, checkpoint_token_id, base_vocab_size)
 
 
 def register_checkpoint_token(tokenizer: PreTrainedTokenizerBase, checkpoint_token: str) -> int:

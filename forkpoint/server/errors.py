@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -82,20 +83,24 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return message, param
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Route every exception type the app can raise to an OpenAI error body."""
+def install_error_handlers(app: FastAPI, on_error: Callable[[Request, int], None]) -> None:
+    """Route every exception type the app can raise to an OpenAI error body; `on_error(request,
+    status)` is told about each one (for the outcome metrics)."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        on_error(request, exc.status)
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        on_error(request, 400)
         message, param = _validation_message(exc)
         return invalid_request(message, param=param).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        on_error(request, exc.status_code)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return JSONResponse(
             error_body(str(exc.detail), kind, code=str(exc.status_code)),
@@ -103,8 +108,9 @@ def install_error_handlers(app: FastAPI) -> None:
         )
 
     @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error while serving a request")
+        on_error(request, 500)
         return JSONResponse(
             error_body(f"internal server error: {type(exc).__name__}: {exc}", "server_error"),
             status_code=500,

@@ -70,6 +70,10 @@ class Generation:
         self._started = False  # True once the prompts may be in the engine
         self._closed = False
 
+    @property
+    def params(self) -> SamplingParams:
+        return self._params
+
     async def start(self) -> None:
         """Admit and submit every prompt. Raises `APIError`: 503 when the server is at capacity or
         shutting down, 400 when the engine rejects a prompt (nothing is left running then, and

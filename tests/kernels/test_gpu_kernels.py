@@ -267,12 +267,26 @@ def test_grouped_moe_matches_reference(t, e, top_k, hidden, inter):
 
 # ---------------------------------------------------------------- dispatch and host syncs
 
-def test_dispatch_picks_gpu_variants():
-    from forkpoint.kernels import select_variant
+@pytest.mark.parametrize(
+    "op,variant,fn,nargs",
+    [
+        ("gated_delta", "fla", "chunk_gated_delta_rule", 8),
+        ("gated_delta", "fla", "recurrent_gated_delta_rule", 6),
+        ("conv1d", "triton", "causal_conv1d_varlen", 6),
+        ("conv1d", "triton", "causal_conv1d_step", 4),
+        ("attention", "triton", "paged_attention", 8),
+        ("moe", "grouped", "fused_moe", 5),
+    ],
+)
+def test_dispatch_sends_cuda_tensors_to_gpu_variant(monkeypatch, op, variant, fn, nargs):
+    import importlib
 
-    for op, variant in (("gated_delta", "fla"), ("conv1d", "triton"), ("attention", "triton"), ("moe", "grouped")):
-        pytest.importorskip(f"forkpoint.kernels.{op}.{variant}")
-        assert select_variant(op, variant, True).__name__ == f"forkpoint.kernels.{op}.{variant}"
+    module = pytest.importorskip(f"forkpoint.kernels.{op}.{variant}")
+    public = importlib.import_module(f"forkpoint.kernels.{op}")
+    monkeypatch.setattr(module, fn, lambda *a, **k: variant)
+    args = [torch.zeros(1, device=DEV)] * nargs
+    kwargs = {"scale": 1.0} if op == "attention" else {}
+    assert getattr(public, fn)(*args, **kwargs) == variant
 
 
 def _no_sync(fn):

@@ -53,7 +53,9 @@ def copy_kv_slots(
     """
     _check_caches(k_cache, v_cache)
     if src_slots.shape != dst_slots.shape or src_slots.dim() != 1:
-        raise ValueError(f"src_slots and dst_slots must both be [M], got {tuple(src_slots.shape)}, {tuple(dst_slots.shape)}")
+        raise ValueError(
+            f"src_slots and dst_slots must both be [M], got {tuple(src_slots.shape)}, {tuple(dst_slots.shape)}"
+        )
     for cache in (k_cache, v_cache):
         flat = cache.view(-1, *cache.shape[2:])
         flat.index_copy_(0, dst_slots.long(), flat[src_slots.long()])

@@ -1,0 +1,182 @@
+"""The `forkpoint` command: `serve` (OpenAI-compatible server), `generate` (one-off prompts) and
+`bench` (the 1-to-N checkpoint benchmark).
+
+    forkpoint serve --port 8000                       # embedded default model
+    forkpoint generate --max-tokens 8 "Hello" "Bonjour"
+    forkpoint bench --n 1,4,16 --out bench/results
+
+Heavy imports (torch, the engine) happen inside the subcommands, so `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from forkpoint.server.config import DEFAULT_MODEL_NAME, MarkerPolicy, ServerConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool) -> None:
+    """The engine options (the keyword arguments of `LLM`)."""
+    group = parser.add_argument_group("engine")
+    model_help = "local Hugging Face model directory (default: the embedded random-weight Qwen3.5-MoE model)"
+    if positional_model:
+        parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help=model_help)
+    else:
+        group.add_argument("--model", default=None, help=model_help)
+    group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="weights and activations dtype; auto is float32 on CPU, bfloat16 on CUDA (default: auto)")
+    group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    group.add_argument("--seed", type=int, default=0, help="seed of weights for --load-format dummy and of sampling "
+                                                           "without a request seed (default: 0)")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt plus output in tokens (default: the model's max_position_embeddings)")
+    group.add_argument("--max-num-seqs", type=int, default=256, help="most sequences per step (default: 256)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                       help="most tokens per step (default: 8192)")
+    group.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default: 16)")
+    group.add_argument("--checkpoint-token", default="<|mamba_checkpoint|>",
+                       help="the checkpoint marker string (default: <|mamba_checkpoint|>)")
+    group.add_argument("--no-checkpoints", action="store_true",
+                       help="disable checkpoints: markers and checkpoint controls are ignored, nothing is reused")
+    group.add_argument("--max-checkpoints-per-request", type=int, default=4,
+                       help="most checkpoints one prompt may carry (default: 4)")
+    group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                       help="auto/safetensors read the weights; dummy builds seeded random weights from "
+                            "config.json alone (default: auto)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`LLM(**engine_kwargs(args))`."""
+    return dict(
+        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, seed=args.seed,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        enable_checkpoints=not args.no_checkpoints, checkpoint_token=args.checkpoint_token,
+        max_checkpoints_per_request=args.max_checkpoints_per_request, load_format=args.load_format,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="forkpoint", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                                description="Run the OpenAI-compatible HTTP server (one process, one engine thread).")
+    add_engine_args(serve, positional_model=True)
+    http = serve.add_argument_group("server")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    http.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    http.add_argument("--served-model-name", default=None,
+                      help=f"model id in the API (default: the model directory's name, or {DEFAULT_MODEL_NAME})")
+    http.add_argument("--max-waiting-requests", type=int, default=ServerConfig.max_waiting_requests,
+                      help="prompts allowed to wait for their first token; beyond it requests get 503 with "
+                           f"Retry-After (default: {ServerConfig.max_waiting_requests})")
+    http.add_argument("--marker-in-user-content", default=MarkerPolicy.ALLOW.value,
+                      choices=[p.value for p in MarkerPolicy],
+                      help="the marker string inside client text (messages, prompts): allow = it checkpoints; "
+                           "strip = it is removed (structured controls still work); reject = 400 (default: allow)")
+    http.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout_s,
+                      help="seconds in-flight requests get to finish on shutdown before they are aborted "
+                           f"(default: {ServerConfig.shutdown_timeout_s:g})")
+    http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                      help="log level (default: info)")
+    serve.set_defaults(func=run_serve)
+
+    generate = commands.add_parser("generate", help="generate for one-off prompts and print them with timings",
+                                   description="Generate for the given prompts (offline, no server) and print "
+                                               "each output with its reuse, then load and generation timings.")
+    add_engine_args(generate, positional_model=False)
+    generate.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (markers work as usual)")
+    sampling = generate.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per prompt (default: 16)")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    sampling.add_argument("--top-k", type=int, default=-1, help="-1 disables top-k (default: -1)")
+    sampling.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed (default: none)")
+    sampling.add_argument("--chat", action="store_true",
+                          help="send each prompt as a user message through the chat template")
+    generate.set_defaults(func=run_generate)
+
+    from forkpoint.server.bench_cli import add_bench_args, run_bench
+
+    bench = commands.add_parser("bench", help="benchmark 1-to-N prefix sharing, checkpoints on vs off",
+                                description="Run the 1-to-N workload (an anchor, a marker, N suffixes) offline or "
+                                            "against a server; print a table and write JSON and a PNG plot.")
+    add_engine_args(bench, positional_model=False)
+    add_bench_args(bench)
+    bench.set_defaults(func=run_bench)
+    return parser
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from forkpoint import LLM
+    from forkpoint.server.app import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServerConfig(
+        served_model_name=args.served_model_name or _model_name(args.model),
+        max_waiting_requests=args.max_waiting_requests, marker_policy=MarkerPolicy(args.marker_in_user_content),
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+    llm = LLM(**engine_kwargs(args))
+    app = build_app(llm, config)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout)
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from forkpoint import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(**engine_kwargs(args))
+    loaded = time.perf_counter()
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sampling_seed)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    done = time.perf_counter()
+    for prompt, output in zip(args.prompts, outputs):
+        completion = output.outputs[0]
+        print(f"prompt ({len(output.prompt_token_ids)} tokens, {output.num_cached_tokens} reused): {prompt!r}")
+        print(f"output ({len(completion.token_ids)} tokens, {completion.finish_reason}): {completion.text!r}\n")
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    elapsed = done - loaded
+    print(f"load {loaded - start:.2f} s | generate {elapsed:.2f} s for {len(outputs)} prompt(s): "
+          f"{prompt_tokens} prompt tokens, {generated} generated ({generated / elapsed:.1f} tokens/s)")
+    return 0
+
+
+def _model_name(model: str | None) -> str:
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    from pathlib import Path
+
+    return Path(model).name or model
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as err:  # configuration errors name the problem: no traceback needed
+        print(f"forkpoint {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
