@@ -35,7 +35,8 @@ class LoadedTokenizer:
 
 def load_tokenizer(path: str | os.PathLike[str], *, checkpoint_token: str | None) -> LoadedTokenizer:
     """Load the tokenizer in the directory ``path`` (``tokenizer.json``, ``tokenizer_config.json``
-    and its chat template) with ``AutoTokenizer``, from local files only: never the network.
+    and its chat template) from local files only, never the network: `tokenizer.json` through
+    ``PreTrainedTokenizerFast`` exactly as written, else ``AutoTokenizer``.
 
     When ``checkpoint_token`` is a string, it is registered as a special token if the tokenizer
     does not already have it as an added token, and it must then encode to exactly one id.

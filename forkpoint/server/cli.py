@@ -15,6 +15,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from forkpoint.server.config import DEFAULT_MODEL_NAME, MarkerPolicy, ServerConfig
@@ -162,8 +163,6 @@ def run_generate(args: argparse.Namespace) -> int:
 def _model_name(model: str | None) -> str:
     if model is None:
         return DEFAULT_MODEL_NAME
-    from pathlib import Path
-
     return Path(model).name or model
 
 
