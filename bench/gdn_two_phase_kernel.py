@@ -188,6 +188,9 @@ def part_seed(args, gen):
     op = CoreOp(h, hv, k, v, weight)
     rows = []
     for n in args.seed_n:
+        if time.time() > args.deadline:
+            print(f"  seed 1+{n}: skipped, --budget-s spent", flush=True)
+            continue
         cu_p, cu_one, cu_s = [0, p], [0, s], offsets([s] * n)
         cu_p_d, cu_one_d, cu_s_d = (torch.tensor(c, device="cuda") for c in (cu_p, cu_one, cu_s))
         zero_idx = torch.zeros(n, dtype=torch.long, device="cuda")
@@ -244,6 +247,9 @@ def part_qwen(args, gen):
     op = CoreOp(h, hv, k, v, weight)
     rows = []
     for p, s, n in itertools.product(args.qwen_p, args.qwen_s, args.qwen_n):
+        if time.time() > args.deadline:
+            print(f"  P={p} S={s} N={n}: skipped, --budget-s spent", flush=True)
+            continue
         row = {"P": p, "S": s, "N": n, "ideal": n * (p + s) / (p + n * s),
                "floor_full": floor_ms(n * (p + s), 2 * n, hv, k, v, d),
                "floor_two_phase": floor_ms(p + n * s, 1 + 2 * n, hv, k, v, d)}
@@ -402,6 +408,7 @@ def main():
     ap.add_argument("--mem-limit-gb", type=float, default=100.0, help="skip full recomputes estimated above this")
     ap.add_argument("--graph-mem-limit-gb", type=float, default=40.0, help="capture graphs only below this")
     ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="skip the CUDA-graph timings")
+    ap.add_argument("--budget-s", type=float, default=None, help="skip the configs left after this many seconds")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -417,11 +424,12 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-           "fla_core": fla_version, "args": vars(args), "peak_flops": PEAK_FLOPS, "peak_bytes": PEAK_BYTES,
+           "fla_core": fla_version, "args": dict(vars(args)), "peak_flops": PEAK_FLOPS, "peak_bytes": PEAK_BYTES,
            "command": " ".join(sys.argv), "seed": [], "qwen": []}
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, f"{args.name}.json")
     t0 = time.time()
+    args.deadline = t0 + args.budget_s if args.budget_s else float("inf")
     for part in args.parts:
         print(f"part {part}", flush=True)
         res[part] = (part_seed if part == "seed" else part_qwen)(args, gen)
