@@ -1,0 +1,107 @@
+"""Engine behaviour without checkpoints: batching invariance, preemption, sampling, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forkpoint import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(moe_model):
+    return LLM(str(moe_model[0]), num_kv_blocks=96, max_num_seqs=8, max_num_batched_tokens=40)
+
+
+def prompts(count: int, seed: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 50, (count,), generator=generator).tolist()
+    return [{"prompt_token_ids": torch.randint(5, 150, (n,), generator=generator).tolist()} for n in lengths]
+
+
+def test_batch_invariance(llm):
+    batch = prompts(7, seed=1)
+    together = llm.generate(batch, GREEDY, use_tqdm=False)
+    for prompt, out in zip(batch, together):
+        alone = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids
+    llm.engine.check_integrity()
+
+
+def test_preemption_under_tiny_pool_gives_same_outputs(moe_model, llm):
+    generator = torch.Generator().manual_seed(2)
+    batch = [{"prompt_token_ids": torch.randint(5, 150, (10,), generator=generator).tolist()} for _ in range(5)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=12,
+                                                                                     ignore_eos=True), use_tqdm=False)]
+    tiny = LLM(str(moe_model[0]), num_kv_blocks=16, block_size=4, max_num_seqs=4, enable_checkpoints=False)
+    outs = tiny.generate(batch, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert tiny.metrics()["preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    tiny.engine.check_integrity()
+    assert tiny.metrics()["kv_blocks_used"] == 0 and tiny.metrics()["state_slots_used"] == 0
+
+
+def test_sampling_controls(llm):
+    prompt = prompts(1, seed=3)[0]
+    seeded = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=11, max_tokens=8, ignore_eos=True)
+    a = llm.generate(prompt, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    b = llm.generate(prompt, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    assert a == b
+    top1 = llm.generate(prompt, SamplingParams(temperature=1.0, top_k=1, seed=5, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    assert top1 == greedy.token_ids
+    stop_at = greedy.token_ids[3]
+    stopped = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[stop_at]),
+                           use_tqdm=False)[0].outputs[0]
+    assert stopped.token_ids == greedy.token_ids[: greedy.token_ids.index(stop_at) + 1]
+    assert stopped.finish_reason == "stop"
+    stop_text = llm.get_tokenizer().decode([greedy.token_ids[2]])
+    by_text = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, stop=[stop_text]),
+                           use_tqdm=False)[0].outputs[0]
+    assert by_text.finish_reason == "stop" and stop_text not in by_text.text
+    with_logprobs = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3, logprobs=4),
+                                 use_tqdm=False)[0].outputs[0]
+    for token, entry in zip(with_logprobs.token_ids, with_logprobs.logprobs):
+        assert token in entry and len(entry) == 4 and entry[token] == max(entry.values())
+        assert all(v <= 0 for v in entry.values())
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_k=-5), "top_k"),
+    (dict(min_p=2.0), "min_p"), (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"),
+    (dict(logprobs=-1), "logprobs"), (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
+])
+def test_invalid_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_invalid_prompts_leave_nothing_behind(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate("", GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate({"prompt_token_ids": [5] * 5000}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="160"):
+        llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [5, 160]}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["w1", "w2"], [GREEDY], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_integrity()
+    assert llm.generate("w1 w2", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_abort_mid_generation_frees_everything(llm):
+    engine = llm.engine
+    engine.add_request("a", prompts(1, seed=4)[0], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    engine.add_request("b", prompts(1, seed=5)[0], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.abort_request("a")
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+    assert llm.metrics()["state_slots_used"] == 0 and llm.metrics()["kv_blocks_used"] == 0

@@ -1,0 +1,128 @@
+"""Real servers for the server tests: uvicorn on a free loopback port, in a thread of the test
+process (so tests can run checks on the engine thread through `app.state.worker`).
+
+`server` is one session-wide server on the embedded default model. `spare_llm` is a second engine
+for tests that need their own server configuration: they start short-lived servers on it with
+`serve(spare_llm, ServerConfig(...))`, one at a time (each server owns the engine while it runs).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
+
+from forkpoint import LLM
+from forkpoint.server.app import build_app
+from forkpoint.server.config import ServerConfig
+
+MARKER = "<|mamba_checkpoint|>"
+# small pools and context: fast to allocate, and "prompt too long" is cheap to provoke
+TEST_LLM_KWARGS = {"max_model_len": 4096, "num_kv_blocks": 2048, "checkpoint_pool_size": 32}
+
+
+@dataclass
+class RunningServer:
+    """A server under test. `base_url` has no trailing slash and no /v1."""
+
+    base_url: str
+    app: FastAPI
+    llm: LLM
+    uvicorn_server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def model(self) -> str:
+        return self.app.state.config.served_model_name
+
+    def client(self, **kwargs: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="test", max_retries=0,
+                             timeout=kwargs.pop("timeout", 120), **kwargs)
+
+    def async_client(self, **kwargs: Any) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="test", max_retries=0,
+                                  timeout=kwargs.pop("timeout", 120), **kwargs)
+
+    def post(self, path: str, **kwargs: Any) -> httpx.Response:
+        return httpx.post(f"{self.base_url}{path}", timeout=kwargs.pop("timeout", 120), **kwargs)
+
+    def engine_call(self, fn: Callable[[Any], Any], timeout: float = 60) -> Any:
+        """Run `fn(engine)` on the server's engine thread and return its result."""
+        return self.app.state.worker.call(fn).result(timeout=timeout)
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Scrape /metrics: {(sample name, sorted labels): value}."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=30).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def wait_idle(self, timeout: float = 60) -> dict[str, float]:
+        """Wait until the engine has no request and no slot in use; return its metrics."""
+        deadline = time.monotonic() + timeout
+        while True:
+            values = self.engine_call(lambda engine: (engine.has_unfinished_requests(), engine.metrics()))
+            if not values[0] and values[1]["state_slots_used"] == 0:
+                return values[1]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine still busy after {timeout} s: {values[1]}")
+            time.sleep(0.05)
+
+
+@contextmanager
+def serve(llm: LLM, config: ServerConfig) -> Iterator[RunningServer]:
+    """Run `build_app(llm, config)` on a free 127.0.0.1 port until the block ends."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    app = build_app(llm, config)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield RunningServer(f"http://127.0.0.1:{port}", app, llm, server, thread)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        sock.close()
+        assert not thread.is_alive(), "the test server did not stop"
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[RunningServer]:
+    """The session-wide server on the embedded default model (checkpoints on, marker allowed)."""
+    with serve(LLM(**TEST_LLM_KWARGS), ServerConfig(served_model_name="forkpoint-test")) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def spare_llm() -> LLM:
+    """A second engine for short-lived servers with other configurations."""
+    return LLM(**TEST_LLM_KWARGS)
+
+
+@pytest.fixture
+def anchor_text() -> Callable[[str], str]:
+    """anchor_text(tag) -> a fresh shared prefix (~60 tokens), distinct per tag."""
+    def make(tag: str) -> str:
+        return f"Listing {tag}: " + " ".join(f"item-{tag}-{i} costs {i * 7 % 13} euros;" for i in range(8))
+    return make
