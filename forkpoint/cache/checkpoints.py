@@ -16,11 +16,14 @@ registered checkpoints of each prefix length.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.state_pool import SlotAllocator
+
+logger = logging.getLogger("forkpoint.checkpoints")
 
 
 @dataclass(eq=False)
@@ -100,8 +103,10 @@ class CheckpointRegistry:
         idle = [c for c in self._by_key.values() if c.ready and c.pins == 0]
         if not idle:
             return False
-        self.remove(min(idle, key=lambda c: c.last_used))
+        victim = min(idle, key=lambda c: c.last_used)
+        self.remove(victim)
         self.num_evicted += 1
+        logger.debug("evicted: %d-token checkpoint (least recently used)", victim.num_tokens)
         return True
 
     def remove(self, checkpoint: Checkpoint) -> None:

@@ -217,7 +217,7 @@ class LLMEngine:
         for checkpoint, producer in plan.written:
             self.registry.mark_ready(checkpoint, producer.blocks[: -(-checkpoint.num_tokens // block_size)])
             producer.producing.remove(checkpoint)
-            logger.debug("checkpoint ready: %d tokens, producer %s", checkpoint.num_tokens, producer.request_id)
+            logging.getLogger("forkpoint.checkpoints").debug("ready: %d tokens, producer %s", checkpoint.num_tokens, producer.request_id)
         for checkpoint in plan.consumed:
             checkpoint.pins -= 1
 

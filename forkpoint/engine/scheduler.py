@@ -11,6 +11,7 @@ are evicted first, then the most recently admitted running request is preempted 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from forkpoint.cache.checkpoints import Checkpoint, CheckpointRegistry
 from forkpoint.cache.state_pool import ZERO_SLOT, StatePool
 from forkpoint.config import EngineConfig
 from forkpoint.engine.request import Request, RequestStatus
+
+logger = logging.getLogger("forkpoint.checkpoints")
 
 
 @dataclass(frozen=True)
@@ -198,6 +201,8 @@ class Scheduler:
                 if now - (request.deferred_since or now) > self.config.checkpoint_wait_s:
                     request.gave_up_waiting = True
                     self.stats.checkpoint_wait_timeouts += 1
+                    logger.debug("wait bound: %s computes the %d-token prefix itself", request.request_id,
+                                 longest.num_tokens)
                     self._stop_waiting(request, now)
                 else:
                     self._wait_on(request, longest, now)
@@ -249,6 +254,8 @@ class Scheduler:
         if request.deferred_since is None:
             request.deferred_since = now
             self.stats.requests_deferred += 1
+            logger.debug("deferred: %s waits for the %d-token checkpoint of %s", request.request_id,
+                         checkpoint.num_tokens, checkpoint.producer)
 
     def _stop_waiting(self, request: Request, now: float | None = None) -> None:
         checkpoint = request.waiting_on
@@ -272,19 +279,25 @@ class Scheduler:
             if checkpoint is None:
                 checkpoint = self.registry.register(key, position, request.request_id, now)
                 if checkpoint is None:
+                    logger.debug("no checkpoint slot free for %s at %d: a miss", request.request_id, position)
                     continue  # checkpoint pool full of pinned entries: a miss, never an error
+                logger.debug("registered: %d-token checkpoint, producer %s", position, request.request_id)
             elif checkpoint.ready or checkpoint.producer is not None:
                 continue
             else:
-                checkpoint.producer = request.request_id
-                self.stats.producer_promotions += 1
+                self._promote(request, checkpoint)
+                continue
             request.producing.append(checkpoint)
         # orphans this request matched on its way (prefix of its prompt without a marker) are adopted too
         for checkpoint in self._orphans_on_path(request, start):
-            checkpoint.producer = request.request_id
-            self.stats.producer_promotions += 1
-            request.producing.append(checkpoint)
+            self._promote(request, checkpoint)
         request.producing.sort(key=lambda c: c.num_tokens)
+
+    def _promote(self, request: Request, checkpoint: Checkpoint) -> None:
+        checkpoint.producer = request.request_id
+        self.stats.producer_promotions += 1
+        request.producing.append(checkpoint)
+        logger.debug("promoted: %s now produces the %d-token checkpoint", request.request_id, checkpoint.num_tokens)
 
     def _orphans_on_path(self, request: Request, start: int) -> list[Checkpoint]:
         prompt_len = len(request.prompt_token_ids)

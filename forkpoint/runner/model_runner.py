@@ -36,7 +36,7 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
     block_tables = torch.zeros(len(segments), max_blocks, dtype=torch.int32)
     for row, segment in enumerate(segments):
         request = segment.request
-        tokens = request.token_ids[segment.start : segment.end]
+        tokens = request.tokens(segment.start, segment.end)
         token_ids.extend(tokens)
         positions.extend(range(segment.start, segment.end))
         blocks = request.blocks

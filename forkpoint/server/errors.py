@@ -77,7 +77,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"request body is not valid JSON: {first.get('msg', '')}", None
     param = loc[0] if loc else None
     where = ".".join(loc)
-    message = f"{where}: {first.get('msg', 'invalid value')}" if where else first.get("msg", "invalid request")
+    detail = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    message = f"{where}: {detail}" if where else detail
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem(s))"
     return message, param

@@ -31,7 +31,12 @@ class Admission:
         self.running = 0
 
     def admit(self, count: int) -> None:
-        """Take `count` waiting places, or raise a 503 `APIError` when they do not fit."""
+        """Take `count` waiting places, or raise a 503 `APIError` when they do not fit now (a 400
+        when they never can)."""
+        if count > self.max_waiting:
+            raise invalid_request(
+                f"the request has {count} prompts but at most {self.max_waiting} may wait at once "
+                "(--max-waiting-requests): send fewer prompts per request", param="prompt")
         if self.waiting + count > self.max_waiting:
             raise overloaded(
                 self.retry_after_s,

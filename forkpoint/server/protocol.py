@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TokenIds = list[int]
 
@@ -53,13 +53,19 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     checkpoint_positions: list[int] | None = None
 
-    @model_validator(mode="after")
-    def _check(self) -> "CompletionRequest":
-        if isinstance(self.prompt, list) and not self.prompt:
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and not prompt:
             raise ValueError("prompt is an empty list: give a string, token ids, or a non-empty batch")
-        if self.echo:
+        return prompt
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
             raise ValueError("echo is not supported: the prompt is not returned with the completion")
-        return self
+        return echo
 
 
 class ContentPart(BaseModel):

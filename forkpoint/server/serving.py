@@ -9,6 +9,7 @@ the shape of a choice, which `CompletionFormat` and `ChatFormat` supply.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -31,6 +32,7 @@ from forkpoint.server.protocol import ChatCompletionRequest, CompletionRequest, 
 from forkpoint.server.worker import EngineFailure, EngineWorker, ServerShuttingDown
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 @dataclass
@@ -245,8 +247,9 @@ class OpenAIServing:
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, min_p=body.min_p,
                 seed=body.seed, max_tokens=max_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
                 ignore_eos=body.ignore_eos, logprobs=logprobs)
-        except ValueError as err:
-            raise invalid_request(str(err)) from None
+        except ValueError as err:  # SamplingParams names the field first: "stop must be ..."
+            field_name = str(err).split(" ", 1)[0]
+            raise invalid_request(str(err), param=field_name if field_name in SAMPLING_FIELDS else None) from None
 
     async def _generate(self, endpoint: str, prompt_param: str, id_prefix: str, body: SamplingFields,
                         prompts: list[EnginePrompt], params: SamplingParams, fmt: _Format,

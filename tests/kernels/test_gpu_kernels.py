@@ -6,10 +6,9 @@ relative RMS, ||out - ref|| / ||ref|| in fp64. Tolerances, for bf16 operands: 2e
 delta rule (fla keeps per-chunk states in bf16 for the output product), 1e-2 elsewhere; copies
 (conv states) must match exactly. Each measured error is printed (`pytest -s` shows them).
 
-Outputs are fresh tensors from the op, so "poisoned before the kernel writes them" is arranged
-through the caching allocator: `_poison_allocator()` fills freshly cached blocks with 0xFF bytes
-(NaN in bf16, fp16 and fp32) and frees them, so the op's `torch.empty` outputs start as NaN; every
-test then checks that no NaN is left. `test_*_no_host_sync` run each op under
+Outputs are fresh tensors from the op, so "poisoned before the kernel writes them" is arranged by
+the `poison` fixture: while it is active, torch.empty / empty_like / Tensor.new_empty (used by our
+kernels and by fla) return NaN-filled float tensors, and every check asserts that no NaN is left. `test_*_no_host_sync` run each op under
 `torch.cuda.set_sync_debug_mode("error")`.
 """
 
@@ -40,18 +39,24 @@ def check(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
     assert err < tol, f"{name}: relative RMS error {err:.3e} >= {tol:.0e}"
 
 
-def _poison_allocator() -> None:
-    """Make the next CUDA allocations land in NaN-filled memory (bytes 0xFF)."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    # small pool (<= 1 MiB, 2 MiB segments) and large pool (bigger requests)
-    blocks = [torch.full((512 << 10,), 255, dtype=torch.uint8, device=DEV) for _ in range(256)]
-    blocks += [torch.full((8 << 20,), 255, dtype=torch.uint8, device=DEV) for _ in range(32)]
-    blocks += [torch.full((1 << 30,), 255, dtype=torch.uint8, device=DEV)]
-    del blocks
-    probe = torch.empty(4096, dtype=torch.bfloat16, device=DEV)
-    assert torch.isnan(probe).all(), "allocator poisoning did not take: fresh memory is not NaN"
-    del probe
+@pytest.fixture
+def poison(monkeypatch):
+    """While active, every torch.empty / empty_like / Tensor.new_empty returns a float tensor
+    filled with NaN (ints untouched): any output element a kernel forgets to write stays NaN."""
+
+    def nan_filled(factory):
+        def make(*args, **kwargs):
+            t = factory(*args, **kwargs)
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+            return t
+
+        return make
+
+    monkeypatch.setattr(torch, "empty", nan_filled(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", nan_filled(torch.empty_like))
+    monkeypatch.setattr(torch.Tensor, "new_empty", nan_filled(torch.Tensor.new_empty))
+    assert torch.isnan(torch.empty(8, device=DEV, dtype=torch.bfloat16)).all()
 
 
 def _offsets(lens):
@@ -86,7 +91,7 @@ def _cpu(*ts):
         ([130, 3, 77], 4, 4, 64),                  # no grouping, small heads
     ],
 )
-def test_chunk_gated_delta_rule_matches_reference(lens, h, hv, dim):
+def test_chunk_gated_delta_rule_matches_reference(poison, lens, h, hv, dim):
     fla = pytest.importorskip("forkpoint.kernels.gated_delta.fla")
     from forkpoint.kernels.gated_delta import reference
 
@@ -94,7 +99,6 @@ def test_chunk_gated_delta_rule_matches_reference(lens, h, hv, dim):
     q, k, v, g, beta, s0 = _gdn_inputs(gen, lens, h, hv, dim, dim)
     cu = _offsets(lens)
     cu_dev = torch.tensor(cu, device=DEV)
-    _poison_allocator()
     o, st = fla.chunk_gated_delta_rule(q, k, v, g, beta, s0, cu_dev, cu)
     torch.cuda.synchronize()
     o_ref, st_ref = reference.chunk_gated_delta_rule(*_cpu(q, k, v, g, beta, s0), torch.tensor(cu), cu)
@@ -103,7 +107,7 @@ def test_chunk_gated_delta_rule_matches_reference(lens, h, hv, dim):
     check(f"gdn_chunk_state lens={lens} H={h} HV={hv} K={dim}", st, st_ref, 2e-2)
 
 
-def test_chunk_gated_delta_rule_zero_length_segment():
+def test_chunk_gated_delta_rule_zero_length_segment(poison):
     fla = pytest.importorskip("forkpoint.kernels.gated_delta.fla")
     from forkpoint.kernels.gated_delta import reference
 
@@ -117,20 +121,19 @@ def test_chunk_gated_delta_rule_zero_length_segment():
     check("gdn_chunk_state zero-length segment", st, st_ref, 2e-2)
 
 
-def test_recurrent_gated_delta_rule_matches_reference():
+def test_recurrent_gated_delta_rule_matches_reference(poison):
     fla = pytest.importorskip("forkpoint.kernels.gated_delta.fla")
     from forkpoint.kernels.gated_delta import reference
 
     gen = torch.Generator(device=DEV).manual_seed(11)
     q, k, v, g, beta, s0 = _gdn_inputs(gen, [1] * 9, 4, 8, 128, 128)
-    _poison_allocator()
     o, st = fla.recurrent_gated_delta_rule(q, k, v, g, beta, s0)
     o_ref, st_ref = reference.recurrent_gated_delta_rule(*_cpu(q, k, v, g, beta, s0))
     check("gdn_recurrent_o", o, o_ref, 1e-2)
     check("gdn_recurrent_state", st, st_ref, 1e-2)
 
 
-def test_two_phase_equals_one_pass():
+def test_two_phase_equals_one_pass(poison):
     """Prefix once, gather its state for N consumers, run all suffixes packed: equals running each
     prefix + suffix in one pass (outputs on the suffix tokens and final states)."""
     fla = pytest.importorskip("forkpoint.kernels.gated_delta.fla")
@@ -157,7 +160,7 @@ def test_two_phase_equals_one_pass():
 
 # ---------------------------------------------------------------- conv1d
 
-def test_causal_conv1d_varlen_matches_reference():
+def test_causal_conv1d_varlen_matches_reference(poison):
     tri = pytest.importorskip("forkpoint.kernels.conv1d.triton")
     from forkpoint.kernels.conv1d import reference
 
@@ -170,15 +173,14 @@ def test_causal_conv1d_varlen_matches_reference():
     s0 = torch.randn(len(lens), d, w - 1, generator=gen, device=DEV).bfloat16()
     cu = _offsets(lens)
     for b, act in ((bias, "silu"), (None, None)):
-        _poison_allocator()
-        y, st = tri.causal_conv1d_varlen(x, weight, b, s0, torch.tensor(cu, device=DEV), cu, activation=act)
+            y, st = tri.causal_conv1d_varlen(x, weight, b, s0, torch.tensor(cu, device=DEV), cu, activation=act)
         y_ref, st_ref = reference.causal_conv1d_varlen(*_cpu(x, weight), None if b is None else b.cpu(), s0.cpu(),
                                                        torch.tensor(cu), cu, activation=act)
         check(f"conv_varlen_y act={act}", y, y_ref, 1e-2)
         assert not torch.isnan(st).any() and torch.equal(st.cpu(), st_ref), "conv final state must be an exact copy"
 
 
-def test_causal_conv1d_step_matches_reference():
+def test_causal_conv1d_step_matches_reference(poison):
     tri = pytest.importorskip("forkpoint.kernels.conv1d.triton")
     from forkpoint.kernels.conv1d import reference
 
@@ -188,7 +190,6 @@ def test_causal_conv1d_step_matches_reference():
     weight = (0.5 * torch.randn(d, w, generator=gen, device=DEV)).bfloat16()
     bias = torch.randn(d, generator=gen, device=DEV).bfloat16()
     s0 = torch.randn(n, d, w - 1, generator=gen, device=DEV).bfloat16()
-    _poison_allocator()
     y, st = tri.causal_conv1d_step(x, weight, bias, s0)
     y_ref, st_ref = reference.causal_conv1d_step(*_cpu(x, weight, bias, s0))
     check("conv_step_y", y, y_ref, 1e-2)
@@ -222,14 +223,13 @@ def _paged_case(gen, hq, hkv, dh, block_size):
 
 
 @pytest.mark.parametrize("hq,hkv,dh,block_size", [(16, 2, 256, 16), (8, 8, 128, 16), (4, 1, 64, 5)])
-def test_paged_attention_matches_reference(hq, hkv, dh, block_size):
+def test_paged_attention_matches_reference(poison, hq, hkv, dh, block_size):
     tri = pytest.importorskip("forkpoint.kernels.attention.triton")
     from forkpoint.kernels.attention import reference
 
     gen = torch.Generator(device=DEV).manual_seed(hq * 1000 + dh)
     q, kc, vc, bt, cu, seq_lens = _paged_case(gen, hq, hkv, dh, block_size)
     scale = dh ** -0.5
-    _poison_allocator()
     o = tri.paged_attention(q, kc, vc, bt.to(DEV), torch.tensor(cu, device=DEV), cu,
                             torch.tensor(seq_lens, device=DEV), seq_lens, scale=scale)
     o_ref = reference.paged_attention(*_cpu(q, kc, vc, bt), torch.tensor(cu), cu, torch.tensor(seq_lens), seq_lens,
@@ -248,7 +248,7 @@ def test_paged_attention_matches_reference(hq, hkv, dh, block_size):
 # ---------------------------------------------------------------- MoE
 
 @pytest.mark.parametrize("t,e,top_k,hidden,inter", [(100, 16, 4, 256, 128), (7, 64, 8, 512, 64)])
-def test_grouped_moe_matches_reference(t, e, top_k, hidden, inter):
+def test_grouped_moe_matches_reference(poison, t, e, top_k, hidden, inter):
     grouped = pytest.importorskip("forkpoint.kernels.moe.grouped")
     from forkpoint.kernels.moe import reference
 
@@ -259,7 +259,6 @@ def test_grouped_moe_matches_reference(t, e, top_k, hidden, inter):
     logits = torch.randn(t, e, generator=gen, device=DEV)
     logits[:, : e // 2] -= 100.0  # half the experts get no tokens: empty groups
     weights, ids = logits.softmax(-1).topk(top_k)
-    _poison_allocator()
     y = grouped.fused_moe(x, gate_up, down, weights, ids)
     y_ref = reference.fused_moe(*_cpu(x, gate_up, down, weights, ids))
     check(f"moe_grouped T={t} E={e} k={top_k}", y, y_ref, 1e-2)

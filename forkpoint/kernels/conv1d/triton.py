@@ -92,12 +92,14 @@ def _varlen_kernel(x, w, b, s0, y, sT, cu_seqlens, chunk_idx, NT, D, stride_xt,
         i_n = (i_c - NT).to(tl.int64)
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-        for j in tl.static_range(W - 1):
-            p = T - (W - 1) + j
-            x_j = tl.load(x + (bos + p) * stride_xt + o_d, mask=m_d & (p >= 0), other=0.0)
-            s_j = tl.load(s0 + i_n * D * (W - 1) + o_d * (W - 1) + (W - 1 + p), mask=m_d & (p < 0), other=0.0)
-            tl.store(sT + i_n * D * (W - 1) + o_d * (W - 1) + j,
-                     (x_j.to(tl.float32) + s_j.to(tl.float32)).to(sT.dtype.element_ty), mask=m_d)
+        # names differ from the other branch: Triton wants one type per name across branches
+        for jf in tl.static_range(W - 1):
+            pf = T - (W - 1) + jf
+            xf = tl.load(x + (bos + pf) * stride_xt + o_d, mask=m_d & (pf >= 0), other=0.0)
+            sf = tl.load(s0 + i_n * D * (W - 1) + o_d * (W - 1) + (W - 1 + pf), mask=m_d & (pf < 0), other=0.0)
+            tl.store(sT + i_n * D * (W - 1) + o_d * (W - 1) + jf,
+                     (xf.to(tl.float32) + sf.to(tl.float32)).to(sT.dtype.element_ty), mask=m_d)
+
 
 @triton.jit
 def _step_kernel(x, w, b, s0, y, sT, D, W: tl.constexpr, BD: tl.constexpr,

@@ -67,8 +67,9 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state, *, scale=None, u
     if initial_state.dtype != torch.float32:
         raise ValueError(f"initial_state must be float32, got {initial_state.dtype}: the recurrent state is kept in fp32")
     # [N, 1, ...]: batch of N sequences of one token each, no cu_seqlens needed.
+    # fla's signature is (q, k, v, g, gk, gv, beta, ...): pass g and beta by name
     o, final_state = fla_fused_recurrent_gated_delta_rule(
-        q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g.unsqueeze(1), beta.unsqueeze(1),
+        q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g=g.unsqueeze(1), beta=beta.unsqueeze(1),
         scale=scale,
         initial_state=initial_state,
         output_final_state=True,
