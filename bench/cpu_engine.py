@@ -75,6 +75,18 @@ def machine_info() -> dict:
     }
 
 
+def probe_gflops(size: int = 1024, reps: int = 5) -> float:
+    """Speed of the CPU right now: float32 matmul GFLOP/s (best of three short bursts)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        best = max(best, reps * 2 * size**3 / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
 # ---------------------------------------------------------------- instrumentation
 
 class StepProbe:
@@ -91,6 +103,7 @@ class StepProbe:
         engine = self.engine
         schedule, model = engine.scheduler.schedule, engine.runner.model
         build, sample = runner_module.build_forward_batch, engine_module.sample
+        make_output = engine._make_output
         self._saved = (schedule, model, build, sample)
         cur = self
 
@@ -121,6 +134,12 @@ class StepProbe:
             cur._current["sample"] = time.perf_counter() - t0
             return out
 
+        def timed_make_output(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = make_output(*args, **kwargs)
+            cur._current["outputs"] = cur._current.get("outputs", 0.0) + time.perf_counter() - t0
+            return out
+
         def lm_pre(module, inputs):
             cur._current["_lm0"] = time.perf_counter()
 
@@ -131,13 +150,15 @@ class StepProbe:
         engine.runner.model = timed_model
         runner_module.build_forward_batch = timed_build
         engine_module.sample = timed_sample
+        engine._make_output = timed_make_output
         lm_head = model.lm_head
         self._hooks = [lm_head.register_forward_pre_hook(lm_pre), lm_head.register_forward_hook(lm_post)]
         return self
 
     def __exit__(self, *exc) -> None:
         schedule, model, build, sample = self._saved
-        del self.engine.scheduler.schedule  # back to the bound method
+        del self.engine.scheduler.schedule  # back to the bound methods
+        del self.engine._make_output
         self.engine.runner.model = model
         runner_module.build_forward_batch = build
         engine_module.sample = sample
@@ -153,7 +174,9 @@ class StepProbe:
         if not self._current.get("segments"):
             return outputs, None
         record = dict(self._current, step=elapsed)
+        record.setdefault("outputs", 0.0)
         record["rest"] = elapsed - sum(record.get(k, 0.0) for k in ("schedule", "build", "forward", "sample"))
+        record["other"] = record["rest"] - record["outputs"]
         record["is_decode"] = record["decodes"] == record["segments"]
         self.records.append(record)
         return outputs, record
@@ -178,6 +201,7 @@ def bench_prefill(llm: LLM, args, rng: random.Random) -> dict:
     bar = tqdm(total=args.warmup + args.repeats, desc="(a) prefill", leave=False)
     for i in range(args.warmup + args.repeats):
         prompts = [random_prompt(rng, args.prefill_len) for _ in range(args.prefill_prompts)]
+        gflops = probe_gflops()
         before = llm.metrics()["prompt_tokens_computed"]
         t0 = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
@@ -186,7 +210,7 @@ def bench_prefill(llm: LLM, args, rng: random.Random) -> dict:
         if computed != tokens:
             raise RuntimeError(f"prefill computed {computed} tokens, expected {tokens}")
         if i >= args.warmup:
-            runs.append({"wall_s": wall, "tokens_per_s": tokens / wall})
+            runs.append({"wall_s": wall, "tokens_per_s": tokens / wall, "probe_gflops": gflops})
         bar.update(1)
     bar.close()
     return {"prompts": args.prefill_prompts, "prompt_len": args.prefill_len, "tokens": tokens, "runs": runs,
@@ -218,6 +242,7 @@ def bench_decode(llm: LLM, args, rng: random.Random) -> dict:
     with StepProbe(llm) as probe:
         for r in tqdm(range(args.repeats + 1), desc="(b) decode", leave=False):
             prompts = [random_prompt(rng, args.decode_prompt_len) for _ in range(args.decode_seqs)]
+            gflops = probe_gflops()
             records = run_batch(llm, probe, prompts, params, f"decode{r}")
             if r == 0:
                 continue  # warm-up for this batch shape
@@ -225,7 +250,7 @@ def bench_decode(llm: LLM, args, rng: random.Random) -> dict:
             tokens = sum(x["segments"] for x in decode)
             seconds = sum(x["step"] for x in decode)
             runs.append({
-                "decode_steps": len(decode), "decode_tokens": tokens, "decode_s": seconds,
+                "probe_gflops": gflops, "decode_steps": len(decode), "decode_tokens": tokens, "decode_s": seconds,
                 "tokens_per_s": tokens / seconds,
                 "total_s": sum(x["step"] for x in records),
                 "median_step_ms": statistics.median(x["step"] for x in decode) * 1e3,
@@ -248,6 +273,7 @@ def bench_host(llm: LLM, args, rng: random.Random) -> dict:
     for request_id in ids:
         engine.add_request(request_id, random_prompt(rng, args.sched_prompt_len), params)
     records = []
+    gflops_before = probe_gflops()
     with StepProbe(llm) as probe:
         bar = tqdm(total=args.sched_steps, desc=f"(c) {args.sched_seqs} running", leave=False)
         while len(records) < args.sched_steps:
@@ -262,7 +288,7 @@ def bench_host(llm: LLM, args, rng: random.Random) -> dict:
     for request_id in ids:
         engine.abort_request(request_id)
     summary = {}
-    for key in ("schedule", "build", "rest", "sample", "forward", "lm_head", "step"):
+    for key in ("schedule", "build", "rest", "outputs", "other", "sample", "forward", "lm_head", "step"):
         values = [x[key] * 1e6 for x in records]
         summary[key] = {"median_us": statistics.median(values), "p99_us": pct(values, 99),
                         "max_us": max(values), "min_us": min(values)}
@@ -270,6 +296,7 @@ def bench_host(llm: LLM, args, rng: random.Random) -> dict:
     summary["host_total"] = {"median_us": statistics.median(host), "p99_us": pct(host, 99), "max_us": max(host),
                              "min_us": min(host)}
     return {"running": args.sched_seqs, "prompt_len": args.sched_prompt_len, "steps": len(records),
+            "probe_gflops_before": gflops_before, "probe_gflops_after": probe_gflops(),
             "summary": summary, "schedule_us": [x["schedule"] * 1e6 for x in records],
             "build_us": [x["build"] * 1e6 for x in records], "rest_us": [x["rest"] * 1e6 for x in records],
             "step_ms": [x["step"] * 1e3 for x in records]}
@@ -287,16 +314,21 @@ def print_tables(result: dict) -> None:
           f"{a['median_tokens_per_s']:,.0f} tokens/s ({a['median_wall_s'] * 1e3:.0f} ms per generate) | "
           + ", ".join(f"{r['tokens_per_s']:,.0f}" for r in a["runs"]) + " |")
     md = b["median"]
+    probes = [r["probe_gflops"] for r in a["runs"]] + [r["probe_gflops"] for r in b["runs"]]
     print(f"| (b) decode | {b['seqs']} seqs, prompt {b['prompt_len']}, max_tokens={b['max_tokens']}, ignore_eos | "
           f"{md['tokens_per_s']:,.0f} tokens/s (step {md['median_step_ms']:.1f} ms: forward "
           f"{md['median_forward_ms']:.1f} of which lm_head {md['median_lm_head_ms']:.1f}, sample "
           f"{md['median_sample_ms']:.1f}, host {md['median_host_ms']:.2f}) | "
           + ", ".join(f"{r['tokens_per_s']:,.0f}" for r in b["runs"]) + " |")
+    print("\nload probe (1024^3 fp32 matmul) before each run, GFLOP/s: (a)+(b) "
+          + ", ".join(f"{x:.0f}" for x in probes)
+          + f"; (c) {c['probe_gflops_before']:.0f} before, {c['probe_gflops_after']:.0f} after")
     print(f"\n(c) per decode step with {c['running']} running sequences, {c['steps']} steps (microseconds)")
     print("\n| part | median | p99 | max |")
     print("|---|---|---|---|")
     names = {"schedule": "scheduler.schedule()", "build": "build_forward_batch (runner, host)",
-             "rest": "rest of step() (outputs, counters)", "host_total": "host total (schedule + build + rest)",
+             "rest": "rest of step() (post-processing)", "outputs": "  of which _make_output (RequestOutputs)",
+             "other": "  of which the rest (counters, token append)", "host_total": "host total (schedule + build + rest)",
              "sample": "sample (argmax over vocab)", "lm_head": "lm_head (in forward)", "forward": "model forward",
              "step": "whole step"}
     for key, label in names.items():
@@ -324,25 +356,19 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title(f"(a) {a['prompts']}x{a['prompt_len']} prefill, (b) {b['seqs']}-seq decode")
 
     ax = axes[1]
-    md = b["median"]
-    parts = [("lm_head", md["median_lm_head_ms"]), ("rest of forward", md["median_forward_ms"] - md["median_lm_head_ms"]),
-             ("sample", md["median_sample_ms"]), ("host (sched+build+rest)", md["median_host_ms"])]
-    bottom = 0.0
-    for name, value in parts:
-        ax.bar(["decode step\n(%d seqs)" % b["seqs"]], [value], bottom=bottom, label=f"{name}: {value:.1f} ms")
-        bottom += value
-    cs = c["summary"]
-    parts = [("lm_head", cs["lm_head"]["median_us"] / 1e3),
-             ("rest of forward", (cs["forward"]["median_us"] - cs["lm_head"]["median_us"]) / 1e3),
-             ("sample", cs["sample"]["median_us"] / 1e3), ("host (sched+build+rest)", cs["host_total"]["median_us"] / 1e3)]
-    bottom = 0.0
-    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
-    for (name, value), color in zip(parts, colors):
-        ax.bar(["decode step\n(%d seqs)" % c["running"]], [value], bottom=bottom, color=color)
-        bottom += value
-    ax.set_yscale("linear")
-    ax.set_ylabel("ms per step (median)")
-    ax.legend(fontsize=7, title=f"{b['seqs']}-seq step", title_fontsize=7)
+    md, cs = b["median"], c["summary"]
+    names = ["lm_head", "rest of forward", "sample", "host (schedule + build + post-processing)"]
+    small = [md["median_lm_head_ms"], md["median_forward_ms"] - md["median_lm_head_ms"], md["median_sample_ms"],
+             md["median_host_ms"]]
+    large = [cs["lm_head"]["median_us"] / 1e3, (cs["forward"]["median_us"] - cs["lm_head"]["median_us"]) / 1e3,
+             cs["sample"]["median_us"] / 1e3, cs["host_total"]["median_us"] / 1e3]
+    bars = [f"(b) {b['seqs']} seqs", f"(c) {c['running']} seqs"]
+    bottoms = [0.0, 0.0]
+    for name, v_small, v_large in zip(names, small, large):
+        ax.bar(bars, [v_small, v_large], bottom=bottoms, label=f"{name}: {v_small:.1f} / {v_large:.1f} ms")
+        bottoms = [bottoms[0] + v_small, bottoms[1] + v_large]
+    ax.set_ylabel("ms per decode step (medians)")
+    ax.legend(fontsize=7)
     ax.set_title("decode step breakdown")
 
     ax = axes[2]
@@ -377,8 +403,11 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--sched-seqs", type=int, default=256)
     parser.add_argument("--sched-prompt-len", type=int, default=16)
-    parser.add_argument("--sched-steps", type=int, default=50)
+    parser.add_argument("--sched-steps", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

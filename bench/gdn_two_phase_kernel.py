@@ -180,140 +180,153 @@ def n_sets(set_bytes, args):
 
 # ---------------------------------------------------------------- part (a): the seed's setup
 
-def part_seed(args, gen):
+def part_seed(args, gen, rows):
     h, hv, k, v = 4, 8, 128, 128
     d = 2 * h * k + hv * v
     p, s = 512, 64
     weight = (0.5 * torch.randn(d, CONV_W, generator=gen, device="cuda")).bfloat16()
     op = CoreOp(h, hv, k, v, weight)
-    rows = []
     for n in args.seed_n:
         if time.time() > args.deadline:
             print(f"  seed 1+{n}: skipped, --budget-s spent", flush=True)
             continue
-        cu_p, cu_one, cu_s = [0, p], [0, s], offsets([s] * n)
-        cu_p_d, cu_one_d, cu_s_d = (torch.tensor(c, device="cuda") for c in (cu_p, cu_one, cu_s))
-        zero_idx = torch.zeros(n, dtype=torch.long, device="cuda")
-        set_bytes = (p + n * s) * (2 * d + 6 * hv)
-        sets = []
-        for _ in range(n_sets(set_bytes, args)):
-            xp, gp, bp = make_inputs(gen, p, hv, d)
-            xs, gs, bs = make_inputs(gen, n * s, hv, d)
-            c0 = torch.randn(1, d, CONV_W - 1, generator=gen, device="cuda").bfloat16()
-            s0 = 0.1 * torch.randn(1, hv, k, v, generator=gen, device="cuda")
-            sets.append((xp, gp, bp, xs, gs, bs, c0, s0))
+        try:
+            cu_p, cu_one, cu_s = [0, p], [0, s], offsets([s] * n)
+            cu_p_d, cu_one_d, cu_s_d = (torch.tensor(c, device="cuda") for c in (cu_p, cu_one, cu_s))
+            zero_idx = torch.zeros(n, dtype=torch.long, device="cuda")
+            set_bytes = (p + n * s) * (2 * d + 6 * hv)
+            sets = []
+            for _ in range(n_sets(set_bytes, args)):
+                xp, gp, bp = make_inputs(gen, p, hv, d)
+                xs, gs, bs = make_inputs(gen, n * s, hv, d)
+                c0 = torch.randn(1, d, CONV_W - 1, generator=gen, device="cuda").bfloat16()
+                s0 = 0.1 * torch.randn(1, hv, k, v, generator=gen, device="cuda")
+                sets.append((xp, gp, bp, xs, gs, bs, c0, s0))
 
-        def sequential(st):
-            xp, gp, bp, xs, gs, bs, c0, s0 = st
-            _, c1, s1 = op(xp, gp, bp, c0, s0, cu_p_d, cu_p)
-            outs = [op(xs[i * s:(i + 1) * s], gs[i * s:(i + 1) * s], bs[i * s:(i + 1) * s], c1, s1, cu_one_d, cu_one)
-                    for i in range(n)]
-            return outs
+            def sequential(st):
+                xp, gp, bp, xs, gs, bs, c0, s0 = st
+                _, c1, s1 = op(xp, gp, bp, c0, s0, cu_p_d, cu_p)
+                outs = [op(xs[i * s:(i + 1) * s], gs[i * s:(i + 1) * s], bs[i * s:(i + 1) * s], c1, s1, cu_one_d, cu_one)
+                        for i in range(n)]
+                return outs
 
-        def two_phase(st):
-            xp, gp, bp, xs, gs, bs, c0, s0 = st
-            _, c1, s1 = op(xp, gp, bp, c0, s0, cu_p_d, cu_p)
-            return op(xs, gs, bs, c1.index_select(0, zero_idx), s1.index_select(0, zero_idx), cu_s_d, cu_s)
+            def two_phase(st):
+                xp, gp, bp, xs, gs, bs, c0, s0 = st
+                _, c1, s1 = op(xp, gp, bp, c0, s0, cu_p_d, cu_p)
+                return op(xs, gs, bs, c1.index_select(0, zero_idx), s1.index_select(0, zero_idx), cu_s_d, cu_s)
 
-        # the two paths compute the same thing: compare the consumers' final states
-        seq_states = torch.cat([o[2] for o in sequential(sets[0])])
-        err = rel_rms(two_phase(sets[0])[2], seq_states)
-        seq_fns = [lambda st=st: sequential(st) for st in sets]
-        two_fns = [lambda st=st: two_phase(st) for st in sets]
-        row = {"P": p, "S": s, "N": n, "input_sets": len(sets), "state_rel_err_vs_sequential": err,
-               "sequential_ms": guarded(time_eager, seq_fns, args),
-               "two_phase_ms": guarded(time_eager, two_fns, args)}
-        if args.graphs:
-            row["sequential_graph_ms"] = guarded(time_graph, seq_fns, args)
-            row["two_phase_graph_ms"] = guarded(time_graph, two_fns, args)
-        row["speedup"] = _ratio(row["sequential_ms"], row["two_phase_ms"])
-        row["speedup_graph"] = _ratio(row.get("sequential_graph_ms"), row.get("two_phase_graph_ms"))
-        row["floor_two_phase"] = floor_ms(p + n * s, 1 + 2 * n, hv, k, v, d)
-        rows.append(row)
-        print(f"  seed 1+{n}: seq {_f(row['sequential_ms'])} ms, two-phase {_f(row['two_phase_ms'])} ms, "
-              f"x{_f(row['speedup'], 2)}; graph seq {_f(row.get('sequential_graph_ms'))} two "
-              f"{_f(row.get('two_phase_graph_ms'))}; err {err:.1e}", flush=True)
-        del sets, seq_fns, two_fns
-        torch.cuda.empty_cache()
+            # the two paths compute the same thing: compare the consumers' final states
+            seq_states = torch.cat([o[2] for o in sequential(sets[0])])
+            err = rel_rms(two_phase(sets[0])[2], seq_states)
+            seq_fns = [lambda st=st: sequential(st) for st in sets]
+            two_fns = [lambda st=st: two_phase(st) for st in sets]
+            row = {"P": p, "S": s, "N": n, "input_sets": len(sets), "state_rel_err_vs_sequential": err,
+                   "sequential_ms": guarded(time_eager, seq_fns, args),
+                   "two_phase_ms": guarded(time_eager, two_fns, args)}
+            if args.graphs:
+                row["sequential_graph_ms"] = guarded(time_graph, seq_fns, args)
+                row["two_phase_graph_ms"] = guarded(time_graph, two_fns, args)
+            row["speedup"] = _ratio(row["sequential_ms"], row["two_phase_ms"])
+            row["speedup_graph"] = _ratio(row.get("sequential_graph_ms"), row.get("two_phase_graph_ms"))
+            row["floor_two_phase"] = floor_ms(p + n * s, 1 + 2 * n, hv, k, v, d)
+            rows.append(row)
+            args.save()
+            print(f"  seed 1+{n}: seq {_f(row['sequential_ms'])} ms, two-phase {_f(row['two_phase_ms'])} ms, "
+                  f"x{_f(row['speedup'], 2)}; graph seq {_f(row.get('sequential_graph_ms'))} two "
+                  f"{_f(row.get('two_phase_graph_ms'))}; err {err:.1e}", flush=True)
+            del sets, seq_fns, two_fns
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001 - one failed config must not lose the others
+            print(f"  seed 1+{n} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            rows.append({"P": p, "S": s, "N": n, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            args.save()
+            torch.cuda.empty_cache()
     return rows
 
 
 # ---------------------------------------------------------------- part (b): Qwen3.5-35B-A3B sizes
 
-def part_qwen(args, gen):
+def part_qwen(args, gen, rows):
     h, hv, k, v = 16, 32, 128, 128
     d = 2 * h * k + hv * v
     weight = (0.5 * torch.randn(d, CONV_W, generator=gen, device="cuda")).bfloat16()
     op = CoreOp(h, hv, k, v, weight)
-    rows = []
-    for p, s, n in itertools.product(args.qwen_p, args.qwen_s, args.qwen_n):
+    # N outermost: when --budget-s runs out, the largest batches are the ones left out
+    for n, p, s in itertools.product(args.qwen_n, args.qwen_p, args.qwen_s):
         if time.time() > args.deadline:
             print(f"  P={p} S={s} N={n}: skipped, --budget-s spent", flush=True)
             continue
-        row = {"P": p, "S": s, "N": n, "ideal": n * (p + s) / (p + n * s),
-               "floor_full": floor_ms(n * (p + s), 2 * n, hv, k, v, d),
-               "floor_two_phase": floor_ms(p + n * s, 1 + 2 * n, hv, k, v, d)}
-        t_full = n * (p + s)
-        cu_p, cu_s, cu_f = [0, p], offsets([s] * n), offsets([p + s] * n)
-        cu_p_d, cu_s_d, cu_f_d = (torch.tensor(c, device="cuda") for c in (cu_p, cu_s, cu_f))
-        zero_idx = torch.zeros(n, dtype=torch.long, device="cuda")
-        set_bytes = (p + n * s) * (2 * d + 6 * hv)
-        sets = []
-        for _ in range(n_sets(set_bytes, args)):
-            xp, gp, bp = make_inputs(gen, p, hv, d)
-            xs, gs, bs = make_inputs(gen, n * s, hv, d)
-            c0 = torch.randn(1, d, CONV_W - 1, generator=gen, device="cuda").bfloat16()
-            s0 = 0.1 * torch.randn(1, hv, k, v, generator=gen, device="cuda")
-            sets.append((xp, gp, bp, xs, gs, bs, c0, s0))
+        try:
+            row = {"P": p, "S": s, "N": n, "ideal": n * (p + s) / (p + n * s),
+                   "floor_full": floor_ms(n * (p + s), 2 * n, hv, k, v, d),
+                   "floor_two_phase": floor_ms(p + n * s, 1 + 2 * n, hv, k, v, d)}
+            t_full = n * (p + s)
+            cu_p, cu_s, cu_f = [0, p], offsets([s] * n), offsets([p + s] * n)
+            cu_p_d, cu_s_d, cu_f_d = (torch.tensor(c, device="cuda") for c in (cu_p, cu_s, cu_f))
+            zero_idx = torch.zeros(n, dtype=torch.long, device="cuda")
+            set_bytes = (p + n * s) * (2 * d + 6 * hv)
+            sets = []
+            for _ in range(n_sets(set_bytes, args)):
+                xp, gp, bp = make_inputs(gen, p, hv, d)
+                xs, gs, bs = make_inputs(gen, n * s, hv, d)
+                c0 = torch.randn(1, d, CONV_W - 1, generator=gen, device="cuda").bfloat16()
+                s0 = 0.1 * torch.randn(1, hv, k, v, generator=gen, device="cuda")
+                sets.append((xp, gp, bp, xs, gs, bs, c0, s0))
 
-        def two_phase(st):
-            xp, gp, bp, xs, gs, bs, c0, s0 = st
-            _, c1, s1 = op(xp, gp, bp, c0, s0, cu_p_d, cu_p)
-            return op(xs, gs, bs, c1.index_select(0, zero_idx), s1.index_select(0, zero_idx), cu_s_d, cu_s)
+            def two_phase(st):
+                xp, gp, bp, xs, gs, bs, c0, s0 = st
+                _, c1, s1 = op(xp, gp, bp, c0, s0, cu_p_d, cu_p)
+                return op(xs, gs, bs, c1.index_select(0, zero_idx), s1.index_select(0, zero_idx), cu_s_d, cu_s)
 
-        two_fns = [lambda st=st: two_phase(st) for st in sets]
-        row["input_sets"] = len(sets)
-        row["two_phase_ms"] = guarded(time_eager, two_fns, args)
-        if args.graphs:
-            row["two_phase_graph_ms"] = guarded(time_graph, two_fns, args)
+            two_fns = [lambda st=st: two_phase(st) for st in sets]
+            row["input_sets"] = len(sets)
+            row["two_phase_ms"] = guarded(time_eager, two_fns, args)
+            if args.graphs:
+                row["two_phase_graph_ms"] = guarded(time_graph, two_fns, args)
 
-        est = est_peak_bytes(t_full, h, hv, k, v, d) + 2 * t_full * (2 * d + 6 * hv)
-        row["full_est_gb"] = est / 1e9
-        if est > args.mem_limit_gb * 1e9:
-            row["full_skipped"] = f"needs ~{est / 1e9:.0f} GB > --mem-limit-gb {args.mem_limit_gb}"
-            print(f"  P={p} S={s} N={n}: full recompute skipped ({row['full_skipped']})", flush=True)
-        else:
-            def build_full():
-                # prompt i = prefix + suffix i, so the full recompute computes the same function
-                xp, gp, bp, xs, gs, bs, c0, s0 = sets[0]
-                idx = torch.cat([torch.cat([torch.arange(p), p + i * s + torch.arange(s)]) for i in range(n)]).cuda()
-                full = tuple(torch.cat([a, b]).index_select(0, idx) for a, b in ((xp, xs), (gp, gs), (bp, bs)))
-                return full + (c0.expand(n, -1, -1).contiguous(), s0.expand(n, -1, -1, -1).contiguous())
+            est = est_peak_bytes(t_full, h, hv, k, v, d) + 2 * t_full * (2 * d + 6 * hv)
+            row["full_est_gb"] = est / 1e9
+            if est > args.mem_limit_gb * 1e9:
+                row["full_skipped"] = f"needs ~{est / 1e9:.0f} GB > --mem-limit-gb {args.mem_limit_gb}"
+                print(f"  P={p} S={s} N={n}: full recompute skipped ({row['full_skipped']})", flush=True)
+            else:
+                def build_full():
+                    # prompt i = prefix + suffix i, so the full recompute computes the same function
+                    xp, gp, bp, xs, gs, bs, c0, s0 = sets[0]
+                    idx = torch.cat([torch.cat([torch.arange(p), p + i * s + torch.arange(s)]) for i in range(n)]).cuda()
+                    full = tuple(torch.cat([a, b]).index_select(0, idx) for a, b in ((xp, xs), (gp, gs), (bp, bs)))
+                    return full + (c0.expand(n, -1, -1).contiguous(), s0.expand(n, -1, -1, -1).contiguous())
 
-            full_in = guarded(build_full)
-            if full_in is not None:
-                full_fns = [lambda: op(*full_in, cu_f_d, cu_f)]
-                ref = guarded(full_fns[0])
-                if ref is not None:
-                    o2, _, st2 = two_phase(sets[0])
-                    keep = torch.cat([cu_f[i] + p + torch.arange(s) for i in range(n)]).cuda()
-                    row["o_rel_err_vs_full"] = rel_rms(o2, ref[0].index_select(0, keep))
-                    row["state_rel_err_vs_full"] = rel_rms(st2, ref[2])
-                    del ref, o2, st2
-                    row["full_ms"] = guarded(time_eager, full_fns, args)
-                    if args.graphs and est < args.graph_mem_limit_gb * 1e9:
-                        row["full_graph_ms"] = guarded(time_graph, full_fns, args)
-                del full_fns
-            del full_in
-        row["speedup"] = _ratio(row.get("full_ms"), row.get("two_phase_ms"))
-        row["speedup_graph"] = _ratio(row.get("full_graph_ms"), row.get("two_phase_graph_ms"))
-        rows.append(row)
-        print(f"  P={p} S={s} N={n}: full {_f(row.get('full_ms'))} ms, two-phase {_f(row['two_phase_ms'])} ms, "
-              f"x{_f(row['speedup'], 2)} (ideal {row['ideal']:.1f}); graph full {_f(row.get('full_graph_ms'))} "
-              f"two {_f(row.get('two_phase_graph_ms'))}; floor two {row['floor_two_phase']['floor_ms']:.3f} ms; "
-              f"err {_f(row.get('state_rel_err_vs_full'), 1, 'e')}", flush=True)
-        del sets, two_fns
-        torch.cuda.empty_cache()
+                full_in = guarded(build_full)
+                if full_in is not None:
+                    full_fns = [lambda: op(*full_in, cu_f_d, cu_f)]
+                    ref = guarded(full_fns[0])
+                    if ref is not None:
+                        o2, _, st2 = two_phase(sets[0])
+                        keep = torch.cat([cu_f[i] + p + torch.arange(s) for i in range(n)]).cuda()
+                        row["o_rel_err_vs_full"] = rel_rms(o2, ref[0].index_select(0, keep))
+                        row["state_rel_err_vs_full"] = rel_rms(st2, ref[2])
+                        del ref, o2, st2
+                        row["full_ms"] = guarded(time_eager, full_fns, args)
+                        if args.graphs and est < args.graph_mem_limit_gb * 1e9:
+                            row["full_graph_ms"] = guarded(time_graph, full_fns, args)
+                    del full_fns
+                del full_in
+            row["speedup"] = _ratio(row.get("full_ms"), row.get("two_phase_ms"))
+            row["speedup_graph"] = _ratio(row.get("full_graph_ms"), row.get("two_phase_graph_ms"))
+            rows.append(row)
+            args.save()
+            print(f"  P={p} S={s} N={n}: full {_f(row.get('full_ms'))} ms, two-phase {_f(row['two_phase_ms'])} ms, "
+                  f"x{_f(row['speedup'], 2)} (ideal {row['ideal']:.1f}); graph full {_f(row.get('full_graph_ms'))} "
+                  f"two {_f(row.get('two_phase_graph_ms'))}; floor two {row['floor_two_phase']['floor_ms']:.3f} ms; "
+                  f"err {_f(row.get('state_rel_err_vs_full'), 1, 'e')}", flush=True)
+            del sets, two_fns
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001 - one failed config must not lose the others
+            print(f"  P={p} S={s} N={n} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            rows.append({"P": p, "S": s, "N": n, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            args.save()
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -333,7 +346,7 @@ def print_tables(res):
     print("| requests | sequential (ms) | two-phase (ms) | speedup | seq. graph (ms) | two-phase graph (ms) "
           "| speedup graph | floor (ms) |")
     print("|---|---|---|---|---|---|---|---|")
-    for r in res["seed"]:
+    for r in [r for r in res["seed"] if "error" not in r]:
         print(f"| 1+{r['N']} | {_f(r['sequential_ms'])} | {_f(r['two_phase_ms'])} | {_f(r['speedup'], 2)}x "
               f"| {_f(r.get('sequential_graph_ms'))} | {_f(r.get('two_phase_graph_ms'))} "
               f"| {_f(r.get('speedup_graph'), 2)}x | {r['floor_two_phase']['floor_ms']:.3f} |")
@@ -341,7 +354,7 @@ def print_tables(res):
     print("| P | S | N | full (ms) | two-phase (ms) | speedup | ideal | full graph (ms) | two-phase graph (ms) "
           "| speedup graph | floor two-phase (ms) | state err |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in res["qwen"]:
+    for r in sorted([r for r in res["qwen"] if "error" not in r], key=lambda r: (r["P"], r["S"], r["N"])):
         print(f"| {r['P']} | {r['S']} | {r['N']} | {_f(r.get('full_ms'))} | {_f(r['two_phase_ms'])} "
               f"| {_f(r['speedup'], 2)}x | {r['ideal']:.1f} | {_f(r.get('full_graph_ms'))} "
               f"| {_f(r.get('two_phase_graph_ms'))} | {_f(r['speedup_graph'], 2)}x "
@@ -355,7 +368,7 @@ def plot(res, path):
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    seed = res["seed"]
+    seed = [r for r in res["seed"] if "error" not in r]
     ns = [r["N"] for r in seed]
     for key, label, style in (("sequential_ms", "sequential, eager", "o-"), ("two_phase_ms", "two-phase, eager", "s-"),
                               ("sequential_graph_ms", "sequential, CUDA graph", "o--"),
@@ -373,7 +386,8 @@ def plot(res, path):
 
     for (p, s), color in zip(itertools.product(res["args"]["qwen_p"], res["args"]["qwen_s"]),
                              ("C0", "C1", "C2", "C3", "C4", "C5")):
-        rows = [r for r in res["qwen"] if r["P"] == p and r["S"] == s]
+        rows = sorted((r for r in res["qwen"] if r["P"] == p and r["S"] == s and "error" not in r),
+                      key=lambda r: r["N"])
         pts = [(r["N"], r["speedup"]) for r in rows if r["speedup"] is not None]
         if pts:
             ax2.plot(*zip(*pts), "o-", color=color, label=f"P={p} S={s} eager")
@@ -430,11 +444,15 @@ def main():
     json_path = os.path.join(args.out, f"{args.name}.json")
     t0 = time.time()
     args.deadline = t0 + args.budget_s if args.budget_s else float("inf")
-    for part in args.parts:
-        print(f"part {part}", flush=True)
-        res[part] = (part_seed if part == "seed" else part_qwen)(args, gen)
+
+    def save():
         with open(json_path, "w") as f:
             json.dump(res, f, indent=1)
+
+    args.save = save
+    for part in args.parts:
+        print(f"part {part}", flush=True)
+        (part_seed if part == "seed" else part_qwen)(args, gen, res[part])
     res["wall_s"] = time.time() - t0
     with open(json_path, "w") as f:
         json.dump(res, f, indent=1)

@@ -53,13 +53,19 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 param.normal_(0.0, 0.5, generator=generator)
 
 
-def build_tiny_model(directory: Path, model_type: str, *, fused_experts: bool = False, seed: int = 0):
-    """Save a tiny random model of `model_type` into `directory`; return the transformers model (float32, eval)."""
+def build_tiny_model(directory: Path, model_type: str, *, fused_experts: bool = False, seed: int = 0,
+                     **overrides):
+    """Save a tiny random model of `model_type` into `directory`; return the transformers model (float32, eval).
+
+    `overrides` replace config entries of the text model (only for "qwen3_5_moe_text"), e.g. head
+    sizes of 64 for the GPU kernels."""
     import transformers as tf
 
     torch.manual_seed(seed)
+    if overrides and model_type != "qwen3_5_moe_text":
+        raise ValueError("config overrides are supported for qwen3_5_moe_text only")
     if model_type == "qwen3_5_moe_text":
-        model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**_COMMON, **_GDN, **_ATTN, **_MOE))
+        model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**{**_COMMON, **_GDN, **_ATTN, **_MOE, **overrides}))
     elif model_type == "qwen3_5_text":
         model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**_COMMON, **_GDN, **_ATTN, intermediate_size=96))
     elif model_type == "qwen3_next":

@@ -93,18 +93,20 @@ class LLMEngine:
         per_slot = StatePool.bytes_per_slot(len(mc.gdn_layer_ids), mc.conv_dim, mc.linear_conv_kernel_dim,
                                             mc.linear_num_value_heads, mc.linear_key_head_dim,
                                             mc.linear_value_head_dim, self.dtype)
-        kv_bytes, state_bytes = cfg.kv_cache_bytes, cfg.state_cache_bytes
-        if self.device.type == "cpu":
-            kv_bytes, state_bytes = min(kv_bytes, _CPU_KV_BYTES), min(state_bytes, _CPU_STATE_BYTES)
-        else:
-            free, _ = torch.cuda.mem_get_info(self.device)
-            usable = int(free * cfg.gpu_memory_utilization)
-            state_bytes = min(usable // 2, per_slot * (cfg.max_num_seqs + _DEFAULT_CHECKPOINT_SLOTS))
-            kv_bytes = usable - state_bytes
         checkpoint_slots = cfg.checkpoint_pool_size if cfg.checkpoint_pool_size is not None else (
             _DEFAULT_CHECKPOINT_SLOTS if cfg.enable_checkpoints else 0)
         if not cfg.enable_checkpoints:
             checkpoint_slots = 0
+        kv_bytes, state_bytes = cfg.kv_cache_bytes, cfg.state_cache_bytes
+        if self.device.type == "cpu":
+            kv_bytes, state_bytes = min(kv_bytes, _CPU_KV_BYTES), min(state_bytes, _CPU_STATE_BYTES)
+        else:
+            # after the weights are in place: a share of what is free, states first (one slot per
+            # running sequence and per checkpoint), the rest for KV blocks
+            free, _ = torch.cuda.mem_get_info(self.device)
+            usable = int(free * cfg.gpu_memory_utilization)
+            state_bytes = min(usable // 2, per_slot * (cfg.max_num_seqs + checkpoint_slots))
+            kv_bytes = usable - state_bytes
         request_slots = cfg.num_state_slots or max(1, min(cfg.max_num_seqs, state_bytes // max(per_slot, 1)
                                                           - checkpoint_slots))
         num_blocks = cfg.num_kv_blocks or max(1, min(kv_bytes // per_block,

@@ -1,13 +1,16 @@
 """Turns a `StepPlan` into one `ForwardBatch`, runs the model and returns the logits to sample.
 
-All metadata is built here, once per step, on the host, then moved to the device in a handful
-of copies; the layers only index with it.
+All metadata is built here, once per step, on the host (numpy, no per-token Python loop over long
+segments), packed into one int64 buffer and moved to the device in a single copy (pinned,
+non-blocking on CUDA); the batch's tensors are views of that one device buffer, and the layers
+only index with them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from forkpoint.cache.block_pool import BlockPool
@@ -22,70 +25,116 @@ def order_segments(segments: Sequence[PlannedSegment]) -> list[PlannedSegment]:
     return sorted(segments, key=lambda s: s.phase)
 
 
+class _Staging:
+    """Host int64 arrays gathered into one buffer, uploaded with one copy.
+
+    Each array starts at a multiple of 16 elements (128 bytes), so every device view is as aligned
+    as a fresh allocation (Triton specialises kernels on pointer alignment; a misaligned view
+    would compile another variant in the middle of a run).
+    """
+
+    ALIGN = 16
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[int, np.ndarray]] = []
+        self._size = 0
+
+    def add(self, values) -> tuple[int, tuple[int, ...]]:
+        array = np.asarray(values, dtype=np.int64)
+        offset = self._size
+        self._parts.append((offset, array.reshape(-1)))
+        self._size += -(-max(array.size, 1) // self.ALIGN) * self.ALIGN
+        return offset, array.shape
+
+    def upload(self, device: torch.device) -> torch.Tensor:
+        pinned = device.type == "cuda"
+        host = torch.empty(self._size, dtype=torch.int64, pin_memory=pinned)
+        view = host.numpy()
+        for offset, array in self._parts:
+            view[offset: offset + array.size] = array
+        return host.to(device, non_blocking=True) if device.type != "cpu" else host
+
+    @staticmethod
+    def get(buffer: torch.Tensor, handle: tuple[int, tuple[int, ...]]) -> torch.Tensor:
+        offset, shape = handle
+        return buffer[offset: offset + int(np.prod(shape, dtype=np.int64))].view(shape)
+
+
 def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -> tuple[ForwardBatch, list[PlannedSegment]]:
     """Returns the batch and the segments whose logits it yields, in logits row order."""
     segments = order_segments(plan.segments)
-    token_ids: list[int] = []
-    positions: list[int] = []
-    slot_mapping: list[int] = []
-    cu_q = [0]
-    seq_lens: list[int] = []
-    logits_indices: list[int] = []
-    sampled: list[PlannedSegment] = []
+    num_segments = len(segments)
+    lengths = np.fromiter((s.end - s.start for s in segments), dtype=np.int64, count=num_segments)
+    cu_q = np.zeros(num_segments + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu_q[1:])
+    num_tokens = int(cu_q[-1])
+    token_ids = np.empty(num_tokens, dtype=np.int64)
+    positions = np.empty(num_tokens, dtype=np.int64)
+    slot_mapping = np.empty(num_tokens, dtype=np.int64)
     max_blocks = max(len(s.request.blocks) for s in segments)
-    block_tables = torch.zeros(len(segments), max_blocks, dtype=torch.int32)
+    block_tables = np.zeros((num_segments, max_blocks), dtype=np.int64)
     for row, segment in enumerate(segments):
-        request = segment.request
-        tokens = request.tokens(segment.start, segment.end)
-        token_ids.extend(tokens)
-        positions.extend(range(segment.start, segment.end))
-        blocks = request.blocks
-        slot_mapping.extend(blocks[p // block_size] * block_size + p % block_size
-                            for p in range(segment.start, segment.end))
-        block_tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        cu_q.append(cu_q[-1] + len(tokens))
-        seq_lens.append(segment.end)
-        if segment.samples:
-            logits_indices.append(cu_q[-1] - 1)
-            sampled.append(segment)
+        lo, hi = int(cu_q[row]), int(cu_q[row + 1])
+        start, end, blocks = segment.start, segment.end, segment.request.blocks
+        block_tables[row, : len(blocks)] = blocks
+        if hi - lo == 1:  # decodes: scalar work beats numpy's per-call overhead
+            token_ids[lo] = segment.request.tokens(start, end)[0]
+            positions[lo] = start
+            slot_mapping[lo] = blocks[start // block_size] * block_size + start % block_size
+        else:
+            token_ids[lo:hi] = segment.request.tokens(start, end)
+            span = np.arange(start, end, dtype=np.int64)
+            positions[lo:hi] = span
+            slot_mapping[lo:hi] = block_tables[row, span // block_size] * block_size + span % block_size
+    samples = np.fromiter((s.samples for s in segments), dtype=bool, count=num_segments)
+    logits_indices = cu_q[1:][samples] - 1
+    sampled = [s for s in segments if s.samples]
+    seq_lens = np.fromiter((s.end for s in segments), dtype=np.int64, count=num_segments)
 
+    staging = _Staging()
+    staged = {name: staging.add(values) for name, values in (
+        ("input_ids", token_ids), ("positions", positions), ("slot_mapping", slot_mapping),
+        ("block_tables", block_tables), ("cu_q", cu_q), ("seq_lens", seq_lens), ("logits_indices", logits_indices),
+    )}
+    src, dst = _copy_slots(plan.kv_copies, block_size)
+    staged["cow_src"], staged["cow_dst"] = staging.add(src), staging.add(dst)
     num_decodes = sum(1 for s in segments if s.phase < 0)
-    decode = None
-    if num_decodes:
-        decode = DecodeGroup(num_decodes, _long([s.initial_slot for s in segments[:num_decodes]], device))
-    phases = []
+    staged["decode_slots"] = staging.add([s.initial_slot for s in segments[:num_decodes]])
+    phase_makers = []
     first = num_decodes
-    while first < len(segments):
-        phase_id = segments[first].phase
+    while first < num_segments:
         last = first
-        while last < len(segments) and segments[last].phase == phase_id:
+        while last < num_segments and segments[last].phase == segments[first].phase:
             last += 1
-        phases.append(_phase(segments[first:last], cu_q[first], cu_q[last], device))
+        phase_makers.append(_stage_phase(staging, segments[first:last], int(cu_q[first]), int(cu_q[last])))
         first = last
 
-    src, dst = _copy_slots(plan.kv_copies, block_size)
+    buffer = staging.upload(device)
+    on_device = {name: _Staging.get(buffer, handle) for name, handle in staged.items()}
     attention = AttentionMetadata(
-        slot_mapping=_long(slot_mapping, device),
-        block_tables=block_tables.to(device),
-        cu_seqlens_q=_long(cu_q, device),
-        cu_seqlens_q_host=tuple(cu_q),
-        seq_lens=_long(seq_lens, device),
-        seq_lens_host=tuple(seq_lens),
-        cow_src=_long(src, device),
-        cow_dst=_long(dst, device),
+        slot_mapping=on_device["slot_mapping"],
+        block_tables=on_device["block_tables"].to(torch.int32),
+        cu_seqlens_q=on_device["cu_q"],
+        cu_seqlens_q_host=tuple(cu_q.tolist()),
+        seq_lens=on_device["seq_lens"],
+        seq_lens_host=tuple(seq_lens.tolist()),
+        cow_src=on_device["cow_src"],
+        cow_dst=on_device["cow_dst"],
     )
     batch = ForwardBatch(
-        input_ids=_long(token_ids, device),
-        positions=_long(positions, device),
-        decode=decode,
-        phases=tuple(phases),
+        input_ids=on_device["input_ids"],
+        positions=on_device["positions"],
+        decode=DecodeGroup(num_decodes, on_device["decode_slots"]) if num_decodes else None,
+        phases=tuple(make(buffer) for make in phase_makers),
         attention=attention,
-        logits_indices=_long(logits_indices, device),
+        logits_indices=on_device["logits_indices"],
     )
     return batch, sampled
 
 
-def _phase(segments: Sequence[PlannedSegment], token_start: int, token_end: int, device: torch.device) -> RecurrentPhase:
+def _stage_phase(staging: _Staging, segments: Sequence[PlannedSegment], token_start: int,
+                 token_end: int) -> Callable[[torch.Tensor], RecurrentPhase]:
+    """Stage one phase's metadata; returns a function building the phase from the device buffer."""
     cu = [0]
     dest_rows: list[int] = []
     dest_slots: list[int] = []
@@ -94,28 +143,24 @@ def _phase(segments: Sequence[PlannedSegment], token_start: int, token_end: int,
         for slot in segment.dest_slots:
             dest_rows.append(row)
             dest_slots.append(slot)
-    return RecurrentPhase(
-        token_start=token_start,
-        token_end=token_end,
-        cu_seqlens=_long(cu, device),
-        cu_seqlens_host=tuple(cu),
-        initial_slots=_long([s.initial_slot for s in segments], device),
-        dest_rows=_long(dest_rows, device),
-        dest_slots=_long(dest_slots, device),
-    )
+    handles = [staging.add(values) for values in (cu, [s.initial_slot for s in segments], dest_rows, dest_slots)]
+
+    def make(buffer: torch.Tensor) -> RecurrentPhase:
+        cu_seqlens, initial_slots, rows, slots = (_Staging.get(buffer, handle) for handle in handles)
+        return RecurrentPhase(token_start=token_start, token_end=token_end, cu_seqlens=cu_seqlens,
+                              cu_seqlens_host=tuple(cu), initial_slots=initial_slots, dest_rows=rows,
+                              dest_slots=slots)
+
+    return make
 
 
-def _copy_slots(copies: Sequence[KVCopy], block_size: int) -> tuple[list[int], list[int]]:
-    src: list[int] = []
-    dst: list[int] = []
-    for copy in copies:
-        src.extend(copy.src_block * block_size + i for i in range(copy.num_tokens))
-        dst.extend(copy.dst_block * block_size + i for i in range(copy.num_tokens))
+def _copy_slots(copies: Sequence[KVCopy], block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Flat source and destination KV slots of the copy-on-write copies."""
+    if not copies:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    src = np.concatenate([c.src_block * block_size + np.arange(c.num_tokens, dtype=np.int64) for c in copies])
+    dst = np.concatenate([c.dst_block * block_size + np.arange(c.num_tokens, dtype=np.int64) for c in copies])
     return src, dst
-
-
-def _long(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
 class ModelRunner:

@@ -22,26 +22,34 @@ class SampledToken:
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None]) -> list[SampledToken]:
-    """logits: [R, vocab] float32; one SamplingParams and generator per row."""
+    """logits: [R, vocab] float32; one SamplingParams and generator per row.
+
+    Log-probabilities of all rows that ask for them come from one log_softmax and one top-k over
+    those rows, and reach the host with the chosen ids: a fixed number of device-to-host copies
+    per step, whatever R is."""
     if logits.shape[0] == 0:
         return []
-    greedy_ids = logits.argmax(dim=-1)
-    chosen = greedy_ids.clone()
+    chosen = logits.argmax(dim=-1)
     for row, p in enumerate(params):
         if not p.greedy:
             chosen[row] = _sample_row(logits[row], p, generators[row])
-    want_logprobs = [p.logprobs is not None for p in params]
-    logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+    rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return [SampledToken(token_id, None) for token_id in chosen.tolist()]
+    index = torch.tensor(rows, device=logits.device)
+    logprobs = torch.log_softmax(logits.index_select(0, index), dim=-1)
+    top_k = max(params[row].logprobs for row in rows)
+    top_values, top_ids = torch.topk(logprobs, top_k, dim=-1)
+    chosen_values = logprobs.gather(1, chosen.index_select(0, index)[:, None])[:, 0]
     chosen_host = chosen.tolist()
-    results = []
-    for row, p in enumerate(params):
-        entry = None
-        if logprobs is not None and p.logprobs is not None:
-            values, ids = torch.topk(logprobs[row], p.logprobs) if p.logprobs else (logprobs[row][:0], chosen[:0])
-            entry = dict(zip(ids.tolist(), values.tolist()))
-            entry[chosen_host[row]] = float(logprobs[row, chosen_host[row]])
-        results.append(SampledToken(chosen_host[row], entry))
-    return results
+    top_values, top_ids, chosen_values = top_values.tolist(), top_ids.tolist(), chosen_values.tolist()
+    entries: dict[int, dict[int, float]] = {}
+    for i, row in enumerate(rows):
+        k = params[row].logprobs
+        entry = dict(zip(top_ids[i][:k], top_values[i][:k]))
+        entry[chosen_host[row]] = chosen_values[i]
+        entries[row] = entry
+    return [SampledToken(token_id, entries.get(row)) for row, token_id in enumerate(chosen_host)]
 
 
 def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:

@@ -41,7 +41,8 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
     engine = llm.engine
     worker = EngineWorker(engine)
     admission = Admission(config.max_waiting_requests, config.retry_after_s)
-    metrics = ServerMetrics(worker.metrics_snapshot, lambda: admission.waiting, lambda: admission.running)
+    metrics = ServerMetrics(worker.metrics_snapshot, lambda: admission.waiting, lambda: admission.running,
+                            endpoints=tuple(GENERATION_ENDPOINTS.values()))
     tokenizer = llm.get_tokenizer()
     prompts = PromptBuilder(
         tokenizer, checkpoint_token=engine.config.checkpoint_token, checkpoint_token_id=llm.checkpoint_token_id,

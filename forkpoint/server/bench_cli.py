@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import platform
 import random
 import time
@@ -70,7 +71,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-tokens", type=int, default=1, help="tokens generated per request (default: 1)")
     group.add_argument("--concurrency", type=int, default=64, help="most requests in flight (default: 64)")
     group.add_argument("--workload-seed", type=int, default=0, help="seed of the random anchors and suffixes (default: 0)")
-    group.add_argument("--out", default="bench/results", help="directory for bench_1toN.json and .png (default: bench/results)")
+    group.add_argument("--out", default="bench/results", help="output directory (default: bench/results)")
+    group.add_argument("--name", default="bench_1toN", help="file stem of the JSON and PNG written to --out "
+                                                              "(default: bench_1toN)")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -243,11 +246,13 @@ def run_bench(args: argparse.Namespace) -> int:
 
     plans = [(n, on, make_groups(tokenize, n=n, groups=args.groups, anchor_tokens=p, suffix_tokens=s,
                                  checkpoints=on, rng=rng)) for n in ns for on in (False, True)]
-    warmup = make_groups(tokenize, n=2, groups=1, anchor_tokens=p, suffix_tokens=s, checkpoints=True, rng=rng)
+    # untimed: one group of each mode, so first-call allocations land in no row
+    warmup = [r for on in (False, True) for group in make_groups(
+        tokenize, n=2, groups=1, anchor_tokens=p, suffix_tokens=s, checkpoints=on, rng=rng) for r in group]
     summaries = []
     total = sum(len(g) for _, _, groups in plans for g in groups)
     with tqdm(total=total, desc="bench", unit="req") as progress:
-        execute(warmup[0], tqdm(disable=True))
+        execute(warmup, tqdm(disable=True))
         for n, on, groups in plans:
             requests = [r for group in groups for r in group]
             begin = time.perf_counter()
@@ -259,11 +264,12 @@ def run_bench(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    record = {"target": target, "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+    record = {"target": target, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                             "loadavg_1m_end": os.getloadavg()[0]},
               "anchor_tokens": p, "suffix_tokens": s, "groups": args.groups, "max_tokens": args.max_tokens,
               "concurrency": args.concurrency, "results": [
                   {**asdict(r), "ideal_speedup": ideal_speedup(r.n, p, s)} for r in summaries]}
-    (out / "bench_1toN.json").write_text(json.dumps(record, indent=2))
-    plot(summaries, p, s, out / "bench_1toN.png", f"1-to-N, P={p}, S={s} ({target})")
-    print(f"wrote {out / 'bench_1toN.json'} and {out / 'bench_1toN.png'}")
+    (out / f"{args.name}.json").write_text(json.dumps(record, indent=2))
+    plot(summaries, p, s, out / f"{args.name}.png", f"1-to-N, P={p}, S={s} ({target})")
+    print(f"wrote {out / args.name}.json and {out / args.name}.png")
     return 0

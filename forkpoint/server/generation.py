@@ -45,6 +45,18 @@ class Admission:
             )
         self.waiting += count
 
+    def first_token(self) -> None:
+        """One admitted prompt produced its first token."""
+        self.waiting -= 1
+        self.running += 1
+
+    def release(self, state: str) -> None:
+        """An unfinished prompt in `state` ("waiting" or "running") ended; other states hold nothing."""
+        if state == "waiting":
+            self.waiting -= 1
+        elif state == "running":
+            self.running -= 1
+
 
 class Generation:
     """The engine requests of one HTTP request (one per prompt), as one stream of outputs.
@@ -135,21 +147,17 @@ class Generation:
         rid = output.request_id
         now = time.monotonic()
         if self._state[rid] == "waiting" and (output.finished or any(o.token_ids for o in output.outputs)):
-            self._admission.waiting -= 1
-            self._admission.running += 1
+            self._admission.first_token()
             self._state[rid] = "running"
             self._metrics.ttft.observe(now - self._arrival)
         if output.finished and self._state[rid] == "running":
-            self._admission.running -= 1
+            self._admission.release("running")
             self._state[rid] = "done"
             self._metrics.e2e.observe(now - self._arrival)
 
     def _release_all(self) -> None:
         """Give back the admission places of every unfinished prompt and mark it done."""
         for rid, state in self._state.items():
-            if state == "waiting":
-                self._admission.waiting -= 1
-            elif state == "running":
-                self._admission.running -= 1
+            self._admission.release(state)
             self._state[rid] = "done"
 

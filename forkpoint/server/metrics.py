@@ -65,13 +65,17 @@ class EngineCollector(Collector):
 
 
 class ServerMetrics:
-    """All series of one app. `requests` is labelled by endpoint and outcome (`OUTCOMES`)."""
+    """All series of one app. `requests` is labelled by endpoint (one of `endpoints`) and outcome
+    (`OUTCOMES`); every combination is exported from the start, at 0."""
 
-    def __init__(self, engine_snapshot: Callable[[], dict[str, float]],
-                 waiting: Callable[[], int], running: Callable[[], int]) -> None:
+    def __init__(self, engine_snapshot: Callable[[], dict[str, float]], waiting: Callable[[], int],
+                 running: Callable[[], int], endpoints: tuple[str, ...]) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("forkpoint_requests", "HTTP generation requests by outcome.",
                                 ["endpoint", "outcome"], registry=self.registry)
+        for endpoint in endpoints:
+            for outcome in OUTCOMES:
+                self.requests.labels(endpoint=endpoint, outcome=outcome)
         self.ttft = Histogram("forkpoint_time_to_first_token_seconds",
                               "From arrival to the first generated token, per prompt.",
                               buckets=LATENCY_BUCKETS, registry=self.registry)

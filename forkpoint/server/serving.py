@@ -8,6 +8,7 @@ the shape of a choice, which `CompletionFormat` and `ChatFormat` supply.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import dataclasses
 import json
@@ -56,7 +57,7 @@ class _Delta:
     text_offset: int = 0
 
 
-class _Format:
+class _Format(abc.ABC):
     """Shape of one endpoint's responses. Subclasses fill in the choice layouts."""
 
     object_name = ""
@@ -66,11 +67,13 @@ class _Format:
         self.tokenizer = tokenizer
         self.top_logprobs = top_logprobs  # None: no logprobs in the response
 
+    @abc.abstractmethod
     def choice(self, delta: _Delta) -> dict[str, Any]:
-        raise NotImplementedError
+        """A choice of the whole response (`delta` holds the complete output)."""
 
+    @abc.abstractmethod
     def chunk_choice(self, delta: _Delta) -> dict[str, Any]:
-        raise NotImplementedError
+        """A choice of a streamed chunk."""
 
     def opening_chunks(self, num_choices: int) -> list[dict[str, Any]]:
         """Choices of the chunks sent before any token (chat: the assistant role)."""

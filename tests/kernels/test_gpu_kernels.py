@@ -173,7 +173,7 @@ def test_causal_conv1d_varlen_matches_reference(poison):
     s0 = torch.randn(len(lens), d, w - 1, generator=gen, device=DEV).bfloat16()
     cu = _offsets(lens)
     for b, act in ((bias, "silu"), (None, None)):
-            y, st = tri.causal_conv1d_varlen(x, weight, b, s0, torch.tensor(cu, device=DEV), cu, activation=act)
+        y, st = tri.causal_conv1d_varlen(x, weight, b, s0, torch.tensor(cu, device=DEV), cu, activation=act)
         y_ref, st_ref = reference.causal_conv1d_varlen(*_cpu(x, weight), None if b is None else b.cpu(), s0.cpu(),
                                                        torch.tensor(cu), cu, activation=act)
         check(f"conv_varlen_y act={act}", y, y_ref, 1e-2)

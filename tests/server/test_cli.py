@@ -1,0 +1,98 @@
+"""The `forkpoint` command: documented options, `serve` as a real process, `generate`, `bench`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from forkpoint.server.cli import build_parser, main
+
+ENGINE_OPTIONS = ["--dtype", "--device", "--seed", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
+                  "--block-size", "--checkpoint-token", "--no-checkpoints", "--max-checkpoints-per-request",
+                  "--load-format"]
+SERVE_OPTIONS = ["--host", "--port", "--served-model-name", "--max-waiting-requests", "--marker-in-user-content"]
+BENCH_OPTIONS = ["--url", "--anchor-tokens", "--suffix-tokens", "--n", "--max-tokens", "--concurrency", "--out"]
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("command,options", [
+    ("serve", ENGINE_OPTIONS + SERVE_OPTIONS),
+    ("generate", ENGINE_OPTIONS + ["--model", "--max-tokens", "--temperature"]),
+    ("bench", ENGINE_OPTIONS + BENCH_OPTIONS),
+])
+def test_help_documents_every_option(command, options):
+    parser = _subcommands()[command]
+    text = parser.format_help()
+    assert all(option in text for option in options), [o for o in options if o not in text]
+    undocumented = [a.dest for a in parser._actions if not a.help]
+    assert not undocumented
+
+
+def test_serve_process_answers_and_stops_on_sigint(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = open(tmp_path / "serve.log", "w+")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "forkpoint.server.cli", "serve", "--port", str(port), "--max-model-len", "2048",
+         "--served-model-name", "cli-test", "--marker-in-user-content", "reject", "--log-level", "warning"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, log.seek(0) or log.read()
+            time.sleep(0.3)
+        assert httpx.get(f"{base}/v1/models").json()["data"][0]["max_model_len"] == 2048
+        response = httpx.post(f"{base}/v1/completions", timeout=60,
+                              json={"model": "cli-test", "prompt": "hi", "max_tokens": 1})
+        assert response.json()["usage"]["completion_tokens"] == 1
+        rejected = httpx.post(f"{base}/v1/completions", json={"model": "cli-test", "prompt": "a<|mamba_checkpoint|>b"})
+        assert rejected.status_code == 400
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def test_generate_prints_outputs_and_timings(capsys):
+    assert main(["generate", "--max-model-len", "2048", "--max-tokens", "2",
+                 "Hello<|mamba_checkpoint|> there", "Hello<|mamba_checkpoint|> again"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("prompt (") == 2 and "output (2 tokens, length)" in out
+    assert "load " in out and "tokens/s" in out
+    assert "1 reused" in out  # the second prompt reuses the one-token prefix "Hello"
+
+
+def test_bench_against_server(server, tmp_path, capsys):
+    assert main(["bench", "--url", server.base_url, "--anchor-tokens", "48", "--suffix-tokens", "4",
+                 "--n", "1,4", "--groups", "1", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "bench_1toN.json").read_text())
+    rows = {(r["n"], r["checkpoints"]): r for r in record["results"]}
+    assert rows[(4, True)]["tokens_reused"] == 3 * 48
+    assert rows[(4, False)]["tokens_reused"] == 0 and rows[(1, True)]["tokens_reused"] == 0
+    assert rows[(4, True)]["tokens_computed"] == 48 + 4 * 4
+    assert (tmp_path / "bench_1toN.png").stat().st_size > 0
+    assert "speedup" in capsys.readouterr().out
