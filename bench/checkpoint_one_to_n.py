@@ -17,7 +17,7 @@ before each pair as a load probe: the machine is shared, and its speed varies. R
 medians over --repeats timed repeats, after untimed warm-up pairs (--warmup-ns).
 
 Usage:
-    python bench/checkpoint_one_to_n.py                  # writes bench/results/checkpoint_one_to_n.{json,png}
+    python bench/checkpoint_one_to_n.py --threads 1      # writes bench/results/checkpoint_one_to_n.{json,png}
     python bench/checkpoint_one_to_n.py --ns 1 4 16 64 --repeats 5
 """
 
@@ -54,7 +54,8 @@ def machine_info() -> dict:
     except OSError:
         pass
     return {"cpu_model": model_name, "cpu_cores": os.cpu_count(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "python": platform.python_version(),
             "platform": platform.platform(), "load_average_start": list(os.getloadavg()),
             "note": "shared machine: other processes may use the same CPUs while this runs"}
 
@@ -159,6 +160,9 @@ def summarize(n: int, p: int, s: int, runs: list[dict]) -> dict:
         "speedup": wall_off / wall_on,
         "speedup_paired": statistics.median(r["off"]["wall_s"] / r["on"]["wall_s"] for r in runs),
         "speedup_runs": [r["off"]["wall_s"] / r["on"]["wall_s"] for r in runs],
+        # the same ratio with each run's lm_head time taken out of both walls (median of the paired ratios)
+        "speedup_excl_lm_head": statistics.median((r["off"]["wall_s"] - r["off"]["lm_head_s"])
+                                                  / (r["on"]["wall_s"] - r["on"]["lm_head_s"]) for r in runs),
         "producer_ttft_on_s": statistics.median(r["on"]["ttft_s"][0] for r in runs),
         "producer_ttft_off_s": statistics.median(r["off"]["ttft_s"][0] for r in runs),
         "consumer_ttft_p50_on_s": consumer_stat("on", statistics.median),
@@ -193,10 +197,11 @@ def print_table(result: dict) -> None:
               f"{row['speedup']:.2f}x | {ms(row['consumer_ttft_p50_on_s'])} / {ms(row['consumer_ttft_p50_off_s'])} | "
               f"{ms(row['consumer_ttft_max_on_s'])} / {ms(row['consumer_ttft_max_off_s'])} | "
               f"{row['steps_on']:.0f} / {row['steps_off']:.0f} | {row['identical']}/{row['compared']} |")
-    print("\nper-repeat speedups and lm_head time (median, ms):")
+    print("\nper-repeat speedups, lm_head time (median, ms), speedup with lm_head time taken out of both walls:")
     for row in result["rows"]:
         print(f"  N={row['n']:>3}: speedups " + ", ".join(f"{x:.2f}" for x in row["speedup_runs"])
               + f"; lm_head on {ms(row['lm_head_on_s'])} / off {ms(row['lm_head_off_s'])}"
+              + f"; excl. lm_head {row['speedup_excl_lm_head']:.2f}x"
               + "; probe GFLOP/s " + ", ".join(f"{x:.0f}" for x in row["probe_gflops"]))
 
 
@@ -213,7 +218,9 @@ def plot(result: dict, path: Path) -> None:
     ax.plot(ns, [r["token_ratio"] for r in rows], ls=":", marker="s", label="tokens computed off/on (measured)")
     ax.plot(ns, [r["speedup"] for r in rows], marker="^", label="wall speedup off/on (median)")
     for r in rows:
-        ax.scatter([r["n"]] * len(r["speedup_runs"]), r["speedup_runs"], color="tab:green", s=10, alpha=0.6)
+        ax.scatter([r["n"]] * len(r["speedup_runs"]), r["speedup_runs"], color="tab:orange", s=10, alpha=0.6)
+    ax.plot(ns, [r["speedup_excl_lm_head"] for r in rows], ls="--", marker="v",
+            label="wall speedup, lm_head time taken out of both")
     ax.set_xscale("log", base=2)
     ax.set_xticks(ns, [str(n) for n in ns])
     ax.set_xlabel("N (requests sharing the anchor)")
@@ -253,10 +260,12 @@ def main() -> None:
     parser.add_argument("--anchor-len", type=int, default=512, help="P")
     parser.add_argument("--suffix-len", type=int, default=32, help="S")
     parser.add_argument("--ns", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup-ns", type=int, nargs="*", default=[16],
                         help="N of the untimed on/off pairs run first (lazy initialisation, allocator warm-up)")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads (default: torch's choice, one per core); on a shared machine "
+                        "1 is far more stable, see docs/benchmarks_cpu.md")
     parser.add_argument("--max-tokens", type=int, default=1)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     args = parser.parse_args()

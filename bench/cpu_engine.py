@@ -14,17 +14,19 @@ Qwen3.5-MoE: 4 layers (3 GDN + 1 attention), hidden 256, 8 experts top-2, vocab 
     and prefilled, then --sched-steps decode steps run (the forward still runs). Timed with
     time.perf_counter around the calls: `scheduler.schedule()`, `build_forward_batch` (the runner's
     host-side metadata), the model forward, `sample`, and the rest of `step()` (post-processing:
-    counters, token append, RequestOutput building). Median and p99 in microseconds.
+    `_make_output` and the freeing of the step's [R, vocab] logits separately, then the rest).
+    Median and p99 in microseconds.
 
 Timing is by wrapping (at run time, in this process only) `engine.scheduler.schedule`,
-`forkpoint.runner.model_runner.build_forward_batch`, `engine.runner.model` and
-`forkpoint.engine.engine.sample`, plus forward hooks on `lm_head`; forkpoint's code is unchanged.
+`engine._make_output`, `forkpoint.runner.model_runner.build_forward_batch`, `engine.runner.model`
+and `forkpoint.engine.engine.sample`, plus forward hooks on `lm_head`; forkpoint's code is unchanged.
 Every measurement is repeated (--repeats) and the median is reported: the machine is small and
-other processes may share its CPUs.
+other processes may share its CPUs. A 1024^3 float32 matmul (GFLOP/s) is timed before each run as
+a load probe and reported with the results.
 
 Usage:
-    python bench/cpu_engine.py                 # writes bench/results/cpu_engine.{json,png}
-    python bench/cpu_engine.py --repeats 5 --sched-steps 60
+    python bench/cpu_engine.py --threads 1     # writes bench/results/cpu_engine.{json,png}
+    python bench/cpu_engine.py --repeats 9 --sched-steps 60
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def machine_info() -> dict:
         "cpu_cores": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "load_average_start": list(os.getloadavg()),
@@ -98,6 +101,7 @@ class StepProbe:
         self.records: list[dict] = []
         self._current: dict = {}
         self._saved = None
+        self._logits = None
 
     def __enter__(self) -> "StepProbe":
         engine = self.engine
@@ -126,6 +130,7 @@ class StepProbe:
             t0 = time.perf_counter()
             out = model(*args, **kwargs)
             cur._current["forward"] = time.perf_counter() - t0
+            cur._logits = out  # freed (and timed) after step() returns, see step()
             return out
 
         def timed_sample(*args, **kwargs):
@@ -170,13 +175,15 @@ class StepProbe:
         self._current = {}
         t0 = time.perf_counter()
         outputs = self.engine.step()
+        t1 = time.perf_counter()
+        self._logits = None  # the step's logits [R, vocab] die here instead of at step()'s return
         elapsed = time.perf_counter() - t0
         if not self._current.get("segments"):
             return outputs, None
-        record = dict(self._current, step=elapsed)
+        record = dict(self._current, step=elapsed, free_logits=elapsed - (t1 - t0))
         record.setdefault("outputs", 0.0)
         record["rest"] = elapsed - sum(record.get(k, 0.0) for k in ("schedule", "build", "forward", "sample"))
-        record["other"] = record["rest"] - record["outputs"]
+        record["other"] = record["rest"] - record["outputs"] - record["free_logits"]
         record["is_decode"] = record["decodes"] == record["segments"]
         self.records.append(record)
         return outputs, record
@@ -288,7 +295,8 @@ def bench_host(llm: LLM, args, rng: random.Random) -> dict:
     for request_id in ids:
         engine.abort_request(request_id)
     summary = {}
-    for key in ("schedule", "build", "rest", "outputs", "other", "sample", "forward", "lm_head", "step"):
+    for key in ("schedule", "build", "rest", "outputs", "free_logits", "other", "sample", "forward", "lm_head",
+                "step"):
         values = [x[key] * 1e6 for x in records]
         summary[key] = {"median_us": statistics.median(values), "p99_us": pct(values, 99),
                         "max_us": max(values), "min_us": min(values)}
@@ -299,6 +307,8 @@ def bench_host(llm: LLM, args, rng: random.Random) -> dict:
             "probe_gflops_before": gflops_before, "probe_gflops_after": probe_gflops(),
             "summary": summary, "schedule_us": [x["schedule"] * 1e6 for x in records],
             "build_us": [x["build"] * 1e6 for x in records], "rest_us": [x["rest"] * 1e6 for x in records],
+            "outputs_us": [x["outputs"] * 1e6 for x in records],
+            "free_logits_us": [x["free_logits"] * 1e6 for x in records],
             "step_ms": [x["step"] * 1e3 for x in records]}
 
 
@@ -326,11 +336,19 @@ def print_tables(result: dict) -> None:
     print(f"\n(c) per decode step with {c['running']} running sequences, {c['steps']} steps (microseconds)")
     print("\n| part | median | p99 | max |")
     print("|---|---|---|---|")
-    names = {"schedule": "scheduler.schedule()", "build": "build_forward_batch (runner, host)",
-             "rest": "rest of step() (post-processing)", "outputs": "  of which _make_output (RequestOutputs)",
-             "other": "  of which the rest (counters, token append)", "host_total": "host total (schedule + build + rest)",
-             "sample": "sample (argmax over vocab)", "lm_head": "lm_head (in forward)", "forward": "model forward",
-             "step": "whole step"}
+    names = {
+        "schedule": "scheduler.schedule()",
+        "build": "build_forward_batch (runner, host)",
+        "rest": "rest of step() (post-processing)",
+        "outputs": "... of which _make_output (RequestOutputs)",
+        "free_logits": "... of which freeing the step's logits tensor",
+        "other": "... of which the rest (token append, counters)",
+        "host_total": "host total (schedule + build + rest)",
+        "sample": "sample (argmax over vocab)",
+        "lm_head": "lm_head (in forward)",
+        "forward": "model forward",
+        "step": "whole step",
+    }
     for key, label in names.items():
         s = c["summary"][key]
         print(f"| {label} | {s['median_us']:,.0f} | {s['p99_us']:,.0f} | {s['max_us']:,.0f} |")
@@ -373,7 +391,8 @@ def plot(result: dict, path: Path) -> None:
 
     ax = axes[2]
     for key, label in (("schedule_us", "scheduler.schedule()"), ("build_us", "build_forward_batch"),
-                       ("rest_us", "rest of step()")):
+                       ("outputs_us", "_make_output"), ("free_logits_us", "freeing the logits"),
+                       ("rest_us", "rest of step() (all post-processing)")):
         values = sorted(c[key])
         ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=label)
     ax.axvline(2000, color="r", ls="--", lw=1, label="2 ms target (scheduler)")
@@ -381,7 +400,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xlabel("microseconds per decode step")
     ax.set_ylabel("CDF")
     ax.set_title(f"(c) host time per step, {c['running']} running")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="lower right")
     m = result["machine"]
     fig.suptitle(f"forkpoint CPU engine, embedded default model; {m['cpu_model']}, {m['cpu_cores']} cores, "
                  f"torch {m['torch']}", fontsize=10)
@@ -394,7 +413,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs of (a) and (b); median reported")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs of (a) and (b); median reported")
     parser.add_argument("--warmup", type=int, default=4, help="untimed prefill calls first (allocator warm-up)")
     parser.add_argument("--prefill-prompts", type=int, default=8)
     parser.add_argument("--prefill-len", type=int, default=512)
@@ -403,8 +422,10 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--sched-seqs", type=int, default=256)
     parser.add_argument("--sched-prompt-len", type=int, default=16)
-    parser.add_argument("--sched-steps", type=int, default=40)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--sched-steps", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads (default: torch's choice, one per core); on a shared machine "
+                        "1 is far more stable, see docs/benchmarks_cpu.md")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -41,6 +41,7 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -253,6 +254,21 @@ def run_forkpoint(args, cfg: dict, model_dir: Path, results: dict, save) -> tupl
     probe = llm.generate([{"prompt_token_ids": probe_ids}], SamplingParams(temperature=0.0, max_tokens=1, logprobs=20),
                          use_tqdm=False)[0]
     results["parity_probe"] = {"token_ids": probe_ids, "logprobs": probe.outputs[0].logprobs[0]}
+    # the same prompt as a checkpoint consumer (prefix 200 from a producer in the same step): how far
+    # bf16 results move with the execution path alone, to read the peer's parity number against
+    marker = llm.checkpoint_token_id
+    pair = llm.generate([{"prompt_token_ids": probe_ids[:200] + [marker] + rng.integers(0, VOCAB_LIMIT, 56).tolist()},
+                         {"prompt_token_ids": probe_ids[:200] + [marker] + probe_ids[200:]}],
+                        SamplingParams(temperature=0.0, max_tokens=1, logprobs=20), use_tqdm=False)
+    consumer = pair[1].outputs[0].logprobs[0]
+    reference = results["parity_probe"]["logprobs"]
+    results["path_dependence"] = {
+        "consumer_cached_tokens": pair[1].num_cached_tokens,
+        "checkpoint_vs_plain_max_logprob_diff_top20": max(abs(consumer[t] - v) for t, v in reference.items()
+                                                          if t in consumer),
+        "same_argmax": max(consumer, key=consumer.get) == max(reference, key=reference.get),
+    }
+    print(f"path dependence at full size: {results['path_dependence']}", flush=True)
 
     rows = [(p, n, 1) for p in args.p for n in args.n] + [(args.decode_p, args.decode_n, args.decode_tokens)]
     if args.extra_n:
@@ -285,8 +301,82 @@ def run_forkpoint(args, cfg: dict, model_dir: Path, results: dict, save) -> tupl
         print(f"  -> on/off speedup {speedup:.2f}x, ideal {ideal:.2f}x ({100 * speedup / ideal:.0f}% of ideal)",
               flush=True)
         save()
+    if args.profile:
+        try:
+            results["profile"] = profile_steps(llm, rng, args)
+        except Exception:  # evidence only: never lose the rows for it
+            results["profile_error"] = traceback.format_exc()[-2000:]
+        save()
     engine.runner.model = model
     return model, llm
+
+
+KERNEL_GROUPS = (
+    ("moe_grouped_gemm", ("Group", "grouped")),
+    ("gdn_fla", ("chunk_", "solve_tril", "l2norm", "recompute_w_u", "fused_recurrent", "kkt", "cumsum")),
+    ("attention", ("_paged_attn",)),
+    ("conv1d", ("_varlen_kernel", "_step_kernel")),
+    ("dense_gemm", ("gemm", "Gemm", "cutlass", "nvjet", "xmma", "sm90")),
+    ("copy_index", ("index", "copy", "Copy", "gather", "scatter", "cat", "sort", "Sort")),
+)
+
+
+def kernel_group(name: str) -> str:
+    for group, needles in KERNEL_GROUPS:
+        if any(n in name for n in needles):
+            return group
+    return "elementwise_other"
+
+
+def profile_steps(llm: LLM, rng: np.random.Generator, args) -> dict:
+    """GPU kernel time by kind for single steps: an 8192-token plain prefill step (P=4096 + S, two
+    requests), an 880-token plain step, the same 880 tokens through a checkpoint (two phases), and a
+    decode step of 16 sequences. torch.profiler (CUDA activity only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    timer = engine.runner.model
+    marker = llm.checkpoint_token_id
+    cases = {
+        "prefill_8192_plain": ([rng.integers(0, VOCAB_LIMIT, 4096 + args.s).tolist() for _ in range(2)], 1, 0),
+        "prefill_880_plain": ([rng.integers(0, VOCAB_LIMIT, 880).tolist()], 1, 0),
+        "prefill_880_checkpoint": ([rng.integers(0, VOCAB_LIMIT, 624).tolist() + [marker]
+                                    + rng.integers(0, VOCAB_LIMIT, 256).tolist()], 1, 0),
+        "decode_16": ([rng.integers(0, VOCAB_LIMIT, 64).tolist() for _ in range(16)], 3, 1),
+    }
+    report = {}
+    for name, (prompts, max_tokens, profiled_step) in cases.items():
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"prof-{name}-{i}", {"prompt_token_ids": prompt}, params)
+        step = 0
+        while engine.has_unfinished_requests():
+            if step == profiled_step:
+                sync(engine.device)
+                activity = ProfilerActivity.CUDA if engine.device.type == "cuda" else ProfilerActivity.CPU
+                with profile(activities=[activity]) as prof:
+                    start = time.perf_counter()
+                    engine.step()
+                    wall = time.perf_counter() - start
+                    sync(engine.device)
+                kernels = [e for e in prof.key_averages() if "cuda" in str(getattr(e, "device_type", "")).lower()
+                           and getattr(e, "self_device_time_total", 0) > 0]
+                groups: dict[str, float] = {}
+                for e in kernels:
+                    groups[kernel_group(e.key)] = groups.get(kernel_group(e.key), 0.0) + e.self_device_time_total / 1e3
+                top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]
+                report[name] = {
+                    "wall_ms": 1e3 * wall, "enqueue_ms": 1e3 * timer.last, "gpu_kernel_ms": sum(groups.values()),
+                    "kernel_launches": sum(e.count for e in kernels), "by_group_ms": groups,
+                    "top": [(e.key[:90], e.count, round(e.self_device_time_total / 1e3, 3)) for e in top],
+                }
+                print(f"profile {name}: wall {1e3 * wall:.1f} ms, enqueue {1e3 * timer.last:.1f} ms, kernels "
+                      f"{report[name]['gpu_kernel_ms']:.1f} ms in {report[name]['kernel_launches']} launches, "
+                      f"{ {k: round(v, 1) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])} }", flush=True)
+            else:
+                engine.step()
+            step += 1
+    return report
 
 
 # ---------------------------------------------------------------- transformers peer
@@ -376,8 +466,11 @@ def run_peer(args, cfg: dict, model, results: dict, save) -> None:
 
     for p in args.p:
         length = p + args.s
-        forward(torch.tensor(rng.integers(0, VOCAB_LIMIT, (min(args.peer_batch, max(args.peer_n)), length)),
-                             device=device))  # warm-up for this length
+        if time.perf_counter() - args.start > args.time_budget + args.peer_budget:
+            results["skipped"] += [{"peer": True, "P": p, "N": n} for n in args.peer_n]
+            continue
+        for batch_size in sorted({min(n, args.peer_batch) for n in args.peer_n}):  # warm-up: every shape timed
+            forward(torch.tensor(rng.integers(0, VOCAB_LIMIT, (batch_size, length)), device=device))
         for n in args.peer_n:
             if time.perf_counter() - args.start > args.time_budget + args.peer_budget:
                 results["skipped"].append({"peer": True, "P": p, "N": n})
@@ -402,6 +495,30 @@ def run_peer(args, cfg: dict, model, results: dict, save) -> None:
             print(f"  peer P={p:5d} N={n:3d}: {row['requests_per_s']:8.2f} req/s  {row['prompt_tokens_per_s']:9.0f} tok/s",
                   flush=True)
             save()
+
+
+def tiny_parity(args) -> dict:
+    """forkpoint vs transformers on a 4-layer model with the same kernels and dtype: top-20
+    logprobs of one 256-token prompt (implementation parity, apart from bf16 rounding)."""
+    cfg = tiny_config()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_model_dir(cfg, Path(tmp) / "tiny")
+        llm = LLM(str(model_dir), load_format="dummy", dtype=args.dtype, device=args.device, num_kv_blocks=64,
+                  num_state_slots=4, max_num_seqs=4)
+        ids = np.random.default_rng(args.seed + 2).integers(0, VOCAB_LIMIT, 256).tolist()
+        ours = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=1, logprobs=20),
+                            use_tqdm=False)[0].outputs[0].logprobs[0]
+        model = llm.engine.runner.model
+        del llm
+        peer, _ = build_peer(cfg, model, torch.device(args.device))
+        with torch.inference_mode():
+            logits = peer(input_ids=torch.tensor([ids], device=args.device), use_cache=False,
+                          logits_to_keep=1).logits[0, -1].float()
+        theirs = torch.log_softmax(logits, -1)
+        result = {"max_logprob_diff_top20": max(abs(float(theirs[t]) - v) for t, v in ours.items()),
+                  "same_argmax": int(logits.argmax()) == max(ours, key=ours.get)}
+    print(f"tiny parity (4 layers, {args.dtype}): {result}", flush=True)
+    return result
 
 
 # ---------------------------------------------------------------- report
@@ -465,7 +582,7 @@ def plot(results: dict, path: Path) -> None:
         sps = sorted((s for s in results["speedups"] if s["P"] == p and s["max_tokens"] == 1), key=lambda s: s["N"])
         axes[1].plot([s["N"] for s in sps], [s["speedup"] for s in sps], "-o", color=color, label=f"measured P={p}")
         axes[1].plot([s["N"] for s in sps], [s["ideal"] for s in sps], ":", color=color, label=f"ideal P={p}")
-    for ax, title, ylabel in zip(axes, ("requests/s (S=256, max_tokens=1)", "on/off speedup vs ideal N(P+S)/(P+NS)",
+    for ax, title, ylabel in zip(axes, (f"requests/s (S={results['S']}, max_tokens=1)", "on/off speedup vs ideal N(P+S)/(P+NS)",
                                         "TTFT p50"), ("requests/s", "speedup", "ms")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -482,26 +599,31 @@ def plot(results: dict, path: Path) -> None:
 # ---------------------------------------------------------------- smoke test
 
 def smoke(args) -> None:
-    """Tiny model through LLM on the device: ON and OFF give the same greedy tokens; counters add up."""
+    """Tiny model through LLM on the device: checkpoint counters add up; greedy tokens with and
+    without checkpoints are printed side by side (bf16 may flip near ties, so not asserted)."""
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(tiny_config(), Path(tmp) / "tiny")
-        llm = LLM(str(model_dir), load_format="dummy", dtype=args.dtype, device=args.device, num_kv_blocks=256,
-                  num_state_slots=8, max_num_seqs=8)
+        kwargs = dict(load_format="dummy", dtype=args.dtype, device=args.device, num_kv_blocks=256, num_state_slots=8,
+                      max_num_seqs=8)
+        llm = LLM(str(model_dir), **kwargs)
+        plain = LLM(str(model_dir), enable_checkpoints=False, **kwargs)
         rng = np.random.default_rng(0)
         anchor = rng.integers(0, VOCAB_LIMIT, 100).tolist()
         suffixes = [rng.integers(0, VOCAB_LIMIT, 20).tolist() for _ in range(4)]
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         on = llm.generate([{"prompt_token_ids": anchor + [llm.checkpoint_token_id] + s} for s in suffixes], params,
                           use_tqdm=False)
-        off = llm.generate([{"prompt_token_ids": anchor[::-1] + s} for s in suffixes], params, use_tqdm=False)
+        off = plain.generate([{"prompt_token_ids": anchor + s} for s in suffixes], params, use_tqdm=False)
         metrics = llm.metrics()
-        print("smoke: cached", [o.num_cached_tokens for o in on], "tokens on", [o.outputs[0].token_ids for o in on])
-        print("smoke: tokens off", [o.outputs[0].token_ids for o in off])
+        print("smoke: cached", [o.num_cached_tokens for o in on])
+        print("smoke: tokens with checkpoints   ", [o.outputs[0].token_ids for o in on])
+        print("smoke: tokens without checkpoints", [o.outputs[0].token_ids for o in off])
         print("smoke: metrics", {k: metrics[k] for k in ("prompt_tokens_total", "prompt_tokens_computed",
                                                           "checkpoint_hits", "checkpoints_created")})
         assert [o.num_cached_tokens for o in on] == [0, 100, 100, 100]
-        assert metrics["prompt_tokens_computed"] == 100 + 4 * 20 + 4 * 120
+        assert metrics["prompt_tokens_computed"] == 100 + 4 * 20
         llm.engine.check_integrity()
+        plain.engine.check_integrity()
         print("smoke: OK")
 
 
@@ -548,6 +670,7 @@ def main() -> None:
     parser.add_argument("--peer-n", type=parse_ints, default=[1, 4, 16])
     parser.add_argument("--peer-batch", type=int, default=4)
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="GPU kernel time by kind for a few single steps")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
@@ -571,7 +694,7 @@ def main() -> None:
     results = {
         "model": "tiny Qwen3.5-MoE" if args.tiny else "Qwen3.5-35B-A3B shapes (random bf16 weights)",
         "config": cfg, "params": counts, "machine": machine_info(device),
-        "command": " ".join(sys.argv), "runs": [], "speedups": [], "skipped": [],
+        "command": " ".join(sys.argv), "S": args.s, "runs": [], "speedups": [], "skipped": [],
         "flops_per_token": 2 * counts["per_token"], "peak_flops": PEAK_BF16,
         "compute_floor_tokens_s": {"anchors_6gflop_790tflops": ANCHOR_FLOOR_TOKENS_S,
                                    "per_token_params_790tflops": MEASURED_BF16 / (2 * counts["per_token"]),
@@ -582,32 +705,41 @@ def main() -> None:
         (out / f"{args.name}.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
 
     print(f"params: {counts}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_model_dir(cfg, Path(tmp) / "model")
-        model, llm = run_forkpoint(args, cfg, model_dir, results, save)
-    results["step_fit"] = step_fit(results)
-    print(f"step fit: {results['step_fit']}", flush=True)
-    save()
-    if not args.no_peer:
-        del llm  # frees the KV and state pools; the weights stay (held by `model`) for the peer
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        try:
-            run_peer(args, cfg, model, results, save)
-        except Exception as err:  # report, keep forkpoint's results
-            results["peer_error"] = repr(err)[:2000]
-            print(f"peer failed: {err!r}", flush=True)
-    results["total_s"] = time.perf_counter() - args.start
-    save()
-    plot(results, out / f"{args.name}.png")
-    print(table(results))
-    if results.get("peer"):
-        for r in results["peer"]["runs"]:
+    try:
+        if not args.tiny and not args.no_peer:
+            results["tiny_parity"] = tiny_parity(args)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = make_model_dir(cfg, Path(tmp) / "model")
+            model, llm = run_forkpoint(args, cfg, model_dir, results, save)
+        results["step_fit"] = step_fit(results)
+        print(f"step fit: {results['step_fit']}", flush=True)
+        save()
+        if not args.no_peer:
+            del llm  # frees the KV and state pools; the weights stay (held by `model`) for the peer
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            try:
+                run_peer(args, cfg, model, results, save)
+            except Exception as err:  # report, keep forkpoint's results
+                results["peer_error"] = traceback.format_exc()[-3000:]
+                print(f"peer failed: {err!r}", flush=True)
+    except Exception:
+        results["error"] = traceback.format_exc()[-3000:]
+        print(results["error"], flush=True)
+    finally:
+        results["total_s"] = time.perf_counter() - args.start
+        save()
+        if results["speedups"]:
+            plot(results, out / f"{args.name}.png")
+            print(table(results))
+        for r in results.get("peer", {}).get("runs", []):
             print(f"transformers P={r['P']} N={r['N']}: {r.get('requests_per_s', float('nan')):.2f} req/s "
                   f"{r.get('prompt_tokens_per_s', float('nan')):.0f} tok/s {r.get('error', '')}")
-    print(f"wrote {out / (args.name + '.json')} and .png in {results['total_s']:.0f} s")
-
+        print(f"wrote {out / (args.name + '.json')} in {results['total_s']:.0f} s")
 
 if __name__ == "__main__":
     main()

@@ -7,9 +7,10 @@ have passed, sending streaming completions `anchor + <|mamba_checkpoint|> + suff
 of a group produces the anchor's checkpoint, the rest reuse it), suffixes are fresh each time.
 
 Reports requests/s, end-to-end latency and TTFT p50/p99, the error count (anything but a complete
-200 response with usage), cached-token share, and the server's RSS (VmRSS from /proc) at the
-start and the end of the run; writes bench/results/server_load.json and server_load.png
-(throughput and RSS over time, latency histogram).
+200 response with usage), cached-token share, the server's CPU time per request (from /proc; less
+sensitive than wall time to other load on a small machine) and its RSS (VmRSS) at the start and
+the end of the run; writes bench/results/server_load.json and server_load.png (throughput and RSS
+over time, latency histogram).
 
 Usage:
     python bench/server_load.py                                   # 64 clients, 60 s
@@ -63,6 +64,15 @@ def rss_mib(pid: int) -> float | None:
     return None
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process (robust to other load on the machine, unlike wall time)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(values: list[float], q: float) -> float:
     return percentile(values, q) if values else float("nan")
 
@@ -107,8 +117,9 @@ async def client_loop(client: AsyncOpenAI, model: str, work, t0: float, deadline
         usage = None
         error = None
         try:
-            stream = await client.completions.create(model=model, prompt=anchor + MARKER + suffix, max_tokens=max_tokens,
-                                                     temperature=0.0, stream=True, stream_options={"include_usage": True})
+            stream = await client.completions.create(
+                model=model, prompt=anchor + MARKER + suffix, max_tokens=max_tokens, temperature=0.0, stream=True,
+                stream_options={"include_usage": True})
             async for chunk in stream:
                 if first is None and chunk.choices:
                     first = time.perf_counter()
@@ -134,6 +145,7 @@ async def run_load(args: argparse.Namespace, url: str, pid: int | None) -> dict:
         await client.completions.create(model=model, prompt="warm up" + MARKER + " now", max_tokens=1)
         rss_start = rss_mib(pid) if pid else None
         load_start = os.getloadavg()
+        cpu_start = cpu_seconds(pid) if pid else None
         t0 = time.perf_counter()
         deadline = t0 + args.duration
 
@@ -149,6 +161,7 @@ async def run_load(args: argparse.Namespace, url: str, pid: int | None) -> dict:
         wall = time.perf_counter() - t0
         watcher.cancel()
     rss_end = rss_mib(pid) if pid else None
+    cpu_used = cpu_seconds(pid) - cpu_start if pid and cpu_start is not None else None
     ok = [s for s in samples if s.error is None]
     errors = [s for s in samples if s.error is not None]
     prompt = sum(s.prompt_tokens for s in ok)
@@ -163,11 +176,13 @@ async def run_load(args: argparse.Namespace, url: str, pid: int | None) -> dict:
         "ttft_p50_s": pct([s.ttft_s for s in ok], 50),
         "ttft_p99_s": pct([s.ttft_s for s in ok], 99),
         "prompt_tokens": prompt, "cached_tokens": sum(s.cached_tokens for s in ok),
+        "server_cpu_s": cpu_used,
+        "server_cpu_ms_per_request": 1000 * cpu_used / max(len(ok), 1) if cpu_used is not None else None,
         "rss_start_mib": rss_start, "rss_end_mib": rss_end, "rss_series": rss,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     # other processes on a small machine skew everything: keep the evidence
                     "loadavg_1m_start": load_start[0], "loadavg_1m_end": os.getloadavg()[0]},
-        "samples": [asdict(s) for s in samples],
+        "samples": [{k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(s).items()} for s in samples],
     }
 
 
@@ -241,7 +256,9 @@ def main() -> int:
     print(f"prompt tokens {result['prompt_tokens']}, cached {result['cached_tokens']} "
           f"({result['cached_tokens'] / max(result['prompt_tokens'], 1):.0%})")
     if result["rss_start_mib"] is not None:
-        print(f"server RSS: {result['rss_start_mib']:.0f} MiB at start, {result['rss_end_mib']:.0f} MiB at end")
+        print(f"server RSS: {result['rss_start_mib']:.0f} MiB at start, {result['rss_end_mib']:.0f} MiB at end; "
+              f"server CPU {result['server_cpu_s']:.0f} s ({result['server_cpu_ms_per_request']:.0f} ms per request); "
+              f"load average {result['machine']['loadavg_1m_start']:.1f} -> {result['machine']['loadavg_1m_end']:.1f}")
     for example in result["error_examples"]:
         print(f"error: {example}")
     print(f"wrote {out / 'server_load.json'} and {out / 'server_load.png'}")

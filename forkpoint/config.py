@@ -22,6 +22,78 @@ SUPPORTED_MODEL_TYPES: dict[str, str | None] = {
     "qwen3_5_moe": "text_config",
 }
 
+# activation names of vision MLPs -> torch.nn.functional.gelu's `approximate`
+VISION_ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower of a multimodal Qwen3.5 checkpoint (`vision_config` in config.json) and the
+    ids of the tokens that place images in a prompt.
+
+    A patch is `in_channels x temporal_patch_size x patch_size x patch_size` pixels; every
+    `spatial_merge_size**2` neighbouring patches become one `<|image_pad|>` token of width
+    `out_hidden_size` (== the text model's hidden size).
+    """
+
+    depth: int
+    hidden_size: int
+    hidden_act: str
+    intermediate_size: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    out_hidden_size: int
+    num_position_embeddings: int
+    rope_theta: float
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_dict(cls, vision: dict, raw: dict) -> "VisionConfig":
+        """`vision`: the `vision_config` entry; `raw`: the whole config (token ids live at its top level)."""
+        rope = dict(vision.get("rope_parameters") or {})
+        patch, temporal = vision.get("patch_size", 16), vision.get("temporal_patch_size", 2)
+        if not isinstance(patch, int) or not isinstance(temporal, int):
+            raise ValueError(f"vision_config patch_size {patch!r} / temporal_patch_size {temporal!r}: only square "
+                             "integer patches are supported")
+        config = cls(
+            depth=int(vision.get("depth", 27)),
+            hidden_size=int(vision.get("hidden_size", 1152)),
+            hidden_act=str(vision.get("hidden_act", "gelu_pytorch_tanh")),
+            intermediate_size=int(vision.get("intermediate_size", 4304)),
+            num_heads=int(vision.get("num_heads", 16)),
+            in_channels=int(vision.get("in_channels", 3)),
+            patch_size=patch,
+            temporal_patch_size=temporal,
+            spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
+            out_hidden_size=int(vision.get("out_hidden_size", 3584)),
+            num_position_embeddings=int(vision.get("num_position_embeddings", 2304)),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            image_token_id=int(raw.get("image_token_id", 248056)),
+            video_token_id=int(raw.get("video_token_id", 248057)),
+            vision_start_token_id=int(raw.get("vision_start_token_id", 248053)),
+            vision_end_token_id=int(raw.get("vision_end_token_id", 248054)),
+        )
+        if config.hidden_size % config.num_heads or config.head_dim % 4:
+            raise ValueError("vision_config hidden_size / num_heads must be a multiple of 4 (2-D rotary embedding)")
+        if config.hidden_act not in VISION_ACTIVATIONS:
+            raise ValueError(f"unsupported vision hidden_act {config.hidden_act!r}: forkpoint knows "
+                             f"{sorted(VISION_ACTIVATIONS)}")
+        side = int(config.num_position_embeddings**0.5)
+        if side * side != config.num_position_embeddings:
+            raise ValueError("vision_config num_position_embeddings must be a square number")
+        return config
+
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -65,6 +137,11 @@ class ModelConfig:
     # weights of a multimodal checkpoint live under this prefix ("" for text-only checkpoints)
     weight_prefix: str = "model."
     grouped_gdn_projections: bool = False  # Qwen3-Next's in_proj_qkvz / in_proj_ba layout
+    # multi-axis rotary (temporal, height, width): frequency i of the rotary half belongs to axis
+    # H when i % 3 == 1 and i < 3 * mrope_section[1], W when i % 3 == 2 and i < 3 * mrope_section[2],
+    # else T (transformers' interleaved layout); only image tokens have distinct axes
+    mrope_section: tuple[int, int, int] = (11, 11, 10)
+    vision: VisionConfig | None = None  # None: a text-only checkpoint
 
     @property
     def gdn_layer_ids(self) -> tuple[int, ...]:
@@ -130,6 +207,9 @@ class ModelConfig:
         rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
         rope_theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
         partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
+        mrope_section = tuple(int(x) for x in rope.get("mrope_section", (11, 11, 10)))
+        if len(mrope_section) != 3:
+            raise ValueError(f"rope mrope_section must have three entries (T, H, W), got {list(mrope_section)}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
             raise ValueError(f"unsupported rope_type {rope_type!r}: only 'default' rotary embeddings are implemented")
@@ -181,6 +261,8 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             weight_prefix=weight_prefix,
             grouped_gdn_projections=model_type == "qwen3_next",
+            mrope_section=mrope_section,
+            vision=VisionConfig.from_dict(raw["vision_config"], raw) if text_key and raw.get("vision_config") else None,
         )
         config.validate()
         return config
@@ -192,6 +274,9 @@ class ModelConfig:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if not any(self.moe_layers) and self.intermediate_size <= 0:
             raise ValueError("config has neither experts nor a dense intermediate_size")
+        if self.vision is not None and self.vision.out_hidden_size != self.hidden_size:
+            raise ValueError(f"vision_config out_hidden_size {self.vision.out_hidden_size} differs from the text "
+                             f"hidden_size {self.hidden_size}: the checkpoint's config is inconsistent")
 
 
 @dataclass(frozen=True)
@@ -224,6 +309,12 @@ class EngineConfig:
     kv_cache_bytes: int = 2 << 30
     state_cache_bytes: int = 2 << 30
     gpu_memory_utilization: float = 0.85
+    # images (multimodal checkpoints only): at most this many per prompt; 0 uses the model text-only
+    # (the vision tower is not loaded); pixel limits override preprocessor_config.json's
+    max_images_per_prompt: int = 16
+    image_min_pixels: int | None = None
+    image_max_pixels: int | None = None
+    image_embedding_cache_bytes: int = 256 << 20  # LRU of vision-tower outputs, keyed by image content
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -240,7 +331,13 @@ class EngineConfig:
             raise ValueError("checkpoint_wait_s must be positive")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
-        for name in ("checkpoint_pool_size", "num_kv_blocks", "num_state_slots", "long_prefill_token_threshold"):
+        if self.max_images_per_prompt < 0 or self.image_embedding_cache_bytes < 0:
+            raise ValueError("max_images_per_prompt and image_embedding_cache_bytes must be >= 0")
+        if (self.image_min_pixels is not None and self.image_max_pixels is not None
+                and self.image_min_pixels > self.image_max_pixels):
+            raise ValueError(f"image_min_pixels {self.image_min_pixels} exceeds image_max_pixels {self.image_max_pixels}")
+        for name in ("checkpoint_pool_size", "num_kv_blocks", "num_state_slots", "long_prefill_token_threshold",
+                     "image_min_pixels", "image_max_pixels"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

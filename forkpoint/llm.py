@@ -15,14 +15,25 @@ from tqdm.auto import tqdm
 
 from forkpoint.config import EngineConfig
 from forkpoint.engine.engine import LLMEngine
-from forkpoint.inputs.chat import render_chat
+from forkpoint.inputs.chat import render_chat_with_images
 from forkpoint.outputs import RequestOutput
 from forkpoint.sampling_params import SamplingParams
 
 
 class LLM:
     """An engine plus the offline conveniences. Extra keyword arguments go to `EngineConfig`
-    (e.g. `checkpoint_pool_size`, `checkpoint_wait_s`, `num_kv_blocks`, `num_state_slots`)."""
+    (e.g. `checkpoint_pool_size`, `checkpoint_wait_s`, `num_kv_blocks`, `num_state_slots`, and for
+    multimodal checkpoints `max_images_per_prompt`, `image_min_pixels`, `image_max_pixels`,
+    `image_embedding_cache_bytes`).
+
+    Images (multimodal Qwen3.5 checkpoints), as in vLLM::
+
+        llm.generate({"prompt": "<|vision_start|><|image_pad|><|vision_end|>Describe it.",
+                      "multi_modal_data": {"image": [pil_image_or_path]}})
+        llm.chat([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}},
+            {"type": "text", "text": "Describe it."}]}])
+    """
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
                  device: str = "auto", seed: int = 0, max_model_len: int | None = None, max_num_seqs: int = 256,
@@ -75,10 +86,15 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
              **template_kwargs) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+        """One conversation (a list of {"role", "content"} dicts) or a list of conversations.
+        Content may mix text parts and image parts (`image_url` with a data URL, or `image`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [render_chat(self.engine.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
-                               chat_template=chat_template, **template_kwargs) for conversation in conversations]
+        prompts = []
+        for conversation in conversations:
+            text, images = render_chat_with_images(self.engine.tokenizer, conversation,
+                                                   add_generation_prompt=add_generation_prompt,
+                                                   chat_template=chat_template, **template_kwargs)
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -4,6 +4,7 @@ with `save_pretrained`, plus a small word-level tokenizer, so that forkpoint's r
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -14,6 +15,22 @@ from transformers import PreTrainedTokenizerFast
 VOCAB = 160
 WORDS = [f"w{i}" for i in range(VOCAB - 8)]
 EOS = "<|im_end|>"
+# multimodal models' tokenizers: words w0..w149 (ids 5..154), then the image tokens (special, as in the
+# real vocabulary); the checkpoint marker is registered after them, at VOCAB - 1
+VISION_TOKENS = {"<|vision_end|>": VOCAB - 5, "<|vision_start|>": VOCAB - 4, "<|video_pad|>": VOCAB - 3,
+                 "<|image_pad|>": VOCAB - 2}
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+               spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+# multimodal text models rotate 8 dims (4 frequencies: T, H, W, T) so every mrope axis is exercised
+_MROPE = dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                   mrope_section=[2, 1, 1]))
+_VISION_IDS = dict(vision_end_token_id=VOCAB - 5, vision_start_token_id=VOCAB - 4, video_token_id=VOCAB - 3,
+                   image_token_id=VOCAB - 2)
+# preprocessing of the tiny multimodal models: 8x8-pixel tokens, at most 16 tokens per image
+PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 4, "merge_size": 2,
+                "temporal_patch_size": 2, "size": {"shortest_edge": 64, "longest_edge": 1024},
+                "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
@@ -28,14 +45,17 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, rms_norm_e
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
 
-def save_tokenizer(directory: Path) -> None:
-    """Word-level tokenizer: ids 0..4 special, then w0, w1, ... (space separated)."""
+def save_tokenizer(directory: Path, *, vision: bool = False) -> None:
+    """Word-level tokenizer: ids 0..4 special, then w0, w1, ... (space separated); with `vision`, the
+    words stop at w149 and the image tokens of `VISION_TOKENS` follow (special: no spaces needed)."""
     specials = ["<|endoftext|>", EOS, "<|im_start|>", "user", "assistant"]
-    vocab = {tok: i for i, tok in enumerate(specials + WORDS)}
+    vocab = {tok: i for i, tok in enumerate(specials + (WORDS[: VOCAB - 10] if vision else WORDS))}
+    if vision:
+        vocab.update(VISION_TOKENS)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>"])
+                                   additional_special_tokens=["<|im_start|>", *(VISION_TOKENS if vision else ())])
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
 
@@ -73,18 +93,22 @@ def build_tiny_model(directory: Path, model_type: str, *, fused_experts: bool = 
                                                            decoder_sparse_step=1, mlp_only_layers=[1],
                                                            norm_topk_prob=True))
     elif model_type == "qwen3_5_moe":
-        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                      patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
-        config = tf.Qwen3_5MoeConfig(text_config=dict(**_COMMON, **_GDN, **_ATTN, **_MOE), vision_config=vision,
-                                     image_token_id=VOCAB - 1, video_token_id=VOCAB - 2,
-                                     vision_start_token_id=VOCAB - 3, vision_end_token_id=VOCAB - 4)
+        config = tf.Qwen3_5MoeConfig(text_config=dict(**_COMMON, **_GDN, **_ATTN, **_MOE, **_MROPE), vision_config=_VISION,
+                                     **_VISION_IDS)
         model = tf.Qwen3_5MoeForConditionalGeneration(config)
+    elif model_type == "qwen3_5":
+        config = tf.Qwen3_5Config(text_config=dict(**_COMMON, **_GDN, **_ATTN, **_MROPE, intermediate_size=96),
+                                  vision_config=_VISION, **_VISION_IDS)
+        model = tf.Qwen3_5ForConditionalGeneration(config)
     else:
         raise ValueError(model_type)
     _randomize(model, seed)
     model = model.float().eval()
     model.save_pretrained(directory, safe_serialization=True)
-    save_tokenizer(directory)
+    multimodal = model_type in ("qwen3_5_moe", "qwen3_5")
+    save_tokenizer(directory, vision=multimodal)
+    if multimodal:
+        (directory / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
     if fused_experts:
         fuse_expert_tensors(directory)
     return model
@@ -114,3 +138,29 @@ def fuse_expert_tensors(directory: Path) -> None:
 
 def words(*indices: int) -> str:
     return " ".join(WORDS[i] for i in indices)
+
+
+def image_processor_oracle(directory: Path):
+    """transformers' Qwen3-VL processor (PIL image backend, no video processor) for a tiny
+    multimodal model directory: the oracle for input ids, pixel values and grids."""
+    import transformers as tf
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    class ImageOnlyProcessor(tf.Qwen3VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                             chat_template=chat_template)
+
+    settings = {k: v for k, v in PREPROCESSOR.items() if k != "image_processor_type"}
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(directory))
+    return ImageOnlyProcessor(image_processor=Qwen2VLImageProcessorPil(**settings), tokenizer=tokenizer)
+
+
+def random_image(seed: int, width: int, height: int, mode: str = "RGB"):
+    """A seeded noise image (PIL) of the given size and mode."""
+    import numpy as np
+    from PIL import Image
+
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, channels), dtype=np.uint8)
+    return Image.fromarray(pixels.squeeze(-1) if channels == 1 else pixels, mode=mode)

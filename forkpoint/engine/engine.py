@@ -17,15 +17,17 @@ from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.checkpoints import CheckpointRegistry
 from forkpoint.cache.hashing import PrefixHasher
 from forkpoint.cache.state_pool import StatePool
-from forkpoint.config import EngineConfig, ModelConfig
+from forkpoint.config import EngineConfig, ModelConfig, VisionConfig
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler import Scheduler, StepPlan
 from forkpoint.inputs.default_model import DEFAULT_MODEL_NOTICE, ensure_default_model
 from forkpoint.inputs.markers import prompt_to_token_ids, strip_checkpoint_markers, validate_token_ids
+from forkpoint.inputs.multimodal import image_prompt_processor
 from forkpoint.inputs.tokenizer import load_tokenizer
 from forkpoint.models.loader import build_model
 from forkpoint.outputs import CompletionOutput, RequestOutput
 from forkpoint.runner.model_runner import ModelRunner
+from forkpoint.runner.multimodal import MultimodalInputs
 from forkpoint.runner.sampler import sample
 from forkpoint.sampling_params import SamplingParams
 
@@ -34,6 +36,16 @@ logger = logging.getLogger("forkpoint")
 _CPU_KV_BYTES = 256 << 20
 _CPU_STATE_BYTES = 512 << 20
 _DEFAULT_CHECKPOINT_SLOTS = 64
+
+
+def _check_image_tokens(tokenizer, vision: VisionConfig) -> None:
+    """The tokenizer must spell the image placeholder with the ids config.json gives the model."""
+    placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
+    ids = tokenizer.encode(placeholder, add_special_tokens=False)
+    expected = [vision.vision_start_token_id, vision.image_token_id, vision.vision_end_token_id]
+    if ids != expected:
+        raise ValueError(f"the tokenizer encodes {placeholder!r} as {ids}, but config.json expects {expected}: "
+                         "use the model's own tokenizer, or max_images_per_prompt=0 to run it text-only")
 
 
 @dataclass
@@ -72,13 +84,22 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
 
+        vision = self.model_config.vision
+        self.images = image_prompt_processor(vision, model_path, max_images=config.max_images_per_prompt,
+                                             min_pixels=config.image_min_pixels, max_pixels=config.image_max_pixels)
+        if self.images.processor is not None:
+            _check_image_tokens(self.tokenizer, vision)
+
         torch.manual_seed(config.seed)
-        model = build_model(self.model_config, model_path, config.load_format, self.device, self.dtype, config.seed)
+        model = build_model(self.model_config, model_path, config.load_format, self.device, self.dtype, config.seed,
+                            with_vision=self.images.processor is not None)
         self.block_pool, self.state_pool = self._make_pools()
         self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool)
                          if config.enable_checkpoints else None)
         self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry)
-        self.runner = ModelRunner(model, self.block_pool, self.state_pool, self.device)
+        multimodal = None if model.visual is None else MultimodalInputs(
+            model.visual, self.images.processor, config.image_embedding_cache_bytes, self.device)
+        self.runner = ModelRunner(model, self.block_pool, self.state_pool, self.device, multimodal)
         self._groups: dict[str, _PromptGroup] = {}
         self._seed_counter = config.seed
         self._counters = {"prompt_tokens_total": 0, "prompt_tokens_computed": 0, "generation_tokens_total": 0,
@@ -124,8 +145,11 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, raw_ids, extra_positions = prompt_to_token_ids(prompt, self.tokenizer)
-        parsed = strip_checkpoint_markers(raw_ids, self.checkpoint_token_id, extra_positions,
+        raw = prompt_to_token_ids(prompt, self.tokenizer)
+        text = raw.text
+        images = self.images.load(raw.multi_modal_data)
+        raw_ids = self.images.expand(raw.token_ids, images)  # markers count expanded image tokens
+        parsed = strip_checkpoint_markers(raw_ids, self.checkpoint_token_id, raw.checkpoint_positions,
                                           self.config.max_checkpoints_per_request)
         token_ids = list(parsed.token_ids)
         validate_token_ids(token_ids, self.model_config.vocab_size)
@@ -136,11 +160,13 @@ class LLMEngine:
         if needed > self.block_pool.num_blocks:
             raise ValueError(f"prompt needs {needed} KV blocks but the pool has {self.block_pool.num_blocks}: "
                              "raise kv_cache_bytes / num_kv_blocks")
+        multimodal = self.images.place(token_ids, parsed.checkpoint_positions, images)
         positions = list(parsed.checkpoint_positions) if self.registry is not None else []
         seq_positions = list(positions)
         if params.n > 1 and self.registry is not None and len(token_ids) > 1 and (len(token_ids) - 1) not in positions:
             seq_positions.append(len(token_ids) - 1)  # siblings share the prompt through one checkpoint
-        hasher = PrefixHasher(token_ids, self.config.block_size)
+        hasher = PrefixHasher(token_ids, self.config.block_size,
+                              extra_keys=multimodal.hash_keys() if multimodal is not None else ())
         now = time.monotonic()
         sequences = []
         for index in range(params.n):
@@ -154,6 +180,7 @@ class LLMEngine:
                 arrival_time=now,
                 hasher=hasher,
                 generator=self._generator(params, index),
+                multimodal=multimodal,
             ))
         self._groups[request_id] = _PromptGroup(request_id, text, token_ids, positions, sequences)
         for sequence in sequences:
@@ -296,6 +323,12 @@ class LLMEngine:
             checkpoint_slots_used=self.state_pool.checkpoints.num_used,
             checkpoint_slots_total=self.state_pool.checkpoints.count,
         )
+        vision = self.runner.multimodal
+        if vision is not None:
+            values.update(vision_encoder_calls=vision.stats.encoder_calls,
+                          images_encoded=vision.stats.images_encoded,
+                          image_cache_hits=vision.stats.image_cache_hits,
+                          image_cache_bytes=vision.cache.num_bytes)
         return values
 
     def check_integrity(self) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from forkpoint.cache.checkpoints import Checkpoint
 from forkpoint.cache.hashing import PrefixHasher
+from forkpoint.inputs.multimodal import MultimodalPrompt
 from forkpoint.sampling_params import SamplingParams
 
 
@@ -50,6 +51,8 @@ class Request:
     finish_reason: str | None = None
     stop_text_len: int | None = None
     first_token_time: float | None = None
+    # images: placed in prompt_token_ids, with the rotary positions of every token (None: text only)
+    multimodal: MultimodalPrompt | None = None
 
     @property
     def token_ids(self) -> list[int]:

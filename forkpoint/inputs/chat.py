@@ -3,6 +3,12 @@
 Rendering happens on text, before tokenisation, so a checkpoint marker written inside a
 message is plain text to the template and comes out unchanged; tokenising the rendered prompt
 then turns it into the marker id, exactly as in a plain prompt.
+
+Images (`render_chat_with_images`): an OpenAI `{"type": "image_url", "image_url": {"url":
+"data:image/png;base64,..."}}` part (or an offline `{"type": "image", "image": <PIL image or
+path>}` part) becomes the text `<|vision_start|><|image_pad|><|vision_end|>` at its place among
+the parts, and its source is returned in order for `multi_modal_data`. Only data URLs are
+accepted in `image_url`: nothing is fetched over the network.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 # OpenAI-style text content parts are joined with a newline, as vLLM does for templates that
 # take string content.
 TEXT_PART_SEPARATOR = "\n"
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 def render_chat(
@@ -37,13 +44,36 @@ def render_chat(
     Raises ValueError naming the message and field when the conversation is malformed or has
     a non-text part, and when neither the tokenizer nor the call provides a chat template.
     """
+    return _render(tokenizer, messages, None, add_generation_prompt=add_generation_prompt,
+                   chat_template=chat_template, **template_kwargs)
+
+
+def render_chat_with_images(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    **template_kwargs: Any,
+) -> tuple[str, list[Any]]:
+    """`render_chat` that also takes image parts (see the module docstring). Returns the prompt
+    text, with one placeholder per image, and the image sources in order (data URL strings,
+    PIL images or paths), ready for `{"prompt": text, "multi_modal_data": {"image": images}}`."""
+    images: list[Any] = []
+    text = _render(tokenizer, messages, images, add_generation_prompt=add_generation_prompt,
+                   chat_template=chat_template, **template_kwargs)
+    return text, images
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]], images: list[Any] | None, *,
+            add_generation_prompt: bool, chat_template: str | None, **template_kwargs: Any) -> str:
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "the tokenizer has no chat template: pass chat_template=... (a Jinja template), "
             "use a tokenizer whose tokenizer_config.json or chat_template.jinja has one, "
             "or call generate() with a rendered prompt"
         )
-    conversation = [_normalize_message(index, message) for index, message in
+    conversation = [_normalize_message(index, message, images) for index, message in
                     enumerate(_message_list(messages))]
     rendered = tokenizer.apply_chat_template(
         conversation,
@@ -70,7 +100,7 @@ def _message_list(messages: Any) -> Sequence[Any]:
     return messages
 
 
-def _normalize_message(index: int, message: Any) -> dict[str, Any]:
+def _normalize_message(index: int, message: Any, images: list[Any] | None) -> dict[str, Any]:
     if not isinstance(message, Mapping):
         raise ValueError(
             f"messages[{index}] must be a dict with 'role' and 'content', "
@@ -83,10 +113,11 @@ def _normalize_message(index: int, message: Any) -> dict[str, Any]:
     role = message["role"]
     if not isinstance(role, str) or not role:
         raise ValueError(f"messages[{index}]['role'] must be a non-empty str, not {role!r}")
-    return {**message, "content": _content_text(index, message["content"])}
+    return {**message, "content": _content_text(index, message["content"], images)}
 
 
-def _content_text(index: int, content: Any) -> str:
+def _content_text(index: int, content: Any, images: list[Any] | None) -> str:
+    """The message content as one string; image parts are appended to `images` (None: not allowed)."""
     if isinstance(content, str):
         return content
     if isinstance(content, (bytes, Mapping)) or not isinstance(content, Sequence):
@@ -97,13 +128,35 @@ def _content_text(index: int, content: Any) -> str:
     texts = []
     for part_index, part in enumerate(content):
         where = f"messages[{index}]['content'][{part_index}]"
+        if images is not None and isinstance(part, Mapping) and part.get("type") in ("image_url", "image"):
+            images.append(_image_source(part, where))
+            texts.append(IMAGE_PLACEHOLDER)
+            continue
         if not isinstance(part, Mapping) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
             raise ValueError(
                 f"{where} is not a text part ({kind!r}): only {{'type': 'text', 'text': str}} "
-                "parts are supported"
+                "parts are supported" + ("" if images is not None else
+                                         " here (image parts: use render_chat_with_images / LLM.chat)")
             )
         if not isinstance(part.get("text"), str):
             raise ValueError(f"{where}['text'] must be a str")
         texts.append(part["text"])
     return TEXT_PART_SEPARATOR.join(texts)
+
+
+def _image_source(part: Mapping[str, Any], where: str) -> Any:
+    """The image of an `image_url` part (a data URL) or an offline `image` part (PIL image or path)."""
+    if part["type"] == "image":
+        if part.get("image") is None:
+            raise ValueError(f"{where} is an image part without 'image': give {{'type': 'image', 'image': <PIL "
+                             "image or path>}")
+        return part["image"]
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, Mapping) else value
+    if not isinstance(url, str):
+        raise ValueError(f"{where}['image_url'] must be {{'url': 'data:image/...;base64,...'}}")
+    if not url.startswith("data:"):
+        raise ValueError(f"{where}: image URL {url[:40]!r} is not fetched (no network access): send the image "
+                         "inline as a data:image/...;base64 URL")
+    return url

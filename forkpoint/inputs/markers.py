@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
-PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "checkpoint_positions"})
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "checkpoint_positions", "multi_modal_data"})
 
 
 class RawPrompt(NamedTuple):
@@ -28,13 +28,16 @@ class RawPrompt(NamedTuple):
 
     text: the prompt string, or None for a ``{"prompt_token_ids": ...}`` input.
     token_ids: the token ids, markers included.
-    checkpoint_positions: the user's ``checkpoint_positions`` (stripped-token coordinates),
-        unvalidated, in the order given; empty when none were given.
+    checkpoint_positions: the user's ``checkpoint_positions`` (stripped-token coordinates, after
+        image placeholder expansion), unvalidated, in the order given; empty when none were given.
+    multi_modal_data: the prompt's ``multi_modal_data`` (e.g. ``{"image": [...]}``), unvalidated,
+        or None (see inputs/multimodal.py).
     """
 
     text: str | None
     token_ids: list[int]
     checkpoint_positions: list[int]
+    multi_modal_data: Any = None
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,8 @@ def prompt_to_token_ids(prompt: Any, tokenizer: PreTrainedTokenizerBase) -> RawP
     """Turn one prompt input of the public API into token ids.
 
     ``prompt`` is a ``str``, a ``{"prompt": str}`` or a ``{"prompt_token_ids": list[int]}``
-    mapping; either mapping may add ``"checkpoint_positions": list[int]``. Text is encoded with
+    mapping; either mapping may add ``"checkpoint_positions": list[int]`` and
+    ``"multi_modal_data": {"image": [...]}``. Text is encoded with
     ``add_special_tokens=False`` (Qwen tokenizers add no BOS), so marker text in it becomes the
     marker id and chat control tokens such as ``<|im_start|>`` become their ids.
 
@@ -77,18 +81,19 @@ def prompt_to_token_ids(prompt: Any, tokenizer: PreTrainedTokenizerBase) -> RawP
     positions = _int_list(prompt["checkpoint_positions"], "checkpoint_positions") if (
         "checkpoint_positions" in prompt
     ) else []
+    images = prompt.get("multi_modal_data")
     if "prompt" in prompt and "prompt_token_ids" in prompt:
         raise ValueError("a prompt dict has both 'prompt' and 'prompt_token_ids': give only one")
     if "prompt" in prompt:
         text = prompt["prompt"]
         if not isinstance(text, str):
             raise ValueError(f"'prompt' must be a str, not {type(text).__name__}")
-        return RawPrompt(text, _encode(text, tokenizer, "prompt"), positions)
+        return RawPrompt(text, _encode(text, tokenizer, "prompt"), positions, images)
     if "prompt_token_ids" in prompt:
         token_ids = _int_list(prompt["prompt_token_ids"], "prompt_token_ids")
         if not token_ids:
             raise ValueError("'prompt_token_ids' is empty: a prompt needs at least one token")
-        return RawPrompt(None, token_ids, positions)
+        return RawPrompt(None, token_ids, positions, images)
     raise ValueError("a prompt dict needs 'prompt' (a str) or 'prompt_token_ids' (a list of ints)")
 
 

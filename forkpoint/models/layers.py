@@ -47,20 +47,38 @@ class GatedRMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Partial rotary embedding (rotate-half convention) on the first `rotary_dim` dims of each head.
 
-    Qwen3.5's multi-axis rotary reduces to this for text, where all three axes carry the same position.
+    Qwen3.5's rotary is multi-axis (temporal, height, width), interleaved: frequency i rotates by
+    the position on axis `mrope_axis[i]` (see `mrope_axes`). Text tokens carry the same position
+    on all three axes, so for them it is the 1-D rotary of `positions: [T]` (the fast path); only
+    image tokens need `positions: [3, T]`.
     """
 
-    def __init__(self, rotary_dim: int, theta: float) -> None:
+    def __init__(self, rotary_dim: int, theta: float, mrope_section: tuple[int, int, int] = (11, 11, 10)) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("mrope_axis", mrope_axes(rotary_dim // 2, mrope_section), persistent=False)
         self.rotary_dim = rotary_dim
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] long -> cos, sin: [T, rotary_dim] in `dtype`."""
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        """positions: [T] long, or [3, T] long (T, H, W axes) -> cos, sin: [T, rotary_dim] in `dtype`."""
+        inv_freq = self.inv_freq.to(positions.device)
+        if positions.dim() == 1:
+            freqs = positions.float()[:, None] * inv_freq[None, :]
+        else:
+            per_freq = positions.index_select(0, self.mrope_axis.to(positions.device))  # [rotary_dim/2, T]
+            freqs = per_freq.float().T * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def mrope_axes(half: int, mrope_section: tuple[int, int, int], device: torch.device | None = None) -> torch.Tensor:
+    """Axis (0 = T, 1 = H, 2 = W) of each of the `half` rotary frequencies, transformers' interleaved
+    layout: H at i % 3 == 1 for i < 3 * section[1], W at i % 3 == 2 for i < 3 * section[2], T elsewhere."""
+    axis = torch.zeros(half, dtype=torch.long, device=device)
+    for dim in (1, 2):
+        axis[dim : 3 * mrope_section[dim] : 3] = dim
+    return axis
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,8 @@ The model is built on the meta device and materialised once; each checkpoint ten
 converted and copied into its parameter, so at most one checkpoint tensor exists beside the model.
 
 Layout conversions handled here:
-- weights of multimodal checkpoints under `model.language_model.` (vision tower skipped);
+- weights of multimodal checkpoints under `model.language_model.`; the vision tower's `model.visual.*`
+  become `visual.*` when the model is built `with_vision` (else they are skipped);
 - experts stored per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`) or fused
   (`mlp.experts.gate_up_proj [E, 2I, H]`, `mlp.experts.down_proj [E, H, I]`);
 - Qwen3-Next's grouped `in_proj_qkvz` / `in_proj_ba` into Qwen3.5's flat q|k|v, z, b, a.
@@ -21,21 +22,25 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from forkpoint.config import ModelConfig
+from forkpoint.models.layers import mrope_axes
 from forkpoint.models.qwen3_5 import HybridForCausalLM
 
 _SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.vision_tower.")
+_VISION_PREFIX = "model.visual."
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _GROUPED_QKVZ = re.compile(r"^(model\.layers\.\d+\.linear_attn)\.in_proj_(qkvz|ba)\.weight$")
 
 
 def build_model(config: ModelConfig, path: Path | None, load_format: str, device: torch.device,
-                dtype: torch.dtype, seed: int) -> HybridForCausalLM:
-    """Return the model in eval mode with every parameter loaded (or dummy-initialised)."""
+                dtype: torch.dtype, seed: int, *, with_vision: bool = False) -> HybridForCausalLM:
+    """Return the model in eval mode with every parameter loaded (or dummy-initialised).
+    `with_vision` also builds and loads the vision tower (when the config has one)."""
     with torch.device("meta"):
-        model = HybridForCausalLM(config)
+        model = HybridForCausalLM(config, with_vision=with_vision)
     model = model.to(dtype=dtype)
     model.to_empty(device=device)
     model.rotary.inv_freq = _inv_freq(config, device)
+    model.rotary.mrope_axis = mrope_axes(config.rotary_dim // 2, config.mrope_section, device)
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:
@@ -62,6 +67,8 @@ def _init_dummy(model: HybridForCausalLM, seed: int) -> None:
             param.data.fill_(1.0)
         elif name.endswith("norm.weight") and "linear_attn" in name:
             param.data.fill_(1.0)
+        elif name.startswith("visual.") and ".norm" in name:  # LayerNorms: identity
+            param.data.fill_(1.0 if name.endswith("weight") else 0.0)
         elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
             param.data.normal_(0.0, 0.05, generator=generator)
         else:
@@ -145,6 +152,9 @@ def _load_safetensors(model: HybridForCausalLM, config: ModelConfig, path: Path)
             loaded.add(name)
 
     for raw_name, tensor in _iter_tensors(_checkpoint_files(path)):
+        if model.visual is not None and raw_name.startswith(_VISION_PREFIX):
+            assign("visual." + raw_name[len(_VISION_PREFIX):], tensor)
+            continue
         if raw_name.startswith(_SKIPPED_PREFIXES):
             continue
         if raw_name == "lm_head.weight":

@@ -18,6 +18,7 @@ from forkpoint.kernels.attention import copy_kv_slots, paged_attention, write_kv
 from forkpoint.kernels.conv1d import causal_conv1d_step, causal_conv1d_varlen
 from forkpoint.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from forkpoint.models.layers import DenseMLP, GatedRMSNorm, RMSNorm, RotaryEmbedding, SparseMoE, apply_rotary
+from forkpoint.models.vision import VisionTransformer
 from forkpoint.runner.batch import ForwardBatch
 
 
@@ -208,21 +209,30 @@ class HybridModel(nn.Module):
 
 
 class HybridForCausalLM(nn.Module):
-    """The language model: `forward(batch, caches) -> logits [R, vocab]` for `batch.logits_indices`."""
+    """The language model: `forward(batch, caches) -> logits [R, vocab]` for `batch.logits_indices`.
 
-    def __init__(self, config: ModelConfig) -> None:
+    With `with_vision`, `visual` is the vision tower (models/vision.py); the runner calls it before
+    the forward and hands its outputs in as `batch.embedding_overrides`.
+    """
+
+    def __init__(self, config: ModelConfig, *, with_vision: bool = False) -> None:
         super().__init__()
         self.config = config
         self.model = HybridModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.mrope_section)
+        self.visual = VisionTransformer(config.vision) if with_vision and config.vision is not None else None
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
         hidden = self.model.embed_tokens(batch.input_ids)
-        cos_sin = self.rotary.cos_sin(batch.positions, hidden.dtype)
+        if batch.embedding_overrides is not None:  # image tokens take the vision tower's rows
+            index, embeds = batch.embedding_overrides
+            hidden = hidden.index_copy(0, index, embeds.to(hidden.dtype))
+        positions = batch.positions if batch.mrope_positions is None else batch.mrope_positions
+        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
         gdn_index = attn_index = 0
         for layer in self.model.layers:
             residual = hidden

@@ -69,7 +69,15 @@ class AttentionMetadata:
 
 @dataclass(frozen=True)
 class ForwardBatch:
-    """Everything one forward pass needs. input_ids, positions: [T] long; logits_indices [R]."""
+    """Everything one forward pass needs. input_ids, positions: [T] long; logits_indices [R].
+
+    Images (both None for text-only steps):
+    mrope_positions [3, T] long: rotary positions on the (temporal, height, width) axes, present
+        when the step computes image tokens; then it replaces `positions` (which for text tokens
+        equals each of its rows).
+    embedding_overrides (token_indices [M] long, embeds [M, hidden]): rows of the packed input
+        embeddings replaced by vision-tower outputs (the image tokens computed in this step).
+    """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -77,6 +85,8 @@ class ForwardBatch:
     phases: tuple[RecurrentPhase, ...]
     attention: AttentionMetadata
     logits_indices: torch.Tensor
+    mrope_positions: torch.Tensor | None = None
+    embedding_overrides: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:

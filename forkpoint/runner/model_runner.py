@@ -18,6 +18,7 @@ from forkpoint.cache.state_pool import StatePool
 from forkpoint.engine.scheduler import KVCopy, PlannedSegment, StepPlan
 from forkpoint.models.qwen3_5 import HybridForCausalLM, LayerCaches
 from forkpoint.runner.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
+from forkpoint.runner.multimodal import MultimodalInputs
 
 
 def order_segments(segments: Sequence[PlannedSegment]) -> list[PlannedSegment]:
@@ -167,14 +168,22 @@ class ModelRunner:
     """Owns the model; reads the pools' tensors for each forward."""
 
     def __init__(self, model: HybridForCausalLM, block_pool: BlockPool, state_pool: StatePool,
-                 device: torch.device) -> None:
+                 device: torch.device, multimodal: MultimodalInputs | None = None) -> None:
         self.model = model
         self.device = device
         self.block_size = block_pool.block_size
         self.caches = LayerCaches(conv=state_pool.conv, ssm=state_pool.ssm, k=block_pool.k, v=block_pool.v)
+        self.multimodal = multimodal  # image positions and vision-tower rows; None for text-only engines
+
+    def prepare(self, plan: StepPlan) -> tuple[ForwardBatch, list[PlannedSegment]]:
+        """The step's batch (images encoded and attached) and the segments its logits rows belong to."""
+        batch, sampled = build_forward_batch(plan, self.block_size, self.device)
+        if self.multimodal is not None:
+            batch = self.multimodal.attach(order_segments(plan.segments), batch)
+        return batch, sampled
 
     def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[PlannedSegment]]:
         """Run one step. Returns logits [R, vocab] (float32) and the R segments they belong to."""
-        batch, sampled = build_forward_batch(plan, self.block_size, self.device)
+        batch, sampled = self.prepare(plan)
         logits = self.model(batch, self.caches)
         return logits, sampled

@@ -47,6 +47,7 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
     prompts = PromptBuilder(
         tokenizer, checkpoint_token=engine.config.checkpoint_token, checkpoint_token_id=llm.checkpoint_token_id,
         max_checkpoints=engine.config.max_checkpoints_per_request, policy=config.marker_policy,
+        images=engine.images if engine.images.processor is not None else None,
     )
     serving = OpenAIServing(model_name=config.served_model_name, max_model_len=engine.max_model_len,
                             prompts=prompts, worker=worker, admission=admission, metrics=metrics)

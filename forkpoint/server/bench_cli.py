@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -57,6 +58,7 @@ class RunSummary:
     prompt_tokens: int
     tokens_computed: int
     tokens_reused: int
+    cpu_s: float | None  # CPU time of the engine's process (offline only): robust to a busy machine
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -67,10 +69,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--anchor-tokens", type=int, default=512, help="P, shared anchor length (default: 512)")
     group.add_argument("--suffix-tokens", type=int, default=32, help="S, per-request suffix length (default: 32)")
     group.add_argument("--n", default="1,4,16", help="comma-separated group sizes N (default: 1,4,16)")
-    group.add_argument("--groups", type=int, default=2, help="groups per (N, mode), each with its own anchor (default: 2)")
+    group.add_argument("--groups", type=int, default=2,
+                       help="groups per (N, mode), each with its own anchor (default: 2)")
     group.add_argument("--max-tokens", type=int, default=1, help="tokens generated per request (default: 1)")
     group.add_argument("--concurrency", type=int, default=64, help="most requests in flight (default: 64)")
-    group.add_argument("--workload-seed", type=int, default=0, help="seed of the random anchors and suffixes (default: 0)")
+    group.add_argument("--workload-seed", type=int, default=0,
+                       help="seed of the random anchors and suffixes (default: 0)")
     group.add_argument("--out", default="bench/results", help="output directory (default: bench/results)")
     group.add_argument("--name", default="bench_1toN", help="file stem of the JSON and PNG written to --out "
                                                               "(default: bench_1toN)")
@@ -106,85 +110,131 @@ def make_groups(tokenize: Callable[[str], list[int]], *, n: int, groups: int, an
     return result
 
 
-def summarize(n: int, checkpoints: bool, results: list[RequestResult], wall_s: float) -> RunSummary:
+def summarize(n: int, checkpoints: bool, results: list[RequestResult], wall_s: float,
+              cpu_s: float | None) -> RunSummary:
     ttfts = [r.ttft_s for r in results]
     prompt = sum(r.prompt_tokens for r in results)
     reused = sum(r.cached_tokens for r in results)
     return RunSummary(n, checkpoints, len(results), wall_s, len(results) / wall_s, percentile(ttfts, 50),
-                      percentile(ttfts, 99), prompt, prompt - reused, reused)
+                      percentile(ttfts, 99), prompt, prompt - reused, reused, cpu_s)
 
 
-def run_offline(llm: Any, requests: list[BenchRequest], max_tokens: int, concurrency: int,
-                progress: tqdm) -> list[RequestResult]:
-    """Drive `llm.engine` directly, keeping at most `concurrency` requests in flight."""
-    from forkpoint import SamplingParams
+class OfflineTarget:
+    """Runs the requests through `LLM.engine` in this process (at most `concurrency` in flight)."""
 
-    engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    queue = list(reversed(requests))
-    started: dict[str, tuple[float, float | None]] = {}
-    results: list[RequestResult] = []
-    next_id = 0
-    while queue or started:
-        while queue and len(started) < concurrency:
-            request = queue.pop()
-            request_id = f"bench-{next_id}"
-            next_id += 1
-            engine.add_request(request_id, {"prompt_token_ids": request.token_ids,
-                                            "checkpoint_positions": request.checkpoint_positions}, params)
-            started[request_id] = (time.perf_counter(), None)
-        for output in engine.step():
-            begin, first = started[output.request_id]
-            now = time.perf_counter()
-            if first is None and output.outputs[0].token_ids:
-                first = now
-                started[output.request_id] = (begin, first)
-            if output.finished:
-                del started[output.request_id]
-                results.append(RequestResult(first - begin, now - begin, len(output.prompt_token_ids),
-                                             output.num_cached_tokens))
-                progress.update(1)
-    return results
+    def __init__(self, engine_kwargs: dict[str, Any], max_tokens: int, concurrency: int) -> None:
+        from forkpoint import LLM, SamplingParams
+
+        self.llm = LLM(**engine_kwargs)
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.concurrency = concurrency
+        self.description = f"offline, {engine_kwargs['model'] or 'embedded default model'}"
+        self._ids = itertools.count()
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.llm.get_tokenizer().encode(text, add_special_tokens=False)
+
+    @staticmethod
+    def cpu_time() -> float:
+        """CPU seconds of this process, all threads: the engine runs here."""
+        return time.process_time()
+
+    def execute(self, requests: list[BenchRequest], progress: tqdm) -> list[RequestResult]:
+        engine = self.llm.engine
+        queue = list(reversed(requests))
+        started: dict[str, tuple[float, float | None]] = {}  # request id -> (start, first token)
+        results: list[RequestResult] = []
+        while queue or started:
+            while queue and len(started) < self.concurrency:
+                request = queue.pop()
+                request_id = f"bench-{next(self._ids)}"
+                engine.add_request(request_id, {"prompt_token_ids": request.token_ids,
+                                                "checkpoint_positions": request.checkpoint_positions}, self.params)
+                started[request_id] = (time.perf_counter(), None)
+            for output in engine.step():
+                begin, first = started[output.request_id]
+                now = time.perf_counter()
+                if first is None and output.outputs[0].token_ids:
+                    first = now
+                    started[output.request_id] = (begin, first)
+                if output.finished:
+                    del started[output.request_id]
+                    results.append(RequestResult(first - begin, now - begin, len(output.prompt_token_ids),
+                                                 output.num_cached_tokens))
+                    progress.update(1)
+        return results
 
 
-async def run_server(client: Any, model: str, requests: list[BenchRequest], max_tokens: int, concurrency: int,
-                     progress: tqdm) -> list[RequestResult]:
-    """Send `requests` as streaming completions, at most `concurrency` at a time."""
-    limit = asyncio.Semaphore(concurrency)
+class ServerTarget:
+    """Sends the requests to a running server as streaming completions through the openai client."""
 
-    async def one(request: BenchRequest) -> RequestResult:
-        async with limit:
-            begin = time.perf_counter()
-            first = None
-            usage = None
-            stream = await client.completions.create(
-                model=model, prompt=request.token_ids, max_tokens=max_tokens, temperature=0.0, stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"checkpoint_positions": request.checkpoint_positions, "ignore_eos": True})
-            async for chunk in stream:
-                if first is None and chunk.choices:
-                    first = time.perf_counter()
-                if chunk.usage is not None:
-                    usage = chunk.usage
-            end = time.perf_counter()
-            progress.update(1)
-            cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-            return RequestResult((first or end) - begin, end - begin, usage.prompt_tokens, cached or 0)
+    def __init__(self, url: str, api_key: str, max_tokens: int, concurrency: int) -> None:
+        import httpx  # the openai client's HTTP library: needed only against a server
 
-    return list(await asyncio.gather(*(one(r) for r in requests)))
+        self.base = url.rstrip("/")
+        self.api_key = api_key
+        self.max_tokens = max_tokens
+        self.concurrency = concurrency
+        self._http = httpx.Client(base_url=self.base, timeout=60)
+        self.model = self._http.get("/v1/models").json()["data"][0]["id"]
+        self.description = f"server {self.base}, model {self.model}"
+
+    def tokenize(self, text: str) -> list[int]:
+        """The server's own tokenisation (POST /tokenize), so the token counts are exact."""
+        return self._http.post("/tokenize", json={"prompt": text}).json()["tokens"]
+
+    @staticmethod
+    def cpu_time() -> None:
+        """The server's CPU time is not visible from here."""
+        return None
+
+    def execute(self, requests: list[BenchRequest], progress: tqdm) -> list[RequestResult]:
+        return asyncio.run(self._execute(requests, progress))
+
+    async def _execute(self, requests: list[BenchRequest], progress: tqdm) -> list[RequestResult]:
+        from openai import AsyncOpenAI
+
+        limit = asyncio.Semaphore(self.concurrency)
+        async with AsyncOpenAI(base_url=f"{self.base}/v1", api_key=self.api_key, max_retries=0,
+                               timeout=600) as client:
+
+            async def one(request: BenchRequest) -> RequestResult:
+                async with limit:
+                    begin = time.perf_counter()
+                    first = usage = None
+                    stream = await client.completions.create(
+                        model=self.model, prompt=request.token_ids, max_tokens=self.max_tokens, temperature=0.0,
+                        stream=True, stream_options={"include_usage": True},
+                        extra_body={"checkpoint_positions": request.checkpoint_positions, "ignore_eos": True})
+                    async for chunk in stream:
+                        if first is None and chunk.choices:
+                            first = time.perf_counter()
+                        if chunk.usage is not None:
+                            usage = chunk.usage
+                    end = time.perf_counter()
+                    progress.update(1)
+                    details = usage.prompt_tokens_details
+                    return RequestResult((first or end) - begin, end - begin, usage.prompt_tokens,
+                                         (details.cached_tokens or 0) if details else 0)
+
+            return list(await asyncio.gather(*(one(r) for r in requests)))
 
 
 def print_table(summaries: list[RunSummary], p: int, s: int) -> None:
     off = {r.n: r for r in summaries if not r.checkpoints}
     header = (f"{'N':>4} {'ckpt':>5} {'req/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'computed':>9} {'reused':>8} "
-              f"{'speedup':>8} {'ideal':>6}")
+              f"{'speedup':>8} {'CPU s':>7} {'CPU speedup':>11} {'ideal':>6}")
     print(header)
     print("-" * len(header))
     for r in summaries:
-        speedup = r.requests_per_s / off[r.n].requests_per_s if r.checkpoints and r.n in off else 1.0
+        base = off.get(r.n) if r.checkpoints else None
+        speedup = f"{r.requests_per_s / base.requests_per_s:.2f}x" if base else "-"
+        cpu = f"{r.cpu_s:.1f}" if r.cpu_s is not None else "-"
+        cpu_speedup = f"{base.cpu_s / r.cpu_s:.2f}x" if base and r.cpu_s and base.cpu_s else "-"
+        ideal = f"{ideal_speedup(r.n, p, s):.2f}x" if r.checkpoints else "-"
         print(f"{r.n:>4} {'on' if r.checkpoints else 'off':>5} {r.requests_per_s:>8.2f} {r.ttft_p50_s:>8.3f}s "
-              f"{r.ttft_p99_s:>8.3f}s {r.tokens_computed:>9} {r.tokens_reused:>8} {speedup:>7.2f}x "
-              f"{ideal_speedup(r.n, p, s) if r.checkpoints else 1.0:>5.2f}x")
+              f"{r.ttft_p99_s:>8.3f}s {r.tokens_computed:>9} {r.tokens_reused:>8} {speedup:>8} {cpu:>7} "
+              f"{cpu_speedup:>11} {ideal:>6}")
 
 
 def plot(summaries: list[RunSummary], p: int, s: int, path: Path, title: str) -> None:
@@ -218,58 +268,38 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ValueError("--n values, --anchor-tokens, --suffix-tokens and --groups must be >= 1")
     rng = random.Random(args.workload_seed)
     p, s = args.anchor_tokens, args.suffix_tokens
-    if args.url is None:
-        from forkpoint import LLM
-
-        llm = LLM(**engine_kwargs(args))
-        tokenizer = llm.get_tokenizer()
-        tokenize = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-        target = f"offline, {args.model or 'embedded default model'}"
-
-        def execute(requests: list[BenchRequest], progress: tqdm) -> list[RequestResult]:
-            return run_offline(llm, requests, args.max_tokens, args.concurrency, progress)
+    if args.url:
+        target = ServerTarget(args.url, args.api_key, args.max_tokens, args.concurrency)
     else:
-        import httpx
-        from openai import AsyncOpenAI
-
-        base = args.url.rstrip("/")
-        model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
-        tokenize = lambda text: httpx.post(f"{base}/tokenize", json={"prompt": text}, timeout=60).json()["tokens"]  # noqa: E731
-        target = f"server {base}, model {model}"
-
-        def execute(requests: list[BenchRequest], progress: tqdm) -> list[RequestResult]:
-            async def go() -> list[RequestResult]:
-                async with AsyncOpenAI(base_url=f"{base}/v1", api_key=args.api_key, max_retries=0,
-                                       timeout=600) as client:
-                    return await run_server(client, model, requests, args.max_tokens, args.concurrency, progress)
-            return asyncio.run(go())
-
-    plans = [(n, on, make_groups(tokenize, n=n, groups=args.groups, anchor_tokens=p, suffix_tokens=s,
+        target = OfflineTarget(engine_kwargs(args), args.max_tokens, args.concurrency)
+    plans = [(n, on, make_groups(target.tokenize, n=n, groups=args.groups, anchor_tokens=p, suffix_tokens=s,
                                  checkpoints=on, rng=rng)) for n in ns for on in (False, True)]
     # untimed: one group of each mode, so first-call allocations land in no row
     warmup = [r for on in (False, True) for group in make_groups(
-        tokenize, n=2, groups=1, anchor_tokens=p, suffix_tokens=s, checkpoints=on, rng=rng) for r in group]
+        target.tokenize, n=2, groups=1, anchor_tokens=p, suffix_tokens=s, checkpoints=on, rng=rng) for r in group]
     summaries = []
     total = sum(len(g) for _, _, groups in plans for g in groups)
     with tqdm(total=total, desc="bench", unit="req") as progress:
-        execute(warmup, tqdm(disable=True))
+        target.execute(warmup, tqdm(disable=True))
         for n, on, groups in plans:
             requests = [r for group in groups for r in group]
-            begin = time.perf_counter()
-            results = execute(requests, progress)
-            summaries.append(summarize(n, on, results, time.perf_counter() - begin))
-    print(f"\n1-to-N benchmark: {target}; P={p} anchor tokens, S={s} suffix tokens, "
+            begin, cpu = time.perf_counter(), target.cpu_time()
+            results = target.execute(requests, progress)
+            cpu_end = target.cpu_time()
+            summaries.append(summarize(n, on, results, time.perf_counter() - begin,
+                                       None if cpu is None else cpu_end - cpu))
+    print(f"\n1-to-N benchmark: {target.description}; P={p} anchor tokens, S={s} suffix tokens, "
           f"{args.groups} group(s) per row, max_tokens={args.max_tokens}, concurrency={args.concurrency}")
     print_table(summaries, p, s)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    record = {"target": target, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+    record = {"target": target.description, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                              "loadavg_1m_end": os.getloadavg()[0]},
               "anchor_tokens": p, "suffix_tokens": s, "groups": args.groups, "max_tokens": args.max_tokens,
               "concurrency": args.concurrency, "results": [
                   {**asdict(r), "ideal_speedup": ideal_speedup(r.n, p, s)} for r in summaries]}
     (out / f"{args.name}.json").write_text(json.dumps(record, indent=2))
-    plot(summaries, p, s, out / f"{args.name}.png", f"1-to-N, P={p}, S={s} ({target})")
+    plot(summaries, p, s, out / f"{args.name}.png", f"1-to-N, P={p}, S={s} ({target.description})")
     print(f"wrote {out / args.name}.json and {out / args.name}.png")
     return 0

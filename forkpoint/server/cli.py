@@ -21,9 +21,9 @@ from typing import Any
 from forkpoint.server.config import DEFAULT_MODEL_NAME, MarkerPolicy, ServerConfig
 
 
-def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, title: str = "engine") -> None:
     """The engine options (the keyword arguments of `LLM`)."""
-    group = parser.add_argument_group("engine")
+    group = parser.add_argument_group(title)
     model_help = "local Hugging Face model directory (default: the embedded random-weight Qwen3.5-MoE model)"
     if positional_model:
         parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help=model_help)
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmark 1-to-N prefix sharing, checkpoints on vs off",
                                 description="Run the 1-to-N workload (an anchor, a marker, N suffixes) offline or "
                                             "against a server; print a table and write JSON and a PNG plot.")
-    add_engine_args(bench, positional_model=False)
+    add_engine_args(bench, positional_model=False, title="engine (offline runs; ignored with --url)")
     add_bench_args(bench)
     bench.set_defaults(func=run_bench)
     return parser

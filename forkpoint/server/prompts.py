@@ -11,6 +11,10 @@ Where the marker can come from, and what the policy (`MarkerPolicy`) does to it:
     client text (messages, prompt string)  --allow: kept / strip: removed / reject: 400-->
     "checkpoint": true on a content part   --always: marker appended after the part's text-->
     checkpoint_positions (completions)     --always: passed as positions-->
+
+Images (chat `image_url` parts with data URLs, multimodal models): decoded here, their
+placeholders expanded before the markers are removed, so positions count image tokens as the
+engine does; the engine receives the expanded ids with the decoded images (`multi_modal_data`).
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from typing import Any
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from forkpoint.inputs.chat import render_chat
+from forkpoint.inputs.chat import render_chat_with_images
 from forkpoint.inputs.markers import prompt_to_token_ids, strip_checkpoint_markers
+from forkpoint.inputs.multimodal import ImagePromptProcessor
 from forkpoint.server.config import MarkerPolicy
 from forkpoint.server.errors import APIError, invalid_request
 from forkpoint.server.protocol import ChatMessage
@@ -35,9 +40,13 @@ class EnginePrompt:
 
     token_ids: list[int]
     checkpoint_positions: tuple[int, ...]
+    multi_modal_data: dict[str, Any] | None = None  # {"image": [ImageInput, ...]}, placeholders expanded
 
     def engine_input(self) -> dict[str, Any]:
-        return {"prompt_token_ids": self.token_ids, "checkpoint_positions": list(self.checkpoint_positions)}
+        prompt = {"prompt_token_ids": self.token_ids, "checkpoint_positions": list(self.checkpoint_positions)}
+        if self.multi_modal_data is not None:
+            prompt["multi_modal_data"] = self.multi_modal_data
+        return prompt
 
 
 class PromptBuilder:
@@ -56,7 +65,9 @@ class PromptBuilder:
         checkpoint_token_id: int | None,
         max_checkpoints: int,
         policy: MarkerPolicy,
+        images: ImagePromptProcessor | None = None,
     ) -> None:
+        self.images = images  # the engine's image front end (None: image parts are a 400)
         self.tokenizer = tokenizer
         self.checkpoint_token = checkpoint_token
         self.checkpoint_token_id = checkpoint_token_id
@@ -87,15 +98,27 @@ class PromptBuilder:
         """A chat conversation, rendered with the tokenizer's chat template."""
         conversation = [self._message(i, message) for i, message in enumerate(messages)]
         try:
-            text = render_chat(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
-                               **(template_kwargs or {}))
+            text, sources = render_chat_with_images(self.tokenizer, conversation,
+                                                    add_generation_prompt=add_generation_prompt,
+                                                    **(template_kwargs or {}))
             raw = prompt_to_token_ids(text, self.tokenizer)
+            if sources:
+                return self._with_images(raw.token_ids, sources)
         except ValueError as err:
             raise invalid_request(str(err), param="messages") from None
         except TemplateError as err:  # e.g. the template's raise_exception on a role it does not know
             raise invalid_request(f"the chat template could not render these messages: {err}",
                                   param="messages") from None
         return self._parse(raw.token_ids, None, "messages")
+
+    def _with_images(self, token_ids: list[int], sources: list[Any]) -> EnginePrompt:
+        """Decode the images, expand their placeholders, then remove markers (raises ValueError)."""
+        if self.images is None:
+            raise ValueError("this server takes no images: its model has no vision tower")
+        images = self.images.load({"image": sources})
+        prompt = self._parse(self.images.expand(token_ids, images), None, "messages")
+        self.images.place(prompt.token_ids, prompt.checkpoint_positions, images)  # no marker inside an image
+        return EnginePrompt(prompt.token_ids, prompt.checkpoint_positions, {"image": images})
 
     def _message(self, index: int, message: ChatMessage) -> dict[str, Any]:
         param = f"messages[{index}].content"

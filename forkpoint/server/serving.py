@@ -312,7 +312,7 @@ class OpenAIServing:
                 usage.last[index] = output
                 for completion in output.outputs:
                     key = index * n + completion.index
-                    delta = _delta_of(key, completion, cursors.setdefault(key, _ChoiceCursor()))
+                    delta = _delta_of(key, completion, cursors.setdefault(key, _ChoiceCursor()), gen.params.stop)
                     if delta is not None:
                         yield _sse({**chunk, "choices": [fmt.chunk_choice(delta)]})
             if include_usage:
@@ -323,17 +323,35 @@ class OpenAIServing:
         yield _sse("[DONE]")
 
 
-def _delta_of(index: int, completion: CompletionOutput, cursor: _ChoiceCursor) -> _Delta | None:
+def _delta_of(index: int, completion: CompletionOutput, cursor: _ChoiceCursor, stops: list[str]) -> _Delta | None:
     """The output of `completion` past `cursor` (advancing it), or None when there is nothing to
-    send yet: tokens whose text is still incomplete wait for the next chunk, unless finished."""
-    text = completion.text[cursor.text_len:]
+    send yet. Until the choice finishes, two tails of the cumulative text are held back because
+    the engine may still rewrite them: replacement characters (a multi-byte character whose
+    remaining bytes are in the next token) and the start of a stop string (the engine cuts the
+    text where a stop string begins once it is complete)."""
+    text = completion.text
     finish = completion.finish_reason if not cursor.finished else None
-    if not text and finish is None:
+    end = len(text)
+    if completion.finish_reason is None:
+        end = len(text.rstrip("\ufffd"))
+        end -= _stop_prefix_len(text[:end], stops)
+    if end <= cursor.text_len and finish is None:
         return None
     tokens = completion.token_ids[cursor.num_tokens:]
     logprobs = completion.logprobs[cursor.num_tokens:] if completion.logprobs is not None else None
-    delta = _Delta(index, text, tokens, logprobs, finish, text_offset=cursor.text_len)
-    cursor.text_len = len(completion.text)
+    delta = _Delta(index, text[cursor.text_len:end], tokens, logprobs, finish, text_offset=cursor.text_len)
+    cursor.text_len = max(cursor.text_len, end)
     cursor.num_tokens = len(completion.token_ids)
     cursor.finished = finish is not None or cursor.finished
     return delta
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest

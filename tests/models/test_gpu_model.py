@@ -21,6 +21,7 @@ import dataclasses
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from forkpoint import LLM, SamplingParams
 from forkpoint.runner.model_runner import build_forward_batch
@@ -34,16 +35,31 @@ pytestmark = [
 # Head sizes the GPU kernels support (the CPU tests' 16/8 are below Triton's 16-wide dot tiles).
 GPU_DIMS = dict(hidden_size=128, linear_key_head_dim=64, linear_value_head_dim=64, head_dim=64)
 ENGINE = dict(num_kv_blocks=512, num_state_slots=16, max_num_seqs=16, checkpoint_pool_size=8)
-LOGITS_REL_TOL = 3e-2      # bf16 CUDA vs fp32 CPU, ||out - ref|| / ||ref|| over all positions
+# Measured on an H200 (docs/gpu_test_log.md): logits 5.5e-3 / 5.7e-3; greedy 48/48 tokens; checkpoint vs
+# plain 6.2e-2 (one greedy difference, at a reference margin of 6.3e-2).
+LOGITS_REL_TOL = 1.5e-2    # bf16 CUDA vs fp32 CPU, ||out - ref|| / ||ref|| over all positions
 NEAR_TIE = 0.2             # log-probability margin under which greedy tokens may differ
-CHECKPOINT_LOGPROB_TOL = 0.1  # checkpoint vs plain path on CUDA, max |logprob difference|
+CHECKPOINT_LOGPROB_TOL = 0.15  # checkpoint vs plain path on CUDA, max |logprob difference|
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("gpu_moe")
     build_tiny_model(directory, "qwen3_5_moe_text", fused_experts=True, **GPU_DIMS)
+    lengthen_memory(directory)
     return directory
+
+
+def lengthen_memory(directory) -> None:
+    """Decay rates A in [0.005, 0.5] (transformers draws up to 16, which forgets within a few tokens):
+    the recurrent state at a checkpoint then shapes the logits of every suffix token."""
+    path = str(directory / "model.safetensors")
+    tensors = load_file(path)
+    generator = torch.Generator().manual_seed(7)
+    for name, tensor in tensors.items():
+        if name.endswith("linear_attn.A_log"):
+            tensors[name] = torch.empty(tensor.shape).uniform_(0.005, 0.5, generator=generator).log().to(tensor.dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def all_position_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
@@ -99,7 +115,7 @@ def test_bf16_cuda_logits_match_float32_cpu(model_dir):
         out = all_position_logits(gpu, token_ids)
         assert torch.isfinite(out).all()
         rel = ((out - ref).norm() / ref.norm()).item()
-        print(f"GPU_MODEL logits rel err (bf16 cuda vs fp32 cpu), {length} tokens: {rel:.3e} (tol {LOGITS_REL_TOL:.0e})")
+        print(f"GPU_MODEL logits rel err (bf16 cuda vs fp32 cpu), {length} tokens: {rel:.3e} (tol {LOGITS_REL_TOL:.1e})")
         assert rel <= LOGITS_REL_TOL
 
 
@@ -139,7 +155,7 @@ def test_checkpoint_path_matches_plain_path_on_cuda(model_dir):
     diff = max(max_logprob_diff(a, b) for a, b in zip(outs_on, outs_off))
     agreed = [greedy_agreement(b, a) for a, b in zip(outs_on, outs_off)]
     print(f"GPU_MODEL checkpoint vs plain (cuda bf16): max |logprob diff| {diff:.3e} "
-          f"(tol {CHECKPOINT_LOGPROB_TOL:.0e}); greedy tokens agreeing {sum(agreed)}/{4 * len(suffixes)}")
+          f"(tol {CHECKPOINT_LOGPROB_TOL:.1e}); greedy tokens agreeing {sum(agreed)}/{4 * len(suffixes)}")
     assert diff <= CHECKPOINT_LOGPROB_TOL
     on.engine.check_integrity()
     off.engine.check_integrity()

@@ -97,3 +97,25 @@ def test_tokenize_and_detokenize(server):
     assert server.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "hello world"}
     chat = server.post("/tokenize", json={"messages": [{"role": "user", "content": "hello"}]}).json()
     assert chat["count"] > tokens["count"]
+
+
+def test_streamed_text_equals_whole_text_with_a_stop_string(server):
+    """Streaming holds back a tail that may start a stop string, so it never sends text that the
+    finished output does not contain."""
+    client = server.client()
+    prompt = "Streaming check: alpha beta gamma"
+    probe = client.completions.create(model=server.model, prompt=prompt, max_tokens=12, temperature=0,
+                                      logprobs=0, extra_body={"ignore_eos": True})
+    pieces, text = probe.choices[0].logprobs.tokens, probe.choices[0].text
+    # a stop string that spans a token boundary and first occurs there
+    boundary = next(i for i in range(1, len(pieces) - 1) if pieces[i] and pieces[i + 1]
+                    and "".join(pieces[: i + 1]) == text[: len("".join(pieces[: i + 1]))]
+                    and text.find(pieces[i][-1] + pieces[i + 1][0]) == len("".join(pieces[: i + 1])) - 1)
+    stop = pieces[boundary][-1] + pieces[boundary + 1][0]
+    whole = client.completions.create(model=server.model, prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
+                                      extra_body={"ignore_eos": True})
+    chunks = client.completions.create(model=server.model, prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
+                                       stream=True, extra_body={"ignore_eos": True})
+    streamed = "".join(c.choices[0].text for c in chunks)
+    assert whole.choices[0].finish_reason == "stop"
+    assert streamed == whole.choices[0].text == text[: text.find(stop)]
