@@ -238,15 +238,13 @@ def _decode(data: bytes, where: str) -> Image.Image:
     try:
         image = Image.open(io.BytesIO(data))
         image_format = image.format
-        if image_format not in SUPPORTED_FORMATS:
-            raise ValueError(f"{where}: unsupported image format {image_format!r}: use one of "
-                             f"{sorted(SUPPORTED_FORMATS)}")
-        image.load()
-    except ValueError:
-        raise
+        if image_format in SUPPORTED_FORMATS:
+            image.load()
     except UnidentifiedImageError:
         raise ValueError(f"{where}: the data is not an image that can be decoded (unknown or unsupported "
                          f"format; supported: {sorted(SUPPORTED_FORMATS)})") from None
-    except (OSError, SyntaxError, Image.DecompressionBombError) as err:
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
         raise ValueError(f"{where}: the image data cannot be decoded ({err}): is the file complete?") from None
+    if image_format not in SUPPORTED_FORMATS:
+        raise ValueError(f"{where}: unsupported image format {image_format!r}: use one of {sorted(SUPPORTED_FORMATS)}")
     return _to_rgb(image)
