@@ -44,6 +44,19 @@ from forkpoint import LLM, SamplingParams  # noqa: E402
 VOCAB_LIMIT = 248000  # random ids below the special-token range of the Qwen3.5 vocabulary
 
 
+def code_version() -> dict:
+    """The forkpoint commit measured (read-only git queries), and whether forkpoint/ had local edits."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    try:
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=False).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "forkpoint"], capture_output=True,
+                               text=True, check=False).stdout.strip()
+    except OSError:
+        return {"commit": None, "forkpoint_modified": None}
+    return {"commit": commit or None, "forkpoint_modified": bool(dirty)}
+
+
 def machine_info() -> dict:
     model_name = platform.processor() or "unknown"
     try:
@@ -275,7 +288,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
-    machine = machine_info()
+    machine, code = machine_info(), code_version()
     t0 = time.perf_counter()
     settings = dict(seed=args.seed, max_num_batched_tokens=args.max_num_batched_tokens)
     llm_on = LLM(enable_checkpoints=True, **settings)
@@ -307,7 +320,7 @@ def main() -> None:
 
     rows = [summarize(n, p, s, runs[n]) for n in args.ns]
     machine["load_average_end"] = list(os.getloadavg())
-    result = {"benchmark": "checkpoint_one_to_n", "args": vars(args), "machine": machine,
+    result = {"benchmark": "checkpoint_one_to_n", "args": vars(args), "machine": machine, "code": code,
               "model": {"name": "embedded default (random Qwen3.5-MoE)", "layers": "3 GDN + 1 attention",
                         "hidden": llm_on.engine.model_config.hidden_size,
                         "vocab": llm_on.engine.model_config.vocab_size, "dtype": str(llm_on.engine.dtype)},

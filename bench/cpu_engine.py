@@ -56,6 +56,19 @@ VOCAB_LIMIT = 248000  # random ids below the special-token range of the Qwen3.5 
 
 # ---------------------------------------------------------------- machine
 
+def code_version() -> dict:
+    """The forkpoint commit measured (read-only git queries), and whether forkpoint/ had local edits."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    try:
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=False).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "forkpoint"], capture_output=True,
+                               text=True, check=False).stdout.strip()
+    except OSError:
+        return {"commit": None, "forkpoint_modified": None}
+    return {"commit": commit or None, "forkpoint_modified": bool(dirty)}
+
+
 def machine_info() -> dict:
     model_name = platform.processor() or "unknown"
     try:
@@ -433,14 +446,14 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
-    machine = machine_info()
+    machine, code = machine_info(), code_version()
     t0 = time.perf_counter()
     # enough KV blocks and state slots for --sched-seqs short sequences (the defaults already are)
     blocks = args.sched_seqs * -(-(args.sched_prompt_len + args.sched_steps + 2) // 16) + 4096
     llm = LLM(seed=args.seed, max_num_seqs=args.sched_seqs, num_kv_blocks=blocks)
     print(f"engine built in {time.perf_counter() - t0:.1f} s; kv blocks {llm.metrics()['kv_blocks_total']}, "
           f"state slots {llm.metrics()['state_slots_total']}", flush=True)
-    result = {"benchmark": "cpu_engine", "args": vars(args), "machine": machine,
+    result = {"benchmark": "cpu_engine", "args": vars(args), "machine": machine, "code": code,
               "model": {"name": "embedded default (random Qwen3.5-MoE)", "layers": "3 GDN + 1 attention",
                         "hidden": llm.engine.model_config.hidden_size,
                         "experts": llm.engine.model_config.num_experts,
