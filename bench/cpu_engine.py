@@ -107,7 +107,8 @@ def probe_gflops(size: int = 1024, reps: int = 5) -> float:
 
 class StepProbe:
     """Times the parts of `LLMEngine.step()` by wrapping them; `records` gets one dict per non-empty
-    step: seconds spent in schedule / build / forward / lm_head / sample / step, plus the plan's shape."""
+    step: seconds in schedule / build / forward / lm_head / sample / outputs (`_make_output`) /
+    free_logits / rest (everything after sampling) / step, plus the plan's shape."""
 
     def __init__(self, llm: LLM) -> None:
         self.engine = llm.engine
@@ -182,6 +183,7 @@ class StepProbe:
         engine_module.sample = sample
         for hook in self._hooks:
             hook.remove()
+        self._logits = None
 
     def step(self):
         """One engine step; returns (outputs, record or None when the plan was empty)."""
