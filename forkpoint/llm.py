@@ -75,7 +75,7 @@ class LLM:
         try:
             for prompt, param in zip(prompts, params):
                 request_id = f"offline-{next(self._ids)}"
-                self.engine.add_request(request_id, prompt, param)
+                self.engine.add_request(request_id, prompt, param, stream=False)
                 request_ids.append(request_id)
         except Exception:
             for request_id in request_ids:

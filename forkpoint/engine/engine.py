@@ -57,6 +57,7 @@ class _PromptGroup:
     prompt_token_ids: list[int]
     checkpoint_positions: list[int]
     sequences: list[Request]
+    stream: bool = True  # report every step's progress, not only the finished output
 
 
 class LLMEngine:
@@ -140,8 +141,12 @@ class LLMEngine:
         return blocks, states
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None) -> None:
-        """Validate and queue one prompt. Raises ValueError naming the problem; nothing is left behind."""
+    def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
+                    stream: bool = True) -> None:
+        """Validate and queue one prompt. Raises ValueError naming the problem; nothing is left behind.
+
+        With `stream=False`, `step()` reports this prompt only once it has finished (no per-step
+        detokenisation: the offline API's mode)."""
         params = sampling_params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -182,7 +187,7 @@ class LLMEngine:
                 generator=self._generator(params, index),
                 multimodal=multimodal,
             ))
-        self._groups[request_id] = _PromptGroup(request_id, text, token_ids, positions, sequences)
+        self._groups[request_id] = _PromptGroup(request_id, text, token_ids, positions, sequences, stream)
         for sequence in sequences:
             self.scheduler.add(sequence)
             self._counters["prompt_tokens_total"] += len(token_ids)
@@ -229,10 +234,13 @@ class LLMEngine:
         now = time.monotonic()
         for segment, token in zip(sampled, tokens):
             self._append_token(segment.request, token.token_id, token.logprobs, now)
-        outputs = [self._make_output(group) for group in touched.values()]
-        for output in outputs:
-            if output.finished:
-                del self._groups[output.request_id]
+        outputs = []
+        for group in touched.values():
+            finished = all(s.is_finished for s in group.sequences)
+            if finished or group.stream:
+                outputs.append(self._make_output(group))
+            if finished:
+                del self._groups[group.request_id]
                 self._counters["requests_finished"] += 1
         return outputs
 
