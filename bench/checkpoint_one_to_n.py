@@ -29,7 +29,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,49 +39,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from forkpoint import LLM, SamplingParams  # noqa: E402
-
-VOCAB_LIMIT = 248000  # random ids below the special-token range of the Qwen3.5 vocabulary
-
-
-def code_version() -> dict:
-    """The forkpoint commit measured (read-only git queries), and whether forkpoint/ had local edits."""
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    try:
-        commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "forkpoint"], capture_output=True,
-                               text=True, check=False).stdout.strip()
-    except OSError:
-        return {"commit": None, "forkpoint_modified": None}
-    return {"commit": commit or None, "forkpoint_modified": bool(dirty)}
-
-
-def machine_info() -> dict:
-    model_name = platform.processor() or "unknown"
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for line in lscpu.splitlines():
-            if line.startswith("Model name:"):
-                model_name = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return {"cpu_model": model_name, "cpu_cores": os.cpu_count(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "python": platform.python_version(),
-            "platform": platform.platform(), "load_average_start": list(os.getloadavg()),
-            "note": "shared machine: other processes may use the same CPUs while this runs"}
-
-
-def probe_gflops(size: int = 1024, reps: int = 5) -> float:
-    """Speed of the CPU right now: float32 matmul GFLOP/s (best of three short bursts)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    best = 0.0
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        best = max(best, reps * 2 * size**3 / (time.perf_counter() - t0) / 1e9)
-    return best
+from host_info import VOCAB_LIMIT, code_version, machine_info, machine_line, probe_gflops  # noqa: E402
 
 
 class LmHeadTimer:
@@ -196,8 +153,7 @@ def ms(value: float | None) -> str:
 
 def print_table(result: dict) -> None:
     m, p, s = result["machine"], result["args"]["anchor_len"], result["args"]["suffix_len"]
-    print(f"\nmachine: {m['cpu_model']}, {m['cpu_cores']} cores, torch {m['torch']} ({m['torch_threads']} threads); "
-          f"load average at start {m['load_average_start'][0]:.2f} (other processes may share the CPUs)")
+    print("\n" + machine_line(m))
     print(f"P = {p}, S = {s}, max_tokens = {result['args']['max_tokens']}, medians of "
           f"{result['args']['repeats']} repeats; times in ms\n")
     print("| N | computed on | computed off | token ratio off/on | ideal N(P+S)/(P+NS) | wall on | wall off | "
@@ -288,7 +244,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
-    machine, code = machine_info(), code_version()
+    machine = machine_info({"omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "platform": platform.platform()})
+    code = code_version()
     t0 = time.perf_counter()
     settings = dict(seed=args.seed, max_num_batched_tokens=args.max_num_batched_tokens)
     llm_on = LLM(enable_checkpoints=True, **settings)

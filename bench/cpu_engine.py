@@ -37,7 +37,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,57 +49,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import forkpoint.engine.engine as engine_module  # noqa: E402
 import forkpoint.runner.model_runner as runner_module  # noqa: E402
 from forkpoint import LLM, SamplingParams  # noqa: E402
-
-VOCAB_LIMIT = 248000  # random ids below the special-token range of the Qwen3.5 vocabulary
-
-
-# ---------------------------------------------------------------- machine
-
-def code_version() -> dict:
-    """The forkpoint commit measured (read-only git queries), and whether forkpoint/ had local edits."""
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    try:
-        commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "forkpoint"], capture_output=True,
-                               text=True, check=False).stdout.strip()
-    except OSError:
-        return {"commit": None, "forkpoint_modified": None}
-    return {"commit": commit or None, "forkpoint_modified": bool(dirty)}
-
-
-def machine_info() -> dict:
-    model_name = platform.processor() or "unknown"
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for line in lscpu.splitlines():
-            if line.startswith("Model name:"):
-                model_name = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return {
-        "cpu_model": model_name,
-        "cpu_cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "load_average_start": list(os.getloadavg()),
-        "note": "shared machine: other processes may use the same CPUs while this runs",
-    }
-
-
-def probe_gflops(size: int = 1024, reps: int = 5) -> float:
-    """Speed of the CPU right now: float32 matmul GFLOP/s (best of three short bursts)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    best = 0.0
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        best = max(best, reps * 2 * size**3 / (time.perf_counter() - t0) / 1e9)
-    return best
+from host_info import VOCAB_LIMIT, code_version, machine_info, machine_line, probe_gflops  # noqa: E402
 
 
 # ---------------------------------------------------------------- instrumentation
@@ -134,29 +83,22 @@ class StepProbe:
             cur._current["tokens"] = plan.num_tokens
             return plan
 
-        def timed_build(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = build(*args, **kwargs)
-            cur._current["build"] = time.perf_counter() - t0
-            return out
+        def timed(fn, key, add=False):
+            """fn, with each call's seconds stored in this step's record under `key` (summed if `add`)."""
+            def wrapper(*args, **kwargs):
+                t0 = time.perf_counter()
+                out = fn(*args, **kwargs)
+                elapsed = time.perf_counter() - t0
+                cur._current[key] = cur._current.get(key, 0.0) + elapsed if add else elapsed
+                return out
+            return wrapper
+
+        timed_build, timed_sample = timed(build, "build"), timed(sample, "sample")
+        timed_make_output = timed(make_output, "outputs", add=True)
+        timed_forward = timed(model, "forward")
 
         def timed_model(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = model(*args, **kwargs)
-            cur._current["forward"] = time.perf_counter() - t0
-            cur._logits = out  # freed (and timed) after step() returns, see step()
-            return out
-
-        def timed_sample(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = sample(*args, **kwargs)
-            cur._current["sample"] = time.perf_counter() - t0
-            return out
-
-        def timed_make_output(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = make_output(*args, **kwargs)
-            cur._current["outputs"] = cur._current.get("outputs", 0.0) + time.perf_counter() - t0
+            out = cur._logits = timed_forward(*args, **kwargs)  # freed (and timed) after step() returns, see step()
             return out
 
         def lm_pre(module, inputs):
@@ -331,8 +273,7 @@ def bench_host(llm: LLM, args, rng: random.Random) -> dict:
 
 def print_tables(result: dict) -> None:
     m, a, b, c = result["machine"], result["prefill"], result["decode"], result["host"]
-    print(f"\nmachine: {m['cpu_model']}, {m['cpu_cores']} cores, torch {m['torch']} ({m['torch_threads']} threads); "
-          f"load average at start {m['load_average_start'][0]:.2f} (other processes may share the CPUs)")
+    print("\n" + machine_line(m))
     print("\n| measurement | setting | result (median of runs) | runs |")
     print("|---|---|---|---|")
     print(f"| (a) prefill | {a['prompts']} x {a['prompt_len']} tokens, max_tokens=1 | "
@@ -448,7 +389,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
-    machine, code = machine_info(), code_version()
+    machine = machine_info({"omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "platform": platform.platform()})
+    code = code_version()
     t0 = time.perf_counter()
     # enough KV blocks and state slots for --sched-seqs short sequences (the defaults already are)
     blocks = args.sched_seqs * -(-(args.sched_prompt_len + args.sched_steps + 2) // 16) + 4096

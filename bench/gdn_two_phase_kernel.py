@@ -178,6 +178,40 @@ def n_sets(set_bytes, args):
     return 1 if set_bytes > 2 * l2 else min(args.max_sets, math.ceil(4 * l2 / set_bytes))
 
 
+def make_sets(gen, args, p, s, n, hv, k, v, d):
+    """Random input sets (prefix x/g/beta, the N suffixes' x/g/beta packed, initial conv and recurrent
+    state), as many as `n_sets` gives for this size."""
+    sets = []
+    for _ in range(n_sets((p + n * s) * (2 * d + 6 * hv), args)):
+        xp, gp, bp = make_inputs(gen, p, hv, d)
+        xs, gs, bs = make_inputs(gen, n * s, hv, d)
+        c0 = torch.randn(1, d, CONV_W - 1, generator=gen, device="cuda").bfloat16()
+        s0 = 0.1 * torch.randn(1, hv, k, v, generator=gen, device="cuda")
+        sets.append((xp, gp, bp, xs, gs, bs, c0, s0))
+    return sets
+
+
+def two_phase_fn(op, n, cu_p, cu_p_d, cu_s, cu_s_d):
+    """The two-phase path over one input set: the prefix in one call, then its final states gathered
+    for all N consumers and every suffix in one packed call."""
+    zero_idx = torch.zeros(n, dtype=torch.long, device="cuda")
+
+    def two_phase(st):
+        xp, gp, bp, xs, gs, bs, c0, s0 = st
+        _, c1, s1 = op(xp, gp, bp, c0, s0, cu_p_d, cu_p)
+        return op(xs, gs, bs, c1.index_select(0, zero_idx), s1.index_select(0, zero_idx), cu_s_d, cu_s)
+
+    return two_phase
+
+
+def record_failure(rows, args, label, p, s, n, e):
+    """One config failed: say so, keep the error in the results, and go on with the next."""
+    print(f"  {label} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    rows.append({"P": p, "S": s, "N": n, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    args.save()
+    torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------- part (a): the seed's setup
 
 def part_seed(args, gen, rows):
@@ -193,15 +227,8 @@ def part_seed(args, gen, rows):
         try:
             cu_p, cu_one, cu_s = [0, p], [0, s], offsets([s] * n)
             cu_p_d, cu_one_d, cu_s_d = (torch.tensor(c, device="cuda") for c in (cu_p, cu_one, cu_s))
-            zero_idx = torch.zeros(n, dtype=torch.long, device="cuda")
-            set_bytes = (p + n * s) * (2 * d + 6 * hv)
-            sets = []
-            for _ in range(n_sets(set_bytes, args)):
-                xp, gp, bp = make_inputs(gen, p, hv, d)
-                xs, gs, bs = make_inputs(gen, n * s, hv, d)
-                c0 = torch.randn(1, d, CONV_W - 1, generator=gen, device="cuda").bfloat16()
-                s0 = 0.1 * torch.randn(1, hv, k, v, generator=gen, device="cuda")
-                sets.append((xp, gp, bp, xs, gs, bs, c0, s0))
+            two_phase = two_phase_fn(op, n, cu_p, cu_p_d, cu_s, cu_s_d)
+            sets = make_sets(gen, args, p, s, n, hv, k, v, d)
 
             def sequential(st):
                 xp, gp, bp, xs, gs, bs, c0, s0 = st
@@ -209,11 +236,6 @@ def part_seed(args, gen, rows):
                 outs = [op(xs[i * s:(i + 1) * s], gs[i * s:(i + 1) * s], bs[i * s:(i + 1) * s], c1, s1, cu_one_d, cu_one)
                         for i in range(n)]
                 return outs
-
-            def two_phase(st):
-                xp, gp, bp, xs, gs, bs, c0, s0 = st
-                _, c1, s1 = op(xp, gp, bp, c0, s0, cu_p_d, cu_p)
-                return op(xs, gs, bs, c1.index_select(0, zero_idx), s1.index_select(0, zero_idx), cu_s_d, cu_s)
 
             # the two paths compute the same thing: compare the consumers' final states
             seq_states = torch.cat([o[2] for o in sequential(sets[0])])
@@ -237,10 +259,7 @@ def part_seed(args, gen, rows):
             del sets, seq_fns, two_fns
             torch.cuda.empty_cache()
         except Exception as e:  # noqa: BLE001 - one failed config must not lose the others
-            print(f"  seed 1+{n} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            rows.append({"P": p, "S": s, "N": n, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-            args.save()
-            torch.cuda.empty_cache()
+            record_failure(rows, args, f"seed 1+{n}", p, s, n, e)
     return rows
 
 
@@ -263,21 +282,8 @@ def part_qwen(args, gen, rows):
             t_full = n * (p + s)
             cu_p, cu_s, cu_f = [0, p], offsets([s] * n), offsets([p + s] * n)
             cu_p_d, cu_s_d, cu_f_d = (torch.tensor(c, device="cuda") for c in (cu_p, cu_s, cu_f))
-            zero_idx = torch.zeros(n, dtype=torch.long, device="cuda")
-            set_bytes = (p + n * s) * (2 * d + 6 * hv)
-            sets = []
-            for _ in range(n_sets(set_bytes, args)):
-                xp, gp, bp = make_inputs(gen, p, hv, d)
-                xs, gs, bs = make_inputs(gen, n * s, hv, d)
-                c0 = torch.randn(1, d, CONV_W - 1, generator=gen, device="cuda").bfloat16()
-                s0 = 0.1 * torch.randn(1, hv, k, v, generator=gen, device="cuda")
-                sets.append((xp, gp, bp, xs, gs, bs, c0, s0))
-
-            def two_phase(st):
-                xp, gp, bp, xs, gs, bs, c0, s0 = st
-                _, c1, s1 = op(xp, gp, bp, c0, s0, cu_p_d, cu_p)
-                return op(xs, gs, bs, c1.index_select(0, zero_idx), s1.index_select(0, zero_idx), cu_s_d, cu_s)
-
+            two_phase = two_phase_fn(op, n, cu_p, cu_p_d, cu_s, cu_s_d)
+            sets = make_sets(gen, args, p, s, n, hv, k, v, d)
             two_fns = [lambda st=st: two_phase(st) for st in sets]
             row["input_sets"] = len(sets)
             row["two_phase_ms"] = guarded(time_eager, two_fns, args)
@@ -323,10 +329,7 @@ def part_qwen(args, gen, rows):
             del sets, two_fns
             torch.cuda.empty_cache()
         except Exception as e:  # noqa: BLE001 - one failed config must not lose the others
-            print(f"  P={p} S={s} N={n} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            rows.append({"P": p, "S": s, "N": n, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-            args.save()
-            torch.cuda.empty_cache()
+            record_failure(rows, args, f"P={p} S={s} N={n}", p, s, n, e)
     return rows
 
 

@@ -26,9 +26,7 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,9 +39,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from forkpoint import LLM, SamplingParams  # noqa: E402
 from forkpoint.inputs import qwen_vocab  # noqa: E402
 from forkpoint.inputs.default_model import default_cache_root, default_model_config, ensure_default_model  # noqa: E402
+from host_info import VOCAB_LIMIT, machine_info, probe_gflops  # noqa: E402
 
 MODEL_NAME = "bench-default-qwen3_5_moe-vision-v1"
-VOCAB_LIMIT = 248000  # random ids below the special-token range of the Qwen3.5 vocabulary
 VISION = dict(depth=4, hidden_size=256, intermediate_size=1024, num_heads=4, out_hidden_size=256, patch_size=16,
               spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304)
 PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16, "merge_size": 2,
@@ -96,32 +94,6 @@ def model_dir() -> Path:
         print(f"building {directory} (once)", file=sys.stderr)
         build_multimodal_default(directory)
     return directory
-
-
-def machine_info() -> dict:
-    model_name = platform.processor() or "unknown"
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout.splitlines():
-            if line.startswith("Model name:"):
-                model_name = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return {"cpu_model": model_name, "cpu_cores": os.cpu_count(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-            "load_average_start": list(os.getloadavg()),
-            "note": "shared machine: other processes may use the same CPUs while this runs"}
-
-
-def probe_gflops(size: int = 1024, reps: int = 5) -> float:
-    """Speed of the CPU right now: float32 matmul GFLOP/s (best of three short bursts)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    best = 0.0
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        best = max(best, reps * 2 * size**3 / (time.perf_counter() - t0) / 1e9)
-    return best
 
 
 def noise_image(rng: np.random.Generator, width: int, height: int):

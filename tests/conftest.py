@@ -7,6 +7,8 @@ import torch
 
 from tests.tiny_models import build_tiny_model
 
+pytest.register_assert_rewrite("tests.helpers")  # detailed failures from its asserts (before the tests import it)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from forkpoint import LLM, SamplingParams
+from tests.helpers import assert_same_outputs
 from tests.tiny_models import words
 
 MARK = "<|mamba_checkpoint|>"
@@ -24,16 +25,6 @@ def anchor_and_suffixes(anchor_len: int, suffix_lens: list[int], seed: int = 0) 
     anchor = words(*torch.randint(0, 150, (anchor_len,), generator=generator).tolist())
     suffixes = [words(*torch.randint(0, 150, (n,), generator=generator).tolist()) for n in suffix_lens]
     return anchor, suffixes
-
-
-def assert_same_outputs(outs, refs):
-    for out, ref in zip(outs, refs):
-        assert out.prompt_token_ids == ref.prompt_token_ids
-        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
-        for ours, theirs in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs):
-            assert ours.keys() == theirs.keys()
-            for token, value in ours.items():
-                assert abs(value - theirs[token]) <= 1e-5
 
 
 def finish_clean(llm: LLM) -> None:

@@ -10,6 +10,7 @@ import io
 import pytest
 
 from forkpoint import LLM, SamplingParams
+from tests.helpers import assert_same_outputs
 from tests.tiny_models import IMAGE, random_image, words
 
 MARK = "<|mamba_checkpoint|>"
@@ -42,15 +43,6 @@ def anchor_text() -> str:
 def suffix_prompt(index: int, anchor_image=ANCHOR_IMAGE, marker: str = MARK) -> dict:
     text = f"{anchor_text()}{marker} {words(index, 80, 81)} {IMAGE} {words(90 + index, 91)}"
     return {"prompt": text, "multi_modal_data": {"image": [anchor_image, SUFFIX_IMAGES[index]]}}
-
-
-def assert_same_outputs(outs, refs):
-    for out, ref in zip(outs, refs):
-        assert out.prompt_token_ids == ref.prompt_token_ids
-        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
-        for ours, theirs in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs):
-            assert ours.keys() == theirs.keys()
-            assert all(abs(value - theirs[token]) <= 1e-5 for token, value in ours.items())
 
 
 def reference(directory, prompts):

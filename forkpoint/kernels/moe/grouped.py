@@ -32,17 +32,7 @@ def fused_moe(x, gate_up, down, topk_weights, topk_ids):
     Hd and I must be multiples of 8 (16-byte rows for the grouped GEMM)."""
     if not (x.dtype == gate_up.dtype == down.dtype == torch.bfloat16):
         return reference.fused_moe(x, gate_up, down, topk_weights, topk_ids)
-    num_experts, two_inter, hidden = gate_up.shape
-    if x.dim() != 2 or x.shape[1] != hidden or down.shape != (num_experts, hidden, two_inter // 2):
-        raise ValueError(
-            f"expected x [T, Hd], gate_up [E, 2I, Hd], down [E, Hd, I]; got {tuple(x.shape)}, "
-            f"{tuple(gate_up.shape)}, {tuple(down.shape)}"
-        )
-    if topk_ids.shape != topk_weights.shape or topk_ids.shape[:1] != x.shape[:1]:
-        raise ValueError(
-            f"topk_ids and topk_weights must both be [T, k] with T = {x.shape[0]}, "
-            f"got {tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}"
-        )
+    num_experts, two_inter, hidden = reference.check_shapes(x, gate_up, down, topk_weights, topk_ids)
     if hidden % 8 or (two_inter // 2) % 8:
         raise ValueError(f"hidden size {hidden} and expert size {two_inter // 2} must be multiples of 8 "
                          "for torch._grouped_mm (16-byte rows)")

@@ -12,6 +12,23 @@ import torch
 import torch.nn.functional as F
 
 
+def check_shapes(x, gate_up, down, topk_weights, topk_ids) -> tuple[int, int, int]:
+    """Raise ValueError unless x [T, Hd], gate_up [E, 2I, Hd], down [E, Hd, I] and topk_weights,
+    topk_ids [T, k] fit together; returns (E, 2I, Hd). Shapes only: no device work, no host sync."""
+    num_experts, two_inter, hidden = gate_up.shape
+    if x.dim() != 2 or x.shape[1] != hidden or down.shape != (num_experts, hidden, two_inter // 2):
+        raise ValueError(
+            f"expected x [T, Hd], gate_up [E, 2I, Hd], down [E, Hd, I]; got {tuple(x.shape)}, "
+            f"{tuple(gate_up.shape)}, {tuple(down.shape)}"
+        )
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[:1] != x.shape[:1]:
+        raise ValueError(
+            f"topk_ids and topk_weights must both be [T, k] with T = {x.shape[0]}, "
+            f"got {tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}"
+        )
+    return num_experts, two_inter, hidden
+
+
 def fused_moe(
     x: torch.Tensor,
     gate_up: torch.Tensor,
@@ -25,17 +42,7 @@ def fused_moe(
     topk_ids: [T, k] long, in [0, E). Returns y [T, Hd] in x.dtype (computed and summed in fp32).
     Routes are sorted by expert, and each expert that was hit runs once on all its tokens.
     """
-    num_experts, two_inter, hidden = gate_up.shape
-    if x.dim() != 2 or x.shape[1] != hidden or down.shape != (num_experts, hidden, two_inter // 2):
-        raise ValueError(
-            f"expected x [T, Hd], gate_up [E, 2I, Hd], down [E, Hd, I]; got {tuple(x.shape)}, "
-            f"{tuple(gate_up.shape)}, {tuple(down.shape)}"
-        )
-    if topk_ids.shape != topk_weights.shape or topk_ids.shape[:1] != x.shape[:1]:
-        raise ValueError(
-            f"topk_ids and topk_weights must both be [T, k] with T = {x.shape[0]}, "
-            f"got {tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}"
-        )
+    num_experts, _, _ = check_shapes(x, gate_up, down, topk_weights, topk_ids)
     flat_ids = topk_ids.flatten()
     counts = torch.bincount(flat_ids, minlength=num_experts)
     if counts.numel() > num_experts:
