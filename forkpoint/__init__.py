@@ -8,8 +8,8 @@ recurrent state slots, checkpoints), `runner/` (per-step batch metadata, samplin
 """
 
 from forkpoint.llm import LLM
-from forkpoint.outputs import CompletionOutput, RequestOutput
+from forkpoint.outputs import CompletionOutput, Logprob, RequestOutput
 from forkpoint.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"

@@ -5,15 +5,34 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class Logprob(float):
+    """A log-probability that is a plain float and also reads like vLLM's `Logprob`
+    (`.logprob`, `.rank`: 1 for the most likely token), so code written for either works."""
+
+    rank: int | None
+
+    def __new__(cls, value: float, rank: int | None = None) -> "Logprob":
+        obj = super().__new__(cls, value)
+        obj.rank = rank
+        return obj
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return f"Logprob({float(self)!r}, rank={self.rank})"
+
+
 @dataclass
 class CompletionOutput:
-    """One sampled sequence. logprobs: per generated token, {token_id: logprob} (sampled + top-k)."""
+    """One sampled sequence. logprobs: per generated token, {token_id: Logprob} (sampled + top-k)."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
 
     @property
     def finished(self) -> bool:

@@ -11,13 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
+from forkpoint.outputs import Logprob
 from forkpoint.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
 class SampledToken:
     token_id: int
-    logprobs: dict[int, float] | None
+    logprobs: dict[int, Logprob] | None
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -40,14 +41,17 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     logprobs = torch.log_softmax(logits.index_select(0, index), dim=-1)
     top_k = max(params[row].logprobs for row in rows)
     top_values, top_ids = torch.topk(logprobs, top_k, dim=-1)
-    chosen_values = logprobs.gather(1, chosen.index_select(0, index)[:, None])[:, 0]
+    chosen_values = logprobs.gather(1, chosen.index_select(0, index)[:, None])
+    chosen_ranks = (logprobs > chosen_values).sum(dim=-1) + 1
     chosen_host = chosen.tolist()
-    top_values, top_ids, chosen_values = top_values.tolist(), top_ids.tolist(), chosen_values.tolist()
-    entries: dict[int, dict[int, float]] = {}
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    chosen_values, chosen_ranks = chosen_values[:, 0].tolist(), chosen_ranks.tolist()
+    entries: dict[int, dict[int, Logprob]] = {}
     for i, row in enumerate(rows):
         k = params[row].logprobs
-        entry = dict(zip(top_ids[i][:k], top_values[i][:k]))
-        entry[chosen_host[row]] = chosen_values[i]
+        entry = {token: Logprob(value, rank + 1) for rank, (token, value) in
+                 enumerate(zip(top_ids[i][:k], top_values[i][:k]))}
+        entry[chosen_host[row]] = Logprob(chosen_values[i], chosen_ranks[i])
         entries[row] = entry
     return [SampledToken(token_id, entries.get(row)) for row, token_id in enumerate(chosen_host)]
 

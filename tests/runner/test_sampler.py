@@ -32,6 +32,9 @@ def test_logprobs_are_raw_and_include_the_sampled_token():
     assert out[0].token_id == int(logits[0].argmax()) and len(out[0].logprobs) == 3
     for token, value in out[0].logprobs.items():
         assert abs(value - float(raw[0, token])) < 1e-6
+    assert [v.rank for v in out[0].logprobs.values()] == [1, 2, 3]
+    assert out[0].logprobs[out[0].token_id].logprob == max(out[0].logprobs.values())  # vLLM-style access
     assert list(out[1].logprobs) == [out[1].token_id]
+    assert out[1].logprobs[out[1].token_id].rank == int((raw[1] > raw[1, out[1].token_id]).sum()) + 1
     assert abs(out[1].logprobs[out[1].token_id] - float(raw[1, out[1].token_id])) < 1e-6
     assert out[2].logprobs is None
