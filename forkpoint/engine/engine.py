@@ -221,6 +221,8 @@ class LLMEngine:
         """One scheduling step and forward. Returns outputs of prompts that progressed."""
         plan = self.scheduler.schedule()
         if plan.empty:
+            if plan.finished:
+                return self._collect({r.parent_id: self._groups[r.parent_id] for r in plan.finished})
             if self.scheduler.has_unfinished():
                 time.sleep(0.001)  # everything is deferred or waiting for memory
             return []
@@ -229,11 +231,15 @@ class LLMEngine:
         self._after_forward(plan)
         tokens = sample(logits, [s.request.params for s in sampled], [s.request.generator for s in sampled])
         touched: dict[str, _PromptGroup] = {}
-        for segment in plan.segments:
-            touched[segment.request.parent_id] = self._groups[segment.request.parent_id]
+        for request in [s.request for s in plan.segments] + plan.finished:
+            touched[request.parent_id] = self._groups[request.parent_id]
         now = time.monotonic()
         for segment, token in zip(sampled, tokens):
             self._append_token(segment.request, token.token_id, token.logprobs, now)
+        return self._collect(touched)
+
+    def _collect(self, touched: dict[str, _PromptGroup]) -> list[RequestOutput]:
+        """Outputs of the prompts that progressed; finished prompts leave the engine."""
         outputs = []
         for group in touched.values():
             finished = all(s.is_finished for s in group.sequences)

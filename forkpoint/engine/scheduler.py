@@ -54,6 +54,7 @@ class StepPlan:
     kv_copies: list[KVCopy] = field(default_factory=list)
     written: list[tuple[Checkpoint, Request]] = field(default_factory=list)
     consumed: list[Checkpoint] = field(default_factory=list)  # pinned for this step
+    finished: list[Request] = field(default_factory=list)  # ended while scheduling (cannot ever fit)
     num_tokens: int = 0
 
     @property
@@ -136,6 +137,8 @@ class Scheduler:
                 continue
             count = min(request.num_tokens - request.num_computed_tokens, budget, self.chunk_cap)
             if not self._grow_blocks(request, request.num_computed_tokens + count):
+                if request.status is RequestStatus.FINISHED:
+                    plan.finished.append(request)
                 preempted = True
                 continue
             budget -= count
@@ -161,6 +164,10 @@ class Scheduler:
         while need > self.blocks.num_free:
             if self.registry is not None and self.registry.evict_one():
                 continue
+            if self.running == [request]:
+                # alone with every evictable block freed: recomputing could never fit, so stop here
+                self.finish(request, "length")
+                return False
             victim = self.running[-1]
             self._preempt(victim)
             if victim is request:

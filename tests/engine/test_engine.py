@@ -105,3 +105,13 @@ def test_abort_mid_generation_frees_everything(llm):
         engine.step()
     engine.check_integrity()
     assert llm.metrics()["state_slots_used"] == 0 and llm.metrics()["kv_blocks_used"] == 0
+
+
+def test_sequence_outgrowing_the_whole_pool_ends_with_length_not_a_hang(moe_model):
+    small = LLM(str(moe_model[0]), num_kv_blocks=4, block_size=4, enable_checkpoints=False)
+    out = small.generate({"prompt_token_ids": [5, 6, 7, 8, 9]},
+                         SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.outputs[0].token_ids) == 4 * 4 - 5 + 1  # every KV slot used; the last token needs none
+    small.engine.check_integrity()
+    assert small.metrics()["kv_blocks_used"] == 0
