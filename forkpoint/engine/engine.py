@@ -38,14 +38,11 @@ _CPU_STATE_BYTES = 512 << 20
 _DEFAULT_CHECKPOINT_SLOTS = 64
 
 
-def _check_image_tokens(tokenizer, vision: VisionConfig) -> None:
-    """The tokenizer must spell the image placeholder with the ids config.json gives the model."""
+def _tokenizer_spells_images(tokenizer, vision: VisionConfig) -> bool:
+    """Whether the tokenizer spells the image placeholder with the ids config.json gives the model."""
     placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
     ids = tokenizer.encode(placeholder, add_special_tokens=False)
-    expected = [vision.vision_start_token_id, vision.image_token_id, vision.vision_end_token_id]
-    if ids != expected:
-        raise ValueError(f"the tokenizer encodes {placeholder!r} as {ids}, but config.json expects {expected}: "
-                         "use the model's own tokenizer, or max_images_per_prompt=0 to run it text-only")
+    return ids == [vision.vision_start_token_id, vision.image_token_id, vision.vision_end_token_id]
 
 
 @dataclass
@@ -86,10 +83,13 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
 
         vision = self.model_config.vision
-        self.images = image_prompt_processor(vision, model_path, max_images=config.max_images_per_prompt,
+        max_images = config.max_images_per_prompt
+        if vision is not None and max_images > 0 and not _tokenizer_spells_images(self.tokenizer, vision):
+            logger.warning("the tokenizer does not encode <|vision_start|><|image_pad|><|vision_end|> as the ids in "
+                           "config.json: serving this multimodal checkpoint text-only (images are rejected)")
+            max_images = 0
+        self.images = image_prompt_processor(vision, model_path, max_images=max_images,
                                              min_pixels=config.image_min_pixels, max_pixels=config.image_max_pixels)
-        if self.images.processor is not None:
-            _check_image_tokens(self.tokenizer, vision)
 
         torch.manual_seed(config.seed)
         model = build_model(self.model_config, model_path, config.load_format, self.device, self.dtype, config.seed,

@@ -156,3 +156,22 @@ def test_image_tokens_use_their_own_positions(multimodal):
     engine._after_forward(plan)
     engine.abort_request("p")
     engine.check_integrity()
+
+
+def test_multimodal_checkpoint_with_a_text_only_tokenizer_serves_text(tiny_model_factory, tmp_path):
+    """A tokenizer without the vision tokens: the checkpoint's text part still serves; images are refused."""
+    import shutil
+
+    from tests.tiny_models import save_tokenizer
+
+    directory = tmp_path / "text_tokenizer"
+    shutil.copytree(tiny_model_factory("qwen3_5_moe")[0], directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (directory / name).unlink(missing_ok=True)
+    save_tokenizer(directory)
+    llm = LLM(str(directory), num_kv_blocks=32)
+    out = llm.generate(words(1, 2, 3), SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2
+    with pytest.raises(ValueError):
+        llm.generate({"prompt": f"{words(1)} {IMAGE}", "multi_modal_data": {"image": IMAGES[:1]}}, use_tqdm=False)
+    llm.engine.check_integrity()
