@@ -3,6 +3,8 @@ every completed request equals its no-checkpoint run and every pool is consisten
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -39,6 +41,7 @@ request_strategy = st.fixed_dictionaries({
     "suffix": st.lists(st.integers(0, 149), min_size=1, max_size=6),
     "arrival": st.integers(0, 6),
     "abort_at": st.one_of(st.none(), st.integers(0, 12)),
+    "n": st.integers(1, 2),
 })
 
 
@@ -56,7 +59,7 @@ def render(spec: dict) -> str:
     return " ".join(parts)
 
 
-@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     requests=st.lists(request_strategy, min_size=1, max_size=7),
     budget=st.integers(6, 64),
@@ -67,7 +70,7 @@ def render(spec: dict) -> str:
 )
 def test_outputs_always_equal_the_no_checkpoint_run(moe_model, reference, requests, budget, chunk_cap, block_size,
                                                     spare_blocks, checkpoint_slots):
-    longest = max(len(ANCHORS[r["anchor"]]) + len(r["suffix"]) for r in requests) + PARAMS.max_tokens
+    longest = max(len(ANCHORS[r["anchor"]]) + len(r["suffix"]) for r in requests) + PARAMS.max_tokens + 1
     llm = LLM(str(moe_model[0]), max_num_batched_tokens=budget, long_prefill_token_threshold=chunk_cap,
               block_size=block_size, num_kv_blocks=-(-longest // block_size) + spare_blocks,
               checkpoint_pool_size=checkpoint_slots, max_num_seqs=4)
@@ -77,7 +80,7 @@ def test_outputs_always_equal_the_no_checkpoint_run(moe_model, reference, reques
     for step in range(400):
         for index, spec in enumerate(requests):
             if spec["arrival"] == step:
-                engine.add_request(f"r{index}", render(spec), PARAMS)
+                engine.add_request(f"r{index}", render(spec), dataclasses.replace(PARAMS, n=spec["n"]))
             if spec["abort_at"] is not None and spec["abort_at"] == step and f"r{index}" not in finished:
                 engine.abort_request(f"r{index}")
                 aborted.add(f"r{index}")
@@ -90,7 +93,8 @@ def test_outputs_always_equal_the_no_checkpoint_run(moe_model, reference, reques
     else:
         raise AssertionError("engine did not drain")
     for request_id, output in finished.items():
-        assert output.outputs[0].token_ids == reference(output.prompt_token_ids), request_id
+        for completion in output.outputs:  # n = 2 siblings share the prompt through a checkpoint
+            assert completion.token_ids == reference(output.prompt_token_ids), request_id
     assert len(finished) + len(aborted - set(finished)) == len(requests)
     metrics = llm.metrics()
     assert metrics["state_slots_used"] == 0 and metrics["checkpoints_pending"] == 0
