@@ -46,7 +46,8 @@ class Request:
     producing: list[Checkpoint] = field(default_factory=list)  # unready checkpoints this request writes
     num_cached_tokens: int = 0
     waiting_on: Checkpoint | None = None  # unready checkpoint this request is deferred on
-    deferred_since: float | None = None
+    deferred_since: float | None = None  # start of the current wait (the wait bound counts from here)
+    was_deferred: bool = False  # counted once in requests_deferred
     gave_up_waiting: bool = False  # wait bound hit: never wait for an unready checkpoint again
     finish_reason: str | None = None
     stop_text_len: int | None = None

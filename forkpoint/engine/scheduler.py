@@ -255,11 +255,13 @@ class Scheduler:
         if request.waiting_on is checkpoint:
             return
         if request.waiting_on is not None:
-            self._stop_waiting(request, now)
+            self._stop_waiting(request)  # switching checkpoints: the wait goes on, account it once at the end
         request.waiting_on = checkpoint
         checkpoint.waiters += 1
         if request.deferred_since is None:
             request.deferred_since = now
+        if not request.was_deferred:
+            request.was_deferred = True
             self.stats.requests_deferred += 1
             logger.debug("deferred: %s waits for the %d-token checkpoint of %s", request.request_id,
                          checkpoint.num_tokens, checkpoint.producer)
@@ -273,6 +275,7 @@ class Scheduler:
                 self.registry.remove(checkpoint)
         if request.deferred_since is not None and now is not None:
             self.stats.deferral_wait_s_total += now - request.deferred_since
+            request.deferred_since = None
 
     def _claim_checkpoints(self, request: Request, start: int, now: float) -> None:
         """Register (or adopt, when orphaned) every checkpoint this request will pass."""

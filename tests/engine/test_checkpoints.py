@@ -178,6 +178,7 @@ def test_deferral_does_not_block_unrelated_and_consumers_wake_together(model_dir
     assert first_tokens["c1"] == first_tokens["c2"], "consumers did not wake together"
     metrics = llm.metrics()
     assert metrics["requests_deferred"] == 2 and metrics["checkpoint_hits"] == 2
+    assert metrics["deferral_wait_s_total"] > 0
     assert metrics["prompt_tokens_computed"] == 40 + 3 * 3 + 4
     finish_clean(llm)
 
