@@ -10,7 +10,10 @@ class SamplingParams:
     """How to pick tokens for one prompt. The constructor validates and raises ValueError naming the field.
 
     temperature 0 means greedy. top_k -1 (or 0) disables top-k; top_p 1.0 disables nucleus sampling;
-    min_p 0.0 disables min-p. `logprobs=k` returns the sampled token's and the top-k log-probabilities
+    min_p 0.0 disables min-p. Penalties as in vLLM (they apply before greedy and random picks):
+    presence_penalty / frequency_penalty in [-2, 2] subtract `p * (count > 0)` / `f * count` over the
+    generated tokens; repetition_penalty > 0 divides positive (multiplies negative) logits of every
+    token seen in the prompt or the output. `logprobs=k` returns the sampled token's and the top-k log-probabilities
     (of the unmodified distribution) for every generated token.
     """
 
@@ -19,6 +22,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     max_tokens: int | None = 16
     stop: str | list[str] | None = None
@@ -37,6 +43,12 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k!r}")
         if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not isinstance(self.repetition_penalty, (int, float)) or not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
@@ -57,3 +69,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)

@@ -229,7 +229,8 @@ class LLMEngine:
         self._counters["steps"] += 1
         logits, sampled = self.runner.execute(plan)
         self._after_forward(plan)
-        tokens = sample(logits, [s.request.params for s in sampled], [s.request.generator for s in sampled])
+        tokens = sample(logits, [s.request.params for s in sampled], [s.request.generator for s in sampled],
+                        [(s.request.prompt_token_ids, s.request.output_token_ids) for s in sampled])
         touched: dict[str, _PromptGroup] = {}
         for request in [s.request for s in plan.segments] + plan.finished:
             touched[request.parent_id] = self._groups[request.parent_id]

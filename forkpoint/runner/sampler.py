@@ -22,18 +22,29 @@ class SampledToken:
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None]) -> list[SampledToken]:
-    """logits: [R, vocab] float32; one SamplingParams and generator per row.
+           generators: Sequence[torch.Generator | None],
+           histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None) -> list[SampledToken]:
+    """logits: [R, vocab] float32; one SamplingParams and generator per row; histories[row] =
+    (prompt ids, output ids so far), needed only by rows with penalties.
 
     Log-probabilities of all rows that ask for them come from one log_softmax and one top-k over
     those rows, and reach the host with the chosen ids: a fixed number of device-to-host copies
     per step, whatever R is."""
     if logits.shape[0] == 0:
         return []
+    raw = logits
+    penalised = [row for row, p in enumerate(params) if p.has_penalties]
+    if penalised:
+        if histories is None:
+            raise ValueError("penalties need the token histories of their rows")
+        logits = logits.clone()
+        for row in penalised:
+            logits[row] = apply_penalties(logits[row], params[row], *histories[row])
     chosen = logits.argmax(dim=-1)
     for row, p in enumerate(params):
         if not p.greedy:
             chosen[row] = _sample_row(logits[row], p, generators[row])
+    logits = raw  # log-probabilities are those of the unmodified distribution
     rows = [row for row, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return [SampledToken(token_id, None) for token_id in chosen.tolist()]
@@ -54,6 +65,23 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         entry[chosen_host[row]] = Logprob(chosen_values[i], chosen_ranks[i])
         entries[row] = entry
     return [SampledToken(token_id, entries.get(row)) for row, token_id in enumerate(chosen_host)]
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
+                    output_ids: Sequence[int]) -> torch.Tensor:
+    """logits: [vocab] -> penalised copy (vLLM's presence, frequency and repetition penalties)."""
+    vocab = logits.shape[0]
+    out = logits.clone()
+    output = torch.tensor([t for t in output_ids if t < vocab], dtype=torch.long, device=logits.device)
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor([t for t in prompt_ids if t < vocab], dtype=torch.long, device=logits.device)
+        seen = torch.unique(torch.cat([seen, output]))
+        values = out[seen]
+        out[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if output.numel() and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(output, minlength=vocab).to(out.dtype)
+        out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(out.dtype)
+    return out
 
 
 def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:

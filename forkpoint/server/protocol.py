@@ -6,7 +6,7 @@ forkpoint extensions (pass them with the openai client's ``extra_body``):
 - ``checkpoint_positions`` (completions): checkpoint positions in prompt tokens, for token-id
   prompts (and text prompts), as in the offline API;
 - a ``"checkpoint": true`` flag on a chat text content part: checkpoint right after that part;
-- vLLM's sampling extras ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``.
+- vLLM's sampling extras ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ class SamplingFields(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     n: int = Field(1, ge=1, le=128)
     stop: str | list[str] | None = None
     seed: int | None = None

@@ -248,6 +248,8 @@ class OpenAIServing:
             return SamplingParams(
                 n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, min_p=body.min_p,
+                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
                 seed=body.seed, max_tokens=max_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
                 ignore_eos=body.ignore_eos, logprobs=logprobs)
         except ValueError as err:  # SamplingParams names the field first: "stop must be ..."

@@ -115,3 +115,15 @@ def test_sequence_outgrowing_the_whole_pool_ends_with_length_not_a_hang(moe_mode
     assert len(out.outputs[0].token_ids) == 4 * 4 - 5 + 1  # every KV slot used; the last token needs none
     small.engine.check_integrity()
     assert small.metrics()["kv_blocks_used"] == 0
+
+
+def test_repetition_penalty_changes_greedy_output_of_repeating_model(llm):
+    prompt = prompts(1, seed=9)[0]
+    plain = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    penalised = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                                    frequency_penalty=2.0, presence_penalty=2.0),
+                             use_tqdm=False)[0].outputs[0].token_ids
+    repeats = len(plain) - len(set(plain))
+    assert repeats > 0, "precondition: the tiny random model repeats itself without penalties"
+    assert len(penalised) - len(set(penalised)) < repeats

@@ -38,3 +38,29 @@ def test_logprobs_are_raw_and_include_the_sampled_token():
     assert out[1].logprobs[out[1].token_id].rank == int((raw[1] > raw[1, out[1].token_id]).sum()) + 1
     assert abs(out[1].logprobs[out[1].token_id] - float(raw[1, out[1].token_id])) < 1e-6
     assert out[2].logprobs is None
+
+
+def test_penalties_follow_vllm_semantics():
+    from forkpoint.runner.sampler import apply_penalties
+
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    prompt, output = [0], [2, 2, 3]
+    presence = apply_penalties(logits, SamplingParams(presence_penalty=0.5), prompt, output)
+    assert torch.allclose(presence, torch.tensor([2.0, -1.0, 0.0, 2.5]))
+    frequency = apply_penalties(logits, SamplingParams(frequency_penalty=0.5), prompt, output)
+    assert torch.allclose(frequency, torch.tensor([2.0, -1.0, -0.5, 2.5]))
+    repetition = apply_penalties(logits, SamplingParams(repetition_penalty=2.0), [0, 1], [3])
+    assert torch.allclose(repetition, torch.tensor([1.0, -2.0, 0.5, 1.5]))
+    # greedy follows the penalised logits; logprobs stay those of the raw distribution
+    out = sample(logits[None], [SamplingParams(temperature=0.0, frequency_penalty=2.0, logprobs=1)], [None],
+                 [(prompt, output)])[0]
+    assert out.token_id == 0
+    assert abs(out.logprobs[0] - float(torch.log_softmax(logits, -1)[0])) < 1e-6
+
+
+def test_penalty_ranges_are_validated():
+    import pytest
+
+    for kwargs in (dict(presence_penalty=3.0), dict(frequency_penalty=-2.5), dict(repetition_penalty=0.0)):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            SamplingParams(**kwargs)

@@ -119,3 +119,15 @@ def test_streamed_text_equals_whole_text_with_a_stop_string(server):
     streamed = "".join(c.choices[0].text for c in chunks)
     assert whole.choices[0].finish_reason == "stop"
     assert streamed == whole.choices[0].text == text[: text.find(stop)]
+
+
+def test_penalties_reach_the_sampler(server):
+    """Negative penalties reward repeats: the greedy continuation must start repeating itself."""
+    client = server.client()
+    prompt = "Once upon a time there was"
+    rewarded = client.completions.create(model=server.model, prompt=prompt, max_tokens=24, temperature=0,
+                                         frequency_penalty=-2.0, presence_penalty=-2.0,
+                                         extra_body={"repetition_penalty": 0.5, "ignore_eos": True})
+    plain = client.completions.create(model=server.model, prompt=prompt, max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert rewarded.choices[0].text != plain.choices[0].text
