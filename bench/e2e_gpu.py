@@ -1,62 +1,86 @@
-"""End-to-end 1-to-N scoring on one GPU at Qwen3.5-35B-A3B shapes, seeded random bf16 weights.
+"""End-to-end 1-to-N on one GPU at Qwen3.5-35B-A3B shapes, seeded random bf16 weights.
 
 Workload (DESIGN.md section 2): an anchor of P random token ids, the checkpoint marker, then N
-suffixes of S random ids each, max_tokens 1 (scoring), greedy. Every run draws a fresh anchor, so
+suffixes of random ids, greedy, all N requests added at once. Every run draws a fresh anchor, so
 nothing is cached from an earlier run.
 
 - checkpoints ON: prompts `anchor + marker + suffix`; the first request produces the checkpoint,
   the others consume it (in the same step when the token budget allows, else from the ready one).
 - checkpoints OFF: the same prompts without the marker, on the same engine. Without a marker no
   checkpoint is registered and the fresh anchor matches none from before, so every request
-  computes its whole prompt (checked: prompt_tokens_computed grows by N * (P + S)). One engine
+  computes its whole prompt (checked: prompt_tokens_computed grows by N*P + sum S). One engine
   serves both (the 35B model is 70 GB in bf16: two do not fit beside their caches).
 
-Per run: requests/s (N / wall time from the first add_request to the last output), TTFT p50/p99
-(Request.first_token_time - arrival, recorded by the engine after the step's sampling sync),
-prompt tokens computed (metrics delta), MFU = 2 * active params per token * tokens computed /
-wall / 989e12 (dense bf16 peak; active params per token from the config: the matmul weights a
-token passes through, without embedding and lm_head, which runs on sampled rows only), and the
-on/off speedup against the ideal N(P+S)/(P+NS). Each step's tokens, wall time and host time to
-enqueue the forward are kept, so fixed per-step cost (launch overhead) and per-token cost can be fitted.
+Rows, in the order they run (each an on/off pair; a pair predicted to overrun the time budget is
+skipped and recorded with the reason, and later, cheaper pairs still run):
+  1. main:   P in --p (4096, 624), S = --s (256), N in --n (1 ... 256), max_tokens 1 (scoring)
+  2. decode: P in --decode-p, S = --s, N in --decode-n, max_tokens --decode-tokens (32): TPOT
+  3. seed:   P = --seed-p (624), S drawn uniformly from --seed-s (350-650, seeded), N in --seed-n
+  4. eager:  P = --eager-p, S = --s, N in --eager-n, max_tokens 1 and --decode-tokens, executed as
+     an `enforce_eager=True` engine would (no CUDA graphs), on the same engine through a runtime
+     switch: `set_enforce_eager(bool)` if the engine or its runner has one, else the runner's
+     piecewise graph forward detached (`runner.piecewise = None`: the model's plain forward, the
+     path such an engine takes). Without either, a second engine, built only with --eager-rows
+     (the first is freed: 70 GB of weights again); skipped with a note when EngineConfig has no
+     `enforce_eager` field
+  5. peer:   Hugging Face transformers on the same weights (e2e_gpu_peer.py), capped by --peer-budget
 
-Peer: Hugging Face transformers' Qwen3_5MoeForCausalLM built on the meta device from the same
-config and given forkpoint's weight tensors (`load_state_dict(assign=True)`: no second copy),
-timed on the same requests: batched forwards of sequences of P + S tokens (`--peer-batch` at a
-time, logits of the last position only).
+Per run: requests/s (N / wall time from the first add_request to the last output), TTFT p50/p99 of
+all requests and of the consumers (requests 2..N), prompt tokens computed (metrics delta), computed
+tokens/s, MFU = 2 * active params per token * tokens computed / wall / 989e12 (dense bf16 peak;
+the matmul weights a token passes through, without embedding and lm_head), TPOT p50 for
+max_tokens > 1 ((finish - first token) / (max_tokens - 1) per request), and per pair the on/off
+ratio of requests/s against the ideal (N*P + sum S) / (P + sum S) = N(P+S)/(P+NS) for equal S.
+Each step's prompt tokens, running sequences, wall time and host time in `runner.execute` are kept.
 
-Usage (on the GPU machine; fla-core on the path):
-    python bench/e2e_gpu.py --out bench/results          # full run, writes e2e_gpu_h200.{json,png}
-    python bench/e2e_gpu.py --smoke                       # tiny model through LLM on CUDA
-    python bench/e2e_gpu.py --tiny --device cpu --dtype float32 --p 64 --n 1,4 --s 16  # dry run
+Time: --deadline is a hard limit (seconds from process start; an alarm stops whatever runs, and the
+results so far are written); forkpoint rows end by --time-budget (default: deadline - peer budget
+- 5 s), the peer gets --peer-budget after them. A pair's time is predicted from the steps timed so
+far (prefill step = a + b * tokens, decode step = c + d * sequences, least squares; priors from the
+last eager H200 run: 85 ms + 23.5 us/token, decode 96 ms at 16 sequences) times 1.2.
+
+Usage (on the GPU machine; fla-core on the path; bench/run_gpu_e2e.sh is the one-call wrapper):
+    python bench/e2e_gpu.py --out bench/results --deadline 400 --profile   # e2e_gpu_h200.{json,png}
+    python bench/e2e_gpu.py --smoke                  # tiny model, every row kind, CPU or GPU, < 60 s
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-import os
-import platform
-import shutil
-import sys
-import tempfile
 import time
-import traceback
-from pathlib import Path
 
-import numpy as np
-import torch
+PROCESS_START = time.perf_counter()  # before the heavy imports: --deadline counts from here
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from e2e_gpu_peer import VOCAB_LIMIT, build_peer, run_peer  # noqa: E402
+from e2e_gpu_plan import Alarm, OutOfTime, Predictor, RowSpec, plan_rows  # noqa: E402
+from e2e_gpu_report import plot, step_fit, table  # noqa: E402
+from host_info import code_version  # noqa: E402
+
 from forkpoint import LLM, SamplingParams  # noqa: E402
+from forkpoint.config import EngineConfig  # noqa: E402
 from forkpoint.inputs.default_model import ensure_default_model  # noqa: E402
 
-VOCAB_LIMIT = 248000      # random ids below the special tokens of the Qwen3.5 vocabulary
 PEAK_BF16 = 989e12        # H100/H200 SXM dense bf16, datasheet
 MEASURED_BF16 = 790e12    # 8192^3 bf16 matmul measured on this workplace's H200s (KINDS.md)
 ANCHOR_FLOOR_TOKENS_S = 130e3  # ANCHORS.md: ~6 GFLOP per token at ~790 TFLOP/s
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+FINALIZE_S = 5.0          # saving, the table and the plot after the last row
 
 
 # ---------------------------------------------------------------- model directory
@@ -143,17 +167,25 @@ def param_counts(cfg: dict) -> dict:
 # ---------------------------------------------------------------- forkpoint runs
 
 class EnqueueTimer:
-    """Wraps the runner's model: host seconds to enqueue the forward (no sync inside the forward)."""
+    """Shadows `runner.execute` with an instance attribute: host seconds to build a step's metadata
+    and enqueue its forward (nothing in it waits for the GPU; the sampler's copy to the host does)."""
 
-    def __init__(self, model) -> None:
-        self.model = model
-        self.last = 0.0
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.execute = runner.execute
+        self.last: float | None = None
 
     def __call__(self, *args, **kwargs):
         start = time.perf_counter()
-        out = self.model(*args, **kwargs)
+        out = self.execute(*args, **kwargs)
         self.last = time.perf_counter() - start
         return out
+
+    def install(self) -> None:
+        self.runner.execute = self
+
+    def remove(self) -> None:
+        self.runner.__dict__.pop("execute", None)
 
 
 def sync(device: torch.device) -> None:
@@ -165,151 +197,223 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else float("nan")
 
 
-def run_workload(llm: LLM, rng: np.random.Generator, p: int, s: int, n: int, max_tokens: int, on: bool,
-                 tag: str, per_token_params: int) -> dict:
-    engine = llm.engine
-    anchor = rng.integers(0, VOCAB_LIMIT, p).tolist()
-    marker = [llm.checkpoint_token_id] if on else []
-    prompts = [anchor + marker + rng.integers(0, VOCAB_LIMIT, s).tolist() for _ in range(n)]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    timer = engine.runner.model if isinstance(engine.runner.model, EnqueueTimer) else None
-    before = engine.metrics()
-    sync(engine.device)
-    start = time.perf_counter()
-    requests, finish = [], {}
-    for i, prompt in enumerate(prompts):
-        request_id = f"{tag}-{i}"
-        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-        requests.append(engine._groups[request_id].sequences[0])
-    steps = []
-    computed = before["prompt_tokens_computed"]
-    while engine.has_unfinished_requests():
-        step_start = time.perf_counter()
-        outputs = engine.step()
-        now = time.perf_counter()
-        for output in outputs:
-            if output.finished:
-                finish[output.request_id] = now - start
-        new_computed = engine.metrics()["prompt_tokens_computed"]
-        steps.append({"prompt_tokens": new_computed - computed, "s": now - step_start,
-                      "enqueue_s": timer.last if timer else None})
-        computed = new_computed
-    sync(engine.device)
-    wall = time.perf_counter() - start
-    after = engine.metrics()
-    ttft = [r.first_token_time - r.arrival_time for r in requests]
-    tokens_computed = after["prompt_tokens_computed"] - before["prompt_tokens_computed"]
-    expected = p + n * s if on else n * (p + s)
-    decode = [finish[f"{tag}-{i}"] - ttft[i] for i in range(n)] if max_tokens > 1 else []
-    return {
-        "checkpoints": "on" if on else "off", "P": p, "S": s, "N": n, "max_tokens": max_tokens,
-        "wall_s": wall, "requests_per_s": n / wall,
-        "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
-        "consumer_ttft_p50_ms": 1e3 * pct(ttft[1:], 50) if n > 1 else None,
-        "consumer_ttft_p99_ms": 1e3 * pct(ttft[1:], 99) if n > 1 else None,
-        "prompt_tokens_computed": tokens_computed, "prompt_tokens_expected": expected,
-        "prompt_tokens_total": n * (p + s),
-        "checkpoint_hits": after["checkpoint_hits"] - before["checkpoint_hits"],
-        "cached_tokens": [r.num_cached_tokens for r in requests][:4],
-        "computed_tokens_per_s": tokens_computed / wall,
-        "prompt_tokens_per_s": n * (p + s) / wall,
-        "mfu": 2 * per_token_params * tokens_computed / wall / PEAK_BF16,
-        "tpot_ms": 1e3 * pct([d / (max_tokens - 1) for d in decode], 50) if decode else None,
-        "steps": steps,
-    }
+def unwrap_model(model) -> torch.nn.Module:
+    """The language model (the module owning `lm_head`) under a torch.compile or CUDA-graph
+    wrapper, if any: its state_dict names the checkpoint's weights, which the peer needs."""
+    found = model
+    for _ in range(4):
+        if isinstance(getattr(found, "lm_head", None), torch.nn.Module):
+            return found
+        found = next((getattr(found, name) for name in ("_orig_mod", "model", "module")
+                      if getattr(found, name, None) is not None), None)
+        if found is None:
+            break
+    return model
 
 
-def run_forkpoint(args, cfg: dict, model_dir: Path, results: dict, save) -> tuple[torch.nn.Module, LLM]:
-    counts = param_counts(cfg)
-    rng = np.random.default_rng(args.seed)
-    t0 = time.perf_counter()
-    llm = LLM(str(model_dir), load_format="dummy", dtype=args.dtype, device=args.device,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+def eager_field() -> bool:
+    return "enforce_eager" in {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def eager_switch(engine):
+    """A runtime switch to eager execution, or None. `set_enforce_eager(bool)` if the engine or its
+    runner offers one; else the runner's piecewise CUDA-graph forward is detached while eager
+    (`runner.piecewise = None` is the path an `enforce_eager=True` engine takes: the model's plain
+    forward on every step), which spares building a second 70 GB engine."""
+    for owner in (engine, engine.runner):
+        switch = getattr(owner, "set_enforce_eager", None)
+        if callable(switch):
+            return switch
+    runner = engine.runner
+    if "piecewise" not in vars(runner):
+        return None
+    graphs = runner.piecewise
+
+    def detach(eager: bool) -> None:
+        runner.piecewise = None if eager else graphs
+
+    return detach
+
+
+def build_engine(args, model_dir: Path, enforce_eager: bool) -> LLM:
+    kwargs = dict(load_format="dummy", dtype=args.dtype, device=args.device,
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+    if args.tiny:
+        kwargs.update(num_kv_blocks=4096)
+    if enforce_eager:
+        kwargs["enforce_eager"] = True
+    return LLM(str(model_dir), **kwargs)
+
+
+def engine_info(llm: LLM, init_s: float) -> dict:
     engine = llm.engine
-    sync(engine.device)
-    results["engine"] = {
-        "init_s": time.perf_counter() - t0,
-        "params_in_model": sum(t.numel() for t in engine.runner.model.parameters()),
+    info = {
+        "init_s": init_s, "params_in_model": sum(t.numel() for t in unwrap_model(engine.runner.model).parameters()),
         "kv_blocks": engine.block_pool.num_blocks, "block_size": engine.block_pool.block_size,
         "state_slots": engine.state_pool.requests.count, "checkpoint_slots": engine.state_pool.checkpoints.count,
-        "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens, "max_num_seqs": engine.config.max_num_seqs,
+        "enforce_eager": getattr(engine.config, "enforce_eager", None), "enforce_eager_field": eager_field(),
+        "runtime_eager_switch": eager_switch(engine) is not None,
+        "cuda_graph_sizes": getattr(getattr(engine.runner, "piecewise", None), "sizes", None),
     }
     if engine.device.type == "cuda":
-        results["engine"]["gpu_mem_allocated_gb"] = torch.cuda.memory_allocated() / 1e9
-    print(f"engine ready in {results['engine']['init_s']:.1f} s: {results['engine']}", flush=True)
+        info["gpu_mem_allocated_gb"] = torch.cuda.memory_allocated() / 1e9
+    return info
 
-    # warm-up: compile/autotune every kernel shape outside the timed runs
-    t0 = time.perf_counter()
-    for p in args.p:
+
+class Bench:
+    """One engine under test: runs on/off pairs, predicts their cost and records them in `results`."""
+
+    def __init__(self, llm: LLM, label: str, args, results: dict, save) -> None:
+        self.llm, self.engine, self.label, self.args = llm, llm.engine, label, args
+        self.results, self.save = results, save
+        self.per_token = results["params"]["per_token"]
+        self.rng = np.random.default_rng(args.seed + (0 if label == "default" else 7))
+        self.predictor = Predictor(args.max_num_batched_tokens)
+        self.timer = EnqueueTimer(self.engine.runner)
+        self.timer.install()
+
+    def run(self, spec: RowSpec, on: bool, tag: str, record: bool = True) -> dict:
+        engine, n = self.engine, spec.n
+        anchor = self.rng.integers(0, VOCAB_LIMIT, spec.p).tolist()
+        marker = [self.llm.checkpoint_token_id] if on else []
+        prompts = [anchor + marker + self.rng.integers(0, VOCAB_LIMIT, s).tolist() for s in spec.suffix_lengths]
+        params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
+        before = engine.metrics()
+        sync(engine.device)
+        start = time.perf_counter()
+        requests, finish = [], {}
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params, stream=False)
+            requests.append(engine._groups[f"{tag}-{i}"].sequences[0])
+        steps, computed, running = [], before["prompt_tokens_computed"], 0
+        while engine.has_unfinished_requests():
+            self.timer.last = None
+            step_start = time.perf_counter()
+            outputs = engine.step()
+            now, mono = time.perf_counter(), time.monotonic()
+            for output in outputs:
+                if output.finished:
+                    finish[output.request_id] = mono
+            metrics = engine.metrics()
+            steps.append({"prompt_tokens": metrics["prompt_tokens_computed"] - computed, "running": running,
+                          "s": now - step_start, "enqueue_s": self.timer.last})
+            computed, running = metrics["prompt_tokens_computed"], metrics["num_running"]
+        sync(engine.device)
+        wall = time.perf_counter() - start
+        after = engine.metrics()
+        ttft = [r.first_token_time - r.arrival_time for r in requests]
+        tpot = ([(finish[f"{tag}-{i}"] - r.first_token_time) / (spec.max_tokens - 1) for i, r in enumerate(requests)]
+                if spec.max_tokens > 1 else [])
+        tokens = after["prompt_tokens_computed"] - before["prompt_tokens_computed"]
+        row = {
+            **spec.describe(), "checkpoints": "on" if on else "off", "suffix_tokens": sum(spec.suffix_lengths),
+            "wall_s": wall, "requests_per_s": n / wall,
+            "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
+            "consumer_ttft_p50_ms": 1e3 * pct(ttft[1:], 50) if n > 1 else None,
+            "consumer_ttft_p99_ms": 1e3 * pct(ttft[1:], 99) if n > 1 else None,
+            "prompt_tokens_computed": tokens, "prompt_tokens_expected": spec.tokens(on),
+            "prompt_tokens_total": spec.tokens(False),
+            "checkpoint_hits": after["checkpoint_hits"] - before["checkpoint_hits"],
+            "cached_tokens": [r.num_cached_tokens for r in requests][:4],
+            "computed_tokens_per_s": tokens / wall, "prompt_tokens_per_s": spec.tokens(False) / wall,
+            "mfu": 2 * self.per_token * tokens / wall / PEAK_BF16,
+            "tpot_ms": 1e3 * pct(tpot, 50) if tpot else None, "tpot_p99_ms": 1e3 * pct(tpot, 99) if tpot else None,
+            "steps": steps,
+        }
+        if record:
+            self.predictor.observe(row)
+        return row
+
+    def pair(self, spec: RowSpec, predicted: float) -> None:
+        indices = {}
         for on in (True, False):
-            run_workload(llm, rng, p, args.s, 4, 2, on, f"warm-{p}-{on}", counts["per_token"])
-    sync(engine.device)
-    results["warmup_s"] = time.perf_counter() - t0
-    print(f"warm-up {results['warmup_s']:.1f} s", flush=True)
-    model = engine.runner.model
-    engine.runner.model = EnqueueTimer(model)
+            mode = "on" if on else "off"
+            row = self.run(spec, on, f"{spec.group}-{mode}-{spec.p}-{spec.n}-{spec.max_tokens}")
+            indices[mode] = len(self.results["runs"])
+            self.results["runs"].append(row)
+            tpot = f"  TPOT {row['tpot_ms']:6.1f} ms" if row["tpot_ms"] is not None else ""
+            warn = "" if row["prompt_tokens_computed"] == row["prompt_tokens_expected"] else "  UNEXPECTED"
+            print(f"  {spec.shape:16s} N={spec.n:3d} mt={spec.max_tokens:2d} {self.label[:7]:7s} {mode:3s}: "
+                  f"{row['requests_per_s']:8.2f} req/s  TTFT p50 {row['ttft_p50_ms']:7.0f} "
+                  f"p99 {row['ttft_p99_ms']:7.0f} ms  computed {row['prompt_tokens_computed']:8d} "
+                  f"(expected {row['prompt_tokens_expected']}){warn}  {row['computed_tokens_per_s']:8.0f} tok/s  "
+                  f"MFU {100 * row['mfu']:4.1f}%  steps {len(row['steps'])}{tpot}", flush=True)
+        on, off = (self.results["runs"][indices[m]] for m in ("on", "off"))
+        speedup = on["requests_per_s"] / off["requests_per_s"]
+        self.results["speedups"].append({
+            **spec.describe(), **indices, "speedup": speedup, "ideal": spec.ideal,
+            "fraction_of_ideal": speedup / spec.ideal, "predicted_s": predicted,
+            "measured_s": on["wall_s"] + off["wall_s"]})
+        print(f"  -> on/off {speedup:.2f}x, ideal {spec.ideal:.2f}x ({100 * speedup / spec.ideal:.0f}%); "
+              f"pair {on['wall_s'] + off['wall_s']:.1f} s (predicted {predicted:.1f} s)", flush=True)
+        self.save()
 
-    # parity probe for the peer: top-20 logprobs of one prompt
+    def run_rows(self, specs: list[RowSpec], end: float) -> None:
+        """Every pair in order, unless predicted to end after `end` (then recorded as skipped)."""
+        for spec in specs:
+            left = end - time.perf_counter()
+            predicted = self.predictor.pair_seconds(spec)
+            if predicted > left:
+                skip(self.results, spec, f"predicted {predicted:.0f} s, {max(left, 0):.0f} s left")
+                continue
+            self.pair(spec, predicted)
+
+    def warm_up(self, specs: list[RowSpec]) -> float:
+        """Untimed: every shape on and off (N <= 4, max_tokens 2), then decode batches halving from
+        the largest N to 1, so the kernels outside the CUDA graphs (captured at engine build) compile
+        and autotune here rather than inside a timed row."""
+        t0 = time.perf_counter()
+        by_shape: dict[str, RowSpec] = {}
+        for spec in specs:
+            if spec.shape not in by_shape or spec.n > by_shape[spec.shape].n:
+                by_shape[spec.shape] = spec
+        for spec in by_shape.values():
+            warm = dataclasses.replace(spec, suffix_lengths=spec.suffix_lengths[:4], max_tokens=2)
+            for on in (True, False):
+                self.run(warm, on, f"warm-{self.label}-{spec.shape}-{on}", record=False)
+        largest = max(spec.n for spec in specs)
+        counts, remaining = [], largest
+        while remaining > 1:
+            counts.append(remaining // 2)
+            remaining -= remaining // 2
+        counts.append(remaining)
+        params = [SamplingParams(temperature=0.0, max_tokens=2 + i, ignore_eos=True) for i in range(len(counts))]
+        prompts = [{"prompt_token_ids": self.rng.integers(0, VOCAB_LIMIT, 16).tolist()} for _ in range(largest)]
+        self.llm.generate(prompts, [p for p, c in zip(params, counts) for _ in range(c)], use_tqdm=False)
+        sync(self.engine.device)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.timer.remove()
+
+
+def skip(results: dict, spec: RowSpec, reason: str) -> None:
+    print(f"skip {spec.group} {spec.shape} N={spec.n} max_tokens={spec.max_tokens} {spec.engine}: {reason}", flush=True)
+    results["skipped"].append({**spec.describe(), "reason": reason})
+
+
+def probes(llm: LLM, rng: np.random.Generator, results: dict) -> None:
+    """Top-20 logprobs of one prompt (the peer's parity probe), and the same prompt read through a
+    200-token checkpoint: how far bf16 results move with the execution path alone."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
     probe_ids = rng.integers(0, VOCAB_LIMIT, 256).tolist()
-    probe = llm.generate([{"prompt_token_ids": probe_ids}], SamplingParams(temperature=0.0, max_tokens=1, logprobs=20),
-                         use_tqdm=False)[0]
-    results["parity_probe"] = {"token_ids": probe_ids, "logprobs": probe.outputs[0].logprobs[0]}
-    # the same prompt as a checkpoint consumer (prefix 200 from a producer in the same step): how far
-    # bf16 results move with the execution path alone, to read the peer's parity number against
+    reference = llm.generate([{"prompt_token_ids": probe_ids}], params, use_tqdm=False)[0].outputs[0].logprobs[0]
+    results["parity_probe"] = {"token_ids": probe_ids, "logprobs": reference}
     marker = llm.checkpoint_token_id
     pair = llm.generate([{"prompt_token_ids": probe_ids[:200] + [marker] + rng.integers(0, VOCAB_LIMIT, 56).tolist()},
-                         {"prompt_token_ids": probe_ids[:200] + [marker] + probe_ids[200:]}],
-                        SamplingParams(temperature=0.0, max_tokens=1, logprobs=20), use_tqdm=False)
+                         {"prompt_token_ids": probe_ids[:200] + [marker] + probe_ids[200:]}], params, use_tqdm=False)
     consumer = pair[1].outputs[0].logprobs[0]
-    reference = results["parity_probe"]["logprobs"]
     results["path_dependence"] = {
         "consumer_cached_tokens": pair[1].num_cached_tokens,
         "checkpoint_vs_plain_max_logprob_diff_top20": max(abs(consumer[t] - v) for t, v in reference.items()
                                                           if t in consumer),
         "same_argmax": max(consumer, key=consumer.get) == max(reference, key=reference.get),
     }
-    print(f"path dependence at full size: {results['path_dependence']}", flush=True)
+    print(f"path dependence: {results['path_dependence']}", flush=True)
 
-    rows = [(p, n, 1) for p in args.p for n in args.n] + [(args.decode_p, args.decode_n, args.decode_tokens)]
-    if args.extra_n:
-        rows += [(p, n, 1) for p in args.p for n in args.extra_n]
-    rate = None  # best computed tokens/s so far, to predict a row's time
-    for p, n, max_tokens in rows:
-        elapsed = time.perf_counter() - args.start
-        predicted = (p + n * args.s + n * (p + args.s)) / rate if rate else 0.0
-        if elapsed + predicted > args.time_budget:
-            print(f"skip P={p} N={n} max_tokens={max_tokens}: {elapsed:.0f} s elapsed, {predicted:.0f} s predicted",
-                  flush=True)
-            results["skipped"].append({"P": p, "N": n, "max_tokens": max_tokens})
-            continue
-        pair = {}
-        for on in (True, False):
-            row = run_workload(llm, rng, p, args.s, n, max_tokens, on, f"{'on' if on else 'off'}-{p}-{n}-{max_tokens}",
-                               counts["per_token"])
-            pair[row["checkpoints"]] = row
-            rate = max(rate or 0.0, row["computed_tokens_per_s"])
-            results["runs"].append(row)
-            print(f"  P={p:5d} N={n:3d} mt={max_tokens:2d} {row['checkpoints']:3s}: {row['requests_per_s']:8.2f} req/s  "
-                  f"TTFT p50 {row['ttft_p50_ms']:8.1f} ms p99 {row['ttft_p99_ms']:8.1f} ms  computed "
-                  f"{row['prompt_tokens_computed']:7d} (expected {row['prompt_tokens_expected']})  "
-                  f"{row['computed_tokens_per_s']:9.0f} tok/s  MFU {100 * row['mfu']:.1f}%  steps {len(row['steps'])}",
-                  flush=True)
-        ideal = n * (p + args.s) / (p + n * args.s)
-        speedup = pair["on"]["requests_per_s"] / pair["off"]["requests_per_s"]
-        results["speedups"].append({"P": p, "N": n, "max_tokens": max_tokens, "speedup": speedup, "ideal": ideal,
-                                    "fraction_of_ideal": speedup / ideal})
-        print(f"  -> on/off speedup {speedup:.2f}x, ideal {ideal:.2f}x ({100 * speedup / ideal:.0f}% of ideal)",
-              flush=True)
-        save()
-    if args.profile:
-        try:
-            results["profile"] = profile_steps(llm, rng, args)
-        except Exception:  # evidence only: never lose the rows for it
-            results["profile_error"] = traceback.format_exc()[-2000:]
-        save()
-    engine.runner.model = model
-    return model, llm
 
+# ---------------------------------------------------------------- profile
 
 KERNEL_GROUPS = (
     ("moe_grouped_gemm", ("Group", "grouped")),
@@ -328,30 +432,35 @@ def kernel_group(name: str) -> str:
     return "elementwise_other"
 
 
-def profile_steps(llm: LLM, rng: np.random.Generator, args) -> dict:
-    """GPU kernel time by kind for single steps: an 8192-token plain prefill step (P=4096 + S, two
-    requests), an 880-token plain step, the same 880 tokens through a checkpoint (two phases), and a
-    decode step of 16 sequences. torch.profiler (CUDA activity only)."""
+def profile_steps(bench: Bench, args, end: float) -> dict:
+    """Kernel time by kind for single steps (torch.profiler): a full plain prefill step (two prompts
+    of max_num_batched_tokens / 2), one P+S prompt plain and through a checkpoint (two phases), and
+    decode steps of 16 and of the largest decode N sequences. Cases not started by `end` are left out."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = llm.engine
-    timer = engine.runner.model
-    marker = llm.checkpoint_token_id
+    engine, rng, marker = bench.engine, bench.rng, bench.llm.checkpoint_token_id
+    half, p = args.max_num_batched_tokens // 2, min(args.p)
     cases = {
-        "prefill_8192_plain": ([rng.integers(0, VOCAB_LIMIT, 4096 + args.s).tolist() for _ in range(2)], 1, 0),
-        "prefill_880_plain": ([rng.integers(0, VOCAB_LIMIT, 880).tolist()], 1, 0),
-        "prefill_880_checkpoint": ([rng.integers(0, VOCAB_LIMIT, 624).tolist() + [marker]
-                                    + rng.integers(0, VOCAB_LIMIT, 256).tolist()], 1, 0),
-        "decode_16": ([rng.integers(0, VOCAB_LIMIT, 64).tolist() for _ in range(16)], 3, 1),
+        f"prefill_{2 * half}_plain": ([rng.integers(0, VOCAB_LIMIT, half).tolist() for _ in range(2)], 1, 0),
+        f"prefill_{p + args.s}_plain": ([rng.integers(0, VOCAB_LIMIT, p + args.s).tolist()], 1, 0),
+        f"prefill_{p + args.s}_checkpoint": ([rng.integers(0, VOCAB_LIMIT, p).tolist() + [marker]
+                                              + rng.integers(0, VOCAB_LIMIT, args.s).tolist()], 1, 0),
     }
+    for n in sorted({min(16, max(args.decode_n)), max(args.decode_n)}):
+        cases[f"decode_{n}"] = ([rng.integers(0, VOCAB_LIMIT, 64).tolist() for _ in range(n)], 3, -1)
     report = {}
     for name, (prompts, max_tokens, profiled_step) in cases.items():
+        if time.perf_counter() > end:
+            report.setdefault("left_out", []).append(name)
+            continue
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"prof-{name}-{i}", {"prompt_token_ids": prompt}, params)
-        step = 0
+        ids = [f"prof-{name}-{i}" for i in range(len(prompts))]
+        for request_id, prompt in zip(ids, prompts):
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, params, stream=False)
         while engine.has_unfinished_requests():
-            if step == profiled_step:
+            decoding = all(engine._groups[i].sequences[0].num_computed_tokens >= len(prompts[0])
+                           for i in ids if i in engine._groups)
+            if (profiled_step == 0 and name not in report) or (profiled_step < 0 and decoding and name not in report):
                 sync(engine.device)
                 activity = ProfilerActivity.CUDA if engine.device.type == "cuda" else ProfilerActivity.CPU
                 with profile(activities=[activity]) as prof:
@@ -359,143 +468,27 @@ def profile_steps(llm: LLM, rng: np.random.Generator, args) -> dict:
                     engine.step()
                     wall = time.perf_counter() - start
                     sync(engine.device)
-                kernels = [e for e in prof.key_averages() if "cuda" in str(getattr(e, "device_type", "")).lower()
-                           and getattr(e, "self_device_time_total", 0) > 0]
+                kernels = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0
+                           and "cuda" in str(getattr(e, "device_type", "")).lower()]
                 groups: dict[str, float] = {}
                 for e in kernels:
                     groups[kernel_group(e.key)] = groups.get(kernel_group(e.key), 0.0) + e.self_device_time_total / 1e3
                 top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]
                 report[name] = {
-                    "wall_ms": 1e3 * wall, "enqueue_ms": 1e3 * timer.last, "gpu_kernel_ms": sum(groups.values()),
-                    "kernel_launches": sum(e.count for e in kernels), "by_group_ms": groups,
-                    "top": [(e.key[:90], e.count, round(e.self_device_time_total / 1e3, 3)) for e in top],
+                    "wall_ms": 1e3 * wall, "enqueue_ms": 1e3 * (bench.timer.last or 0.0),
+                    "gpu_kernel_ms": sum(groups.values()), "kernel_launches": sum(e.count for e in kernels),
+                    "by_group_ms": groups, "top": [(e.key[:90], e.count, round(e.self_device_time_total / 1e3, 3))
+                                                   for e in top],
                 }
-                print(f"profile {name}: wall {1e3 * wall:.1f} ms, enqueue {1e3 * timer.last:.1f} ms, kernels "
+                print(f"profile {name}: wall {1e3 * wall:.1f} ms, enqueue {report[name]['enqueue_ms']:.1f} ms, kernels "
                       f"{report[name]['gpu_kernel_ms']:.1f} ms in {report[name]['kernel_launches']} launches, "
                       f"{ {k: round(v, 1) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])} }", flush=True)
             else:
                 engine.step()
-            step += 1
     return report
 
 
-# ---------------------------------------------------------------- transformers peer
-
-def build_peer(cfg: dict, model: torch.nn.Module, device: torch.device):
-    """transformers' model on the meta device, given forkpoint's parameter tensors (no copy)."""
-    import transformers
-
-    hf_cfg = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures")}
-    config = transformers.Qwen3_5MoeTextConfig(**hf_cfg)
-    with torch.device("meta"):
-        peer = transformers.Qwen3_5MoeForCausalLM(config)
-    ours = model.state_dict()
-    theirs = set(peer.state_dict())
-    info = {"missing_in_forkpoint": sorted(theirs - set(ours))[:8],
-            "unknown_to_transformers": sorted(set(ours) - theirs)[:8]}
-    shapes = [n for n, t in peer.state_dict().items() if n in ours and tuple(t.shape) != tuple(ours[n].shape)]
-    info["shape_mismatches"] = shapes[:8]
-    peer.load_state_dict({k: v for k, v in ours.items() if k in theirs}, strict=False, assign=True)
-    rotary = peer.model.rotary_emb
-    try:
-        peer.model.rotary_emb = type(rotary)(config=config, device=device)
-    except TypeError:
-        peer.model.rotary_emb = type(rotary)(config).to(device)
-    leftover = [n for n, t in list(peer.named_parameters()) + list(peer.named_buffers()) if t.is_meta]
-    info["meta_leftovers"] = leftover[:8]
-    if leftover or shapes:
-        raise RuntimeError(f"peer weights do not line up with forkpoint's: {info}")
-    info["attn_implementation"] = getattr(peer.config, "_attn_implementation", None)
-    info["experts_implementation"] = getattr(peer.config, "_experts_implementation", None)
-    info["transformers"] = transformers.__version__
-    return peer.eval(), info
-
-
-def gdn_kernels_of_peer(peer, device: torch.device, ids: torch.Tensor) -> dict:
-    """Which GDN functions transformers resolved, and the GPU kernels one short forward launches."""
-    module = sys.modules[type(peer.model.layers[0].linear_attn).__module__]
-    found = {}
-    for name in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d_fn",
-                 "is_fast_path_available"):
-        obj = getattr(peer.model.layers[0].linear_attn, name, None) or getattr(module, name, None)
-        if obj is not None:
-            inner = getattr(obj, "__wrapped__", obj)
-            found[name] = f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}"
-            closure = [c.cell_contents for c in (getattr(obj, "__closure__", None) or ())
-                       if callable(getattr(c, "cell_contents", None))]
-            mods = sorted({getattr(c, "__module__", "") or "" for c in closure} | {getattr(inner, "__module__", "")})
-            found[name + "_modules"] = mods
-    found["fla_imported"] = "fla.ops.gated_delta_rule" in sys.modules
-    if device.type == "cuda":
-        try:
-            from torch.profiler import ProfilerActivity, profile
-
-            with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-                peer(input_ids=ids, use_cache=False, logits_to_keep=1)
-                torch.cuda.synchronize(device)
-            names = sorted({e.key for e in prof.key_averages()})
-            fla_like = [n for n in names if any(s in n for s in ("gated_delta", "chunk_", "solve_tril", "l2norm"))]
-            found["gdn_like_kernels"] = fla_like[:12]
-            found["num_kernels"] = len(names)
-        except Exception as err:  # the profiler is optional evidence
-            found["profiler_error"] = repr(err)
-    return found
-
-
-def run_peer(args, cfg: dict, model, results: dict, save) -> None:
-    device = torch.device(args.device)
-    peer, info = build_peer(cfg, model, device)
-    rng = np.random.default_rng(args.seed + 1)
-    results["peer"] = {"info": info, "runs": []}
-    # parity with forkpoint on the probe prompt (top-20 logprobs)
-    probe = results["parity_probe"]
-    with torch.inference_mode():
-        logits = peer(input_ids=torch.tensor([probe["token_ids"]], device=device), use_cache=False,
-                      logits_to_keep=1).logits[0, -1].float()
-    logprobs = torch.log_softmax(logits, -1)
-    diffs = [abs(float(logprobs[int(t)]) - v) for t, v in probe["logprobs"].items()]
-    info["parity_max_logprob_diff_top20"] = max(diffs)
-    info["parity_same_argmax"] = int(logits.argmax()) == max(probe["logprobs"], key=probe["logprobs"].get)
-    info["kernels"] = gdn_kernels_of_peer(peer, device, torch.tensor([probe["token_ids"]], device=device))
-    print(f"peer: {info}", flush=True)
-    save()
-
-    def forward(batch: torch.Tensor) -> None:
-        with torch.inference_mode():
-            peer(input_ids=batch, use_cache=False, logits_to_keep=1)
-
-    for p in args.p:
-        length = p + args.s
-        if time.perf_counter() - args.start > args.time_budget + args.peer_budget:
-            results["skipped"] += [{"peer": True, "P": p, "N": n} for n in args.peer_n]
-            continue
-        for batch_size in sorted({min(n, args.peer_batch) for n in args.peer_n}):  # warm-up: every shape timed
-            forward(torch.tensor(rng.integers(0, VOCAB_LIMIT, (batch_size, length)), device=device))
-        for n in args.peer_n:
-            if time.perf_counter() - args.start > args.time_budget + args.peer_budget:
-                results["skipped"].append({"peer": True, "P": p, "N": n})
-                continue
-            anchor = rng.integers(0, VOCAB_LIMIT, p)
-            seqs = np.stack([np.concatenate([anchor, rng.integers(0, VOCAB_LIMIT, args.s)]) for _ in range(n)])
-            batch_size = args.peer_batch
-            sync(device)
-            start = time.perf_counter()
-            try:
-                for lo in range(0, n, batch_size):
-                    forward(torch.tensor(seqs[lo: lo + batch_size], device=device))
-                sync(device)
-            except torch.cuda.OutOfMemoryError as err:
-                results["peer"]["runs"].append({"P": p, "N": n, "error": f"OOM at batch {batch_size}: {err}"[:300]})
-                torch.cuda.empty_cache()
-                continue
-            wall = time.perf_counter() - start
-            row = {"P": p, "S": args.s, "N": n, "batch": batch_size, "wall_s": wall, "requests_per_s": n / wall,
-                   "prompt_tokens_per_s": n * length / wall}
-            results["peer"]["runs"].append(row)
-            print(f"  peer P={p:5d} N={n:3d}: {row['requests_per_s']:8.2f} req/s  {row['prompt_tokens_per_s']:9.0f} tok/s",
-                  flush=True)
-            save()
-
+# ---------------------------------------------------------------- tiny parity and smoke test
 
 def tiny_parity(args) -> dict:
     """forkpoint vs transformers on a 4-layer model with the same kernels and dtype: top-20
@@ -508,7 +501,7 @@ def tiny_parity(args) -> dict:
         ids = np.random.default_rng(args.seed + 2).integers(0, VOCAB_LIMIT, 256).tolist()
         ours = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=1, logprobs=20),
                             use_tqdm=False)[0].outputs[0].logprobs[0]
-        model = llm.engine.runner.model
+        model = unwrap_model(llm.engine.runner.model)
         del llm
         peer, _ = build_peer(cfg, model, torch.device(args.device))
         with torch.inference_mode():
@@ -521,110 +514,31 @@ def tiny_parity(args) -> dict:
     return result
 
 
-# ---------------------------------------------------------------- report
-
-def table(results: dict) -> str:
-    runs = {(r["P"], r["N"], r["max_tokens"], r["checkpoints"]): r for r in results["runs"]}
-    peer = {(r["P"], r["N"]): r for r in results.get("peer", {}).get("runs", []) if "error" not in r}
-    lines = ["| P | N | max_tokens | ckpt | req/s | TTFT p50 ms | TTFT p99 ms | consumer TTFT p50 / p99 ms | "
-             "prompt tokens computed | computed tok/s | MFU | on/off | ideal | of ideal | transformers req/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for sp in results["speedups"]:
-        for mode in ("on", "off"):
-            r = runs[(sp["P"], sp["N"], sp["max_tokens"], mode)]
-            cons = (f"{r['consumer_ttft_p50_ms']:.0f} / {r['consumer_ttft_p99_ms']:.0f}"
-                    if r["consumer_ttft_p50_ms"] is not None else "-")
-            ratio = (f"{sp['speedup']:.2f}x | {sp['ideal']:.2f}x | {100 * sp['fraction_of_ideal']:.0f}%"
-                     if mode == "on" else " | | ")
-            hf = peer.get((sp["P"], sp["N"])) if mode == "off" and sp["max_tokens"] == 1 else None
-            hf_cell = f"{hf['requests_per_s']:.2f}" if hf else ""
-            lines.append(
-                f"| {r['P']} | {r['N']} | {r['max_tokens']} | {mode} | {r['requests_per_s']:.2f} | "
-                f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {cons} | {r['prompt_tokens_computed']} | "
-                f"{r['computed_tokens_per_s']:.0f} | {100 * r['mfu']:.1f}% | {ratio} | {hf_cell} |")
-    return "\n".join(lines)
+SMOKE_ARGS = dict(tiny=True, p=[24, 16], s=8, n=[1, 3], decode_p=[16], decode_n=[3], decode_tokens=3, seed_p=16,
+                  seed_s=(4, 12), seed_n=[3], eager_p=16, eager_n=[3], eager_rows=True, peer_p=[16], peer_n=[1, 3],
+                  peer_batch=2, profile=True, tiny_parity=True, profile_reserve=2.0, max_num_batched_tokens=48,
+                  max_num_seqs=8, deadline=58.0, time_budget=48.0, peer_budget=5.0, name="e2e_gpu_smoke")
 
 
-def step_fit(results: dict) -> dict | None:
-    """Least-squares step_s = a + b * prompt_tokens over prefill steps of the timed runs."""
-    steps = [s for r in results["runs"] if r["max_tokens"] == 1 for s in r["steps"] if s["prompt_tokens"] > 0]
-    if len(steps) < 3:
-        return None
-    x = np.array([s["prompt_tokens"] for s in steps], dtype=np.float64)
-    y = np.array([s["s"] for s in steps], dtype=np.float64)
-    b, a = np.polyfit(x, y, 1)
-    enqueue = [s["enqueue_s"] / s["s"] for s in steps if s["enqueue_s"] is not None and s["s"] > 0]
-    return {"fixed_ms_per_step": 1e3 * a, "us_per_token": 1e6 * b, "tokens_per_s_marginal": 1.0 / b if b > 0 else None,
-            "num_steps": len(steps), "enqueue_fraction_median": pct(enqueue, 50) if enqueue else None,
-            "max_step_tokens_per_s": float(np.max(x / y))}
-
-
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    runs = [r for r in results["runs"] if r["max_tokens"] == 1]
-    peer = [r for r in results.get("peer", {}).get("runs", []) if "error" not in r]
-    for p, color in zip(sorted({r["P"] for r in runs}), ("tab:blue", "tab:orange", "tab:green")):
-        for mode, style in (("on", "-o"), ("off", "--s")):
-            rows = sorted((r for r in runs if r["P"] == p and r["checkpoints"] == mode), key=lambda r: r["N"])
-            axes[0].plot([r["N"] for r in rows], [r["requests_per_s"] for r in rows], style, color=color,
-                         label=f"forkpoint P={p} ckpt {mode}")
-            axes[2].plot([r["N"] for r in rows], [r["ttft_p50_ms"] for r in rows], style, color=color,
-                         label=f"P={p} ckpt {mode} (p50)")
-        rows = sorted((r for r in peer if r["P"] == p), key=lambda r: r["N"])
-        if rows:
-            axes[0].plot([r["N"] for r in rows], [r["requests_per_s"] for r in rows], ":^", color=color,
-                         label=f"transformers P={p}")
-        sps = sorted((s for s in results["speedups"] if s["P"] == p and s["max_tokens"] == 1), key=lambda s: s["N"])
-        axes[1].plot([s["N"] for s in sps], [s["speedup"] for s in sps], "-o", color=color, label=f"measured P={p}")
-        axes[1].plot([s["N"] for s in sps], [s["ideal"] for s in sps], ":", color=color, label=f"ideal P={p}")
-    for ax, title, ylabel in zip(axes, (f"requests/s (S={results['S']}, max_tokens=1)", "on/off speedup vs ideal N(P+S)/(P+NS)",
-                                        "TTFT p50"), ("requests/s", "speedup", "ms")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("N (suffixes per anchor)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title, fontsize=10)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"forkpoint 1-to-N scoring, {results['model']}, {results['machine'].get('gpu', 'cpu')}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-# ---------------------------------------------------------------- smoke test
-
-def smoke(args) -> None:
-    """Tiny model through LLM on the device: checkpoint counters add up; greedy tokens with and
-    without checkpoints are printed side by side (bf16 may flip near ties, so not asserted)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_model_dir(tiny_config(), Path(tmp) / "tiny")
-        kwargs = dict(load_format="dummy", dtype=args.dtype, device=args.device, num_kv_blocks=256, num_state_slots=8,
-                      max_num_seqs=8)
-        llm = LLM(str(model_dir), **kwargs)
-        plain = LLM(str(model_dir), enable_checkpoints=False, **kwargs)
-        rng = np.random.default_rng(0)
-        anchor = rng.integers(0, VOCAB_LIMIT, 100).tolist()
-        suffixes = [rng.integers(0, VOCAB_LIMIT, 20).tolist() for _ in range(4)]
-        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        on = llm.generate([{"prompt_token_ids": anchor + [llm.checkpoint_token_id] + s} for s in suffixes], params,
-                          use_tqdm=False)
-        off = plain.generate([{"prompt_token_ids": anchor + s} for s in suffixes], params, use_tqdm=False)
-        metrics = llm.metrics()
-        print("smoke: cached", [o.num_cached_tokens for o in on])
-        print("smoke: tokens with checkpoints   ", [o.outputs[0].token_ids for o in on])
-        print("smoke: tokens without checkpoints", [o.outputs[0].token_ids for o in off])
-        print("smoke: metrics", {k: metrics[k] for k in ("prompt_tokens_total", "prompt_tokens_computed",
-                                                          "checkpoint_hits", "checkpoints_created")})
-        assert [o.num_cached_tokens for o in on] == [0, 100, 100, 100]
-        assert metrics["prompt_tokens_computed"] == 100 + 4 * 20
-        llm.engine.check_integrity()
-        plain.engine.check_integrity()
-        print("smoke: OK")
+def check_smoke(results: dict) -> None:
+    """The token counts add up in every run, every planned pair either ran or was skipped with a
+    reason, and max_tokens > 1 rows have a TPOT. Row kinds the time limits left out (a loaded
+    machine) are named, not failed: the budget logic is doing its job there."""
+    assert not results.get("error"), results.get("error")
+    bad = [(r["shape"], r["N"], r["checkpoints"]) for r in results["runs"]
+           if r["prompt_tokens_computed"] != r["prompt_tokens_expected"]]
+    assert not bad, f"prompt tokens computed differ from expected: {bad}"
+    assert all(r["tpot_ms"] is not None for r in results["runs"] if r["max_tokens"] > 1)
+    key = ("group", "shape", "N", "max_tokens", "engine")
+    done = {tuple(r[k] for k in key) for r in results["runs"]}
+    skipped = {tuple(s[k] for k in key) for s in results["skipped"] if s.get("reason")}
+    missing = [p for p in results["plan"] if tuple(p[k] for k in key) not in done | skipped]
+    assert not missing, f"planned pairs neither run nor skipped: {missing}"
+    uncovered = sorted({"main", "decode", "seed", "eager"} - {r["group"] for r in results["runs"]})
+    if not results.get("peer", {}).get("runs"):
+        uncovered.append("peer")
+    print(f"smoke: benchmark OK{'; not run (see skipped): ' + ', '.join(uncovered) if uncovered else ''}",
+          flush=True)
 
 
 # ---------------------------------------------------------------- main
@@ -650,51 +564,73 @@ def machine_info(device: torch.device) -> dict:
     return info
 
 
-def parse_ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
+def free_engine(bench: Bench) -> None:
+    """Drop an engine with its pools and weights (nothing else may hold them)."""
+    bench.close()
+    bench.llm = bench.engine = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--tiny", action="store_true", help="tiny model (dry run)")
-    parser.add_argument("--smoke", action="store_true", help="tiny model smoke test only")
-    parser.add_argument("--p", type=parse_ints, default=[624, 4096])
-    parser.add_argument("--s", type=int, default=256)
-    parser.add_argument("--n", type=parse_ints, default=[1, 4, 16, 64])
-    parser.add_argument("--extra-n", type=parse_ints, default=[], help="extra N (e.g. 256), run if time allows")
-    parser.add_argument("--decode-p", type=int, default=4096)
-    parser.add_argument("--decode-n", type=int, default=16)
-    parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--peer-n", type=parse_ints, default=[1, 4, 16])
-    parser.add_argument("--peer-batch", type=int, default=4)
-    parser.add_argument("--no-peer", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="GPU kernel time by kind for a few single steps")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--time-budget", type=float, default=240.0, help="seconds for forkpoint rows")
-    parser.add_argument("--peer-budget", type=float, default=60.0, help="extra seconds for the peer")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    parser.add_argument("--name", default="e2e_gpu_h200")
-    args = parser.parse_args()
-    args.start = time.perf_counter()
-    if args.smoke:
-        smoke(args)
-        return
-    if args.decode_p not in args.p:
-        args.decode_p = max(args.p)
+def run_eager_rows(args, bench: Bench, specs: list[RowSpec], model_dir: Path, end: float, results: dict, save) -> Bench:
+    """The eager comparison: a runtime switch, else (with --eager-rows) a second engine. Returns the
+    engine in use afterwards (the peer takes its weights)."""
+    switch = eager_switch(bench.engine)
+    if switch is not None:
+        switch(True)
+        bench.close()
+        eager = Bench(bench.llm, "enforce_eager", args, results, save)
+        results["eager_switch"] = "runtime"
+        try:
+            if end - time.perf_counter() > eager.predictor.pair_seconds(min(specs, key=lambda s: s.tokens(False))):
+                results["eager_warmup_s"] = eager.warm_up(specs)
+            eager.run_rows(specs, end)
+        finally:
+            switch(False)
+        return eager
+    if not eager_field():
+        for spec in specs:
+            skip(results, spec, "EngineConfig has no enforce_eager field (no CUDA graphs to compare with)")
+        return bench
+    build_s = results["engine"]["init_s"] + 20.0
+    cheapest = Predictor(args.max_num_batched_tokens).pair_seconds(min(specs, key=lambda s: s.tokens(False)))
+    left = end - time.perf_counter()
+    if not args.eager_rows or build_s + cheapest > left:
+        reason = ("no runtime switch; --eager-rows builds a second engine" if not args.eager_rows else
+                  f"a second engine ({build_s:.0f} s) + the cheapest pair ({cheapest:.0f} s) > {left:.0f} s left")
+        for spec in specs:
+            skip(results, spec, reason)
+        return bench
+    free_engine(bench)
+    t0 = time.perf_counter()
+    llm = build_engine(args, model_dir, enforce_eager=True)
+    sync(llm.engine.device)
+    results["eager_engine"] = engine_info(llm, time.perf_counter() - t0)
+    results["eager_switch"] = "second engine"
+    eager = Bench(llm, "enforce_eager", args, results, save)
+    results["eager_warmup_s"] = eager.warm_up(specs)
+    print(f"eager engine: {results['eager_engine']}", flush=True)
+    eager.run_rows(specs, end)
+    return eager
 
+
+def run_benchmark(args) -> dict:
     device = torch.device(args.device)
     cfg = tiny_config() if args.tiny else full_config()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     counts = param_counts(cfg)
+    deadline = PROCESS_START + args.deadline if args.deadline else None
+    time_budget = args.time_budget or (args.deadline - args.peer_budget - FINALIZE_S if args.deadline else 240.0)
+    rows_end = PROCESS_START + time_budget
+    specs, eager_specs = plan_rows(args)
     results = {
         "model": "tiny Qwen3.5-MoE" if args.tiny else "Qwen3.5-35B-A3B shapes (random bf16 weights)",
-        "config": cfg, "params": counts, "machine": machine_info(device),
+        "config": cfg, "params": counts, "machine": machine_info(device), "code": code_version(),
         "command": " ".join(sys.argv), "S": args.s, "runs": [], "speedups": [], "skipped": [],
+        "budget": {"deadline_s": args.deadline, "time_budget_s": time_budget, "peer_budget_s": args.peer_budget},
+        "plan": [spec.describe() for spec in specs + eager_specs],
         "flops_per_token": 2 * counts["per_token"], "peak_flops": PEAK_BF16,
         "compute_floor_tokens_s": {"anchors_6gflop_790tflops": ANCHOR_FLOOR_TOKENS_S,
                                    "per_token_params_790tflops": MEASURED_BF16 / (2 * counts["per_token"]),
@@ -704,42 +640,151 @@ def main() -> None:
     def save() -> None:
         (out / f"{args.name}.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
 
-    print(f"params: {counts}", flush=True)
+    def elapsed() -> float:
+        return time.perf_counter() - PROCESS_START
+
+    print(f"params: {counts}; budget: {results['budget']}; {len(specs)} pairs planned + {len(eager_specs)} eager",
+          flush=True)
+    alarm = Alarm()
+    bench = None
     try:
-        if not args.tiny and not args.no_peer:
+        alarm.arm(deadline, "hard deadline")
+        if args.tiny_parity:
             results["tiny_parity"] = tiny_parity(args)
             gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = make_model_dir(cfg, Path(tmp) / "model")
-            model, llm = run_forkpoint(args, cfg, model_dir, results, save)
-        results["step_fit"] = step_fit(results)
-        print(f"step fit: {results['step_fit']}", flush=True)
+            t0 = time.perf_counter()
+            llm = build_engine(args, model_dir, enforce_eager=False)
+            sync(llm.engine.device)
+            results["engine"] = engine_info(llm, time.perf_counter() - t0)
+            print(f"engine ready at {elapsed():.0f} s: {results['engine']}", flush=True)
+            bench = Bench(llm, "default", args, results, save)
+            del llm
+            results["warmup_s"] = bench.warm_up(specs)
+            print(f"warm-up {results['warmup_s']:.1f} s (at {elapsed():.0f} s)", flush=True)
+            probes(bench.llm, bench.rng, results)
+            bench.run_rows(specs, rows_end - (args.profile_reserve if args.profile else 0.0))
+            results["predictor"] = bench.predictor.coefficients()
+            if args.profile:
+                try:
+                    results["profile"] = profile_steps(bench, args, rows_end)
+                except Exception:  # evidence only: never lose the rows for it
+                    results["profile_error"] = traceback.format_exc()[-2000:]
+                save()
+            if args.tiny:
+                bench.engine.check_integrity()
+            if eager_specs:
+                bench = run_eager_rows(args, bench, eager_specs, model_dir, rows_end, results, save)
+        results["step_fit"] = [fit for fit in (step_fit(results, e) for e in ("default", "enforce_eager")) if fit]
+        print(f"step fit: {results['step_fit']}; forkpoint done at {elapsed():.0f} s", flush=True)
         save()
         if not args.no_peer:
-            del llm  # frees the KV and state pools; the weights stay (held by `model`) for the peer
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            model = unwrap_model(bench.engine.runner.model)
+            free_engine(bench)  # the pools go; the weights stay (held by `model`) for the peer
+            bench = None
+            peer_end = time.perf_counter() + args.peer_budget
+            if deadline is not None:
+                peer_end = min(peer_end, deadline - FINALIZE_S)
+            reason = "peer budget"
             try:
+                alarm.arm(peer_end, "peer budget")
                 run_peer(args, cfg, model, results, save)
+                alarm.arm(deadline, "hard deadline")
+            except OutOfTime as stop:
+                if str(stop) != "peer budget":
+                    raise
+                print(f"peer stopped by its budget at {elapsed():.0f} s", flush=True)
             except Exception as err:  # report, keep forkpoint's results
+                reason = f"peer failed: {err!r}"[:200]
                 results["peer_error"] = traceback.format_exc()[-3000:]
-                print(f"peer failed: {err!r}", flush=True)
+                print(reason, flush=True)
+            alarm.arm(deadline, "hard deadline")
+            done = {(r["P"], r["N"]) for r in results.get("peer", {}).get("runs", [])}
+            results["skipped"] += [{"group": "peer", "shape": f"P={p} S={args.s}", "N": n, "max_tokens": 1,
+                                    "engine": "transformers", "reason": reason}
+                                   for p in args.peer_p for n in args.peer_n if (p, n) not in done]
+    except OutOfTime as stop:
+        results["error"] = f"stopped by the {stop} at {elapsed():.0f} s"
+        print(results["error"], flush=True)
     except Exception:
         results["error"] = traceback.format_exc()[-3000:]
         print(results["error"], flush=True)
     finally:
-        results["total_s"] = time.perf_counter() - args.start
+        alarm.disarm()
+        results["total_s"] = elapsed()
         save()
         if results["speedups"]:
             plot(results, out / f"{args.name}.png")
-            print(table(results))
-        for r in results.get("peer", {}).get("runs", []):
-            print(f"transformers P={r['P']} N={r['N']}: {r.get('requests_per_s', float('nan')):.2f} req/s "
-                  f"{r.get('prompt_tokens_per_s', float('nan')):.0f} tok/s {r.get('error', '')}")
+        print(table(results))
         print(f"wrote {out / (args.name + '.json')} in {results['total_s']:.0f} s")
+    return results
+
+
+def parse_ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    lo, hi = (int(v) for v in text.split("-"))
+    if not 0 < lo <= hi:
+        raise argparse.ArgumentTypeError(f"suffix range {text!r}: expected LO-HI with 0 < LO <= HI")
+    return lo, hi
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
+    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--tiny", action="store_true", help="tiny model (dry run)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny engine checks, then every row kind with a tiny model and tiny N (< 60 s)")
+    parser.add_argument("--p", type=parse_ints, default=[4096, 624], help="anchors of the main rows")
+    parser.add_argument("--s", type=int, default=256, help="suffix length of the main, decode and eager rows")
+    parser.add_argument("--n", type=parse_ints, default=[1, 4, 16, 64, 256])
+    parser.add_argument("--decode-p", type=parse_ints, default=[4096, 624])
+    parser.add_argument("--decode-n", type=parse_ints, default=[1, 4, 16, 64, 256])
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--seed-p", type=int, default=624, help="the seed's shape: anchor")
+    parser.add_argument("--seed-s", type=parse_range, default=(350, 650), help="the seed's suffix lengths, LO-HI")
+    parser.add_argument("--seed-n", type=parse_ints, default=[1, 4, 16, 64, 256])
+    parser.add_argument("--eager-p", type=int, default=624)
+    parser.add_argument("--eager-n", type=parse_ints, default=[4, 16], help="empty: no eager comparison")
+    parser.add_argument("--eager-rows", action="store_true",
+                        help="without a runtime switch, build a second engine with enforce_eager=True for them")
+    parser.add_argument("--peer-p", type=parse_ints, default=[624, 4096])
+    parser.add_argument("--peer-n", type=parse_ints, default=[1, 4, 16])
+    parser.add_argument("--peer-batch", type=int, default=4)
+    parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--tiny-parity", action="store_true", help="forkpoint vs transformers on a 4-layer model first")
+    parser.add_argument("--profile", action="store_true", help="kernel time by kind for a few single steps")
+    parser.add_argument("--profile-reserve", type=float, default=15.0, help="seconds the rows leave for --profile")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deadline", type=float, default=0.0,
+                        help="hard limit, seconds from process start (0: none); results are written when it hits")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="forkpoint rows end this many seconds from start (default: deadline - peer budget - 5)")
+    parser.add_argument("--peer-budget", type=float, default=60.0, help="seconds for the peer after the forkpoint rows")
+    parser.add_argument("--out", default=None, help="result folder (default bench/results; --smoke: a temporary one)")
+    parser.add_argument("--name", default="e2e_gpu_h200")
+    args = parser.parse_args()
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    if args.smoke:
+        if args.device == "cpu":
+            torch.set_num_threads(1)  # tiny matrices: one thread is as fast, and robust to a shared machine
+        vars(args).update({k: v for k, v in SMOKE_ARGS.items() if not (k == "deadline" and args.deadline)})
+        with tempfile.TemporaryDirectory() as tmp:
+            args.out = args.out or tmp
+            check_smoke(run_benchmark(args))
+        return
+    args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    run_benchmark(args)
+
 
 if __name__ == "__main__":
     main()

@@ -315,6 +315,12 @@ class EngineConfig:
     image_min_pixels: int | None = None
     image_max_pixels: int | None = None
     image_embedding_cache_bytes: int = 256 << 20  # LRU of vision-tower outputs, keyed by image content
+    # CUDA graphs (CUDA only): the token-wise parts of the forward are replayed as graphs per padded
+    # token count (runner/piecewise.py). True runs every step eagerly (vLLM's name). The bucket sizes
+    # default to runner.piecewise.default_cuda_graph_sizes(max_num_batched_tokens); larger steps and
+    # steps with images run eagerly.
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -341,6 +347,15 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.cuda_graph_sizes is not None:
+            sizes = tuple(sorted({int(size) for size in self.cuda_graph_sizes}))
+            if not sizes or sizes[0] < 1:
+                raise ValueError(f"cuda_graph_sizes must be a non-empty list of token counts >= 1, "
+                                 f"got {list(self.cuda_graph_sizes)}")
+            if sizes[-1] > self.max_num_batched_tokens:
+                raise ValueError(f"cuda_graph_sizes entry {sizes[-1]} exceeds max_num_batched_tokens "
+                                 f"{self.max_num_batched_tokens}: no step has that many tokens")
+            object.__setattr__(self, "cuda_graph_sizes", sizes)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -28,6 +28,7 @@ from forkpoint.models.loader import build_model
 from forkpoint.outputs import CompletionOutput, RequestOutput
 from forkpoint.runner.model_runner import ModelRunner
 from forkpoint.runner.multimodal import MultimodalInputs
+from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_sizes, graph_blocker
 from forkpoint.runner.sampler import sample
 from forkpoint.sampling_params import SamplingParams
 
@@ -94,19 +95,34 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         model = build_model(self.model_config, model_path, config.load_format, self.device, self.dtype, config.seed,
                             with_vision=self.images.processor is not None)
+        # graphs before the pools: their pieces never touch the pools, and the pools' sizing then
+        # sees the graphs' buffers and memory pool as used
+        piecewise = self._capture_graphs(model)
         self.block_pool, self.state_pool = self._make_pools()
         self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool)
                          if config.enable_checkpoints else None)
         self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry)
         multimodal = None if model.visual is None else MultimodalInputs(
             model.visual, self.images.processor, config.image_embedding_cache_bytes, self.device)
-        self.runner = ModelRunner(model, self.block_pool, self.state_pool, self.device, multimodal)
+        self.runner = ModelRunner(model, self.block_pool, self.state_pool, self.device, multimodal, piecewise)
         self._groups: dict[str, _PromptGroup] = {}
         self._seed_counter = config.seed
         self._counters = {"prompt_tokens_total": 0, "prompt_tokens_computed": 0, "generation_tokens_total": 0,
                           "requests_finished": 0, "requests_aborted": 0, "steps": 0}
 
     # ------------------------------------------------------------------ set-up
+    def _capture_graphs(self, model) -> PiecewiseForward | None:
+        """CUDA graphs of the forward's token-wise pieces (CUDA only, unless `enforce_eager`)."""
+        cfg = self.config
+        if self.device.type != "cuda" or cfg.enforce_eager:
+            return None
+        reason = graph_blocker(self.model_config, self.dtype)
+        if reason is not None:
+            logger.warning("CUDA graphs off, every step runs eagerly: %s", reason)
+            return None
+        sizes = cfg.cuda_graph_sizes or default_cuda_graph_sizes(cfg.max_num_batched_tokens)
+        return PiecewiseForward(model, sizes, self.device, capture=True)
+
     def _make_pools(self) -> tuple[BlockPool, StatePool]:
         mc, cfg = self.model_config, self.config
         kv_layers = len(mc.attention_layer_ids)
@@ -123,8 +139,8 @@ class LLMEngine:
         if self.device.type == "cpu":
             kv_bytes, state_bytes = min(kv_bytes, _CPU_KV_BYTES), min(state_bytes, _CPU_STATE_BYTES)
         else:
-            # after the weights are in place: a share of what is free, states first (one slot per
-            # running sequence and per checkpoint), the rest for KV blocks
+            # after the weights and the CUDA graphs are in place: a share of what is free, states
+            # first (one slot per running sequence and per checkpoint), the rest for KV blocks
             free, _ = torch.cuda.mem_get_info(self.device)
             usable = int(free * cfg.gpu_memory_utilization)
             state_bytes = min(usable // 2, per_slot * (cfg.max_num_seqs + checkpoint_slots))

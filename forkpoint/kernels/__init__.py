@@ -5,7 +5,9 @@
     forkpoint/kernels/<op>/__init__.py    the public names; each call picks a variant
 
 Ops: ``gated_delta`` (Gated DeltaNet), ``conv1d`` (short causal conv), ``attention`` (paged KV),
-``moe`` (routed experts). Contracts: ``docs/INTERFACES.md``, "Kernels".
+``moe`` (routed experts), and the fused elementwise glue: ``norms`` (RMSNorm, optional residual add;
+gated RMSNorm), ``activation`` (SwiGLU), ``gating`` (GDN decay and beta). Contracts:
+``docs/INTERFACES.md``, "Kernels".
 """
 
 import functools

@@ -10,25 +10,35 @@ import torch.nn.functional as F
 from torch import nn
 
 from forkpoint.config import ModelConfig
+from forkpoint.kernels.activation import silu_and_mul
 from forkpoint.kernels.moe import fused_moe
+from forkpoint.kernels.norms import gated_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm of Qwen3.5 / Qwen3-Next: `x / rms(x) * (1 + w)`, computed in float32."""
+    """Zero-centred RMSNorm of Qwen3.5 / Qwen3-Next: `x / rms(x) * (1 + w)`, computed in float32.
+
+    `forward(x)` normalises the last dim of x: [..., dim] and returns a new tensor in x.dtype.
+    `forward(x, residual)` fuses the pre-norm residual add: with `s = residual + x` (in x.dtype,
+    exactly the unfused `hidden = residual + hidden`) it returns the pair `(norm(s), s)`, `s` being
+    the residual stream for the next block. One kernel on CUDA (forkpoint.kernels.norms).
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).type_as(x)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm over the last dim followed by a SiLU gate: `w * norm(x) * silu(z)` (weight not centred)."""
+    """RMSNorm over the last dim followed by a SiLU gate: `w * norm(x) * silu(z)` (weight not centred).
+
+    x, gate: [..., dim] -> [..., dim] in x.dtype; one kernel on CUDA (forkpoint.kernels.norms)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -36,12 +46,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * x32.to(dtype)
-        out = out * F.silu(gate.float())
-        return out.to(dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -92,7 +97,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`."""
+    """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`, the activation in fp32 with one rounding
+    (silu_and_mul: one kernel on CUDA)."""
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
@@ -101,7 +107,7 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class TopKRouter(nn.Module):

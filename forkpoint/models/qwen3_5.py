@@ -3,11 +3,24 @@
 One implementation serves all three families; the loader converts Qwen3-Next's grouped projection
 layout into Qwen3.5's flat one. Layers never own caches: each forward receives the state and KV
 tensors of the pools plus the step's `ForwardBatch`.
+
+Each decoder layer runs in three parts, so that the runner can replay everything token-wise as CUDA
+graphs and run only the varlen part eagerly (runner/piecewise.py):
+
+    project   token-wise: input norm, then the mixer's projections   -> GDNProjection | AttentionProjection
+    core      varlen, reads the ForwardBatch and the pools: GDN conv + gated delta rule per decode
+              group and phase, or attention KV write + copy-on-write + paged attention   -> [T, heads, dim]
+    finish    token-wise: mixer output (gated norm + out_proj, or sigmoid gate + o_proj), residual,
+              post-attention norm, MLP / MoE, residual                                   -> [T, hidden]
+
+`HybridForCausalLM.forward` is exactly embed, then project / core / finish per layer, then
+`compute_logits` on the sampled rows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +47,24 @@ class LayerCaches:
     ssm: list[torch.Tensor]
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+
+
+class GDNProjection(NamedTuple):
+    """Token-wise outputs of a Gated DeltaNet layer's input projections (T rows each)."""
+
+    mixed: torch.Tensor  # [T, conv_dim]: q, k, v channels before the causal convolution
+    z: torch.Tensor  # [T, HV, V]: output gate
+    g: torch.Tensor  # [T, HV] float32: log-decay (<= 0)
+    beta: torch.Tensor  # [T, HV]: write strength
+
+
+class AttentionProjection(NamedTuple):
+    """Token-wise outputs of a gated attention layer's projections (T rows each)."""
+
+    q: torch.Tensor  # [T, HQ, Dh]: normed and rotated
+    k: torch.Tensor  # [T, HKV, Dh]: normed and rotated
+    v: torch.Tensor  # [T, HKV, Dh]
+    gate: torch.Tensor  # [T, HQ * Dh]: output gate, before the sigmoid
 
 
 class GatedDeltaNet(nn.Module):
@@ -69,27 +100,36 @@ class GatedDeltaNet(nn.Module):
             v.reshape(n, self.num_v_heads, self.head_v_dim),
         )
 
-    def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor, ssm_state: torch.Tensor
-    ) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]. Reads and writes rows of conv_state / ssm_state in place."""
+    def project(self, x: torch.Tensor) -> GDNProjection:
+        """x: [T, hidden] (after the input norm). Token-wise."""
         num_tokens = x.shape[0]
         mixed = self.in_proj_qkv(x)
         z = self.in_proj_z(x).reshape(num_tokens, self.num_v_heads, self.head_v_dim)
         beta = torch.sigmoid(self.in_proj_b(x))
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        return GDNProjection(mixed, z, g, beta)
+
+    def core(self, p: GDNProjection, batch: ForwardBatch, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal conv and gated delta rule of the decode group and every phase: reads `batch`, reads
+        and writes rows of conv_state / ssm_state in place. p's tensors hold the step's T tokens
+        exactly; returns out [T, HV, V] (allocated when None; every row is written, since decodes and
+        phases cover all T tokens)."""
+        mixed, g, beta = p.mixed, p.g, p.beta
+        num_tokens = mixed.shape[0]
+        if out is None:
+            out = mixed.new_empty(num_tokens, self.num_v_heads, self.head_v_dim)
         conv_weight = self.conv1d.weight.squeeze(1)
-        core = x.new_empty(num_tokens, self.num_v_heads, self.head_v_dim)
 
         decode = batch.decode
         if decode is not None and decode.num_tokens:
             n = decode.num_tokens
             conv_out, new_conv = causal_conv1d_step(mixed[:n], conv_weight, None, conv_state.index_select(0, decode.slots))
             q, k, v = self._split_qkv(conv_out)
-            out, new_ssm = recurrent_gated_delta_rule(
+            o, new_ssm = recurrent_gated_delta_rule(
                 q, k, v, g[:n], beta[:n], ssm_state.index_select(0, decode.slots)
             )
-            core[:n] = out
+            out[:n] = o
             conv_state.index_copy_(0, decode.slots, new_conv.to(conv_state.dtype))
             ssm_state.index_copy_(0, decode.slots, new_ssm)
 
@@ -104,7 +144,7 @@ class GatedDeltaNet(nn.Module):
                 phase.cu_seqlens_host,
             )
             q, k, v = self._split_qkv(conv_out)
-            out, final_ssm = chunk_gated_delta_rule(
+            o, final_ssm = chunk_gated_delta_rule(
                 q,
                 k,
                 v,
@@ -114,15 +154,18 @@ class GatedDeltaNet(nn.Module):
                 phase.cu_seqlens,
                 phase.cu_seqlens_host,
             )
-            core[lo:hi] = out
+            out[lo:hi] = o
             if phase.dest_slots.numel():
                 conv_state.index_copy_(
                     0, phase.dest_slots, final_conv.index_select(0, phase.dest_rows).to(conv_state.dtype)
                 )
                 ssm_state.index_copy_(0, phase.dest_slots, final_ssm.index_select(0, phase.dest_rows))
+        return out
 
-        core = self.norm(core, z)
-        return self.out_proj(core.reshape(num_tokens, self.value_dim))
+    def finish(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """core, z: [T, HV, V] -> [T, hidden]: gated norm and output projection. Token-wise."""
+        num_tokens = core.shape[0]
+        return self.out_proj(self.norm(core, z).reshape(num_tokens, self.value_dim))
 
 
 class GatedAttention(nn.Module):
@@ -143,15 +186,8 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.scale = self.head_dim**-0.5
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        batch: ForwardBatch,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]. Writes this step's K/V into the paged cache first."""
+    def project(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> AttentionProjection:
+        """x: [T, hidden] (after the input norm); cos, sin: [T, rotary_dim]. Token-wise."""
         num_tokens = x.shape[0]
         q_gate = self.q_proj(x).reshape(num_tokens, self.num_heads, 2 * self.head_dim)
         q, gate = q_gate.split(self.head_dim, dim=-1)
@@ -160,15 +196,19 @@ class GatedAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
         cos, sin = cos_sin
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        return AttentionProjection(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate)
 
+    def core(self, p: AttentionProjection, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """Writes this step's K/V into the paged cache, copies shared partial blocks (copy-on-write),
+        then attends. p's tensors hold the step's T tokens exactly; returns [T, HQ, Dh] (copied into
+        `out` when given)."""
         meta = batch.attention
-        write_kv(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), meta.slot_mapping)
+        write_kv(k_cache, v_cache, p.k.to(k_cache.dtype), p.v.to(v_cache.dtype), meta.slot_mapping)
         if meta.cow_src.numel():
             copy_kv_slots(k_cache, v_cache, meta.cow_src, meta.cow_dst)
-        out = paged_attention(
-            q,
+        attended = paged_attention(
+            p.q,
             k_cache,
             v_cache,
             meta.block_tables,
@@ -178,7 +218,11 @@ class GatedAttention(nn.Module):
             meta.seq_lens_host,
             scale=self.scale,
         )
-        out = out.reshape(num_tokens, -1) * torch.sigmoid(gate)
+        return attended if out is None else out.copy_(attended)
+
+    def finish(self, core: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """core: [T, HQ, Dh]; gate: [T, HQ * Dh] -> [T, hidden]. Token-wise."""
+        out = core.reshape(core.shape[0], -1) * torch.sigmoid(gate)
         return self.o_proj(out)
 
 
@@ -211,6 +255,10 @@ class HybridModel(nn.Module):
 class HybridForCausalLM(nn.Module):
     """The language model: `forward(batch, caches) -> logits [R, vocab]` for `batch.logits_indices`.
 
+    `forward` composes the public parts `embed`, `project` / `core` / `finish` per layer and
+    `compute_logits`; runner/piecewise.py composes the same parts around static buffers and CUDA
+    graphs. Only `core` reads the step's metadata and the pools.
+
     With `with_vision`, `visual` is the vision tower (models/vision.py); the runner calls it before
     the forward and hands its outputs in as `batch.embedding_overrides`.
     """
@@ -225,26 +273,75 @@ class HybridForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+        # index of each layer's tensors in LayerCaches (conv/ssm for GDN layers, k/v for attention)
+        self._cache_index = [
+            config.gdn_layer_ids.index(i) if kind == "linear_attention" else config.attention_layer_ids.index(i)
+            for i, kind in enumerate(config.layer_types)
+        ]
+
+    def is_recurrent(self, layer_id: int) -> bool:
+        """Whether layer `layer_id` is a Gated DeltaNet layer (else gated attention)."""
+        return self.model.layers[layer_id].is_recurrent
+
+    def core_shape(self, layer_id: int) -> tuple[int, int]:
+        """(heads, dim) of the core output of layer `layer_id`: (HV, V) for GDN, (HQ, Dh) for attention."""
+        layer = self.model.layers[layer_id]
+        if layer.is_recurrent:
+            return layer.linear_attn.num_v_heads, layer.linear_attn.head_v_dim
+        return layer.self_attn.num_heads, layer.self_attn.head_dim
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor,
+              embedding_overrides: tuple[torch.Tensor, torch.Tensor] | None = None,
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """input_ids: [T] long; positions: [T] or [3, T] (multi-axis) long -> hidden [T, hidden] and the
+        rotary tables (cos, sin): [T, rotary_dim] in the model dtype. Token-wise without overrides."""
+        hidden = self.model.embed_tokens(input_ids)
+        if embedding_overrides is not None:  # image tokens take the vision tower's rows
+            index, embeds = embedding_overrides
+            hidden = hidden.index_copy(0, index, embeds.to(hidden.dtype))
+        return hidden, self.rotary.cos_sin(positions, hidden.dtype)
+
+    def project(self, layer_id: int, hidden: torch.Tensor,
+                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> GDNProjection | AttentionProjection:
+        """hidden: [T, hidden], the residual stream entering the layer -> its input norm and mixer
+        projections. Token-wise."""
+        layer = self.model.layers[layer_id]
+        x = layer.input_layernorm(hidden)
+        if layer.is_recurrent:
+            return layer.linear_attn.project(x)
+        return layer.self_attn.project(x, cos_sin)
+
+    def core(self, layer_id: int, p: GDNProjection | AttentionProjection, batch: ForwardBatch, caches: LayerCaches,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's varlen part on the step's T tokens (reads `batch`, reads and writes the pools'
+        rows) -> [T, heads, dim] (see `core_shape`), written into `out` when given."""
+        layer, j = self.model.layers[layer_id], self._cache_index[layer_id]
+        if layer.is_recurrent:
+            return layer.linear_attn.core(p, batch, caches.conv[j], caches.ssm[j], out)
+        return layer.self_attn.core(p, batch, caches.k[j], caches.v[j], out)
+
+    def finish(self, layer_id: int, residual: torch.Tensor, p: GDNProjection | AttentionProjection,
+               core: torch.Tensor) -> torch.Tensor:
+        """residual: [T, hidden] (the stream entering the layer); core: the layer's core output ->
+        the stream leaving the layer [T, hidden]. Token-wise."""
+        layer = self.model.layers[layer_id]
+        if layer.is_recurrent:
+            mixer_out = layer.linear_attn.finish(core, p.z)
+        else:
+            mixer_out = layer.self_attn.finish(core, p.gate)
+        hidden = residual + mixer_out
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """hidden: [T, hidden], the stream leaving the last layer; logits_indices: [R] -> [R, vocab]
+        float32 (final norm and lm_head on the sampled rows only)."""
+        return self.lm_head(self.model.norm(hidden.index_select(0, logits_indices))).float()
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
-        hidden = self.model.embed_tokens(batch.input_ids)
-        if batch.embedding_overrides is not None:  # image tokens take the vision tower's rows
-            index, embeds = batch.embedding_overrides
-            hidden = hidden.index_copy(0, index, embeds.to(hidden.dtype))
         positions = batch.positions if batch.mrope_positions is None else batch.mrope_positions
-        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
-        gdn_index = attn_index = 0
-        for layer in self.model.layers:
-            residual = hidden
-            hidden = layer.input_layernorm(hidden)
-            if layer.is_recurrent:
-                hidden = layer.linear_attn(hidden, batch, caches.conv[gdn_index], caches.ssm[gdn_index])
-                gdn_index += 1
-            else:
-                hidden = layer.self_attn(hidden, batch, cos_sin, caches.k[attn_index], caches.v[attn_index])
-                attn_index += 1
-            hidden = residual + hidden
-            residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
-        hidden = self.model.norm(hidden.index_select(0, batch.logits_indices))
-        return self.lm_head(hidden).float()
+        hidden, cos_sin = self.embed(batch.input_ids, positions, batch.embedding_overrides)
+        for layer_id in range(len(self.model.layers)):
+            p = self.project(layer_id, hidden, cos_sin)
+            hidden = self.finish(layer_id, hidden, p, self.core(layer_id, p, batch, caches))
+        return self.compute_logits(hidden, batch.logits_indices)

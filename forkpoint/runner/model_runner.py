@@ -19,6 +19,7 @@ from forkpoint.engine.scheduler import KVCopy, PlannedSegment, StepPlan
 from forkpoint.models.qwen3_5 import HybridForCausalLM, LayerCaches
 from forkpoint.runner.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
 from forkpoint.runner.multimodal import MultimodalInputs
+from forkpoint.runner.piecewise import PiecewiseForward
 
 
 def order_segments(segments: Sequence[PlannedSegment]) -> list[PlannedSegment]:
@@ -165,15 +166,21 @@ def _copy_slots(copies: Sequence[KVCopy], block_size: int) -> tuple[np.ndarray, 
 
 
 class ModelRunner:
-    """Owns the model; reads the pools' tensors for each forward."""
+    """Owns the model; reads the pools' tensors for each forward.
+
+    With `piecewise` (CUDA graphs, runner/piecewise.py), the steps it accepts run through it and the
+    others (images, more tokens than its largest bucket) through the model's plain forward.
+    """
 
     def __init__(self, model: HybridForCausalLM, block_pool: BlockPool, state_pool: StatePool,
-                 device: torch.device, multimodal: MultimodalInputs | None = None) -> None:
+                 device: torch.device, multimodal: MultimodalInputs | None = None,
+                 piecewise: PiecewiseForward | None = None) -> None:
         self.model = model
         self.device = device
         self.block_size = block_pool.block_size
         self.caches = LayerCaches(conv=state_pool.conv, ssm=state_pool.ssm, k=block_pool.k, v=block_pool.v)
         self.multimodal = multimodal  # image positions and vision-tower rows; None for text-only engines
+        self.piecewise = piecewise
 
     def prepare(self, plan: StepPlan) -> tuple[ForwardBatch, list[PlannedSegment]]:
         """The step's batch (images encoded and attached) and the segments its logits rows belong to."""
@@ -185,5 +192,10 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[PlannedSegment]]:
         """Run one step. Returns logits [R, vocab] (float32) and the R segments they belong to."""
         batch, sampled = self.prepare(plan)
-        logits = self.model(batch, self.caches)
-        return logits, sampled
+        return self.forward(batch), sampled
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [R, vocab] float32 of one prepared batch, through the graphs when they take it."""
+        if self.piecewise is not None and self.piecewise.accepts(batch):
+            return self.piecewise(batch, self.caches)
+        return self.model(batch, self.caches)

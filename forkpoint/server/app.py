@@ -103,8 +103,8 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
         if body.prompt is not None:
             prompt = prompts.from_text(body.prompt)
         else:
-            prompt = prompts.from_messages(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                           template_kwargs=body.chat_template_kwargs)
+            prompt = await prompts.from_messages_async(body.messages, add_generation_prompt=body.add_generation_prompt,
+                                                       template_kwargs=body.chat_template_kwargs)
         return {"count": len(prompt.token_ids), "max_model_len": engine.max_model_len,
                 "tokens": prompt.token_ids, "checkpoint_positions": list(prompt.checkpoint_positions)}
 

@@ -50,6 +50,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
     group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                        help="auto/safetensors read the weights; dummy builds seeded random weights from "
                             "config.json alone (default: auto)")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="run every step eagerly: no CUDA graphs of the forward's token-wise parts "
+                            "(faster start-up, slower small steps; CUDA only)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -60,6 +63,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_checkpoints=not args.no_checkpoints, checkpoint_token=args.checkpoint_token,
         max_checkpoints_per_request=args.max_checkpoints_per_request, load_format=args.load_format,
+        enforce_eager=args.enforce_eager,
     )
 
 

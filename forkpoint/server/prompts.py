@@ -15,10 +15,15 @@ Where the marker can come from, and what the policy (`MarkerPolicy`) does to it:
 Images (chat `image_url` parts with data URLs, multimodal models): decoded here, their
 placeholders expanded before the markers are removed, so positions count image tokens as the
 engine does; the engine receives the expanded ids with the decoded images (`multi_modal_data`).
+The handlers call `from_messages_async`, which decodes the images (base64, PIL decoding, RGB
+conversion, content hash: tens of milliseconds for a large photograph) in a worker thread, so one
+request's images never stall the event loop that streams every other request's tokens; rendering
+and tokenising stay on the loop (cheap next to decoding an image).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +32,7 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from forkpoint.inputs.chat import render_chat_with_images
+from forkpoint.inputs.images import ImageInput
 from forkpoint.inputs.markers import prompt_to_token_ids, strip_checkpoint_markers
 from forkpoint.inputs.multimodal import ImagePromptProcessor
 from forkpoint.server.config import MarkerPolicy
@@ -81,11 +87,13 @@ class PromptBuilder:
             raw = prompt_to_token_ids(text, self.tokenizer)
         except ValueError as err:
             raise invalid_request(str(err), param=param) from None
+        self._no_image_placeholders(raw.token_ids, param)
         return self._parse(raw.token_ids, positions, param)
 
     def from_token_ids(self, token_ids: Sequence[int], positions: Sequence[int] | None = None,
                        *, param: str = "prompt") -> EnginePrompt:
         """A token-id prompt; a marker id in it counts as client marker text."""
+        self._no_image_placeholders(token_ids, param)
         if self.checkpoint_token_id is not None and self.checkpoint_token_id in token_ids:
             if self.policy is MarkerPolicy.REJECT:
                 raise self._rejected(param)
@@ -95,29 +103,53 @@ class PromptBuilder:
 
     def from_messages(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
                       template_kwargs: dict[str, Any] | None = None) -> EnginePrompt:
-        """A chat conversation, rendered with the tokenizer's chat template."""
+        """A chat conversation, rendered with the tokenizer's chat template (images decoded in
+        this thread: handlers on the event loop use `from_messages_async`)."""
+        token_ids, sources = self._render(messages, add_generation_prompt, template_kwargs)
+        if not sources:
+            return self._parse(token_ids, None, "messages")
+        return self._with_images(token_ids, self._load_images(sources))
+
+    async def from_messages_async(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
+                                  template_kwargs: dict[str, Any] | None = None) -> EnginePrompt:
+        """`from_messages` for the event loop: the images are decoded in a worker thread."""
+        token_ids, sources = self._render(messages, add_generation_prompt, template_kwargs)
+        if not sources:
+            return self._parse(token_ids, None, "messages")
+        return self._with_images(token_ids, await asyncio.to_thread(self._load_images, sources))
+
+    def _render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
+                template_kwargs: dict[str, Any] | None) -> tuple[list[int], list[Any]]:
+        """Token ids of the rendered conversation (markers still in) and its image sources in order."""
         conversation = [self._message(i, message) for i, message in enumerate(messages)]
         try:
             text, sources = render_chat_with_images(self.tokenizer, conversation,
                                                     add_generation_prompt=add_generation_prompt,
                                                     **(template_kwargs or {}))
             raw = prompt_to_token_ids(text, self.tokenizer)
-            if sources:
-                return self._with_images(raw.token_ids, sources)
         except ValueError as err:
             raise invalid_request(str(err), param="messages") from None
         except TemplateError as err:  # e.g. the template's raise_exception on a role it does not know
             raise invalid_request(f"the chat template could not render these messages: {err}",
                                   param="messages") from None
-        return self._parse(raw.token_ids, None, "messages")
+        if sources and self.images is None:
+            raise invalid_request("this server takes no images: its model has no vision tower", param="messages")
+        return raw.token_ids, sources
 
-    def _with_images(self, token_ids: list[int], sources: list[Any]) -> EnginePrompt:
-        """Decode the images, expand their placeholders, then remove markers (raises ValueError)."""
-        if self.images is None:
-            raise ValueError("this server takes no images: its model has no vision tower")
-        images = self.images.load({"image": sources})
-        prompt = self._parse(self.images.expand(token_ids, images), None, "messages")
-        self.images.place(prompt.token_ids, prompt.checkpoint_positions, images)  # no marker inside an image
+    def _load_images(self, sources: list[Any]) -> list[ImageInput]:
+        """Decode, convert and hash the images (CPU-bound, thread-safe: no shared state)."""
+        try:
+            return self.images.load({"image": sources})
+        except ValueError as err:
+            raise invalid_request(str(err), param="messages") from None
+
+    def _with_images(self, token_ids: list[int], images: list[ImageInput]) -> EnginePrompt:
+        """Expand the placeholders, then remove markers; no marker may fall inside an image."""
+        try:
+            prompt = self._parse(self.images.expand(token_ids, images), None, "messages")
+            self.images.place(prompt.token_ids, prompt.checkpoint_positions, images)
+        except ValueError as err:  # (_parse raises APIError itself)
+            raise invalid_request(str(err), param="messages") from None
         return EnginePrompt(prompt.token_ids, prompt.checkpoint_positions, {"image": images})
 
     def _message(self, index: int, message: ChatMessage) -> dict[str, Any]:
@@ -139,6 +171,14 @@ class PromptBuilder:
                 parts.append(fields)
             content = parts
         return {**message.model_dump(exclude_none=True), "content": content}
+
+    def _no_image_placeholders(self, token_ids: Sequence[int], param: str) -> None:
+        """Text and token-id prompts carry no images: an image placeholder in one is a 400 that says
+        where images go (the engine would refuse the prompt for a missing image)."""
+        if self.images is not None and self.images.vision.image_token_id in token_ids:
+            raise invalid_request(f"{param} contains the image placeholder <|image_pad|>, but text and token-id "
+                                  "prompts carry no images: send images to /v1/chat/completions as image_url "
+                                  "content parts with data URLs", param=param)
 
     def _client_text(self, text: str, param: str) -> str:
         if self.checkpoint_token not in text or self.policy is MarkerPolicy.ALLOW:

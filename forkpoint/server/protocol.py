@@ -16,6 +16,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TokenIds = list[int]
+NO_IMAGES_IN_COMPLETIONS = ("/v1/completions takes text or token-id prompts only (a string, token ids, or a list of "
+                            "either): send images to /v1/chat/completions as image_url content parts with data URLs")
 
 
 class StreamOptions(BaseModel):
@@ -55,6 +57,25 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     checkpoint_positions: list[int] | None = None
+    # declared only to refuse them: an image silently dropped would score the wrong prompt
+    multi_modal_data: Any = None
+    images: Any = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _text_only(cls, prompt: Any) -> Any:
+        """Content parts or vLLM-style prompt dicts (images) get a clear 400, not a type error list."""
+        items = prompt if isinstance(prompt, list) else [prompt]
+        if any(isinstance(item, dict) for item in items):
+            raise ValueError(NO_IMAGES_IN_COMPLETIONS)
+        return prompt
+
+    @field_validator("multi_modal_data", "images")
+    @classmethod
+    def _no_images(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError(NO_IMAGES_IN_COMPLETIONS)
+        return value
 
     @field_validator("prompt")
     @classmethod

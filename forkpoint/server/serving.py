@@ -215,8 +215,8 @@ class OpenAIServing:
         self.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise invalid_request("top_logprobs needs logprobs: true", param="top_logprobs")
-        prompt = self.prompts.from_messages(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                            template_kwargs=body.chat_template_kwargs)
+        prompt = await self.prompts.from_messages_async(body.messages, add_generation_prompt=body.add_generation_prompt,
+                                                        template_kwargs=body.chat_template_kwargs)
         max_tokens = self._max_tokens(body.max_new_tokens, [prompt], "messages", None)
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = self._sampling_params(body, max_tokens, top)

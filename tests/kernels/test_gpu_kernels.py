@@ -7,8 +7,9 @@ delta rule (fla keeps per-chunk states in bf16 for the output product), 1e-2 els
 (conv states) must match exactly. Each measured error is printed (`pytest -s` shows them).
 
 Outputs are fresh tensors from the op, so "poisoned before the kernel writes them" is arranged by
-the `poison` fixture: while it is active, torch.empty / empty_like / Tensor.new_empty (used by our
-kernels and by fla) return NaN-filled float tensors, and every check asserts that no NaN is left. `test_*_no_host_sync` run each op under
+the `poison` fixture (tests/kernels/conftest.py): while it is active, torch.empty / empty_like /
+Tensor.new_empty (used by our kernels and by fla) return NaN-filled float tensors, and every check
+asserts that no NaN is left. `test_*_no_host_sync` run each op under
 `torch.cuda.set_sync_debug_mode("error")`.
 """
 
@@ -37,26 +38,6 @@ def check(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
     err = rel_rms(out, ref)
     print(f"REL_RMS {name} = {err:.3e} (tol {tol:.0e})")
     assert err < tol, f"{name}: relative RMS error {err:.3e} >= {tol:.0e}"
-
-
-@pytest.fixture
-def poison(monkeypatch):
-    """While active, every torch.empty / empty_like / Tensor.new_empty returns a float tensor
-    filled with NaN (ints untouched): any output element a kernel forgets to write stays NaN."""
-
-    def nan_filled(factory):
-        def make(*args, **kwargs):
-            t = factory(*args, **kwargs)
-            if t.is_floating_point():
-                t.fill_(float("nan"))
-            return t
-
-        return make
-
-    monkeypatch.setattr(torch, "empty", nan_filled(torch.empty))
-    monkeypatch.setattr(torch, "empty_like", nan_filled(torch.empty_like))
-    monkeypatch.setattr(torch.Tensor, "new_empty", nan_filled(torch.Tensor.new_empty))
-    assert torch.isnan(torch.empty(8, device=DEV, dtype=torch.bfloat16)).all()
 
 
 def _offsets(lens):

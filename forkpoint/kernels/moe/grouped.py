@@ -1,29 +1,70 @@
-"""Routed-expert MLP on CUDA through `torch._grouped_mm` (GPU variant of `reference.py`).
+"""Routed-expert MLP on CUDA through `torch._grouped_mm` and Triton (GPU variant of `reference.py`).
 
 Same signature and semantics as `forkpoint.kernels.moe.reference.fused_moe`. Two grouped GEMMs
 for all experts at once (CUTLASS on Hopper), no Python loop over experts and no host sync: the
 per-expert row counts stay on the device and reach the GEMM as cumulative offsets.
 
-    routes r = t * k + j (token t, its j-th expert), sorted by expert:
+    routes r = t * k + j (token t, its j-th expert), sorted by expert (order[p] = route at row p):
     xs    = x[token of route]                  [T*k, Hd]      rows grouped by expert
     h     = grouped_mm(xs, gate_up^T, offs)    [T*k, 2I]      expert e's rows times gate_up[e]^T
-    a     = silu(gate) * up                    [T*k, I]       fp32, then bf16
+    a     = silu(gate) * up                    [T*k, I]       fp32 math, bf16 out (silu_and_mul)
     ys    = grouped_mm(a, down^T, offs)        [T*k, Hd]
-    y[t]  = sum_j w[t, j] * ys[route (t, j)]   fp32, back in token order (no atomics)
+    pos   = inverse of order                   [T*k]          route r sits at row pos[r] of ys
+    y[t]  = sum_j w[t, j] * ys[pos[t*k + j]]   fp32, one Triton kernel (gather, no atomics)
 
-bf16 only (what the grouped GEMM takes); other dtypes go to the reference.
+bf16 only (what the grouped GEMM takes); other dtypes go to the reference. Imports Triton at its
+top: without Triton the dispatch falls back to the reference.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+import triton
+import triton.language as tl
 
+from forkpoint.kernels.activation import silu_and_mul
 from forkpoint.kernels.moe import reference
 
 if not hasattr(torch, "_grouped_mm"):
     # the dispatch falls back to the reference on ModuleNotFoundError
     raise ModuleNotFoundError("torch._grouped_mm is missing in this torch build: the grouped MoE needs torch >= 2.8")
+
+
+@triton.jit
+def _combine_kernel(ys, pos, w, y, Hd, stride_w, K: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < Hd
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(K):
+        row = tl.load(pos + t * K + j).to(tl.int64)
+        w_j = tl.load(w + t * stride_w + j).to(tl.float32)
+        acc += w_j * tl.load(ys + row * Hd + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(y + t * Hd + cols, acc.to(y.dtype.element_ty), mask=m)
+
+
+def moe_combine(ys: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """ys: [T*k, Hd] expert outputs in sorted-route order (row p holds route order[p]);
+    order: [T*k] long, a permutation of the routes t * k + j; topk_weights: [T, k] float.
+    Returns y [T, Hd] in ys.dtype with y[t] = sum_j w[t, j] * ys[row of route (t, j)], in fp32."""
+    num_tokens, top_k = topk_weights.shape
+    hidden = ys.shape[1]
+    if ys.shape[0] != num_tokens * top_k or order.shape != (num_tokens * top_k,):
+        raise ValueError(f"ys [T*k, Hd] and order [T*k] must match topk_weights [T, k] = {tuple(topk_weights.shape)}; "
+                         f"got ys {tuple(ys.shape)} and order {tuple(order.shape)}")
+    y = torch.empty((num_tokens, hidden), dtype=ys.dtype, device=ys.device)
+    if y.numel() == 0:
+        return y
+    routes = torch.arange(order.numel(), dtype=order.dtype, device=order.device)
+    pos = torch.empty_like(order).scatter_(0, order, routes)  # inverse permutation, no host sync
+    ys = ys.contiguous()
+    if topk_weights.stride(-1) != 1:
+        topk_weights = topk_weights.contiguous()
+    block = min(1024, triton.next_power_of_2(hidden))
+    grid = (num_tokens, triton.cdiv(hidden, block))
+    _combine_kernel[grid](ys, pos, topk_weights, y, hidden, topk_weights.stride(0), K=top_k, BLOCK=block,
+                          num_warps=4)
+    return y
 
 
 def fused_moe(x, gate_up, down, topk_weights, topk_ids):
@@ -47,9 +88,6 @@ def fused_moe(x, gate_up, down, topk_weights, topk_ids):
     offs = counts.cumsum(0, dtype=torch.int32)                    # [E] end row of each expert
     xs = x.index_select(0, order // top_k)                        # [T*k, Hd]
     h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
-    gate, up = h.float().chunk(2, dim=-1)
-    a = (F.silu(gate) * up).to(torch.bfloat16)
+    a = silu_and_mul(*h.chunk(2, dim=-1))                         # [T*k, I] bf16
     ys = torch._grouped_mm(a, down.transpose(1, 2), offs=offs)     # [T*k, Hd], sorted routes
-    y_routes = torch.empty_like(ys).index_copy_(0, order, ys)      # back to route order t * k + j
-    y = (y_routes.view(num_tokens, top_k, hidden).float() * topk_weights.float()[..., None]).sum(dim=1)
-    return y.to(x.dtype)
+    return moe_combine(ys, order, topk_weights).to(x.dtype)

@@ -1,0 +1,142 @@
+"""The peer of `e2e_gpu.py`: Hugging Face transformers on the same device and the same weights.
+
+`Qwen3_5MoeForCausalLM` is built on the meta device from the benchmark's config and given
+forkpoint's parameter tensors (`load_state_dict(assign=True)`: no second copy of the 70 GB). It is
+timed on the same 1-to-N requests: N sequences of P + S tokens in forwards of `--peer-batch`
+sequences, `use_cache=False`, logits of the last position only (scoring). Used by `e2e_gpu.py`
+(run as a script, so this folder is on `sys.path`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import torch
+
+VOCAB_LIMIT = 248000  # random ids below the special tokens of the Qwen3.5 vocabulary
+
+
+def build_peer(cfg: dict, model: torch.nn.Module, device: torch.device):
+    """transformers' model on the meta device, given forkpoint's parameter tensors (no copy).
+    Raises RuntimeError when a weight is missing or its shape differs."""
+    import transformers
+
+    hf_cfg = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures")}
+    config = transformers.Qwen3_5MoeTextConfig(**hf_cfg)
+    with torch.device("meta"):
+        peer = transformers.Qwen3_5MoeForCausalLM(config)
+    ours = model.state_dict()
+    theirs = set(peer.state_dict())
+    info = {"missing_in_forkpoint": sorted(theirs - set(ours))[:8],
+            "unknown_to_transformers": sorted(set(ours) - theirs)[:8]}
+    shapes = [n for n, t in peer.state_dict().items() if n in ours and tuple(t.shape) != tuple(ours[n].shape)]
+    info["shape_mismatches"] = shapes[:8]
+    peer.load_state_dict({k: v for k, v in ours.items() if k in theirs}, strict=False, assign=True)
+    rotary = peer.model.rotary_emb
+    try:
+        peer.model.rotary_emb = type(rotary)(config=config, device=device)
+    except TypeError:
+        peer.model.rotary_emb = type(rotary)(config).to(device)
+    leftover = [n for n, t in list(peer.named_parameters()) + list(peer.named_buffers()) if t.is_meta]
+    info["meta_leftovers"] = leftover[:8]
+    if leftover or shapes:
+        raise RuntimeError(f"peer weights do not line up with forkpoint's: {info}")
+    info["attn_implementation"] = getattr(peer.config, "_attn_implementation", None)
+    info["experts_implementation"] = getattr(peer.config, "_experts_implementation", None)
+    info["transformers"] = transformers.__version__
+    return peer.eval(), info
+
+
+def gdn_kernels_of_peer(peer, device: torch.device, ids: torch.Tensor) -> dict:
+    """Which GDN functions transformers resolved, and the GPU kernels one short forward launches."""
+    module = sys.modules[type(peer.model.layers[0].linear_attn).__module__]
+    found = {}
+    for name in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                 "is_fast_path_available"):
+        obj = getattr(peer.model.layers[0].linear_attn, name, None) or getattr(module, name, None)
+        if obj is not None:
+            inner = getattr(obj, "__wrapped__", obj)
+            found[name] = f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}"
+            closure = [c.cell_contents for c in (getattr(obj, "__closure__", None) or ())
+                       if callable(getattr(c, "cell_contents", None))]
+            mods = sorted({getattr(c, "__module__", "") or "" for c in closure} | {getattr(inner, "__module__", "")})
+            found[name + "_modules"] = mods
+    found["fla_imported"] = "fla.ops.gated_delta_rule" in sys.modules
+    if device.type == "cuda":
+        try:
+            from torch.profiler import ProfilerActivity, profile
+
+            with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+                peer(input_ids=ids, use_cache=False, logits_to_keep=1)
+                torch.cuda.synchronize(device)
+            names = sorted({e.key for e in prof.key_averages()})
+            fla_like = [n for n in names if any(s in n for s in ("gated_delta", "chunk_", "solve_tril", "l2norm"))]
+            found["gdn_like_kernels"] = fla_like[:12]
+            found["num_kernels"] = len(names)
+        except Exception as err:  # the profiler is optional evidence
+            found["profiler_error"] = repr(err)
+    return found
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_peer(args, cfg: dict, model: torch.nn.Module, results: dict, save) -> None:
+    """Peer rows into `results["peer"]`, P in `args.peer_p`, N in `args.peer_n`, S = `args.s`.
+
+    The caller bounds the wall time (an alarm raises out of this function when the peer's budget
+    ends): every finished row is saved as it comes, so a stop loses only the row in flight. Each
+    P is warmed up untimed first (fla autotunes per shape: 10-60 s on a fresh machine)."""
+    device = torch.device(args.device)
+    peer, info = build_peer(cfg, model, device)
+    rng = np.random.default_rng(args.seed + 1)
+    results["peer"] = {"info": info, "runs": [], "batch": args.peer_batch}
+    probe = results.get("parity_probe")
+    if probe is not None:  # top-20 logprobs of forkpoint's probe prompt
+        with torch.inference_mode():
+            logits = peer(input_ids=torch.tensor([probe["token_ids"]], device=device), use_cache=False,
+                          logits_to_keep=1).logits[0, -1].float()
+        logprobs = torch.log_softmax(logits, -1)
+        info["parity_max_logprob_diff_top20"] = max(abs(float(logprobs[int(t)]) - v)
+                                                    for t, v in probe["logprobs"].items())
+        info["parity_same_argmax"] = int(logits.argmax()) == max(probe["logprobs"], key=probe["logprobs"].get)
+        info["kernels"] = gdn_kernels_of_peer(peer, device, torch.tensor([probe["token_ids"]], device=device))
+    print(f"peer: {info}", flush=True)
+    save()
+
+    def forward(batch: torch.Tensor) -> None:
+        with torch.inference_mode():
+            peer(input_ids=batch, use_cache=False, logits_to_keep=1)
+
+    for p in args.peer_p:
+        length = p + args.s
+        t0 = time.perf_counter()
+        for batch_size in sorted({min(n, args.peer_batch) for n in args.peer_n}):  # every timed shape, untimed
+            forward(torch.tensor(rng.integers(0, VOCAB_LIMIT, (batch_size, length)), device=device))
+        _sync(device)
+        results["peer"].setdefault("warmup_s", {})[str(p)] = time.perf_counter() - t0
+        for n in args.peer_n:
+            anchor = rng.integers(0, VOCAB_LIMIT, p)
+            seqs = np.stack([np.concatenate([anchor, rng.integers(0, VOCAB_LIMIT, args.s)]) for _ in range(n)])
+            _sync(device)
+            start = time.perf_counter()
+            try:
+                for lo in range(0, n, args.peer_batch):
+                    forward(torch.tensor(seqs[lo: lo + args.peer_batch], device=device))
+                _sync(device)
+            except torch.cuda.OutOfMemoryError as err:
+                error = f"OOM at batch {args.peer_batch}: {err}"[:300]
+                results["peer"]["runs"].append({"P": p, "N": n, "error": error})
+                torch.cuda.empty_cache()
+                continue
+            wall = time.perf_counter() - start
+            row = {"P": p, "S": args.s, "N": n, "batch": args.peer_batch, "wall_s": wall, "requests_per_s": n / wall,
+                   "prompt_tokens_per_s": n * length / wall}
+            results["peer"]["runs"].append(row)
+            print(f"  peer P={p:5d} N={n:3d}: {row['requests_per_s']:8.2f} req/s  "
+                  f"{row['prompt_tokens_per_s']:9.0f} tok/s", flush=True)
+            save()

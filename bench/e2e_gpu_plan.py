@@ -1,0 +1,150 @@
+"""Rows, their predicted cost and the hard time limit of `e2e_gpu.py` (no forkpoint, no GPU).
+
+A row is one on/off pair (`RowSpec`); `plan_rows` lists them in the order they run, most important
+first; `Predictor` says how long a pair will take from the steps the engine has timed so far, so
+the driver skips (and records) a pair that would overrun instead of overrunning; `Alarm` stops
+whatever runs when a hard limit passes.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+
+# ---------------------------------------------------------------- time limits
+
+class OutOfTime(BaseException):
+    """Raised by SIGALRM when a hard limit passes. A BaseException, so that no `except Exception`
+    on its way (the engine's clean-up, the profile's guard) swallows it."""
+
+
+class Alarm:
+    """One SIGALRM timer; `arm(at, reason)` replaces the previous one (`at`: a perf_counter time or None)."""
+
+    def __init__(self) -> None:
+        self.reason = ""
+        signal.signal(signal.SIGALRM, self._fire)
+
+    def _fire(self, signum, frame) -> None:
+        raise OutOfTime(self.reason)
+
+    def arm(self, at: float | None, reason: str) -> None:
+        self.reason = reason
+        if at is None:
+            self.disarm()
+            return
+        delay = at - time.perf_counter()
+        if delay <= 0:
+            raise OutOfTime(reason)
+        signal.setitimer(signal.ITIMER_REAL, delay)
+
+    @staticmethod
+    def disarm() -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+# ---------------------------------------------------------------- rows and their predicted cost
+
+@dataclass(frozen=True)
+class RowSpec:
+    """One on/off pair: anchor of `p` tokens, one suffix per request (lengths drawn once, seeded)."""
+
+    group: str                       # main | decode | seed | eager
+    p: int
+    s_label: str                     # "256" or "350-650"
+    suffix_lengths: tuple[int, ...]  # one per request: N = len
+    max_tokens: int
+    engine: str = "default"          # default | enforce_eager
+
+    @property
+    def n(self) -> int:
+        return len(self.suffix_lengths)
+
+    @property
+    def shape(self) -> str:
+        return f"P={self.p} S={self.s_label}"
+
+    def tokens(self, on: bool) -> int:
+        """Prompt tokens the engine must compute: the anchor once with checkpoints, N times without."""
+        return (self.p if on else self.n * self.p) + sum(self.suffix_lengths)
+
+    @property
+    def ideal(self) -> float:
+        return self.tokens(False) / self.tokens(True)
+
+    def describe(self) -> dict:
+        return {"group": self.group, "shape": self.shape, "P": self.p, "S": self.s_label, "N": self.n,
+                "max_tokens": self.max_tokens, "engine": self.engine}
+
+
+def plan_rows(args) -> tuple[list[RowSpec], list[RowSpec]]:
+    """(rows of the default engine in priority order, eager-comparison rows)."""
+    rng = np.random.default_rng(args.seed + 3)
+
+    def fixed(n: int) -> tuple[int, ...]:
+        return (args.s,) * n
+
+    rows = [RowSpec("main", p, str(args.s), fixed(n), 1) for n in args.n for p in args.p]
+    rows += [RowSpec("decode", p, str(args.s), fixed(n), args.decode_tokens)
+             for n in args.decode_n for p in args.decode_p]
+    lo, hi = args.seed_s
+    rows += [RowSpec("seed", args.seed_p, f"{lo}-{hi}", tuple(int(v) for v in rng.integers(lo, hi + 1, n)), 1)
+             for n in args.seed_n]
+    eager = [RowSpec("eager", args.eager_p, str(args.s), fixed(n), mt, "enforce_eager")
+             for mt in (1, args.decode_tokens) for n in args.eager_n]
+    return rows, eager
+
+
+class Predictor:
+    """Seconds an on/off pair will take on one engine, from the steps it has timed so far.
+
+    prefill step = a + b * prompt tokens (at most max_num_batched_tokens per step), decode step =
+    c + d * running sequences. Least squares once the engine has timed steps of spread sizes (a
+    single size only moves the intercept); until then the priors of the last eager H200 run. The
+    sum is multiplied by `margin`."""
+
+    PRIOR_PREFILL = (0.085, 23.5e-6)
+    PRIOR_DECODE = (0.093, 0.2e-3)
+
+    def __init__(self, max_batched_tokens: int, margin: float = 1.2) -> None:
+        self.max_batched_tokens = max_batched_tokens
+        self.margin = margin
+        self.prefill: list[tuple[int, float]] = []
+        self.decode: list[tuple[int, float]] = []
+
+    def observe(self, row: dict) -> None:
+        for step in row["steps"]:
+            if step["prompt_tokens"] > 0 and row["max_tokens"] == 1:
+                self.prefill.append((step["prompt_tokens"], step["s"]))
+            elif step["prompt_tokens"] == 0 and step["running"] > 0:
+                self.decode.append((step["running"], step["s"]))
+
+    @staticmethod
+    def _fit(points: list[tuple[int, float]], prior: tuple[float, float]) -> tuple[float, float]:
+        if not points:
+            return prior
+        x = np.array([p[0] for p in points], dtype=np.float64)
+        y = np.array([p[1] for p in points], dtype=np.float64)
+        if len(points) >= 4 and x.max() >= 2 * max(x.min(), 1):
+            slope, intercept = np.polyfit(x, y, 1)
+            if slope > 0 and intercept >= 0:
+                return float(intercept), float(slope)
+        return max(float(np.median(y - prior[1] * x)), 0.0), prior[1]
+
+    def coefficients(self) -> dict:
+        (a, b), (c, d) = self._fit(self.prefill, self.PRIOR_PREFILL), self._fit(self.decode, self.PRIOR_DECODE)
+        return {"prefill_fixed_s": a, "prefill_s_per_token": b, "decode_fixed_s": c, "decode_s_per_seq": d}
+
+    def run_seconds(self, tokens: int, n: int, max_tokens: int) -> float:
+        k = self.coefficients()
+        steps = max(1, math.ceil(tokens / self.max_batched_tokens))
+        return (steps * k["prefill_fixed_s"] + tokens * k["prefill_s_per_token"]
+                + (max_tokens - 1) * (k["decode_fixed_s"] + n * k["decode_s_per_seq"]))
+
+    def pair_seconds(self, spec: RowSpec) -> float:
+        return self.margin * sum(self.run_seconds(spec.tokens(on), spec.n, spec.max_tokens) for on in (True, False))

@@ -1,0 +1,21 @@
+"""RMSNorms: ``rms_norm`` (zero-centred, optional fused residual add) and ``gated_rms_norm`` (the
+GDN output norm). ``reference.py`` is the spec; the GPU variant, ``triton.py``, has the same
+signatures and is used for CUDA tensors when it imports."""
+
+import functools
+
+from forkpoint.kernels import select_variant
+from forkpoint.kernels.norms import reference
+
+
+@functools.wraps(reference.rms_norm)
+def rms_norm(x, *args, **kwargs):
+    return select_variant("norms", "triton", x.is_cuda).rms_norm(x, *args, **kwargs)
+
+
+@functools.wraps(reference.gated_rms_norm)
+def gated_rms_norm(x, *args, **kwargs):
+    return select_variant("norms", "triton", x.is_cuda).gated_rms_norm(x, *args, **kwargs)
+
+
+__all__ = ["gated_rms_norm", "rms_norm"]

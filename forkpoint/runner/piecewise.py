@@ -1,0 +1,258 @@
+"""Piecewise forward: the token-wise parts over static buffers, replayed as CUDA graphs per bucket.
+
+A forward of L decoder layers splits into L + 1 token-wise *pieces* and L varlen *cores*
+(`HybridForCausalLM.embed / project / core / finish / compute_logits`)::
+
+    piece 0     embed, rotary cos/sin, input norm + projections of layer 0       graph
+    core 0      layer 0's mixer core on the first T rows (reads the ForwardBatch)  eager
+    piece 1     finish of layer 0 (mixer out, residual, MLP/MoE), project layer 1  graph
+    ...
+    piece L     finish of layer L-1: the stream leaving the last layer             graph
+    logits      final norm + lm_head on the logits_indices rows                    eager
+
+Pieces depend on the number of rows only through shapes, so one CUDA graph per piece and bucket
+(a padded token count Tb >= T) replays them: L + 1 replays and L eager cores per step instead of
+~100 launches per layer. Cores are the ops whose launches depend on the step's metadata (decode
+group, phases, block tables, host offsets); they run on the real rows only.
+
+Static buffers, allocated once with Tmax = the largest bucket rows and shared by all buckets
+(views [:Tb]); every tensor that crosses a piece boundary lives in one of them::
+
+    input_ids, positions [Tmax] long         written before piece 0 (rows T..Tb-1 set to 0)
+    cos, sin [Tmax, rotary_dim]               piece 0
+    residual [Tmax, hidden]                   piece i: the stream entering layer i; piece L: the final one
+    projection[kind]: GDNProjection or        piece i writes layer i's projections; core i reads rows [:T];
+      AttentionProjection of [Tmax, ...]      piece i+1 reads z / gate
+    core_out[kind] [Tmax, heads, dim]         core i writes rows [:T]; piece i+1 reads
+
+One set of projection / core buffers per mixer kind (GDN, attention), shared by the layers of that
+kind: piece i+1 reads layer i's buffers before it writes layer i+1's (its outputs are `copy_`-ed
+in at its end), and stream order, captured or not, keeps that order. Because every piece copies its
+outputs into static buffers, nothing allocated inside a graph outlives its capture, so all graphs
+share one memory pool (captured largest bucket first; at replay they never run concurrently).
+
+Padding rows (T..Tb-1) compute token-wise garbage (from token 0 at position 0, and whatever an
+earlier step left in the core buffers' rows); no core, pool or logits row ever reads them. Steps
+with images (embedding overrides, multi-axis positions) and steps above the largest bucket take
+the model's plain forward.
+
+`capture=False` runs the same pieces eagerly on the same buffers (the CPU tests of this plumbing).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from forkpoint.config import ModelConfig
+from forkpoint.kernels import select_variant
+from forkpoint.models.qwen3_5 import AttentionProjection, GDNProjection, HybridForCausalLM, LayerCaches
+from forkpoint.runner.batch import ForwardBatch
+
+logger = logging.getLogger("forkpoint")
+
+# The default buckets stop here (the default max_num_batched_tokens). A step's GPU work grows with
+# its tokens, its eager launch time does not: from ~4k tokens on (35B-A3B on an H200,
+# docs/e2e_h200.md) the GPU work hides the launches and graphs gain a few percent, while the static
+# buffers and the graph pool grow with the largest bucket.
+MAX_DEFAULT_GRAPH_TOKENS = 8192
+
+
+def default_cuda_graph_sizes(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """Buckets 1, 2, 4, ..., 256, 384, 512, then multiples of 512, up to
+    min(max_num_batched_tokens, 8192), which is always a bucket.
+
+    Trade-off: a step of T tokens computes its token-wise part on the next bucket's rows. Small
+    steps (decodes, short prefills) are bound by reading the weights, so rounding them up to a power
+    of two costs little; from 512 tokens on the work grows with the rows, and steps of 512 multiples
+    waste at most 511 rows (< 12.5% above 4k). Each bucket costs L + 1 captures at start-up (time)
+    and CUDA graph objects; the graph memory pool is shared, sized by the largest bucket.
+    """
+    cap = min(max_num_batched_tokens, MAX_DEFAULT_GRAPH_TOKENS)
+    sizes = {1 << i for i in range(9)} | {384} | set(range(512, cap + 1, 512)) | {cap}
+    return tuple(sorted(size for size in sizes if size <= cap))
+
+
+def graph_blocker(config: ModelConfig, dtype: torch.dtype) -> str | None:
+    """Why the token-wise pieces of this model cannot be captured on CUDA, or None if they can.
+
+    A captured piece must not synchronise with the host. The routed experts' GPU variant
+    (kernels/moe/grouped.py) is sync-free but takes bfloat16 only; other dtypes fall back to the
+    reference, which reads per-expert counts on the host.
+    """
+    if any(config.moe_layers):
+        grouped = select_variant("moe", "grouped", True).__name__.endswith(".grouped")
+        if not grouped:
+            return ("the grouped MoE kernel does not import (torch._grouped_mm or Triton missing), "
+                    "the reference MoE syncs")
+        if dtype != torch.bfloat16:
+            return f"the grouped MoE kernel needs bfloat16 (dtype is {dtype}), the reference MoE syncs"
+    return None
+
+
+class PiecewiseForward:
+    """`forward(batch, caches) -> logits [R, vocab]` float32, equal to `model(batch, caches)` for the
+    batches it `accepts`. See the module docstring for the pieces and buffers.
+
+    sizes: bucket token counts (sorted, deduplicated); capture: record one CUDA graph per piece and
+    bucket now (device must be CUDA), else run the pieces eagerly on the static buffers.
+    """
+
+    def __init__(self, model: HybridForCausalLM, sizes: Sequence[int], device: torch.device, *,
+                 capture: bool) -> None:
+        self.model = model
+        self.sizes = tuple(sorted({int(size) for size in sizes}))
+        if not self.sizes or self.sizes[0] < 1:
+            raise ValueError(f"bucket sizes must be token counts >= 1, got {list(sizes)}")
+        if capture and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {device}: use capture=False")
+        self.device = device
+        self.num_layers = model.config.num_layers
+        self._recurrent = [model.is_recurrent(i) for i in range(self.num_layers)]  # buffer set of each layer
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        if capture:
+            torch.cuda.synchronize(device)
+            free_before, _ = torch.cuda.mem_get_info(device)
+            start = time.perf_counter()
+        with torch.inference_mode():
+            self._allocate()
+            if capture:
+                with torch.cuda.device(device):  # graphs replay on their capture device's current stream
+                    self._capture()
+        if capture:
+            free_after, _ = torch.cuda.mem_get_info(device)
+            logger.info("CUDA graphs: %d buckets (%d..%d tokens) x %d pieces captured in %.1f s, %.0f MiB of GPU "
+                        "memory (static buffers %.0f MiB; the rest is the shared graph pool and the graphs)",
+                        len(self.sizes), self.sizes[0], self.sizes[-1], self.num_layers + 1,
+                        time.perf_counter() - start, (free_before - free_after) / 2**20, self.num_bytes / 2**20)
+
+    # ------------------------------------------------------------------ buffers
+    def _allocate(self) -> None:
+        """Static buffers of Tmax rows; dtypes and trailing shapes from a one-token probe of the
+        model's own parts (so they follow whatever the parts return)."""
+        rows, model, device = self.sizes[-1], self.model, self.device
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        hidden, (cos, sin) = model.embed(self.input_ids[:1], self.positions[:1])
+        self.residual = hidden.new_zeros(rows, *hidden.shape[1:])
+        self.cos = cos.new_zeros(rows, *cos.shape[1:])
+        self.sin = sin.new_zeros(rows, *sin.shape[1:])
+        self.projection: dict[bool, GDNProjection | AttentionProjection] = {}
+        self.core_out: dict[bool, torch.Tensor] = {}
+        for layer_id, kind in enumerate(self._recurrent):
+            if kind not in self.projection:
+                probe = model.project(layer_id, hidden, (cos, sin))
+                self.projection[kind] = type(probe)(*(t.new_zeros(rows, *t.shape[1:]) for t in probe))
+                self.core_out[kind] = hidden.new_zeros(rows, *model.core_shape(layer_id))
+
+    def _projection_rows(self, layer_id: int, rows: int) -> GDNProjection | AttentionProjection:
+        buffers = self.projection[self._recurrent[layer_id]]
+        return type(buffers)(*(t[:rows] for t in buffers))
+
+    def _core_rows(self, layer_id: int, rows: int) -> torch.Tensor:
+        return self.core_out[self._recurrent[layer_id]][:rows]
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the static buffers."""
+        tensors = [self.input_ids, self.positions, self.residual, self.cos, self.sin, *self.core_out.values()]
+        tensors += [t for buffers in self.projection.values() for t in buffers]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # ------------------------------------------------------------------ pieces
+    def _piece(self, index: int, rows: int) -> None:
+        """Piece `index` (0..L) on the first `rows` rows of the static buffers; what it records in a
+        graph. Reads only static buffers and weights, writes only static buffers (copy_ at the end)."""
+        model = self.model
+        cos_sin = (self.cos[:rows], self.sin[:rows])
+        if index == 0:
+            hidden, (cos, sin) = model.embed(self.input_ids[:rows], self.positions[:rows])
+            cos_sin[0].copy_(cos)
+            cos_sin[1].copy_(sin)
+        else:
+            layer_id = index - 1
+            hidden = model.finish(layer_id, self.residual[:rows], self._projection_rows(layer_id, rows),
+                                  self._core_rows(layer_id, rows))
+        if index < self.num_layers:
+            projection = model.project(index, hidden, cos_sin)
+            for dst, src in zip(self._projection_rows(index, rows), projection):
+                dst.copy_(src)
+        self.residual[:rows].copy_(hidden)
+
+    def _run_piece(self, index: int, rows: int) -> None:
+        graphs = self.graphs.get(rows)
+        if graphs is None:
+            self._piece(index, rows)
+        else:
+            graphs[index].replay()
+
+    # ------------------------------------------------------------------ forward
+    def bucket(self, num_tokens: int) -> int:
+        """The smallest bucket holding `num_tokens` rows (`accepts` must hold)."""
+        return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
+
+    def accepts(self, batch: ForwardBatch) -> bool:
+        """Text-only steps of at most the largest bucket's tokens."""
+        return (batch.embedding_overrides is None and batch.mrope_positions is None
+                and batch.num_tokens <= self.sizes[-1])
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
+        """Logits [R, vocab] float32 of `batch.logits_indices`; reads and writes the pools like the
+        model's forward. Raises ValueError for a batch it does not accept."""
+        if not self.accepts(batch):
+            text_only = batch.mrope_positions is None and batch.embedding_overrides is None
+            images = "" if text_only else " with images"
+            raise ValueError(f"the piecewise forward takes text-only steps of at most {self.sizes[-1]} tokens, "
+                             f"got {batch.num_tokens} tokens{images}: run the model's forward")
+        num_tokens = batch.num_tokens
+        rows = self.bucket(num_tokens)
+        self.input_ids[:num_tokens].copy_(batch.input_ids)
+        self.positions[:num_tokens].copy_(batch.positions)
+        if rows > num_tokens:
+            self.input_ids[num_tokens:rows].zero_()
+            self.positions[num_tokens:rows].zero_()
+        for index in range(self.num_layers + 1):
+            self._run_piece(index, rows)
+            if index < self.num_layers:
+                self.model.core(index, self._projection_rows(index, num_tokens), batch, caches,
+                                out=self._core_rows(index, num_tokens))
+        return self.model.compute_logits(self.residual[:num_tokens], batch.logits_indices)
+
+    def __call__(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
+        return self.forward(batch, caches)
+
+    # ------------------------------------------------------------------ capture
+    def _capture(self) -> None:
+        """One graph per piece and bucket, largest bucket first, all in one memory pool. Each bucket
+        first runs its pieces eagerly on the capture stream, so kernels compile and autotune and
+        libraries initialise (cuBLAS workspaces) outside the capture."""
+        device = self.device
+        stream = torch.cuda.Stream(device)
+        pool = torch.cuda.graph_pool_handle()
+        stream.wait_stream(torch.cuda.current_stream(device))
+        for rows in reversed(self.sizes):
+            with torch.cuda.stream(stream):
+                for index in range(self.num_layers + 1):
+                    self._piece(index, rows)
+            stream.synchronize()
+            graphs = []
+            for index in range(self.num_layers + 1):
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self._piece(index, rows)
+                except RuntimeError as err:
+                    raise RuntimeError(
+                        f"CUDA graph capture of piece {index} at {rows} tokens failed ({err}); a token-wise op "
+                        "probably synchronises with the host: run with enforce_eager=True (--enforce-eager)"
+                    ) from err
+                graphs.append(graph)
+            self.graphs[rows] = graphs
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the warm-ups' cached blocks: free again for the pools' sizing

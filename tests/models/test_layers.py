@@ -1,0 +1,66 @@
+"""Building blocks of models/layers.py against transformers' Qwen3-Next modules (same weights), and
+the contract of the fused residual add in `RMSNorm.forward(x, residual)`."""
+
+import pytest
+import torch
+from transformers import Qwen3NextConfig
+from transformers.models.qwen3_next.modeling_qwen3_next import (
+    Qwen3NextMLP,
+    Qwen3NextRMSNorm,
+    Qwen3NextRMSNormGated,
+)
+
+from forkpoint.models.layers import DenseMLP, GatedRMSNorm, RMSNorm
+
+EPS = 1e-6
+
+
+def randomise(*modules, seed=0):
+    """Identical random parameters in modules with the same parameter names."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [dict(m.named_parameters()) for m in modules]
+    with torch.no_grad():
+        for name, p in params[0].items():
+            value = 0.3 * torch.randn(p.shape, generator=gen)
+            for ps in params:
+                ps[name].copy_(value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_transformers(dtype):
+    ours, theirs = RMSNorm(24, EPS), Qwen3NextRMSNorm(24, eps=EPS)
+    randomise(ours, theirs)
+    ours, theirs = ours.to(dtype), theirs.to(dtype)
+    x = (2 * torch.randn(5, 3, 24, generator=torch.Generator().manual_seed(1))).to(dtype)
+    assert torch.equal(ours(x), theirs(x))
+
+
+def test_rms_norm_with_residual_returns_normed_sum_and_sum():
+    norm = RMSNorm(16, EPS)
+    randomise(norm)
+    norm = norm.to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(2)
+    x, residual = (torch.randn(2, 7, 16, generator=gen).bfloat16() for _ in range(2))
+    out = norm(x, residual)
+    assert isinstance(out, tuple) and len(out) == 2
+    normed, summed = out
+    assert torch.equal(summed, residual + x)
+    assert torch.equal(normed, norm(residual + x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm_equals_transformers(dtype):
+    ours, theirs = GatedRMSNorm(16, EPS), Qwen3NextRMSNormGated(16, eps=EPS)
+    randomise(ours, theirs)
+    ours, theirs = ours.to(dtype), theirs.to(dtype)
+    gen = torch.Generator().manual_seed(3)
+    x, gate = (torch.randn(6, 4, 16, generator=gen).to(dtype) for _ in range(2))
+    assert torch.equal(ours(x, gate), theirs(x, gate))
+
+
+def test_dense_mlp_equals_transformers_fp32():
+    ours = DenseMLP(16, 40)
+    theirs = Qwen3NextMLP(Qwen3NextConfig(hidden_size=16, intermediate_size=40, hidden_act="silu"))
+    randomise(ours, theirs)
+    x = torch.randn(9, 16, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(ours(x), theirs(x))

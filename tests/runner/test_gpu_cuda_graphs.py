@@ -1,0 +1,168 @@
+"""Piecewise CUDA graphs (runner/piecewise.py) against the eager forward, on CUDA (skipped without).
+
+Tiny random transformers-built Qwen3.5-MoE with the GPU kernels' head sizes (tests/models/
+test_gpu_model.py), bfloat16. Graph and eager paths run the same kernels; they differ only where a
+graph computes on a padded bucket (GEMMs of another row count round differently), so logits agree
+to bf16 rounding and greedy tokens are identical. Measured values are printed (`pytest -s`, lines
+starting with GPU_GRAPHS).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+
+from forkpoint import LLM, SamplingParams
+from tests.models.test_gpu_model import ENGINE, GPU_DIMS, lengthen_memory, max_logprob_diff, random_ids
+from tests.tiny_models import build_tiny_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+GRAPH_REL_TOL = 1e-2  # graph vs eager, both bf16 CUDA, ||graph - eager|| / ||eager||: logits and pool rows per step
+GRAPH_LOGPROB_TOL = 0.05  # graph vs eager over whole generations, max |logprob difference| of the top 5
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("gpu_graphs")
+    build_tiny_model(directory, "qwen3_5_moe_text", fused_experts=True, **GPU_DIMS)
+    lengthen_memory(directory)
+    return directory
+
+
+def make_llm(model_dir, **kwargs) -> LLM:
+    return LLM(str(model_dir), **{"device": "cuda", "dtype": "bfloat16", **ENGINE, **kwargs})
+
+
+def test_capture_every_bucket_and_when_not_to(model_dir):
+    llm = make_llm(model_dir, cuda_graph_sizes=SIZES)
+    piecewise = llm.engine.runner.piecewise
+    num_layers = llm.engine.model_config.num_layers
+    assert piecewise is not None and sorted(piecewise.graphs) == list(SIZES)
+    assert all(len(graphs) == num_layers + 1 for graphs in piecewise.graphs.values())
+    assert make_llm(model_dir, enforce_eager=True).engine.runner.piecewise is None
+    # float32 routes the experts through the reference MoE, which syncs: eager, with a warning
+    assert make_llm(model_dir, dtype="float32").engine.runner.piecewise is None
+    # the default buckets stop at max_num_batched_tokens
+    default = make_llm(model_dir, max_num_batched_tokens=96).engine.runner.piecewise
+    assert default.sizes == (1, 2, 4, 8, 16, 32, 64, 96)
+
+
+def slot_rows(tensor: torch.Tensor, block_size: int, is_kv: bool) -> torch.Tensor:
+    """Pool tensor as rows of one state slot or one KV token slot: [rows, -1]."""
+    return tensor.reshape(tensor.shape[0] * block_size, -1) if is_kv else tensor.reshape(tensor.shape[0], -1)
+
+
+class GraphVsEager:
+    """Stands in for `ModelRunner.forward`: each step runs eagerly, the pools are restored, then it
+    runs through the graphs. Checks the logits, that the graphs write the pools' rows the eager step
+    writes (to bf16 rounding) and leave every other row bit-identical."""
+
+    def __init__(self, runner, block_size: int) -> None:
+        self.runner, self.block_size = runner, block_size
+        self.worst, self.argmax_equal, self.steps, self.padded = 0.0, True, 0, 0
+
+    def __call__(self, batch):
+        runner = self.runner
+        caches = runner.caches
+        assert runner.piecewise.accepts(batch)
+        tensors = [*caches.conv, *caches.ssm, *caches.k, *caches.v]
+        is_kv = [False] * (len(caches.conv) + len(caches.ssm)) + [True] * (len(caches.k) + len(caches.v))
+        before = [t.clone() for t in tensors]
+        eager = runner.model(batch, caches)
+        after = [t.clone() for t in tensors]
+        for tensor, saved in zip(tensors, before):
+            tensor.copy_(saved)
+        graph = runner.piecewise(batch, caches)
+        rel = ((graph - eager).norm() / eager.norm()).item()
+        self.worst = max(self.worst, rel)
+        self.argmax_equal &= bool(torch.equal(graph.argmax(-1), eager.argmax(-1)))
+        self.steps += 1
+        self.padded += runner.piecewise.bucket(batch.num_tokens) > batch.num_tokens
+        for tensor, old, new, kv in zip(tensors, before, after, is_kv):
+            old_rows, new_rows = slot_rows(old, self.block_size, kv), slot_rows(new, self.block_size, kv)
+            rows = slot_rows(tensor, self.block_size, kv)
+            written = (old_rows != new_rows).any(dim=1)
+            assert torch.equal(rows[~written], old_rows[~written]), "the graph path wrote rows the eager step did not"
+            if written.any():
+                ref = new_rows[written].float()
+                assert ((rows[written].float() - ref).norm() / ref.norm().clamp_min(1e-6)).item() <= GRAPH_REL_TOL
+        return eager
+
+
+def test_graph_steps_match_eager_steps(model_dir):
+    llm = make_llm(model_dir, max_num_batched_tokens=64, cuda_graph_sizes=(1, 2, 4, 8, 16, 32, 64))
+    engine = llm.engine
+    check = GraphVsEager(engine.runner, engine.config.block_size)
+    engine.runner.forward = check
+    generator = torch.Generator().manual_seed(11)
+    anchor = random_ids(generator, 37)
+    marker = llm.checkpoint_token_id
+    prompts = [{"prompt_token_ids": anchor + [marker] + random_ids(generator, n)} for n in (3, 1, 9)]
+    prompts += [{"prompt_token_ids": random_ids(generator, n)} for n in (150, 5)]  # chunked next to decodes
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    print(f"GPU_GRAPHS per-step logits graph vs eager: worst rel err {check.worst:.3e} over {check.steps} steps "
+          f"({check.padded} padded), argmax equal: {check.argmax_equal} (tol {GRAPH_REL_TOL:.0e})")
+    assert check.worst <= GRAPH_REL_TOL and check.argmax_equal and check.padded > 0
+    assert outs[1].num_cached_tokens == len(anchor)
+    engine.check_integrity()
+
+
+def test_greedy_generation_with_graphs_equals_eager_including_one_to_n(model_dir):
+    graphs = make_llm(model_dir, cuda_graph_sizes=SIZES)
+    eager = make_llm(model_dir, cuda_graph_sizes=SIZES, enforce_eager=True)
+    generator = torch.Generator().manual_seed(5)
+    anchor = random_ids(generator, 150)
+    suffixes = [random_ids(generator, n) for n in (5, 17, 40, 1, 64, 23)]
+    marker = graphs.checkpoint_token_id
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    # round 1: producer and consumers in one step (two phases); round 2: from the ready checkpoint
+    prompts = [{"prompt_token_ids": anchor + [marker] + s} for s in suffixes]
+    prompts_plain = [{"prompt_token_ids": random_ids(generator, n)} for n in (3, 77, 300)]  # 300: eager step
+    results = []
+    for llm in (graphs, eager):
+        results.append(llm.generate(prompts[:4], params, use_tqdm=False)
+                       + llm.generate(prompts[4:] + prompts_plain, params, use_tqdm=False))
+    outs, refs = results
+    assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in refs]
+    assert [o.num_cached_tokens for o in outs] == [0] + [len(anchor)] * 5 + [0, 0, 0]
+    diff = max(max_logprob_diff(o, r) for o, r in zip(outs, refs))
+    print(f"GPU_GRAPHS generation graph vs eager: max |logprob diff| {diff:.3e} (tol {GRAPH_LOGPROB_TOL})")
+    assert diff <= GRAPH_LOGPROB_TOL
+    for llm in (graphs, eager):
+        llm.engine.check_integrity()
+
+
+def decode_step_ms(llm: LLM, steps: int = 20) -> float:
+    """Median wall time of a 16-sequence decode step (host enqueue plus GPU; tiny model: host-bound)."""
+    engine = llm.engine
+    generator = torch.Generator().manual_seed(9)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    for i in range(16):
+        engine.add_request(f"d{i}", {"prompt_token_ids": random_ids(generator, 20)}, params)
+    engine.step()  # the prefill
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+    return 1e3 * statistics.median(times)
+
+
+def test_graphs_cut_decode_step_time(model_dir):
+    graphs = decode_step_ms(make_llm(model_dir, cuda_graph_sizes=SIZES))
+    eager = decode_step_ms(make_llm(model_dir, cuda_graph_sizes=SIZES, enforce_eager=True))
+    print(f"GPU_GRAPHS 16-sequence decode step, median: graphs {graphs:.2f} ms, eager {eager:.2f} ms")
+    assert graphs < eager

@@ -1,0 +1,144 @@
+"""The piecewise forward (runner/piecewise.py) without CUDA graphs: the static buffers, padding and
+piece/core plumbing that the graphs replay must give the plain forward's logits and pool writes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from forkpoint import LLM, SamplingParams
+from forkpoint.config import EngineConfig
+from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_sizes
+from tests.helpers import assert_same_outputs
+
+MARK = "<|mamba_checkpoint|>"
+SIZES = (1, 2, 4, 8, 16, 32, 64)  # every step below fits; most are padded
+ENGINE = dict(num_kv_blocks=64, block_size=8, max_num_seqs=8, max_num_batched_tokens=48)
+TOL = dict(rtol=1e-5, atol=1e-5)  # float32: only the padded matmul shapes differ
+
+
+def pool_tensors(caches) -> list[torch.Tensor]:
+    return [*caches.conv, *caches.ssm, *caches.k, *caches.v]
+
+
+class BothPaths:
+    """Stands in for `ModelRunner.forward`: runs each step through the plain forward, restores the
+    pools, runs it again through the piecewise forward, and checks logits and pools agree."""
+
+    def __init__(self, runner, piecewise: PiecewiseForward) -> None:
+        self.runner, self.piecewise = runner, piecewise
+        self.kinds: set[str] = set()
+        self.padded = 0
+
+    def __call__(self, batch):
+        caches = self.runner.caches
+        assert self.piecewise.accepts(batch)
+        before = [t.clone() for t in pool_tensors(caches)]
+        plain = self.runner.model(batch, caches)
+        after = [t.clone() for t in pool_tensors(caches)]
+        for tensor, saved in zip(pool_tensors(caches), before):
+            tensor.copy_(saved)
+        piecewise = self.piecewise(batch, caches)
+        torch.testing.assert_close(piecewise, plain, **TOL)
+        for tensor, expected in zip(pool_tensors(caches), after):
+            torch.testing.assert_close(tensor, expected, **TOL)  # incl. rows no real token touches
+        has_decode = batch.decode is not None
+        self.kinds.add("decode only" if has_decode and not batch.phases else
+                       "prefill only" if not has_decode else "mixed")
+        if len(batch.phases) >= 2:
+            self.kinds.add("two phases")
+        self.padded += self.piecewise.bucket(batch.num_tokens) > batch.num_tokens
+        return plain
+
+
+def words(start: int, count: int) -> str:
+    return " ".join(f"w{i}" for i in range(start, start + count))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "qwen3_5_text"])
+def test_piecewise_steps_match_plain_forward(tiny_model_factory, model_type):
+    directory, _ = tiny_model_factory(model_type)
+    llm = LLM(str(directory), **ENGINE)
+    runner = llm.engine.runner
+    both = BothPaths(runner, PiecewiseForward(runner.model, SIZES, runner.device, capture=False))
+    runner.forward = both
+    anchor = words(0, 13)  # 13 tokens: the shared last block is partial
+    prompts = [f"{anchor} {MARK} w20 w21", f"{anchor} {MARK} w22", f"{anchor} w23 w24 w25",
+               words(30, 70),  # chunked under the 48-token budget, next to the others' decodes
+               "w5"]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+
+    assert both.kinds == {"prefill only", "two phases", "mixed", "decode only"}
+    assert both.padded > 0
+    assert outs[1].num_cached_tokens == 13
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    llm.engine.check_integrity()
+
+
+class CountingPiecewise(PiecewiseForward):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[int] = []
+
+    def forward(self, batch, caches):
+        self.calls.append(batch.num_tokens)
+        return super().forward(batch, caches)
+
+
+def test_generation_through_piecewise_path_equals_plain(moe_model):
+    plain = LLM(str(moe_model[0]), **ENGINE)
+    llm = LLM(str(moe_model[0]), **ENGINE)
+    runner = llm.engine.runner
+    runner.piecewise = CountingPiecewise(runner.model, (2, 8, 32), runner.device, capture=False)
+    anchor = words(40, 21)
+    prompts = [f"{anchor} {MARK} {words(70, n)}" for n in (1, 5, 12)] + [words(90, 40), "w7 w8"]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    refs = plain.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+
+    assert_same_outputs(outs, refs, tol=1e-4)
+    assert [o.num_cached_tokens for o in outs] == [r.num_cached_tokens for r in refs] == [0, 21, 21, 0, 0]
+    calls = runner.piecewise.calls
+    assert calls and max(calls) <= 32
+    assert llm.metrics()["steps"] > len(calls)  # the steps above 32 tokens took the plain forward
+    llm.engine.check_integrity()
+
+
+def test_accepts_text_steps_up_to_the_largest_bucket(moe_model):
+    llm = LLM(str(moe_model[0]), **ENGINE)
+    engine = llm.engine
+    assert engine.runner.piecewise is None  # CPU: the plain forward, always
+    piecewise = PiecewiseForward(engine.runner.model, (16, 4, 4), engine.device, capture=False)
+    assert piecewise.sizes == (4, 16)
+    assert [piecewise.bucket(n) for n in (1, 4, 5, 16)] == [4, 4, 16, 16]
+    engine.add_request("r", words(0, 20), SamplingParams(max_tokens=1))
+    plan = engine.scheduler.schedule()
+    batch, _ = engine.runner.prepare(plan)
+    assert not piecewise.accepts(batch)  # 20 tokens > 16
+    with pytest.raises(ValueError, match="at most 16 tokens"):
+        piecewise(batch, engine.runner.caches)
+    small = dataclasses.replace(batch, input_ids=batch.input_ids[:3], positions=batch.positions[:3])
+    assert piecewise.accepts(small)
+    assert not piecewise.accepts(dataclasses.replace(small, mrope_positions=small.positions.expand(3, -1)))
+    with pytest.raises(ValueError, match="CUDA device"):
+        PiecewiseForward(engine.runner.model, (4,), engine.device, capture=True)
+    engine.runner.forward(batch)  # the plain forward; keeps the engine consistent
+    engine._after_forward(plan)
+    engine.abort_request("r")
+    engine.check_integrity()
+
+
+def test_default_sizes_and_config():
+    assert default_cuda_graph_sizes(8192) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 384) + tuple(range(512, 8193, 512))
+    assert default_cuda_graph_sizes(48) == (1, 2, 4, 8, 16, 32, 48)
+    assert default_cuda_graph_sizes(1000) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 1000)
+    assert default_cuda_graph_sizes(1 << 20)[-1] == 8192
+    config = EngineConfig(cuda_graph_sizes=[64, 1, 8, 8])
+    assert config.cuda_graph_sizes == (1, 8, 64) and not config.enforce_eager
+    with pytest.raises(ValueError, match="token counts >= 1"):
+        EngineConfig(cuda_graph_sizes=[0, 4])
+    with pytest.raises(ValueError, match="exceeds max_num_batched_tokens"):
+        EngineConfig(cuda_graph_sizes=[1, 4096], max_num_batched_tokens=2048)
