@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from forkpoint.config import ModelConfig
 from forkpoint.kernels.attention import copy_kv_slots, paged_attention, write_kv
 from forkpoint.kernels.conv1d import causal_conv1d_step, causal_conv1d_varlen
 from forkpoint.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from forkpoint.kernels.gating import gdn_gating
 from forkpoint.models.layers import DenseMLP, GatedRMSNorm, RMSNorm, RotaryEmbedding, SparseMoE, apply_rotary
 from forkpoint.models.vision import VisionTransformer
 from forkpoint.runner.batch import ForwardBatch
@@ -105,8 +105,7 @@ class GatedDeltaNet(nn.Module):
         num_tokens = x.shape[0]
         mixed = self.in_proj_qkv(x)
         z = self.in_proj_z(x).reshape(num_tokens, self.num_v_heads, self.head_v_dim)
-        beta = torch.sigmoid(self.in_proj_b(x))
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        g, beta = gdn_gating(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
         return GDNProjection(mixed, z, g, beta)
 
     def core(self, p: GDNProjection, batch: ForwardBatch, conv_state: torch.Tensor, ssm_state: torch.Tensor,
@@ -329,8 +328,8 @@ class HybridForCausalLM(nn.Module):
             mixer_out = layer.linear_attn.finish(core, p.z)
         else:
             mixer_out = layer.self_attn.finish(core, p.gate)
-        hidden = residual + mixer_out
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        normed, hidden = layer.post_attention_layernorm(mixer_out, residual)  # fused residual add
+        return hidden + layer.mlp(normed)
 
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """hidden: [T, hidden], the stream leaving the last layer; logits_indices: [R] -> [R, vocab]
