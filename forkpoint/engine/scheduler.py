@@ -41,7 +41,10 @@ class PlannedSegment:
 
 @dataclass(frozen=True)
 class KVCopy:
-    """Copy-on-write of a shared partial block: the first `num_tokens` slots of src into dst."""
+    """Copy-on-write of a shared partial block: the first `num_tokens` slots of src into dst.
+
+    A step's copies apply in list order, after the step's KV write: a later copy may read a block that
+    an earlier one wrote (a same-step consumer of a producer that itself resumed inside that block)."""
 
     src_block: int
     dst_block: int

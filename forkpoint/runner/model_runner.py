@@ -157,11 +157,36 @@ def _stage_phase(staging: _Staging, segments: Sequence[PlannedSegment], token_st
 
 
 def _copy_slots(copies: Sequence[KVCopy], block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Flat source and destination KV slots of the copy-on-write copies."""
+    """Flat source and destination KV slots of the step's copy-on-write copies, chains resolved.
+
+    A copy may read slots that an earlier copy of the same step writes. A producer that resumes from a
+    checkpoint at position p inside a block gets a private copy of that block's first p % block_size
+    slots; a consumer that, in the same step, shares the producer's own checkpoint at q (same block,
+    q > p) then copies the first q % block_size slots of that private block::
+
+        checkpoint's block   [a . . .]     copy 1: slot a
+        producer's block     [a b c .]     a: copy 1, b c: this step's KV write
+        consumer's block     [a b c .]     copy 2: slots a b c of the producer's block
+
+    `copy_kv_slots` gathers every source before it writes any destination (its sources must not be
+    destinations), so each source is followed back through the copies to the slot that holds the data
+    once this step's KV is written: copy 2 reads a from the checkpoint's block, b c from the producer's.
+    """
     if not copies:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     src = np.concatenate([c.src_block * block_size + np.arange(c.num_tokens, dtype=np.int64) for c in copies])
     dst = np.concatenate([c.dst_block * block_size + np.arange(c.num_tokens, dtype=np.int64) for c in copies])
+    chained = np.isin(src, dst)
+    if chained.any():
+        origin = dict(zip(dst.tolist(), src.tolist()))
+        for index in np.flatnonzero(chained).tolist():
+            slot = int(src[index])
+            for _ in range(len(copies)):  # a chain passes each copy at most once
+                slot = origin.get(slot, slot)
+            if slot in origin:
+                raise RuntimeError(f"copy-on-write chain through KV slot {slot} does not end: the plan's copies "
+                                   "form a cycle")
+            src[index] = slot
     return src, dst
 
 
