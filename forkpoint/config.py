@@ -317,8 +317,8 @@ class EngineConfig:
     image_embedding_cache_bytes: int = 256 << 20  # LRU of vision-tower outputs, keyed by image content
     # CUDA graphs (CUDA only): the token-wise parts of the forward are replayed as graphs per padded
     # token count (runner/piecewise.py). True runs every step eagerly (vLLM's name). The bucket sizes
-    # default to runner.piecewise.default_cuda_graph_sizes(max_num_batched_tokens); larger steps and
-    # steps with images run eagerly.
+    # default to runner.piecewise.default_cuda_graph_sizes(max_num_batched_tokens); larger steps run
+    # eagerly.
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
     extra: dict = field(default_factory=dict)

@@ -28,7 +28,7 @@ from torch import nn
 from forkpoint.config import ModelConfig
 from forkpoint.kernels.attention import copy_kv_slots, paged_attention, write_kv
 from forkpoint.kernels.conv1d import causal_conv1d_step, causal_conv1d_varlen
-from forkpoint.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from forkpoint.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule_inplace
 from forkpoint.kernels.gating import gdn_gating
 from forkpoint.models.layers import DenseMLP, GatedRMSNorm, RMSNorm, RotaryEmbedding, SparseMoE, apply_rotary
 from forkpoint.models.vision import VisionTransformer
@@ -125,12 +125,9 @@ class GatedDeltaNet(nn.Module):
             n = decode.num_tokens
             conv_out, new_conv = causal_conv1d_step(mixed[:n], conv_weight, None, conv_state.index_select(0, decode.slots))
             q, k, v = self._split_qkv(conv_out)
-            o, new_ssm = recurrent_gated_delta_rule(
-                q, k, v, g[:n], beta[:n], ssm_state.index_select(0, decode.slots)
-            )
-            out[:n] = o
+            # the ssm rows are updated in place (decode slots are distinct: one row per sequence)
+            out[:n] = recurrent_gated_delta_rule_inplace(q, k, v, g[:n], beta[:n], ssm_state, decode.slots)
             conv_state.index_copy_(0, decode.slots, new_conv.to(conv_state.dtype))
-            ssm_state.index_copy_(0, decode.slots, new_ssm)
 
         for phase in batch.phases:
             lo, hi = phase.token_start, phase.token_end

@@ -193,8 +193,9 @@ def _copy_slots(copies: Sequence[KVCopy], block_size: int) -> tuple[np.ndarray, 
 class ModelRunner:
     """Owns the model; reads the pools' tensors for each forward.
 
-    With `piecewise` (CUDA graphs, runner/piecewise.py), the steps it accepts run through it and the
-    others (images, more tokens than its largest bucket) through the model's plain forward.
+    With `piecewise` (CUDA graphs, runner/piecewise.py), the steps it accepts run through it (text
+    and image steps alike) and the others (more tokens than its largest bucket) through the model's
+    plain forward.
     """
 
     def __init__(self, model: HybridForCausalLM, block_pool: BlockPool, state_pool: StatePool,

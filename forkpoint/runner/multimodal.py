@@ -123,6 +123,8 @@ class MultimodalInputs:
             self.stats.encoder_calls += 1
             self.stats.images_encoded += len(todo)
             for image, rows in zip(todo, encoded.split([image.num_tokens for image in todo])):
+                # a view would pin the whole call's output while the cache counts only its rows
+                rows = rows.clone()
                 found[image.content_hash] = rows
                 self.cache.put(image.content_hash, rows)
         return found

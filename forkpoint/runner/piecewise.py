@@ -1,26 +1,30 @@
 """Piecewise forward: the token-wise parts over static buffers, replayed as CUDA graphs per bucket.
 
-A forward of L decoder layers splits into L + 1 token-wise *pieces* and L varlen *cores*
-(`HybridForCausalLM.embed / project / core / finish / compute_logits`)::
+A forward of L decoder layers splits into an eager prologue, L + 1 token-wise *pieces* and L varlen
+*cores* (`HybridForCausalLM.embed / project / core / finish / compute_logits`)::
 
-    piece 0     embed, rotary cos/sin, input norm + projections of layer 0       graph
-    core 0      layer 0's mixer core on the first T rows (reads the ForwardBatch)  eager
-    piece 1     finish of layer 0 (mixer out, residual, MLP/MoE), project layer 1  graph
+    embed       token embeddings (+ image rows), rotary cos/sin, on the first T rows   eager
+    piece 0     input norm + projections of layer 0                                   graph
+    core 0      layer 0's mixer core on the first T rows (reads the ForwardBatch)       eager
+    piece 1     finish of layer 0 (mixer out, residual, MLP/MoE), project layer 1       graph
     ...
-    piece L     finish of layer L-1: the stream leaving the last layer             graph
-    logits      final norm + lm_head on the logits_indices rows                    eager
+    piece L     finish of layer L-1: the stream leaving the last layer                  graph
+    logits      final norm + lm_head on the logits_indices rows                         eager
 
 Pieces depend on the number of rows only through shapes, so one CUDA graph per piece and bucket
 (a padded token count Tb >= T) replays them: L + 1 replays and L eager cores per step instead of
-~100 launches per layer. Cores are the ops whose launches depend on the step's metadata (decode
-group, phases, block tables, host offsets); they run on the real rows only.
+~100 launches per layer. The embedding runs eagerly (a handful of launches) because what it reads
+differs per step in ways a graph cannot hold: image steps replace rows with vision-tower outputs
+(`embedding_overrides`, M rows) and rotate by [3, T] multi-axis positions. So text and image steps
+take the same graphs. Cores are the ops whose launches depend on the step's metadata (decode group,
+phases, block tables, host offsets); they run on the real rows only.
 
 Static buffers, allocated once with Tmax = the largest bucket rows and shared by all buckets
 (views [:Tb]); every tensor that crosses a piece boundary lives in one of them::
 
-    input_ids, positions [Tmax] long         written before piece 0 (rows T..Tb-1 set to 0)
-    cos, sin [Tmax, rotary_dim]               piece 0
-    residual [Tmax, hidden]                   piece i: the stream entering layer i; piece L: the final one
+    residual [Tmax, hidden]                   embed writes rows [:T] (rows T..Tb-1 zeroed); piece i > 0:
+                                              the stream entering layer i; piece L: the final one
+    cos, sin [Tmax, rotary_dim]               embed writes rows [:T]
     projection[kind]: GDNProjection or        piece i writes layer i's projections; core i reads rows [:T];
       AttentionProjection of [Tmax, ...]      piece i+1 reads z / gate
     core_out[kind] [Tmax, heads, dim]         core i writes rows [:T]; piece i+1 reads
@@ -31,10 +35,10 @@ in at its end), and stream order, captured or not, keeps that order. Because eve
 outputs into static buffers, nothing allocated inside a graph outlives its capture, so all graphs
 share one memory pool (captured largest bucket first; at replay they never run concurrently).
 
-Padding rows (T..Tb-1) compute token-wise garbage (from token 0 at position 0, and whatever an
-earlier step left in the core buffers' rows); no core, pool or logits row ever reads them. Steps
-with images (embedding overrides, multi-axis positions) and steps above the largest bucket take
-the model's plain forward.
+Padding rows (T..Tb-1) compute token-wise garbage that stays finite: the stream enters piece 0 as
+zeros, cos/sin rows only ever hold cos/sin values, core rows hold an earlier step's real outputs (or
+zeros); no core, pool or logits row ever reads them. Steps above the largest bucket take the
+model's plain forward.
 
 `capture=False` runs the same pieces eagerly on the same buffers (the CPU tests of this plumbing).
 """
@@ -135,9 +139,8 @@ class PiecewiseForward:
         """Static buffers of Tmax rows; dtypes and trailing shapes from a one-token probe of the
         model's own parts (so they follow whatever the parts return)."""
         rows, model, device = self.sizes[-1], self.model, self.device
-        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
-        hidden, (cos, sin) = model.embed(self.input_ids[:1], self.positions[:1])
+        token = torch.zeros(1, dtype=torch.long, device=device)
+        hidden, (cos, sin) = model.embed(token, token)
         self.residual = hidden.new_zeros(rows, *hidden.shape[1:])
         self.cos = cos.new_zeros(rows, *cos.shape[1:])
         self.sin = sin.new_zeros(rows, *sin.shape[1:])
@@ -159,7 +162,7 @@ class PiecewiseForward:
     @property
     def num_bytes(self) -> int:
         """Bytes of the static buffers."""
-        tensors = [self.input_ids, self.positions, self.residual, self.cos, self.sin, *self.core_out.values()]
+        tensors = [self.residual, self.cos, self.sin, *self.core_out.values()]
         tensors += [t for buffers in self.projection.values() for t in buffers]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -168,20 +171,31 @@ class PiecewiseForward:
         """Piece `index` (0..L) on the first `rows` rows of the static buffers; what it records in a
         graph. Reads only static buffers and weights, writes only static buffers (copy_ at the end)."""
         model = self.model
-        cos_sin = (self.cos[:rows], self.sin[:rows])
-        if index == 0:
-            hidden, (cos, sin) = model.embed(self.input_ids[:rows], self.positions[:rows])
-            cos_sin[0].copy_(cos)
-            cos_sin[1].copy_(sin)
-        else:
+        hidden = self.residual[:rows]
+        if index > 0:
             layer_id = index - 1
-            hidden = model.finish(layer_id, self.residual[:rows], self._projection_rows(layer_id, rows),
+            hidden = model.finish(layer_id, hidden, self._projection_rows(layer_id, rows),
                                   self._core_rows(layer_id, rows))
         if index < self.num_layers:
-            projection = model.project(index, hidden, cos_sin)
+            projection = model.project(index, hidden, (self.cos[:rows], self.sin[:rows]))
             for dst, src in zip(self._projection_rows(index, rows), projection):
                 dst.copy_(src)
-        self.residual[:rows].copy_(hidden)
+        if index > 0:
+            self.residual[:rows].copy_(hidden)
+
+    def _embed(self, batch: ForwardBatch, rows: int) -> None:
+        """The eager prologue: the step's embeddings (image rows replaced) into residual[:T] and its
+        rotary tables (from the [3, T] multi-axis positions when present) into cos / sin[:T]; the
+        stream's padding rows T..rows-1 are zeroed (cos / sin padding rows keep an earlier step's
+        values, finite by construction), so the garbage the pieces compute there stays finite."""
+        num_tokens = batch.num_tokens
+        positions = batch.positions if batch.mrope_positions is None else batch.mrope_positions
+        hidden, (cos, sin) = self.model.embed(batch.input_ids, positions, batch.embedding_overrides)
+        self.residual[:num_tokens].copy_(hidden)
+        self.cos[:num_tokens].copy_(cos)
+        self.sin[:num_tokens].copy_(sin)
+        if rows > num_tokens:
+            self.residual[num_tokens:rows].zero_()
 
     def _run_piece(self, index: int, rows: int) -> None:
         graphs = self.graphs.get(rows)
@@ -196,26 +210,19 @@ class PiecewiseForward:
         return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
 
     def accepts(self, batch: ForwardBatch) -> bool:
-        """Text-only steps of at most the largest bucket's tokens."""
-        return (batch.embedding_overrides is None and batch.mrope_positions is None
-                and batch.num_tokens <= self.sizes[-1])
+        """Steps (text or images) of at most the largest bucket's tokens."""
+        return batch.num_tokens <= self.sizes[-1]
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
         """Logits [R, vocab] float32 of `batch.logits_indices`; reads and writes the pools like the
         model's forward. Raises ValueError for a batch it does not accept."""
         if not self.accepts(batch):
-            text_only = batch.mrope_positions is None and batch.embedding_overrides is None
-            images = "" if text_only else " with images"
-            raise ValueError(f"the piecewise forward takes text-only steps of at most {self.sizes[-1]} tokens, "
-                             f"got {batch.num_tokens} tokens{images}: run the model's forward")
+            raise ValueError(f"the piecewise forward takes steps of at most {self.sizes[-1]} tokens, "
+                             f"got {batch.num_tokens} tokens: run the model's forward")
         num_tokens = batch.num_tokens
         rows = self.bucket(num_tokens)
-        self.input_ids[:num_tokens].copy_(batch.input_ids)
-        self.positions[:num_tokens].copy_(batch.positions)
-        if rows > num_tokens:
-            self.input_ids[num_tokens:rows].zero_()
-            self.positions[num_tokens:rows].zero_()
+        self._embed(batch, rows)
         for index in range(self.num_layers + 1):
             self._run_piece(index, rows)
             if index < self.num_layers:

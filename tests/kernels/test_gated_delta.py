@@ -9,7 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from forkpoint.kernels import select_variant
-from forkpoint.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule, reference
+from forkpoint.kernels.gated_delta import (
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+    recurrent_gated_delta_rule_inplace,
+    reference,
+)
 
 FP32_REL_RMS = 1e-5  # float32 kernel vs float64 recurrence
 
@@ -216,3 +221,55 @@ def test_rejects_heads_that_do_not_group():
 
 def test_cpu_tensors_dispatch_to_reference():
     assert select_variant("gated_delta", "fla", on_cuda=False) is reference
+    assert select_variant("gated_delta", "triton", on_cuda=False) is reference
+
+
+def _pool_case(n, *, pool_rows, seed, **heads):
+    """Decode inputs for n sequences plus a pool with a zero row 0 and distinct target rows (gaps, shuffled)."""
+    inputs = make_inputs([1] * n, seed=seed, **heads)
+    gen = torch.Generator().manual_seed(seed + 1)
+    pool = 0.5 * torch.randn(pool_rows, *inputs.pop("initial_state").shape[1:], generator=gen)
+    pool[0] = 0
+    slots = torch.randperm(pool_rows - 1, generator=gen)[:n] + 1
+    return inputs, pool, slots
+
+
+@pytest.mark.parametrize("n,heads,v_heads", [(1, 2, 2), (5, 2, 4), (9, 1, 4)])
+def test_inplace_step_equals_gather_step_scatter(n, heads, v_heads):
+    inputs, pool, slots = _pool_case(n, pool_rows=2 * n + 3, seed=20 + n, heads=heads, v_heads=v_heads)
+    o_old, new_state = recurrent_gated_delta_rule(**inputs, initial_state=pool.index_select(0, slots))
+    expected = pool.clone().index_copy_(0, slots, new_state)
+    untouched = torch.ones(len(pool), dtype=torch.bool)
+    untouched[slots] = False
+    before = pool.clone()
+
+    o = recurrent_gated_delta_rule_inplace(**inputs, state_pool=pool, slots=slots)
+    assert torch.equal(o, o_old) and torch.equal(pool, expected)
+    assert torch.equal(pool[untouched], before[untouched]) and not torch.equal(pool[slots], before[slots])
+    assert_matches_naive({**inputs, "initial_state": before[slots]}, [1] * n, o, pool[slots])
+
+
+def test_inplace_step_keeps_options_and_dtype():
+    inputs, pool, slots = _pool_case(3, pool_rows=6, seed=30)
+    inputs["k"] = inputs["k"] / inputs["k"].shape[-1] ** 0.5
+    low = {name: x.bfloat16() if name in ("q", "k", "v", "beta") else x for name, x in inputs.items()}
+    kwargs = dict(scale=0.3, use_qk_l2norm=False)
+    o_old, new_state = recurrent_gated_delta_rule(**low, initial_state=pool[slots], **kwargs)
+    o = recurrent_gated_delta_rule_inplace(**low, state_pool=pool, slots=slots, **kwargs)
+    assert o.dtype == torch.bfloat16 and torch.equal(o, o_old) and torch.equal(pool[slots], new_state)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda pool, slots: (pool.double(), slots), "float32"),
+        (lambda pool, slots: (pool[:, :, :, :4], slots), r"\[S, HV, K, V\]"),
+        (lambda pool, slots: (pool, slots.int()), "LongTensor"),
+        (lambda pool, slots: (pool, slots[:2]), "LongTensor"),
+    ],
+)
+def test_inplace_step_rejects_bad_pool_or_slots(change, match):
+    inputs, pool, slots = _pool_case(3, pool_rows=6, seed=31)
+    pool, slots = change(pool, slots)
+    with pytest.raises(ValueError, match=match):
+        recurrent_gated_delta_rule_inplace(**inputs, state_pool=pool, slots=slots)

@@ -1,7 +1,7 @@
 """Piecewise CUDA graphs (runner/piecewise.py) against the eager forward, on CUDA (skipped without).
 
 Tiny random transformers-built Qwen3.5-MoE with the GPU kernels' head sizes (tests/models/
-test_gpu_model.py), bfloat16. Graph and eager paths run the same kernels; they differ only where a
+test_gpu_model.py), text-only and with a vision tower, bfloat16. Graph and eager paths run the same kernels; they differ only where a
 graph computes on a padded bucket (GEMMs of another row count round differently), so logits agree
 to bf16 rounding and greedy tokens are identical. Measured values are printed (`pytest -s`, lines
 starting with GPU_GRAPHS).
@@ -17,7 +17,7 @@ import torch
 
 from forkpoint import LLM, SamplingParams
 from tests.models.test_gpu_model import ENGINE, GPU_DIMS, lengthen_memory, max_logprob_diff, random_ids
-from tests.tiny_models import build_tiny_model
+from tests.tiny_models import IMAGE, build_tiny_model, random_image, words
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,6 +33,16 @@ GRAPH_LOGPROB_TOL = 0.05  # graph vs eager over whole generations, max |logprob 
 def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("gpu_graphs")
     build_tiny_model(directory, "qwen3_5_moe_text", fused_experts=True, **GPU_DIMS)
+    lengthen_memory(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def image_model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("gpu_graphs_images")
+    # rotary_dim 32: 16 frequencies, split over the T, H, W axes
+    rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[6, 5, 5])
+    build_tiny_model(directory, "qwen3_5_moe", fused_experts=True, rope_parameters=rope, **GPU_DIMS)
     lengthen_memory(directory)
     return directory
 
@@ -68,6 +78,7 @@ class GraphVsEager:
     def __init__(self, runner, block_size: int) -> None:
         self.runner, self.block_size = runner, block_size
         self.worst, self.argmax_equal, self.steps, self.padded = 0.0, True, 0, 0
+        self.image_steps = 0
 
     def __call__(self, batch):
         runner = self.runner
@@ -86,6 +97,7 @@ class GraphVsEager:
         self.argmax_equal &= bool(torch.equal(graph.argmax(-1), eager.argmax(-1)))
         self.steps += 1
         self.padded += runner.piecewise.bucket(batch.num_tokens) > batch.num_tokens
+        self.image_steps += batch.embedding_overrides is not None and batch.mrope_positions is not None
         for tensor, old, new, kv in zip(tensors, before, after, is_kv):
             old_rows, new_rows = slot_rows(old, self.block_size, kv), slot_rows(new, self.block_size, kv)
             rows = slot_rows(tensor, self.block_size, kv)
@@ -112,6 +124,35 @@ def test_graph_steps_match_eager_steps(model_dir):
           f"({check.padded} padded), argmax equal: {check.argmax_equal} (tol {GRAPH_REL_TOL:.0e})")
     assert check.worst <= GRAPH_REL_TOL and check.argmax_equal and check.padded > 0
     assert outs[1].num_cached_tokens == len(anchor)
+    engine.check_integrity()
+
+
+def image_prompts(marker: str) -> list[dict]:
+    """One-to-N with images: an anchor with an image, a checkpoint, suffixes with their own image."""
+    anchor = f"{words(*range(0, 20))} {IMAGE} {words(20, 21, 22)}"  # 20 + 1 + 15 + 1 + 3 = 40 tokens
+    prompts = [{"prompt": f"{anchor}{marker} {words(30 + i, 31)} {IMAGE} {words(40 + i)}",
+                "multi_modal_data": {"image": [random_image(1, 40, 24), random_image(2 + i, 16 + 8 * i, 32)]}}
+               for i in range(3)]
+    return prompts + [{"prompt": words(*range(50, 120))}, {"prompt": f"{IMAGE} {words(7)}",
+                                                          "multi_modal_data": {"image": [random_image(9, 32, 32)]}}]
+
+
+def test_image_steps_through_graphs_match_eager_steps(image_model_dir):
+    """Steps that compute image tokens replay the graphs (embedding overrides and [3, T] rotary
+    computed eagerly into the static buffers) and match the eager forward."""
+    llm = make_llm(image_model_dir, max_num_batched_tokens=64, cuda_graph_sizes=(1, 2, 4, 8, 16, 32, 64))
+    engine = llm.engine
+    assert engine.runner.piecewise is not None and engine.runner.piecewise.graphs
+    check = GraphVsEager(engine.runner, engine.config.block_size)
+    engine.runner.forward = check
+    prompts = image_prompts("<|mamba_checkpoint|>")  # LLM's default checkpoint_token
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    print(f"GPU_GRAPHS image steps, per-step logits graph vs eager: worst rel err {check.worst:.3e} over "
+          f"{check.steps} steps ({check.image_steps} with images, {check.padded} padded), argmax equal: "
+          f"{check.argmax_equal} (tol {GRAPH_REL_TOL:.0e})")
+    assert check.worst <= GRAPH_REL_TOL and check.argmax_equal
+    assert check.image_steps >= 2 and check.padded > 0
+    assert [o.num_cached_tokens for o in outs[:3]] == [0, 40, 40]
     engine.check_integrity()
 
 

@@ -1,5 +1,6 @@
 """The piecewise forward (runner/piecewise.py) without CUDA graphs: the static buffers, padding and
-piece/core plumbing that the graphs replay must give the plain forward's logits and pool writes."""
+piece/core plumbing that the graphs replay must give the plain forward's logits and pool writes, for
+text steps and steps that compute image tokens alike."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from forkpoint import LLM, SamplingParams
 from forkpoint.config import EngineConfig
 from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_sizes
 from tests.helpers import assert_same_outputs
+from tests.tiny_models import IMAGE, random_image
 
 MARK = "<|mamba_checkpoint|>"
 SIZES = (1, 2, 4, 8, 16, 32, 64)  # every step below fits; most are padded
@@ -31,6 +33,7 @@ class BothPaths:
         self.runner, self.piecewise = runner, piecewise
         self.kinds: set[str] = set()
         self.padded = 0
+        self.image_steps = 0
 
     def __call__(self, batch):
         caches = self.runner.caches
@@ -44,12 +47,15 @@ class BothPaths:
         torch.testing.assert_close(piecewise, plain, **TOL)
         for tensor, expected in zip(pool_tensors(caches), after):
             torch.testing.assert_close(tensor, expected, **TOL)  # incl. rows no real token touches
+        rows = self.piecewise.bucket(batch.num_tokens)
+        assert torch.isfinite(self.piecewise.residual[:rows]).all()  # padding rows included
         has_decode = batch.decode is not None
         self.kinds.add("decode only" if has_decode and not batch.phases else
                        "prefill only" if not has_decode else "mixed")
         if len(batch.phases) >= 2:
             self.kinds.add("two phases")
-        self.padded += self.piecewise.bucket(batch.num_tokens) > batch.num_tokens
+        self.padded += rows > batch.num_tokens
+        self.image_steps += batch.embedding_overrides is not None and batch.mrope_positions is not None
         return plain
 
 
@@ -74,6 +80,30 @@ def test_piecewise_steps_match_plain_forward(tiny_model_factory, model_type):
     assert both.kinds == {"prefill only", "two phases", "mixed", "decode only"}
     assert both.padded > 0
     assert outs[1].num_cached_tokens == 13
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe", "qwen3_5"])
+def test_image_steps_through_piecewise_path_match_plain_forward(tiny_model_factory, model_type):
+    """Steps that compute image tokens (embedding overrides, [3, T] rotary positions) take the
+    piecewise path: images split across chunks, next to decodes and text prefills, one-to-N."""
+    directory, _ = tiny_model_factory(model_type)
+    llm = LLM(str(directory), **ENGINE)
+    runner = llm.engine.runner
+    both = BothPaths(runner, PiecewiseForward(runner.model, SIZES, runner.device, capture=False))
+    runner.forward = both
+    anchor = f"{words(0, 9)} {IMAGE} {words(9, 3)}"  # 9 + 1 + 15 + 1 + 3 = 29 tokens
+    images = [random_image(40 + i, 16 + 8 * i, 16) for i in range(3)]
+    prompts = [{"prompt": f"{anchor}{MARK} {words(20 + i, 2)} {IMAGE} {words(30, 2)}",
+                "multi_modal_data": {"image": [random_image(1, 40, 24), images[i]]}} for i in range(3)]
+    prompts += [{"prompt": words(50, 30)}, {"prompt": f"{IMAGE} w7", "multi_modal_data": {"image": [images[0]]}}]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+
+    assert both.image_steps >= 2 and both.padded > 0
+    assert "mixed" in both.kinds  # an image prefill next to decodes
+    assert [o.num_cached_tokens for o in outs][:3] == [0, 29, 29]
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
     llm.engine.check_integrity()
 
@@ -107,7 +137,7 @@ def test_generation_through_piecewise_path_equals_plain(moe_model):
     llm.engine.check_integrity()
 
 
-def test_accepts_text_steps_up_to_the_largest_bucket(moe_model):
+def test_accepts_steps_up_to_the_largest_bucket(moe_model):
     llm = LLM(str(moe_model[0]), **ENGINE)
     engine = llm.engine
     assert engine.runner.piecewise is None  # CPU: the plain forward, always
@@ -122,7 +152,7 @@ def test_accepts_text_steps_up_to_the_largest_bucket(moe_model):
         piecewise(batch, engine.runner.caches)
     small = dataclasses.replace(batch, input_ids=batch.input_ids[:3], positions=batch.positions[:3])
     assert piecewise.accepts(small)
-    assert not piecewise.accepts(dataclasses.replace(small, mrope_positions=small.positions.expand(3, -1)))
+    assert piecewise.accepts(dataclasses.replace(small, mrope_positions=small.positions.expand(3, -1)))
     with pytest.raises(ValueError, match="CUDA device"):
         PiecewiseForward(engine.runner.model, (4,), engine.device, capture=True)
     engine.runner.forward(batch)  # the plain forward; keeps the engine consistent

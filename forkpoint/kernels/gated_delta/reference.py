@@ -228,3 +228,47 @@ def recurrent_gated_delta_rule(
     state = state + k[..., :, None] * delta[..., None, :]
     o = (q[..., None, :] @ state).squeeze(-2)
     return o.to(v.dtype), state
+
+
+def recurrent_gated_delta_rule_inplace(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """One decode step of N sequences whose states live in a pool, updated in place.
+
+    q, k: [N, H, K]; v: [N, HV, V] with HV % H == 0; g: [N, HV] fp32 log-decay (<= 0); beta: [N, HV];
+    state_pool: [S, HV, K, V] fp32, rows ``slots`` read and overwritten, every other row untouched;
+    slots: [N] long on the pool's device. Precondition (not checked: that would sync the host):
+    ``slots`` are distinct, otherwise the rows' final contents are unspecified.
+    Returns o [N, HV, V] in v.dtype. Same math as ``recurrent_gated_delta_rule`` on
+    ``state_pool[slots]``, followed by the write-back.
+    """
+    _check_heads(q, k, v, g, beta)
+    _check_pool(state_pool, slots, v.shape[1], q.shape[2], v.shape[2], v.shape[0])
+    o, state = recurrent_gated_delta_rule(
+        q, k, v, g, beta, state_pool.index_select(0, slots), scale=scale, use_qk_l2norm=use_qk_l2norm
+    )
+    state_pool.index_copy_(0, slots, state)
+    return o
+
+
+def _check_pool(state_pool: torch.Tensor, slots: torch.Tensor, num_v_heads: int, head_k: int, head_v: int,
+                num_seqs: int) -> None:
+    """Shape and dtype checks of ``recurrent_gated_delta_rule_inplace``'s pool (metadata only, no sync)."""
+    if state_pool.dim() != 4 or state_pool.shape[1:] != (num_v_heads, head_k, head_v):
+        raise ValueError(
+            f"state_pool must be [S, HV, K, V] = [S, {num_v_heads}, {head_k}, {head_v}], got {tuple(state_pool.shape)}"
+        )
+    if state_pool.dtype != torch.float32:
+        raise ValueError(f"state_pool must be float32, got {state_pool.dtype}: the recurrent state is kept in fp32")
+    if slots.shape != (num_seqs,) or slots.dtype != torch.long:
+        raise ValueError(f"slots must be a LongTensor [N] = [{num_seqs}] (one pool row per sequence), "
+                         f"got {slots.dtype} {tuple(slots.shape)}")
