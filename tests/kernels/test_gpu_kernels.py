@@ -139,6 +139,73 @@ def test_two_phase_equals_one_pass(poison):
     check("two_phase_vs_one_pass_state", st2, st1, 1e-2)
 
 
+def _pool_case(gen, n, h, hv, dim, pool_rows):
+    """Decode inputs plus a pool (row 0 zero) and n distinct target rows in random order, with gaps."""
+    q, k, v, g, beta, _ = _gdn_inputs(gen, [1] * n, h, hv, dim, dim)
+    pool = 0.1 * torch.randn(pool_rows, hv, dim, dim, generator=gen, device=DEV)
+    pool[0] = 0
+    slots = (torch.randperm(pool_rows - 1, generator=gen, device=DEV)[:n] + 1).long()
+    return q, k, v, g, beta, pool, slots
+
+
+@pytest.mark.parametrize("n", [1, 3, 64])
+@pytest.mark.parametrize("h,hv,dim", [(16, 32, 128), (4, 4, 128), (2, 4, 64)])
+def test_recurrent_inplace_matches_reference(poison, n, h, hv, dim):
+    """Triton in-place step vs gather / reference step / scatter: o (NaN-poisoned before the kernel
+    writes it), the target rows, and every other row bit-identical (row 0 stays zero)."""
+    tri = pytest.importorskip("forkpoint.kernels.gated_delta.triton")
+    from forkpoint.kernels.gated_delta import reference
+
+    gen = torch.Generator(device=DEV).manual_seed(2000 + 7 * n + hv + dim)
+    q, k, v, g, beta, pool, slots = _pool_case(gen, n, h, hv, dim, pool_rows=2 * n + 5)
+    before = pool.clone()
+    o = tri.recurrent_gated_delta_rule_inplace(q, k, v, g, beta, pool, slots)
+    torch.cuda.synchronize()
+    pool_ref = before.cpu()
+    o_ref = reference.recurrent_gated_delta_rule_inplace(*_cpu(q, k, v, g, beta), pool_ref, slots.cpu())
+    assert o.dtype == v.dtype and pool.dtype == torch.float32
+    check(f"gdn_inplace_o N={n} H={h} HV={hv} K={dim}", o, o_ref, 1e-2)
+    check(f"gdn_inplace_state N={n} H={h} HV={hv} K={dim}", pool[slots], pool_ref[slots.cpu()], 1e-5)
+    untouched = torch.ones(len(pool), dtype=torch.bool, device=DEV)
+    untouched[slots] = False
+    assert torch.equal(pool[untouched], before[untouched]), "rows outside `slots` must stay bit-identical"
+    assert not pool[0].any(), "the zero row must stay zero"
+
+
+def test_recurrent_inplace_matches_fla_path(poison):
+    """The in-place kernel against the path it replaces (index_select, fla fused recurrent, index_copy_)."""
+    tri = pytest.importorskip("forkpoint.kernels.gated_delta.triton")
+    fla = pytest.importorskip("forkpoint.kernels.gated_delta.fla")
+    gen = torch.Generator(device=DEV).manual_seed(2100)
+    q, k, v, g, beta, pool, slots = _pool_case(gen, 16, 16, 32, 128, pool_rows=40)
+    o_fla, st_fla = fla.recurrent_gated_delta_rule(q, k, v, g, beta, pool.index_select(0, slots))
+    o = tri.recurrent_gated_delta_rule_inplace(q, k, v, g, beta, pool, slots)
+    check("gdn_inplace_vs_fla_o", o, o_fla, 1e-2)
+    check("gdn_inplace_vs_fla_state", pool[slots], st_fla, 1e-5)
+
+
+def test_recurrent_inplace_in_cuda_graph():
+    """Captured once, replayed twice: two reference steps. Also no host sync once compiled."""
+    tri = pytest.importorskip("forkpoint.kernels.gated_delta.triton")
+    from forkpoint.kernels.gated_delta import reference
+
+    gen = torch.Generator(device=DEV).manual_seed(2200)
+    q, k, v, g, beta, pool, slots = _pool_case(gen, 8, 2, 4, 128, pool_rows=20)
+    scratch = pool.clone()
+    tri.recurrent_gated_delta_rule_inplace(q, k, v, g, beta, scratch, slots)  # compile outside capture
+    _no_sync(lambda: tri.recurrent_gated_delta_rule_inplace(q, k, v, g, beta, scratch, slots))
+    pool_ref = pool.cpu()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = tri.recurrent_gated_delta_rule_inplace(q, k, v, g, beta, pool, slots)
+    for step in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        o_ref = reference.recurrent_gated_delta_rule_inplace(*_cpu(q, k, v, g, beta), pool_ref, slots.cpu())
+        check(f"gdn_inplace_graph_o step {step}", o, o_ref, 1e-2)
+        check(f"gdn_inplace_graph_state step {step}", pool, pool_ref, 1e-5)
+
+
 # ---------------------------------------------------------------- conv1d
 
 def test_causal_conv1d_varlen_matches_reference(poison):
@@ -226,6 +293,45 @@ def test_paged_attention_matches_reference(poison, hq, hkv, dh, block_size):
     check(f"paged_attention decode HQ={hq} HKV={hkv} Dh={dh} bs={block_size}", od, od_ref, 1e-2)
 
 
+def _prefill_configs_for(tri, g, dh):
+    block_d = max(16, 1 << (dh - 1).bit_length())
+    return tri._prune_prefill(list(tri.PREFILL_CONFIGS), {}, G=g, BLOCK_D=block_d, Q_BUCKET=1)
+
+
+def test_paged_attention_every_prefill_tile_matches_reference(poison):
+    """Each tile the autotuner may pick for the Qwen3.5 shape, forced, is correct (the autotuner
+    would keep a wrong but fast one)."""
+    tri = pytest.importorskip("forkpoint.kernels.attention.triton")
+    from forkpoint.kernels.attention import reference
+
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    q, kc, vc, bt, cu, seq_lens = _paged_case(gen, 16, 2, 256, 16)
+    o_ref = reference.paged_attention(*_cpu(q, kc, vc, bt), torch.tensor(cu), cu, torch.tensor(seq_lens), seq_lens,
+                                      scale=0.0625)
+    configs = _prefill_configs_for(tri, 8, 256)
+    assert any(c.kwargs["BLOCK_M"] == 128 for c in configs), "no 16-position tile left for G=8, Dh=256"
+    for c in configs:
+        o = tri.paged_attention_with_config(q, kc, vc, bt.to(DEV), torch.tensor(cu, device=DEV), cu,
+                                            torch.tensor(seq_lens, device=DEV), seq_lens, scale=0.0625, config=c)
+        check(f"paged_attention tile {c}", o, o_ref, 1e-2)
+
+
+def test_paged_attention_autotune_key_is_stable_across_steps():
+    """Prefill steps of new lengths reuse the tuned tile: the key holds no raw query length."""
+    tri = pytest.importorskip("forkpoint.kernels.attention.triton")
+    gen = torch.Generator(device=DEV).manual_seed(8)
+    q, kc, vc, bt, cu, seq_lens = _paged_case(gen, 16, 2, 256, 16)
+    args = (bt.to(DEV), torch.tensor(cu, device=DEV), cu, torch.tensor(seq_lens, device=DEV), seq_lens)
+    tri.paged_attention(q, kc, vc, *args, scale=0.0625)
+    tuned = dict(tri.prefill_tuned_configs())
+    for q_len in (37, 200):
+        cu2, sl2 = [0, q_len], [q_len]
+        q2 = torch.randn(q_len, 16, 256, generator=gen, device=DEV).bfloat16()
+        tri.paged_attention(q2, kc, vc, bt[:1].to(DEV), torch.tensor(cu2, device=DEV), cu2,
+                            torch.tensor(sl2, device=DEV), sl2, scale=0.0625)
+    assert tri.prefill_tuned_configs() == tuned
+
+
 # ---------------------------------------------------------------- MoE
 
 @pytest.mark.parametrize("t,e,top_k,hidden,inter", [(100, 16, 4, 256, 128), (7, 64, 8, 512, 64)])
@@ -252,6 +358,7 @@ def test_grouped_moe_matches_reference(poison, t, e, top_k, hidden, inter):
     [
         ("gated_delta", "fla", "chunk_gated_delta_rule", 8),
         ("gated_delta", "fla", "recurrent_gated_delta_rule", 6),
+        ("gated_delta", "triton", "recurrent_gated_delta_rule_inplace", 7),
         ("conv1d", "triton", "causal_conv1d_varlen", 6),
         ("conv1d", "triton", "causal_conv1d_step", 4),
         ("attention", "triton", "paged_attention", 8),
@@ -283,7 +390,9 @@ def test_prefill_ops_no_host_sync():
     """Warm up (fla autotunes, syncing), then new offsets with the same token count: no sync."""
     fla = pytest.importorskip("forkpoint.kernels.gated_delta.fla")
     tri = pytest.importorskip("forkpoint.kernels.conv1d.triton")
+    gdn = pytest.importorskip("forkpoint.kernels.gated_delta.triton")
     gen = torch.Generator(device=DEV).manual_seed(9)
+    slots = torch.tensor([5, 2, 4, 1], device=DEV)
     x = torch.randn(256, 1024, generator=gen, device=DEV).bfloat16()
     weight = torch.randn(1024, 4, generator=gen, device=DEV).bfloat16()
     q, k, v, g, beta, _ = _gdn_inputs(gen, [256], 4, 8, 128, 128)
@@ -296,6 +405,8 @@ def test_prefill_ops_no_host_sync():
         tri.causal_conv1d_varlen(x, weight, None, c0, cu_dev, cu)
         fla.chunk_gated_delta_rule(q, k, v, g, beta, s0, cu_dev, cu)
         fla.recurrent_gated_delta_rule(q[:4], k[:4], v[:4], g[:4], beta[:4], s0[:1].expand(4, -1, -1, -1))
+        pool = torch.zeros(6, 8, 128, 128, device=DEV)
+        gdn.recurrent_gated_delta_rule_inplace(q[:4], k[:4], v[:4], g[:4], beta[:4], pool, slots)
         tri.causal_conv1d_step(x[:4], weight, None, c0[:1].expand(4, -1, -1))
 
     run([100, 100, 56])

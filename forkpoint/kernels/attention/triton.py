@@ -15,6 +15,8 @@ Query i of segment n sits at position seq_lens[n] - q_len[n] + i and reads kv po
 through block_tables[n] (position p lives in slot block_tables[n, p // block_size] * block_size
 + p % block_size). Online softmax in fp32 (exp2). The grid's first axis comes from the host's
 largest q_len (`cu_seqlens_q_host`), everything else is read on the device: no host sync.
+Prefill tiles (BLOCK_M rows, BLOCK_N keys per step, warps, pipeline stages) are autotuned once per
+(G, head dim, short/long step) and cached; decode steps use one fixed small tile (see below).
 Not done here: split-KV (flash-decoding) for long decode contexts with few sequences.
 """
 
@@ -29,14 +31,47 @@ from forkpoint.kernels.attention.reference import copy_kv_slots, write_kv  # noq
 
 
 @triton.jit
+def _attn_block(acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, stride_kb, stride_ks,
+                stride_vb, stride_vs, block_size, o_d, m_d, qk_scale,
+                BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """One online-softmax step over kv positions [start, start + BLOCK_N). MASKED=False: every one
+    of them is < hi and visible to every row of the tile (no causal or bounds masks)."""
+    kv = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        m_kv = kv < hi
+        blk = tl.load(bt_row + kv // block_size, mask=m_kv, other=0).to(tl.int64)
+        m_load = m_kv[:, None] & m_d[None, :]
+    else:
+        blk = tl.load(bt_row + kv // block_size).to(tl.int64)
+        m_load = m_d[None, :]
+    off = kv % block_size
+    k = tl.load(k_base + (blk * stride_kb + off * stride_ks)[:, None] + o_d[None, :], mask=m_load, other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        s = tl.where((kv[None, :] <= q_pos[:, None]) & m_kv[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # a row that sees no key yet keeps its arithmetic finite
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + (blk * stride_vb + off * stride_vs)[:, None] + o_d[None, :], mask=m_load, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _paged_attn_kernel(Q, Kc, Vc, O, block_tables, cu_q, seq_lens, qk_scale,
                        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                        stride_vb, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
                        block_size, Dh,
-                       G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                       G: tl.constexpr, BLOCK_D: tl.constexpr, Q_BUCKET: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Q_BUCKET is unused here: it only keys the prefill autotuner (see `_q_bucket`)
     i_m, i_n, i_hk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    # BLOCK_P = BLOCK_M // G query positions per tile
+    BLOCK_P = BLOCK_M // G                       # query positions per tile
     q_start = tl.load(cu_q + i_n).to(tl.int64)
     q_len = tl.load(cu_q + i_n + 1).to(tl.int64) - q_start
     if i_m * BLOCK_P >= q_len:
@@ -55,38 +90,98 @@ def _paged_attn_kernel(Q, Kc, Vc, O, block_tables, cu_q, seq_lens, qk_scale,
     q_pos = ctx + pos
     last = tl.minimum((i_m + 1) * BLOCK_P, q_len) - 1
     hi = tl.minimum(kv_len, ctx + last + 1)      # kv positions [0, hi) are visible to this tile
+    # kv positions [0, full) are visible to every row (padding rows sit at later positions):
+    # whole BLOCK_N steps there need no mask; the causal diagonal and the tail after it do
+    full = (ctx + i_m * BLOCK_P + 1) // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row = block_tables + i_n.to(tl.int64) * stride_bt
-    for start in range(0, hi, BLOCK_N):
-        kv = start + tl.arange(0, BLOCK_N)
-        m_kv = kv < hi
-        blk = tl.load(bt_row + kv // block_size, mask=m_kv, other=0).to(tl.int64)
-        off = kv % block_size
-        k = tl.load(Kc + (blk * stride_kb + off * stride_ks + i_hk * stride_kh)[:, None] + o_d[None, :],
-                    mask=m_kv[:, None] & m_d[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        visible = (kv[None, :] <= q_pos[:, None]) & m_kv[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # rows past q_len can see nothing in a tile; keep their arithmetic finite
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(Vc + (blk * stride_vb + off * stride_vs + i_hk * stride_vh)[:, None] + o_d[None, :],
-                    mask=m_kv[:, None] & m_d[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    k_base = Kc + i_hk * stride_kh
+    v_base = Vc + i_hk * stride_vh
+    for start in range(0, full, BLOCK_N):
+        acc, l_i, m_i = _attn_block(acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, stride_kb, stride_ks,
+                                    stride_vb, stride_vs, block_size, o_d, m_d, qk_scale, BLOCK_N, False)
+    for start in range(full, hi, BLOCK_N):
+        acc, l_i, m_i = _attn_block(acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, stride_kb, stride_ks,
+                                    stride_vb, stride_vs, block_size, o_d, m_d, qk_scale, BLOCK_N, True)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(O + (q_start + pos)[:, None] * stride_ot + head[:, None] * stride_oh + o_d[None, :],
              out.to(O.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
 
 
+# ---------------------------------------------------------------- tile configs
+#
+# A tile is BLOCK_M rows = BLOCK_M // G query positions x the G heads of one kv head; every K/V
+# block of the context is read once per tile, so long prefixes want many positions per tile.
+# Prefill steps pick their tile by autotuning over PREFILL_CONFIGS, once per key (G, BLOCK_D,
+# Q_BUCKET, dtypes): values that do not change from step to step, so the tuning (a few seconds:
+# every config is compiled and timed on that call's inputs) happens in the engine's warm-up.
+# Decode-only steps (max_q * G <= 16) keep one small fixed tile: no tuning, graph-capturable.
+
+PREFILL_CONFIGS = tuple(
+    triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+    for m in (64, 128) for n in (32, 64) for w in (4, 8) for s in (1, 2, 3)
+)
+_REGS_PER_THREAD = 128       # fp32 accumulator registers a thread may hold (of 255)
+_SMEM_BYTES = 160 * 1024     # estimated shared memory per program (H100/H200: 227 KB max)
+
+
+def _fits(config: triton.Config, g: int, block_d: int, elem_bytes: int = 2) -> bool:
+    """Whether a prefill tile is plausible: BLOCK_M covers a whole GQA group, the fp32 accumulator
+    [BLOCK_M, BLOCK_D] leaves registers to spare, and the pipelined K/V tiles plus q fit in
+    shared memory (an over-estimate: Triton may keep q in registers)."""
+    m, n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    if m < _next_pow2(g):
+        return False
+    if m * block_d > _REGS_PER_THREAD * 32 * config.num_warps:
+        return False
+    smem = (max(1, config.num_stages) * 2 * n * block_d + m * block_d) * elem_bytes
+    return smem <= _SMEM_BYTES
+
+
+def _prune_prefill(configs, named_args, **kwargs):
+    g, block_d = kwargs["G"], kwargs["BLOCK_D"]
+    elem = named_args["Kc"].element_size() if "Kc" in named_args else 2
+    kept = [c for c in configs if _fits(c, g, block_d, elem)]
+    if kept:
+        return kept
+    # a group wider than every tile: one tile of the whole group
+    return [triton.Config({"BLOCK_M": _next_pow2(g), "BLOCK_N": 32}, num_warps=8, num_stages=1)]
+
+
+_paged_attn_prefill = triton.autotune(
+    configs=list(PREFILL_CONFIGS), key=["G", "BLOCK_D", "Q_BUCKET"],
+    prune_configs_by={"early_config_prune": _prune_prefill},
+)(_paged_attn_kernel)
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
+
+
+def _q_bucket(max_q: int) -> int:
+    """Autotune key for the step's longest query segment: short prefills (<= 16 positions, a
+    chunk of a few tokens among decodes) and long ones tune separately. Not raw max_q: that would
+    re-tune on every new prompt length."""
+    return 0 if max_q <= 16 else 1
+
+
+def decode_config(g: int, block_d: int) -> triton.Config:
+    """The fixed tile of decode-only steps: the smallest that still feeds tl.dot."""
+    m = max(16, _next_pow2(g))
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": 32 if block_d >= 256 else 64},
+                         num_warps=8 if m * block_d >= 64 * 256 else 4, num_stages=2)
+
+
+def is_decode_step(max_q: int, g: int) -> bool:
+    return max_q * g <= 16
+
+
+def prefill_tuned_configs() -> dict:
+    """What the prefill autotuner chose so far: {(G, BLOCK_D, Q_BUCKET, dtypes...): config string}."""
+    return {k: str(c) for k, c in _paged_attn_prefill.cache.items()}
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_q_host,
@@ -97,8 +192,17 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_
     [num_blocks, block_size, HKV, Dh] (HQ % HKV == 0); block_tables: [N, max_blocks] int32;
     cu_seqlens_q: [N+1] on the device (cu_seqlens_q_host the same on the host); seq_lens: [N] kv
     length of each segment after this step's tokens (seq_lens_host unused: kept for the contract).
-    Returns o [T, HQ, Dh] in q.dtype, a new tensor; every row of it is written.
+    Returns o [T, HQ, Dh] in q.dtype, a new tensor; every row of it is written. The first prefill
+    call per (G, Dh, short/long) autotunes its tile (synchronises; not inside a CUDA graph capture).
     """
+    return paged_attention_with_config(q, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_q_host,
+                                       seq_lens, seq_lens_host, scale=scale)
+
+
+def paged_attention_with_config(q, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_q_host,
+                                seq_lens, seq_lens_host, *, scale, config: triton.Config | None = None):
+    """`paged_attention` with the tile forced to `config` (tests, benchmarks); None: decode steps
+    use `decode_config`, prefill steps the autotuner."""
     T, hq, dh = q.shape
     _, block_size, hkv, dh_k = k_cache.shape
     if hq % hkv != 0:
@@ -115,19 +219,24 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_
         raise ValueError("kv caches need a contiguous head dim")
     g = hq // hkv
     max_q = max(int(b) - int(a) for a, b in zip(cu_seqlens_q_host[:-1], cu_seqlens_q_host[1:]))
+    if max_q == 0:
+        return o
     block_d = max(16, _next_pow2(dh))
-    # decode-only steps: the smallest tile that still feeds tl.dot; prefill: 64 rows
-    block_m = max(16, _next_pow2(g)) if max_q * g <= 16 else max(64, _next_pow2(g))
-    block_n = 32 if block_d >= 256 else 64
-    num_warps = 8 if block_m * block_d >= 64 * 256 else 4
-    positions_per_tile = block_m // g
-    grid = (-(-max_q // positions_per_tile), n, hkv)
-    log2e = 1.4426950408889634
-    _paged_attn_kernel[grid](
-        q, k_cache, v_cache, o, block_tables, cu_seqlens_q, seq_lens, float(scale) * log2e,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o.stride(0), o.stride(1), block_tables.stride(0),
-        block_size, dh,
-        G=g, BLOCK_M=block_m, BLOCK_P=positions_per_tile, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=2,
-    )
+    if config is None and is_decode_step(max_q, g):
+        config = decode_config(g, block_d)
+    if config is not None and config.kwargs["BLOCK_M"] < _next_pow2(g):
+        raise ValueError(f"BLOCK_M {config.kwargs['BLOCK_M']} < GQA group {g}: a tile must hold a whole group")
+
+    def grid(meta):
+        return (triton.cdiv(max_q, meta["BLOCK_M"] // g), n, hkv)
+
+    args = (q, k_cache, v_cache, o, block_tables, cu_seqlens_q, seq_lens, float(scale) * 1.4426950408889634,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o.stride(0), o.stride(1),
+            block_tables.stride(0), block_size, dh)
+    consts = {"G": g, "BLOCK_D": block_d, "Q_BUCKET": _q_bucket(max_q)}
+    if config is None:
+        _paged_attn_prefill[grid](*args, **consts)
+    else:
+        _paged_attn_kernel[grid](*args, **consts, **config.all_kwargs())
     return o
