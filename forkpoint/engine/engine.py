@@ -142,7 +142,14 @@ class LLMEngine:
             # after the weights and the CUDA graphs are in place: a share of what is free, states
             # first (one slot per running sequence and per checkpoint), the rest for KV blocks
             free, _ = torch.cuda.mem_get_info(self.device)
-            usable = int(free * cfg.gpu_memory_utilization)
+            # the image embedding cache fills later on this device (runner/multimodal.py): set it aside
+            image_cache = cfg.image_embedding_cache_bytes if self.images.processor is not None else 0
+            usable = int(free * cfg.gpu_memory_utilization) - image_cache
+            if usable <= 0:
+                raise ValueError(
+                    f"no GPU memory left for the KV and state pools: {free >> 20} MiB free after the weights, "
+                    f"times gpu_memory_utilization {cfg.gpu_memory_utilization}, minus the image embedding cache "
+                    f"({image_cache >> 20} MiB): lower image_embedding_cache_bytes or raise gpu_memory_utilization")
             state_bytes = min(usable // 2, per_slot * (cfg.max_num_seqs + checkpoint_slots))
             kv_bytes = usable - state_bytes
         request_slots = cfg.num_state_slots or max(1, min(cfg.max_num_seqs, state_bytes // max(per_slot, 1)
