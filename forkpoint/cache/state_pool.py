@@ -8,6 +8,11 @@ Row layout of every state tensor (one row = one sequence's or checkpoint's state
 
 Keeping requests and checkpoints in one tensor lets a layer gather any segment's initial state
 with a single `index_select` and scatter final states with one `index_copy_`.
+
+The states of all L Gated DeltaNet layers are one tensor each, `conv_stack` [L, S, ...] and
+`ssm_stack` [L, S, ...]; `conv[i]` and `ssm[i]` are views of layer i's slice. Flattened to
+[L * S, ...], layer i's rows are i * S .. i * S + S - 1: the same slot indices plus a row offset
+address any layer, so one CUDA graph of the GDN core serves every layer (runner/piecewise.py).
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ class SlotAllocator:
 
 
 class StatePool:
-    """conv[i]: [rows, conv_dim, W-1] (model dtype); ssm[i]: [rows, HV, K, V] (float32)."""
+    """conv_stack: [L, rows, conv_dim, W-1] (model dtype); ssm_stack: [L, rows, HV, K, V] (float32);
+    conv[i] / ssm[i]: views of layer i's slice (contiguous, sharing the stacks' storage)."""
 
     def __init__(self, num_request_slots: int, num_checkpoint_slots: int, num_layers: int, conv_dim: int,
                  conv_width: int, num_v_heads: int, k_dim: int, v_dim: int, dtype: torch.dtype,
@@ -63,9 +69,11 @@ class StatePool:
         if num_request_slots < 1:
             raise ValueError("the state pool needs at least one request slot")
         rows = 1 + num_request_slots + num_checkpoint_slots
-        self.conv = [torch.zeros(rows, conv_dim, conv_width - 1, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.ssm = [torch.zeros(rows, num_v_heads, k_dim, v_dim, dtype=ssm_dtype, device=device)
-                    for _ in range(num_layers)]
+        self.conv_stack = torch.zeros(num_layers, rows, conv_dim, conv_width - 1, dtype=dtype, device=device)
+        self.ssm_stack = torch.zeros(num_layers, rows, num_v_heads, k_dim, v_dim, dtype=ssm_dtype, device=device)
+        # single views (not unbind's multi-output views, which autograd forbids writing in place)
+        self.conv = [self.conv_stack[i] for i in range(num_layers)]
+        self.ssm = [self.ssm_stack[i] for i in range(num_layers)]
         self.requests = SlotAllocator(1, num_request_slots, "request state")
         self.checkpoints = SlotAllocator(1 + num_request_slots, num_checkpoint_slots, "checkpoint state")
 
@@ -79,6 +87,9 @@ class StatePool:
     def check_integrity(self) -> None:
         self.requests.check_integrity()
         self.checkpoints.check_integrity()
-        for conv, ssm in zip(self.conv, self.ssm):
-            if conv[ZERO_SLOT].any() or ssm[ZERO_SLOT].any():
-                raise AssertionError("the zero state row was written")
+        for layer, (conv, ssm) in enumerate(zip(self.conv, self.ssm)):
+            stacked = self.conv_stack[layer], self.ssm_stack[layer]
+            if conv.data_ptr() != stacked[0].data_ptr() or ssm.data_ptr() != stacked[1].data_ptr():
+                raise AssertionError(f"the states of GDN layer {layer} are no longer views of the stacked tensors")
+        if self.conv_stack[:, ZERO_SLOT].any() or self.ssm_stack[:, ZERO_SLOT].any():
+            raise AssertionError("the zero state row was written")

@@ -41,12 +41,17 @@ class LayerCaches:
 
     conv[i]: [S, conv_dim, W-1] and ssm[i]: [S, HV, K, V] fp32 for the i-th GDN layer (row 0 is
     the all-zero slot); k[j], v[j]: [num_blocks, block_size, HKV, Dh] for the j-th attention layer.
+    conv_stack: [L, S, conv_dim, W-1] and ssm_stack: [L, S, HV, K, V], when given, hold the L GDN
+    layers' states with conv[i] / ssm[i] their views (cache/state_pool.py): the piecewise forward
+    then runs every GDN core through one graph (`HybridForCausalLM.gdn_core`).
     """
 
     conv: list[torch.Tensor]
     ssm: list[torch.Tensor]
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+    conv_stack: torch.Tensor | None = None
+    ssm_stack: torch.Tensor | None = None
 
 
 class GDNProjection(NamedTuple):
@@ -109,33 +114,46 @@ class GatedDeltaNet(nn.Module):
         return GDNProjection(mixed, z, g, beta)
 
     def core(self, p: GDNProjection, batch: ForwardBatch, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, *, conv_weight: torch.Tensor | None = None,
+             row_offset: torch.Tensor | None = None) -> torch.Tensor:
         """Causal conv and gated delta rule of the decode group and every phase: reads `batch`, reads
         and writes rows of conv_state / ssm_state in place. p's tensors hold the step's T tokens
         exactly; returns out [T, HV, V] (allocated when None; every row is written, since decodes and
-        phases cover all T tokens)."""
+        phases cover all T tokens).
+
+        conv_state: [S, conv_dim, W-1], ssm_state: [S, HV, K, V] fp32, this layer's pool rows; or, with
+        `row_offset` (a 0-dim long tensor on the device), the flattened states of all GDN layers
+        ([L * S, ...]), of which rows row_offset + slot are this layer's. conv_weight: [conv_dim, W],
+        this layer's own when None. With both, the layer is chosen by device data only, so one CUDA
+        graph of this call serves every GDN layer (runner/piecewise.py)."""
         mixed, g, beta = p.mixed, p.g, p.beta
         num_tokens = mixed.shape[0]
         if out is None:
             out = mixed.new_empty(num_tokens, self.num_v_heads, self.head_v_dim)
-        conv_weight = self.conv1d.weight.squeeze(1)
+        if conv_weight is None:
+            conv_weight = self.conv1d.weight.squeeze(1)
+
+        def rows(slots: torch.Tensor) -> torch.Tensor:  # no launch on the per-layer path
+            return slots if row_offset is None else slots + row_offset
 
         decode = batch.decode
         if decode is not None and decode.num_tokens:
             n = decode.num_tokens
-            conv_out, new_conv = causal_conv1d_step(mixed[:n], conv_weight, None, conv_state.index_select(0, decode.slots))
+            slots = rows(decode.slots)
+            conv_out, new_conv = causal_conv1d_step(mixed[:n], conv_weight, None, conv_state.index_select(0, slots))
             q, k, v = self._split_qkv(conv_out)
             # the ssm rows are updated in place (decode slots are distinct: one row per sequence)
-            out[:n] = recurrent_gated_delta_rule_inplace(q, k, v, g[:n], beta[:n], ssm_state, decode.slots)
-            conv_state.index_copy_(0, decode.slots, new_conv.to(conv_state.dtype))
+            out[:n] = recurrent_gated_delta_rule_inplace(q, k, v, g[:n], beta[:n], ssm_state, slots)
+            conv_state.index_copy_(0, slots, new_conv.to(conv_state.dtype))
 
         for phase in batch.phases:
             lo, hi = phase.token_start, phase.token_end
+            initial = rows(phase.initial_slots)
             conv_out, final_conv = causal_conv1d_varlen(
                 mixed[lo:hi],
                 conv_weight,
                 None,
-                conv_state.index_select(0, phase.initial_slots),
+                conv_state.index_select(0, initial),
                 phase.cu_seqlens,
                 phase.cu_seqlens_host,
             )
@@ -146,16 +164,15 @@ class GatedDeltaNet(nn.Module):
                 v,
                 g[lo:hi],
                 beta[lo:hi],
-                ssm_state.index_select(0, phase.initial_slots),
+                ssm_state.index_select(0, initial),
                 phase.cu_seqlens,
                 phase.cu_seqlens_host,
             )
             out[lo:hi] = o
             if phase.dest_slots.numel():
-                conv_state.index_copy_(
-                    0, phase.dest_slots, final_conv.index_select(0, phase.dest_rows).to(conv_state.dtype)
-                )
-                ssm_state.index_copy_(0, phase.dest_slots, final_ssm.index_select(0, phase.dest_rows))
+                dest = rows(phase.dest_slots)
+                conv_state.index_copy_(0, dest, final_conv.index_select(0, phase.dest_rows).to(conv_state.dtype))
+                ssm_state.index_copy_(0, dest, final_ssm.index_select(0, phase.dest_rows))
         return out
 
     def finish(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -315,6 +332,19 @@ class HybridForCausalLM(nn.Module):
         if layer.is_recurrent:
             return layer.linear_attn.core(p, batch, caches.conv[j], caches.ssm[j], out)
         return layer.self_attn.core(p, batch, caches.k[j], caches.v[j], out)
+
+    def gdn_conv_weight(self, layer_id: int) -> torch.Tensor:
+        """GDN layer `layer_id`'s causal conv weight [conv_dim, W] (a view of the parameter)."""
+        return self.model.layers[layer_id].linear_attn.conv1d.weight.squeeze(1)
+
+    def gdn_core(self, p: GDNProjection, batch: ForwardBatch, conv_states: torch.Tensor, ssm_states: torch.Tensor,
+                 conv_weight: torch.Tensor, row_offset: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The core of the GDN layer that the device data selects: conv_states [L * S, conv_dim, W-1] and
+        ssm_states [L * S, HV, K, V] are the flattened `LayerCaches.conv_stack / ssm_stack`; row_offset
+        (0-dim long) = j * S and conv_weight = `gdn_conv_weight` of the j-th GDN layer. Equal to
+        `core` of that layer (same function, GDN layers share their shapes); writes `out` [T, HV, V]."""
+        gdn = self.model.layers[self.config.gdn_layer_ids[0]].linear_attn
+        return gdn.core(p, batch, conv_states, ssm_states, out, conv_weight=conv_weight, row_offset=row_offset)
 
     def finish(self, layer_id: int, residual: torch.Tensor, p: GDNProjection | AttentionProjection,
                core: torch.Tensor) -> torch.Tensor:

@@ -204,7 +204,8 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = block_pool.block_size
-        self.caches = LayerCaches(conv=state_pool.conv, ssm=state_pool.ssm, k=block_pool.k, v=block_pool.v)
+        self.caches = LayerCaches(conv=state_pool.conv, ssm=state_pool.ssm, k=block_pool.k, v=block_pool.v,
+                                  conv_stack=state_pool.conv_stack, ssm_stack=state_pool.ssm_stack)
         self.multimodal = multimodal  # image positions and vision-tower rows; None for text-only engines
         self.piecewise = piecewise
 

@@ -35,12 +35,26 @@ in at its end), and stream order, captured or not, keeps that order. Because eve
 outputs into static buffers, nothing allocated inside a graph outlives its capture, so all graphs
 share one memory pool (captured largest bucket first; at replay they never run concurrently).
 
+GDN cores: within one step every GDN layer's core runs the same metadata on the same projection /
+core buffers and differs only in its states and conv weight. The pool stacks the states of all L
+GDN layers (`LayerCaches.conv_stack / ssm_stack`, flattened to [L * S, ...]), so the core of GDN
+layer j is `gdn_core` with two static inputs, `gdn_row_offset` = j * S (a device scalar) and
+`gdn_conv_weight` (layer j's conv weight copied in). With graphs, each step runs its first GDN
+core eagerly (Triton / fla compile and autotune, chunk indices upload, outside any capture),
+captures one graph of it on the step's metadata into the shared pool, and for every later GDN
+layer copies the offset and weight in and replays: 2 small copies and a replay instead of ~20
+eager launches per phase. The graph is dropped at the end of the step. Everything it allocates is
+transient (its output goes into core_out, final states into the pool by `index_copy_`), so sharing
+the pieces' memory pool is safe; a step whose capture fails runs its cores eagerly (warned once).
+
 Padding rows (T..Tb-1) compute token-wise garbage that stays finite: the stream enters piece 0 as
 zeros, cos/sin rows only ever hold cos/sin values, core rows hold an earlier step's real outputs (or
 zeros); no core, pool or logits row ever reads them. Steps above the largest bucket take the
 model's plain forward.
 
-`capture=False` runs the same pieces eagerly on the same buffers (the CPU tests of this plumbing).
+`capture=False` runs the same pieces eagerly on the same buffers, and every GDN core through
+`gdn_core` with the static offset and weight set per layer, as the replays do (the CPU tests of this
+plumbing).
 """
 
 from __future__ import annotations
@@ -103,11 +117,13 @@ class PiecewiseForward:
     batches it `accepts`. See the module docstring for the pieces and buffers.
 
     sizes: bucket token counts (sorted, deduplicated); capture: record one CUDA graph per piece and
-    bucket now (device must be CUDA), else run the pieces eagerly on the static buffers.
+    bucket now (device must be CUDA), else run the pieces eagerly on the static buffers;
+    capture_cores (with capture): one graph of the GDN core per step, replayed for every GDN layer
+    (a plain attribute: the GPU tests time steps with and without it).
     """
 
     def __init__(self, model: HybridForCausalLM, sizes: Sequence[int], device: torch.device, *,
-                 capture: bool) -> None:
+                 capture: bool, capture_cores: bool = True) -> None:
         self.model = model
         self.sizes = tuple(sorted({int(size) for size in sizes}))
         if not self.sizes or self.sizes[0] < 1:
@@ -118,6 +134,12 @@ class PiecewiseForward:
         self.num_layers = model.config.num_layers
         self._recurrent = [model.is_recurrent(i) for i in range(self.num_layers)]  # buffer set of each layer
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self._gdn_index = {layer_id: j for j, layer_id in enumerate(model.config.gdn_layer_ids)}
+        self.capture_cores = capture_cores
+        self.core_graph_steps = 0  # steps whose later GDN cores replayed a captured core
+        self.core_capture_failures = 0
+        self._pool = None  # the graphs' shared memory pool, and the capture stream (CUDA only)
+        self._stream: torch.cuda.Stream | None = None
         if capture:
             torch.cuda.synchronize(device)
             free_before, _ = torch.cuda.mem_get_info(device)
@@ -151,6 +173,10 @@ class PiecewiseForward:
                 probe = model.project(layer_id, hidden, (cos, sin))
                 self.projection[kind] = type(probe)(*(t.new_zeros(rows, *t.shape[1:]) for t in probe))
                 self.core_out[kind] = hidden.new_zeros(rows, *model.core_shape(layer_id))
+        # the static inputs that select the GDN layer of `_gdn_core` (module docstring)
+        self.gdn_row_offset = torch.zeros((), dtype=torch.long, device=device)
+        if self._gdn_index:
+            self.gdn_conv_weight = torch.zeros_like(model.gdn_conv_weight(next(iter(self._gdn_index))))
 
     def _projection_rows(self, layer_id: int, rows: int) -> GDNProjection | AttentionProjection:
         buffers = self.projection[self._recurrent[layer_id]]
@@ -163,6 +189,7 @@ class PiecewiseForward:
     def num_bytes(self) -> int:
         """Bytes of the static buffers."""
         tensors = [self.residual, self.cos, self.sin, *self.core_out.values()]
+        tensors += [self.gdn_conv_weight] if self._gdn_index else []
         tensors += [t for buffers in self.projection.values() for t in buffers]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -204,6 +231,55 @@ class PiecewiseForward:
         else:
             graphs[index].replay()
 
+    # ------------------------------------------------------------------ GDN cores
+    def _stacked_states(self, caches: LayerCaches) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(conv [L * S, conv_dim, W-1], ssm [L * S, HV, K, V], S) of the pools' stacked states, or None
+        when the caches do not stack them (the GDN cores then run per layer)."""
+        conv, ssm = caches.conv_stack, caches.ssm_stack
+        if conv is None or ssm is None or not self._gdn_index:
+            return None
+        conv_row, ssm_row = conv.stride(0) * conv.element_size(), ssm.stride(0) * ssm.element_size()
+        for j, (layer_conv, layer_ssm) in enumerate(zip(caches.conv, caches.ssm)):
+            if (layer_conv.data_ptr() != conv.data_ptr() + j * conv_row
+                    or layer_ssm.data_ptr() != ssm.data_ptr() + j * ssm_row):
+                raise ValueError(f"LayerCaches.conv[{j}] / ssm[{j}] are not views of conv_stack[{j}] / "
+                                 f"ssm_stack[{j}]: build the caches from one StatePool")
+        return conv.flatten(0, 1), ssm.flatten(0, 1), conv.shape[1]
+
+    def _select_gdn_layer(self, layer_id: int, rows_per_layer: int) -> None:
+        """Point the static inputs at GDN layer `layer_id` (two device writes, no host sync)."""
+        self.gdn_row_offset.fill_(self._gdn_index[layer_id] * rows_per_layer)
+        self.gdn_conv_weight.copy_(self.model.gdn_conv_weight(layer_id))
+
+    def _gdn_core(self, batch: ForwardBatch, num_tokens: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """The core of the GDN layer that the static inputs select, on the GDN buffers' first
+        `num_tokens` rows; what the core graph records. Writes core_out and the pools' rows only."""
+        projection = self.projection[True]
+        self.model.gdn_core(type(projection)(*(t[:num_tokens] for t in projection)), batch, conv, ssm,
+                            self.gdn_conv_weight, self.gdn_row_offset, out=self.core_out[True][:num_tokens])
+
+    def _capture_gdn_core(self, batch: ForwardBatch, num_tokens: int, conv: torch.Tensor,
+                          ssm: torch.Tensor) -> torch.cuda.CUDAGraph | None:
+        """One graph of `_gdn_core` on this step's metadata, or None (warned once) if capture fails.
+        Called right after the step's first, eager GDN core, so nothing compiles, autotunes or uploads
+        inside the capture. Not `torch.cuda.graph`: that synchronises and empties the caches."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(self._stream):
+                # thread_local: a server's other threads may use CUDA while a step captures
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    self._gdn_core(batch, num_tokens, conv, ssm)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as err:
+            if not self.core_capture_failures:
+                logger.warning("CUDA graph capture of the GDN core failed (%s); steps whose capture fails run "
+                               "their GDN cores eagerly", err)
+            self.core_capture_failures += 1
+            return None
+        return graph
+
     # ------------------------------------------------------------------ forward
     def bucket(self, num_tokens: int) -> int:
         """The smallest bucket holding `num_tokens` rows (`accepts` must hold)."""
@@ -222,12 +298,28 @@ class PiecewiseForward:
                              f"got {batch.num_tokens} tokens: run the model's forward")
         num_tokens = batch.num_tokens
         rows = self.bucket(num_tokens)
+        stacked = self._stacked_states(caches)
+        capture_core = self.capture_cores and rows in self.graphs
+        core_graph: torch.cuda.CUDAGraph | None = None
         self._embed(batch, rows)
         for index in range(self.num_layers + 1):
             self._run_piece(index, rows)
-            if index < self.num_layers:
+            if index == self.num_layers:
+                break
+            if stacked is None or not self._recurrent[index]:
                 self.model.core(index, self._projection_rows(index, num_tokens), batch, caches,
                                 out=self._core_rows(index, num_tokens))
+                continue
+            conv, ssm, rows_per_layer = stacked
+            self._select_gdn_layer(index, rows_per_layer)
+            if core_graph is not None:
+                core_graph.replay()
+                continue
+            self._gdn_core(batch, num_tokens, conv, ssm)
+            if capture_core:
+                capture_core = False  # one attempt per step
+                core_graph = self._capture_gdn_core(batch, num_tokens, conv, ssm)
+                self.core_graph_steps += core_graph is not None
         return self.model.compute_logits(self.residual[:num_tokens], batch.logits_indices)
 
     def __call__(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
@@ -241,6 +333,7 @@ class PiecewiseForward:
         device = self.device
         stream = torch.cuda.Stream(device)
         pool = torch.cuda.graph_pool_handle()
+        self._stream, self._pool = stream, pool  # the per-step GDN core graphs use them too
         stream.wait_stream(torch.cuda.current_stream(device))
         for rows in reversed(self.sizes):
             with torch.cuda.stream(stream):

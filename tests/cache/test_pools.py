@@ -40,6 +40,29 @@ def test_state_pool_slots_and_zero_row():
         pool.check_integrity()
 
 
+def test_state_pool_layers_are_views_of_the_stacked_states():
+    pool = StatePool(2, 1, 3, 12, 4, 2, 4, 4, torch.float32, torch.device("cpu"))
+    assert pool.conv_stack.shape == (3, 4, 12, 3) and pool.ssm_stack.shape == (3, 4, 2, 4, 4)
+    assert StatePool.bytes_per_slot(3, 12, 4, 2, 4, 4, torch.float32) * 4 == (
+        pool.conv_stack.numel() * 4 + pool.ssm_stack.numel() * 4)  # memory as with per-layer tensors
+    for layer in range(3):
+        assert pool.conv[layer].is_contiguous() and pool.ssm[layer].is_contiguous()
+        pool.conv[layer][1].fill_(layer + 1.0)
+        pool.ssm[layer][2].fill_(layer + 5.0)
+    # layer i's rows are rows i * S .. i * S + S - 1 of the flattened stacks
+    flat_conv, flat_ssm = pool.conv_stack.flatten(0, 1), pool.ssm_stack.flatten(0, 1)
+    assert [flat_conv[i * 4 + 1, 0, 0].item() for i in range(3)] == [1.0, 2.0, 3.0]
+    assert [flat_ssm[i * 4 + 2, 0, 0, 0].item() for i in range(3)] == [5.0, 6.0, 7.0]
+    pool.check_integrity()
+    pool.conv_stack[2, 0, 5, 1] = 1.0  # layer 2's zero row, through the stack
+    with pytest.raises(AssertionError, match="zero state row"):
+        pool.check_integrity()
+    pool.conv_stack[2, 0].zero_()
+    pool.ssm[1] = pool.ssm[1].clone()  # a layer no longer in the stack
+    with pytest.raises(AssertionError, match="no longer views"):
+        pool.check_integrity()
+
+
 def test_registry_lru_eviction_skips_pinned_and_unready():
     blocks = BlockPool(8, 4, 1, 1, 4, torch.float32, torch.device("cpu"))
     states = StatePool(1, 2, 1, 4, 4, 1, 2, 2, torch.float32, torch.device("cpu"))

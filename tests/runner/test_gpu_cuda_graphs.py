@@ -3,8 +3,9 @@
 Tiny random transformers-built Qwen3.5-MoE with the GPU kernels' head sizes (tests/models/
 test_gpu_model.py), text-only and with a vision tower, bfloat16. Graph and eager paths run the same kernels; they differ only where a
 graph computes on a padded bucket (GEMMs of another row count round differently), so logits agree
-to bf16 rounding and greedy tokens are identical. Measured values are printed (`pytest -s`, lines
-starting with GPU_GRAPHS).
+to bf16 rounding and greedy tokens are identical. The graph path includes the per-step GDN core
+graph (captured after the first GDN layer, replayed for the others with their state row offset).
+Measured values are printed (`pytest -s`, lines starting with GPU_GRAPHS).
 """
 
 from __future__ import annotations
@@ -119,10 +120,14 @@ def test_graph_steps_match_eager_steps(model_dir):
     marker = llm.checkpoint_token_id
     prompts = [{"prompt_token_ids": anchor + [marker] + random_ids(generator, n)} for n in (3, 1, 9)]
     prompts += [{"prompt_token_ids": random_ids(generator, n)} for n in (150, 5)]  # chunked next to decodes
+    piecewise = engine.runner.piecewise
+    core_graph_steps = piecewise.core_graph_steps
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     print(f"GPU_GRAPHS per-step logits graph vs eager: worst rel err {check.worst:.3e} over {check.steps} steps "
           f"({check.padded} padded), argmax equal: {check.argmax_equal} (tol {GRAPH_REL_TOL:.0e})")
     assert check.worst <= GRAPH_REL_TOL and check.argmax_equal and check.padded > 0
+    # every step (decodes, mixed, two-phase checkpoint steps) replayed a captured GDN core
+    assert piecewise.core_graph_steps - core_graph_steps == check.steps and piecewise.core_capture_failures == 0
     assert outs[1].num_cached_tokens == len(anchor)
     engine.check_integrity()
 
@@ -145,8 +150,11 @@ def test_image_steps_through_graphs_match_eager_steps(image_model_dir):
     assert engine.runner.piecewise is not None and engine.runner.piecewise.graphs
     check = GraphVsEager(engine.runner, engine.config.block_size)
     engine.runner.forward = check
+    core_graph_steps = engine.runner.piecewise.core_graph_steps
     prompts = image_prompts("<|mamba_checkpoint|>")  # LLM's default checkpoint_token
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert engine.runner.piecewise.core_graph_steps - core_graph_steps == check.steps
+    assert engine.runner.piecewise.core_capture_failures == 0
     print(f"GPU_GRAPHS image steps, per-step logits graph vs eager: worst rel err {check.worst:.3e} over "
           f"{check.steps} steps ({check.image_steps} with images, {check.padded} padded), argmax equal: "
           f"{check.argmax_equal} (tol {GRAPH_REL_TOL:.0e})")
@@ -207,3 +215,46 @@ def test_graphs_cut_decode_step_time(model_dir):
     eager = decode_step_ms(make_llm(model_dir, cuda_graph_sizes=SIZES, enforce_eager=True))
     print(f"GPU_GRAPHS 16-sequence decode step, median: graphs {graphs:.2f} ms, eager {eager:.2f} ms")
     assert graphs < eager
+
+
+def two_phase_prefill_ms(llm: LLM, steps: int = 6) -> tuple[float, int]:
+    """Median wall time of an 880-token prefill through a checkpoint (600 + 280 tokens: two recurrent
+    phases), one request per step, and the number of phases of the timed steps' batches."""
+    engine = llm.engine
+    runner = engine.runner
+    forward, phases = runner.forward, set()
+
+    def recording(batch):
+        phases.add(len(batch.phases))
+        return forward(batch)
+
+    runner.forward = recording
+    generator = torch.Generator().manual_seed(13)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times = []
+    for i in range(steps + 1):  # the first step warms up (compiles, autotunes)
+        ids = random_ids(generator, 600) + [llm.checkpoint_token_id] + random_ids(generator, 280)
+        engine.add_request(f"p{i}", {"prompt_token_ids": ids}, params)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        while engine.has_unfinished_requests():
+            engine.step()
+    runner.forward = forward
+    engine.check_integrity()
+    return 1e3 * statistics.median(times[1:]), max(phases)
+
+
+def test_gdn_core_graph_two_phase_prefill_time(model_dir):
+    llm = make_llm(model_dir, max_num_batched_tokens=1024, cuda_graph_sizes=(16, 1024))
+    piecewise = llm.engine.runner.piecewise
+    with_cores, phases = two_phase_prefill_ms(llm)
+    assert phases == 2 and piecewise.core_graph_steps > 0 and piecewise.core_capture_failures == 0
+    piecewise.capture_cores = False
+    steps = piecewise.core_graph_steps
+    without, _ = two_phase_prefill_ms(llm)
+    assert piecewise.core_graph_steps == steps
+    print(f"GPU_GRAPHS 880-token two-phase prefill step, median: GDN core graph {with_cores:.2f} ms, "
+          f"eager GDN cores {without:.2f} ms ({len(llm.engine.model_config.gdn_layer_ids)} GDN layers)")

@@ -49,6 +49,8 @@ class BothPaths:
             torch.testing.assert_close(tensor, expected, **TOL)  # incl. rows no real token touches
         rows = self.piecewise.bucket(batch.num_tokens)
         assert torch.isfinite(self.piecewise.residual[:rows]).all()  # padding rows included
+        # the GDN cores ran through the stacked states: the offset selects the last GDN layer's rows
+        assert self.piecewise.gdn_row_offset.item() == (len(caches.conv) - 1) * caches.conv_stack.shape[1]
         has_decode = batch.decode is not None
         self.kinds.add("decode only" if has_decode and not batch.phases else
                        "prefill only" if not has_decode else "mixed")
@@ -106,6 +108,77 @@ def test_image_steps_through_piecewise_path_match_plain_forward(tiny_model_facto
     assert [o.num_cached_tokens for o in outs][:3] == [0, 29, 29]
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
     llm.engine.check_integrity()
+
+
+class StackedCoreCheck:
+    """Stands in for `ModelRunner.forward`: before each step runs, checks that every GDN layer's core
+    through the stacked states (`gdn_core`: flattened pools, row offset j * S, the layer's conv
+    weight in a separate buffer, the one function the piecewise forward replays) equals the layer's
+    own `core`, output and both whole stacks bit-identical, on the step's metadata and pools."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.steps, self.phases = runner, 0, 0
+
+    def __call__(self, batch):
+        model, caches = self.runner.model, self.runner.caches
+        conv, ssm = caches.conv_stack, caches.ssm_stack
+        rows_per_layer = conv.shape[1]
+        generator = torch.Generator().manual_seed(self.steps)
+        hidden, cos_sin = model.embed(batch.input_ids, batch.positions)
+        hidden = hidden + torch.randn(hidden.shape, generator=generator)  # layers see distinct inputs
+        saved = conv.clone(), ssm.clone()
+        for j, layer_id in enumerate(model.config.gdn_layer_ids):
+            p = model.project(layer_id, hidden, cos_sin)
+            plain = model.core(layer_id, p, batch, caches)
+            expected = conv.clone(), ssm.clone()
+            conv.copy_(saved[0])
+            ssm.copy_(saved[1])
+            out = torch.full_like(plain, float("nan"))
+            offset = torch.tensor(j * rows_per_layer)
+            weight = model.gdn_conv_weight(layer_id).clone()
+            model.gdn_core(p, batch, conv.flatten(0, 1), ssm.flatten(0, 1), weight, offset, out)
+            assert torch.equal(out, plain)
+            assert torch.equal(conv, expected[0]) and torch.equal(ssm, expected[1])
+            conv.copy_(saved[0])
+            ssm.copy_(saved[1])
+        self.steps += 1
+        self.phases = max(self.phases, len(batch.phases) + (batch.decode is not None))
+        return model(batch, caches)
+
+
+def test_stacked_state_core_equals_each_layers_core(moe_model):
+    llm = LLM(str(moe_model[0]), **ENGINE)
+    runner = llm.engine.runner
+    check = StackedCoreCheck(runner)
+    runner.forward = check
+    anchor = words(0, 13)
+    prompts = [f"{anchor} {MARK} w20 w21", f"{anchor} {MARK} w22", words(30, 20)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(llm.engine.model_config.gdn_layer_ids) >= 2 and check.phases >= 2 and check.steps >= 3
+    assert llm.engine.state_pool.ssm_stack[:, 1:].abs().sum() > 0  # the checks ran on non-trivial states
+    llm.engine.check_integrity()
+
+
+def test_piecewise_without_stacked_states_runs_cores_per_layer(moe_model):
+    llm = LLM(str(moe_model[0]), **ENGINE)
+    engine = llm.engine
+    piecewise = PiecewiseForward(engine.runner.model, (32,), engine.device, capture=False)
+    engine.add_request("r", words(0, 20), SamplingParams(max_tokens=1))
+    plan = engine.scheduler.schedule()
+    batch, _ = engine.runner.prepare(plan)
+    caches = engine.runner.caches
+    before = [t.clone() for t in pool_tensors(caches)]
+    stacked = piecewise(batch, caches)
+    for tensor, saved in zip(pool_tensors(caches), before):
+        tensor.copy_(saved)
+    per_layer = piecewise(batch, dataclasses.replace(caches, conv_stack=None, ssm_stack=None))
+    torch.testing.assert_close(per_layer, stacked, rtol=0, atol=0)
+    foreign = dataclasses.replace(caches, conv=[t.clone() for t in caches.conv])
+    with pytest.raises(ValueError, match="not views of conv_stack"):
+        piecewise(batch, foreign)
+    engine._after_forward(plan)
+    engine.abort_request("r")
+    engine.check_integrity()
 
 
 class CountingPiecewise(PiecewiseForward):
