@@ -59,6 +59,10 @@ class LLM:
     def metrics(self) -> dict[str, int | float]:
         return self.engine.metrics()
 
+    def checkpoint_keys(self) -> frozenset[bytes]:
+        """Keys of the ready checkpoints (what a router needs to send consumers to this engine)."""
+        return self.engine.checkpoint_keys()
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list; outputs come back in prompt order."""

@@ -369,6 +369,12 @@ class LLMEngine:
                           image_cache_bytes=vision.cache.num_bytes)
         return values
 
+    def checkpoint_keys(self) -> frozenset[bytes]:
+        """Keys (chained prefix hashes, cache/hashing.py) of the checkpoints this engine holds ready."""
+        if self.registry is None:
+            return frozenset()
+        return frozenset(c.key for c in self.registry if c.ready)
+
     def check_integrity(self) -> None:
         """Cross-check pools, registry and requests; raises AssertionError on any inconsistency."""
         self.state_pool.check_integrity()
