@@ -21,16 +21,26 @@ from forkpoint.config import EngineConfig, ModelConfig, VisionConfig
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler import Scheduler, StepPlan
 from forkpoint.inputs.default_model import DEFAULT_MODEL_NOTICE, ensure_default_model
-from forkpoint.inputs.markers import prompt_to_token_ids, strip_checkpoint_markers, validate_token_ids
+from forkpoint.inputs.markers import (
+    prompt_to_token_ids,
+    strip_checkpoint_markers,
+    validate_token_ids,
+)
 from forkpoint.inputs.multimodal import image_prompt_processor
 from forkpoint.inputs.tokenizer import load_tokenizer
 from forkpoint.models.loader import build_model
 from forkpoint.outputs import CompletionOutput, RequestOutput
+from forkpoint.runner.logits_processors import build_request_processors
 from forkpoint.runner.model_runner import ModelRunner
 from forkpoint.runner.multimodal import MultimodalInputs
-from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_sizes, graph_blocker
+from forkpoint.runner.piecewise import (
+    PiecewiseForward,
+    default_cuda_graph_sizes,
+    graph_blocker,
+)
 from forkpoint.runner.sampler import sample
 from forkpoint.sampling_params import SamplingParams
+from forkpoint.structured import GrammarCompiler
 
 logger = logging.getLogger("forkpoint")
 
@@ -82,6 +92,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
 
         vision = self.model_config.vision
         max_images = config.max_images_per_prompt
@@ -195,6 +206,9 @@ class LLMEngine:
             seq_positions.append(len(token_ids) - 1)  # siblings share the prompt through one checkpoint
         hasher = PrefixHasher(token_ids, self.config.block_size,
                               extra_keys=multimodal.hash_keys() if multimodal is not None else ())
+        processors = [build_request_processors(params, tokenizer=self.tokenizer, vocab_size=self.model_config.vocab_size,
+                                               eos_token_ids=self.eos_token_ids, grammars=self.grammars)
+                      for _ in range(params.n)]
         now = time.monotonic()
         sequences = []
         for index in range(params.n):
@@ -209,6 +223,7 @@ class LLMEngine:
                 hasher=hasher,
                 generator=self._generator(params, index),
                 multimodal=multimodal,
+                processors=processors[index],
             ))
         self._groups[request_id] = _PromptGroup(request_id, text, token_ids, positions, sequences, stream)
         for sequence in sequences:
@@ -234,6 +249,7 @@ class LLMEngine:
         for sequence in group.sequences:
             if not sequence.is_finished:
                 self.scheduler.finish(sequence, "abort")
+            sequence.processors = None  # the grammar state goes with the prompt
         self._counters["requests_aborted"] += 1
 
     def has_unfinished_requests(self) -> bool:
@@ -253,7 +269,9 @@ class LLMEngine:
         logits, sampled = self.runner.execute(plan)
         self._after_forward(plan)
         tokens = sample(logits, [s.request.params for s in sampled], [s.request.generator for s in sampled],
-                        [(s.request.prompt_token_ids, s.request.output_token_ids) for s in sampled])
+                        [(s.request.prompt_token_ids, s.request.output_token_ids) for s in sampled],
+                        [(s.request.processors, s.request.output_token_ids) if s.request.processors is not None
+                         else None for s in sampled])
         touched: dict[str, _PromptGroup] = {}
         for request in [s.request for s in plan.segments] + plan.finished:
             touched[request.parent_id] = self._groups[request.parent_id]
@@ -270,6 +288,8 @@ class LLMEngine:
             if finished or group.stream:
                 outputs.append(self._make_output(group))
             if finished:
+                for sequence in group.sequences:
+                    sequence.processors = None  # the grammar state goes with the prompt
                 del self._groups[group.request_id]
                 self._counters["requests_finished"] += 1
         return outputs
@@ -290,6 +310,8 @@ class LLMEngine:
 
     def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None, now: float) -> None:
         request.output_token_ids.append(token_id)
+        if request.processors is not None:
+            request.processors.accept(token_id)
         if request.params.logprobs is not None:
             request.output_logprobs.append(logprobs)
         self._counters["generation_tokens_total"] += 1
@@ -297,7 +319,9 @@ class LLMEngine:
             request.first_token_time = now
         params = request.params
         reason = None
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+        if len(request.output_token_ids) < params.min_tokens:
+            pass  # no stop id or stop string counts before min_tokens (vLLM); EOS ids are masked anyway
+        elif token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
             reason = "stop"
         elif params.stop:
             text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)

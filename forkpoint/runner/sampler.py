@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from forkpoint.outputs import Logprob
+from forkpoint.runner.logits_processors import ProcessorRow, apply_logits_processors
 from forkpoint.sampling_params import SamplingParams
 
 
@@ -23,9 +24,11 @@ class SampledToken:
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None],
-           histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None) -> list[SampledToken]:
+           histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+           processors: Sequence[ProcessorRow | None] | None = None) -> list[SampledToken]:
     """logits: [R, vocab] float32; one SamplingParams and generator per row; histories[row] =
-    (prompt ids, output ids so far), needed only by rows with penalties.
+    (prompt ids, output ids so far), needed only by rows with penalties; processors[row]: the
+    row's logits-processor state and output ids (runner/logits_processors.py), or None.
 
     Log-probabilities of all rows that ask for them come from one log_softmax and one top-k over
     those rows, and reach the host with the chosen ids: a fixed number of device-to-host copies
@@ -33,6 +36,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     if logits.shape[0] == 0:
         return []
     raw = logits
+    if processors is not None and any(row is not None for row in processors):
+        logits = logits.clone()
+        apply_logits_processors(logits, processors)
     penalised = [row for row, p in enumerate(params) if p.has_penalties]
     if penalised:
         if histories is None:
