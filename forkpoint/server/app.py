@@ -25,7 +25,12 @@ from forkpoint.server.errors import install_error_handlers, invalid_request
 from forkpoint.server.generation import Admission
 from forkpoint.server.metrics import ServerMetrics
 from forkpoint.server.prompts import PromptBuilder
-from forkpoint.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from forkpoint.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from forkpoint.server.serving import OpenAIServing
 from forkpoint.server.worker import EngineWorker
 
@@ -50,7 +55,8 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
         images=engine.images if engine.images.processor is not None else None,
     )
     serving = OpenAIServing(model_name=config.served_model_name, max_model_len=engine.max_model_len,
-                            prompts=prompts, worker=worker, admission=admission, metrics=metrics)
+                            prompts=prompts, worker=worker, admission=admission, metrics=metrics,
+                            default_max_tokens=engine.generation_defaults.max_new_tokens)
     created = int(time.time())
 
     @asynccontextmanager
@@ -103,8 +109,11 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
         if body.prompt is not None:
             prompt = prompts.from_text(body.prompt)
         else:
+            kwargs = dict(body.chat_template_kwargs or {})
+            if body.tools is not None:
+                kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
             prompt = await prompts.from_messages_async(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                                       template_kwargs=body.chat_template_kwargs)
+                                                       template_kwargs=kwargs)
         return {"count": len(prompt.token_ids), "max_model_len": engine.max_model_len,
                 "tokens": prompt.token_ids, "checkpoint_positions": list(prompt.checkpoint_positions)}
 
