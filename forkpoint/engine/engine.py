@@ -15,14 +15,13 @@ import torch
 
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.checkpoints import CheckpointRegistry
-from forkpoint.cache.hashing import PrefixHasher
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.config import EngineConfig, ModelConfig, VisionConfig
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler import ScheduledStep, Scheduler
 from forkpoint.inputs.default_model import DEFAULT_MODEL_NOTICE, ensure_default_model
-from forkpoint.inputs.markers import prompt_to_token_ids, strip_checkpoint_markers, validate_token_ids
 from forkpoint.inputs.multimodal import image_prompt_processor
+from forkpoint.inputs.processor import InputProcessor, PromptLimits
 from forkpoint.inputs.tokenizer import load_tokenizer
 from forkpoint.models.loader import build_model
 from forkpoint.outputs import CompletionOutput, RequestOutput
@@ -114,6 +113,9 @@ class LLMEngine:
         self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool)
                          if config.enable_checkpoints else None)
         self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry)
+        self.inputs = InputProcessor(self.tokenizer, self.checkpoint_token_id, self.images, PromptLimits(
+            vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len, block_size=config.block_size,
+            max_kv_blocks=self.block_pool.num_blocks, max_checkpoints=config.max_checkpoints_per_request))
         multimodal = None if model.visual is None else MultimodalInputs(
             model.visual, self.images.processor, config.image_embedding_cache_bytes, self.device)
         self.runner = ModelRunner(model, self.block_pool, self.state_pool, self.device, multimodal, piecewise)
@@ -185,28 +187,12 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        raw = prompt_to_token_ids(prompt, self.tokenizer)
-        text = raw.text
-        images = self.images.load(raw.multi_modal_data)
-        raw_ids = self.images.expand(raw.token_ids, images)  # markers count expanded image tokens
-        parsed = strip_checkpoint_markers(raw_ids, self.checkpoint_token_id, raw.checkpoint_positions,
-                                          self.config.max_checkpoints_per_request)
-        token_ids = list(parsed.token_ids)
-        validate_token_ids(token_ids, self.model_config.vocab_size)
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, max_model_len is {self.max_model_len}: "
-                             "shorten the prompt or raise max_model_len")
-        needed = -(-(len(token_ids) + 1) // self.config.block_size)
-        if needed > self.block_pool.num_blocks:
-            raise ValueError(f"prompt needs {needed} KV blocks but the pool has {self.block_pool.num_blocks}: "
-                             "raise kv_cache_bytes / num_kv_blocks")
-        multimodal = self.images.place(token_ids, parsed.checkpoint_positions, images)
-        positions = list(parsed.checkpoint_positions) if self.registry is not None else []
+        processed = self.inputs.process(prompt)
+        token_ids = processed.token_ids
+        positions = list(processed.checkpoint_positions) if self.registry is not None else []
         seq_positions = list(positions)
         if params.n > 1 and self.registry is not None and len(token_ids) > 1 and (len(token_ids) - 1) not in positions:
             seq_positions.append(len(token_ids) - 1)  # siblings share the prompt through one checkpoint
-        hasher = PrefixHasher(token_ids, self.config.block_size,
-                              extra_keys=multimodal.hash_keys() if multimodal is not None else ())
         now = time.monotonic()
         sequences = []
         for index in range(params.n):
@@ -218,11 +204,11 @@ class LLMEngine:
                 checkpoint_positions=tuple(sorted(seq_positions)),
                 params=params,
                 arrival_time=now,
-                hasher=hasher,
+                hasher=processed.hasher,
                 generator=self._generator(params, index),
-                multimodal=multimodal,
+                multimodal=processed.multimodal,
             ))
-        self._groups[request_id] = _PromptGroup(request_id, text, token_ids, positions, sequences, stream)
+        self._groups[request_id] = _PromptGroup(request_id, processed.text, token_ids, positions, sequences, stream)
         for sequence in sequences:
             self.scheduler.add(sequence)
             self._counters["prompt_tokens_total"] += len(token_ids)
