@@ -149,3 +149,24 @@ def test_params_validation():
         SamplingParams(structured_outputs={"choice": ["a"]})
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(5))
+def test_cuda_equals_cpu(seed):
+    from forkpoint.structured import apply_bitmask_
+
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, V, generator=generator)
+    rows = [(random_state(rng), [rng.randrange(V) for _ in range(rng.randint(0, 3))]) for _ in range(6)]
+    cpu, cuda = logits.clone(), logits.cuda()
+    apply_logits_processors(cpu, rows)
+    apply_logits_processors(cuda, rows)
+    assert torch.equal(torch.isneginf(cuda).cpu(), torch.isneginf(cpu))
+    torch.testing.assert_close(cuda.cpu()[torch.isfinite(cpu)], cpu[torch.isfinite(cpu)], rtol=0, atol=1e-6)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, (V + 31) // 32), dtype=torch.int32, generator=generator)
+    picked = torch.tensor([4, 1])
+    apply_bitmask_(cpu, picked, bitmask)
+    apply_bitmask_(cuda, picked.cuda(), bitmask.pin_memory())
+    assert torch.equal(torch.isneginf(cuda).cpu(), torch.isneginf(cpu))
