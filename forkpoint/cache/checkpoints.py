@@ -55,6 +55,7 @@ class CheckpointKind(enum.Enum):
     MARKER = "marker"
     SHARED_PREFIX = "shared_prefix"  # the common prefix of requests that arrived together
     JUNCTION = "junction"  # where a prompt leaves a prefix computed before
+    PROMPT_END = "prompt_end"  # all but the last token of a prompt (the same prompt sent again)
     TURN_END = "turn_end"  # prompt plus all but the last output token of a finished request
 
     @property

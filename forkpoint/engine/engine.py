@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 
 from forkpoint.cache.block_pool import BlockPool
-from forkpoint.cache.checkpoints import CheckpointRegistry
+from forkpoint.cache.checkpoints import CheckpointKind, CheckpointRegistry
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.config import EngineConfig, ModelConfig, VisionConfig
+from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler import ScheduledStep, Scheduler
 from forkpoint.inputs.default_model import DEFAULT_MODEL_NOTICE, ensure_default_model
@@ -112,7 +113,9 @@ class LLMEngine:
         self.block_pool, self.state_pool = self._make_pools()
         self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool)
                          if config.enable_checkpoints else None)
-        self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry)
+        auto = (AutoCheckpointPlanner(self.registry, self.state_pool, config.block_size, config.auto_checkpoint_min_tokens)
+                if self.registry is not None and config.auto_checkpoints else None)
+        self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry, auto)
         self.inputs = InputProcessor(self.tokenizer, self.checkpoint_token_id, self.images, PromptLimits(
             vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len, block_size=config.block_size,
             max_kv_blocks=self.block_pool.num_blocks, max_checkpoints=config.max_checkpoints_per_request))
@@ -210,7 +213,7 @@ class LLMEngine:
             ))
         self._groups[request_id] = _PromptGroup(request_id, processed.text, token_ids, positions, sequences, stream)
         for sequence in sequences:
-            self.scheduler.add(sequence)
+            self.scheduler.add(sequence, now)
             self._counters["prompt_tokens_total"] += len(token_ids)
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
@@ -324,7 +327,7 @@ class LLMEngine:
         if reason is None and request.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
-            self.scheduler.finish(request, reason)
+            self.scheduler.finish(request, reason, keep_turn_end=True, now=now)
 
     def _make_output(self, group: _PromptGroup) -> RequestOutput:
         completions = []
@@ -377,6 +380,13 @@ class LLMEngine:
             checkpoint_slots_used=self.state_pool.checkpoints.num_used,
             checkpoint_slots_total=self.state_pool.checkpoints.count,
         )
+        if registry is not None:
+            counters = registry.counters
+            for kind in CheckpointKind:
+                values[f"checkpoints_created_{kind.value}"] = counters.created[kind]
+                values[f"checkpoint_hits_{kind.value}"] = counters.hits[kind]
+                values[f"checkpoint_tokens_saved_{kind.value}"] = counters.tokens_saved[kind]
+                values[f"checkpoints_evicted_{kind.value}"] = counters.evicted[kind]
         vision = self.runner.multimodal
         if vision is not None:
             values.update(vision_encoder_calls=vision.stats.encoder_calls,

@@ -27,6 +27,7 @@ from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.checkpoints import Checkpoint, CheckpointKind, CheckpointRegistry, CheckpointState
 from forkpoint.cache.state_pool import ZERO_SLOT, StatePool
 from forkpoint.config import EngineConfig
+from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner, Placement
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan
 
@@ -79,7 +80,7 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_pool: BlockPool, state_pool: StatePool,
-                 registry: CheckpointRegistry | None) -> None:
+                 registry: CheckpointRegistry | None, auto: AutoCheckpointPlanner | None = None) -> None:
         self.config = config
         self.blocks = block_pool
         self.states = state_pool
@@ -90,16 +91,41 @@ class Scheduler:
         self.block_size = block_pool.block_size
         self.chunk_cap = config.long_prefill_token_threshold or config.max_num_batched_tokens
         self.in_flight: ScheduledStep | None = None
+        self.auto = auto
+        self._live: dict[str, Request] = {}
 
     # ------------------------------------------------------------------ queue management
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, now: float | None = None) -> None:
+        """Queue a new sequence; the first sequence of a prompt gets its automatic checkpoints."""
+        if self.auto is not None and request.index == 0:
+            now = time.monotonic() if now is None else now
+            for placement in self.auto.placements(request, self._live):
+                self._place(placement, now)
+        self._live[request.request_id] = request
         self.waiting.append(request)
+
+    def _place(self, placement: Placement, now: float) -> None:
+        producer, position = placement.producer, placement.position
+        if position in producer.checkpoint_positions:
+            return  # a marker stands there already
+        if producer.status is RequestStatus.RUNNING:  # registered now: its next chunks cut there
+            checkpoint = self.registry.register(producer.hasher.prefix_hash(position), position,
+                                                producer.request_id, now, placement.kind)
+            if checkpoint is None:
+                return
+            producer.checkpointing.producing.append(checkpoint)
+            producer.checkpointing.producing.sort(key=lambda c: c.num_tokens)
+        producer.checkpointing.auto_positions[position] = placement.kind  # (re-)claimed at each admission
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, request: Request, reason: str) -> None:
-        """Leave the engine: free the slot and blocks, hand unwritten checkpoints on."""
+    def finish(self, request: Request, reason: str, *, keep_turn_end: bool = False, now: float | None = None) -> None:
+        """Leave the engine: free the slot and blocks, hand unwritten checkpoints on. With
+        `keep_turn_end` (a sequence that ended normally), automatic checkpoints keep its state first."""
+        if keep_turn_end and self.auto is not None:
+            self.auto.keep_turn_end(request, time.monotonic() if now is None else now)
+        self._live.pop(request.request_id, None)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
@@ -311,13 +337,15 @@ class Scheduler:
         if self.registry is None:
             return
         producing = request.checkpointing.producing
-        for position in request.checkpoint_positions:
+        wanted = dict(request.checkpointing.auto_positions)
+        wanted.update(dict.fromkeys(request.checkpoint_positions, CheckpointKind.MARKER))  # markers win
+        for position, kind in sorted(wanted.items()):
             if position <= start:
                 continue
             key = request.hasher.prefix_hash(position)
             checkpoint = self.registry.get(key)
             if checkpoint is None:
-                checkpoint = self.registry.register(key, position, request.request_id, now, CheckpointKind.MARKER)
+                checkpoint = self.registry.register(key, position, request.request_id, now, kind)
                 if checkpoint is None:
                     logger.debug("no checkpoint slot free for %s at %d: a miss", request.request_id, position)
                     continue  # checkpoint pool full of pinned entries: a miss, never an error
