@@ -29,6 +29,7 @@ from forkpoint.outputs import CompletionOutput, RequestOutput
 from forkpoint.runner.model_runner import ModelRunner
 from forkpoint.runner.multimodal import MultimodalInputs
 from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_sizes, graph_blocker
+from forkpoint.runner.prompt_logprobs import score_tokens
 from forkpoint.runner.sampler import sample
 from forkpoint.sampling_params import SamplingParams
 
@@ -266,8 +267,9 @@ class LLMEngine:
             logits, sampled = self.runner.execute(step.plan)
             by_id = {request.request_id: request for request in step.requests}
             requests = [by_id[segment.request_id] for segment in sampled]
-            tokens = sample(logits, [r.params for r in requests], [r.generator for r in requests],
+            tokens = sample(logits[: len(sampled)], [r.params for r in requests], [r.generator for r in requests],
                             [(r.prompt_token_ids, r.output_token_ids) for r in requests])
+            self._score_prompts(step, logits[len(sampled):], by_id)
         except Exception as error:
             raise self._fail_step(step, error) from error
         self.scheduler.commit(step)
@@ -278,6 +280,18 @@ class LLMEngine:
         for request, token in zip(requests, tokens):
             self._append_token(request, token.token_id, token.logprobs, now)
         return self._collect(touched)
+
+    def _score_prompts(self, step: ScheduledStep, rows: torch.Tensor, by_id: dict[str, Request]) -> None:
+        """Prompt logprobs of the step's scored segments from their logits rows (packed order)."""
+        scored = [s for s in step.plan.ordered() if s.prompt_logit_rows]
+        offset = 0
+        for segment in scored:
+            request, count = by_id[segment.request_id], segment.prompt_logit_rows
+            first = segment.start + 1  # row i scores the prompt token at start + 1 + i
+            targets = torch.tensor(request.prompt_token_ids[first: first + count], device=rows.device)
+            entries = score_tokens(rows[offset: offset + count], targets, request.params.prompt_logprobs)
+            request.prompt_logprobs.update(zip(range(first, first + count), entries))
+            offset += count
 
     def _fail_step(self, step: ScheduledStep, error: Exception) -> StepFailed:
         ended = self.scheduler.fail(step)
@@ -342,7 +356,13 @@ class LLMEngine:
                 finish_reason=sequence.finish_reason,
                 logprobs=list(sequence.output_logprobs) if sequence.params.logprobs is not None else None,
             ))
+        prompt_logprobs = None
+        first = group.sequences[0]
+        if first.params.prompt_logprobs is not None:
+            entries = first.prompt_logprobs
+            prompt_logprobs = [None] + [entries.get(t) for t in range(1, len(group.prompt_token_ids))]
         return RequestOutput(
+            prompt_logprobs=prompt_logprobs,
             request_id=group.request_id,
             prompt=group.prompt,
             prompt_token_ids=list(group.prompt_token_ids),

@@ -58,6 +58,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # prompt logprobs (when asked for): position -> entry for the prompt token at that position
+    prompt_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)
     num_computed_tokens: int = 0
     slot: int | None = None
     blocks: list[int] = field(default_factory=list)

@@ -251,7 +251,9 @@ class Scheduler:
         """Admit `request` into this step. Returns tokens scheduled, 0 when deferred, None when out of memory."""
         progress = request.checkpointing
         longest = ready = None
-        if self.registry is not None:
+        # prompt logprobs need the logits of every prompt position: such a request computes its whole
+        # prompt (it may still produce checkpoints for others)
+        if self.registry is not None and request.params.prompt_logprobs is None:
             longest, ready = self.registry.lookup(request.hasher.prefix_hash, len(request.prompt_token_ids))
         source = ready
         if longest is not None and not longest.ready:
@@ -393,7 +395,9 @@ class Scheduler:
         planning.segments.append(Segment(
             request_id=request.request_id, start=start, end=end, token_ids=request.tokens(start, end),
             block_table=request.blocks, initial_slot=initial, dest_slots=dests, kind=kind, phase=phase,
-            samples=end == request.num_tokens, multimodal=request.multimodal))
+            samples=end == request.num_tokens, multimodal=request.multimodal,
+            prompt_logit_rows=0 if request.params.prompt_logprobs is None else max(
+                0, min(end, len(request.prompt_token_ids) - 1) - start)))
         planning.requests.append(request)
 
     # ------------------------------------------------------------------ integrity
