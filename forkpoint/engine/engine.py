@@ -15,6 +15,7 @@ import torch
 
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.checkpoints import CheckpointKind, CheckpointRegistry
+from forkpoint.cache.host_tier import HostTier
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.config import EngineConfig, ModelConfig, VisionConfig
 from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner
@@ -112,7 +113,9 @@ class LLMEngine:
         # sees the graphs' buffers and memory pool as used
         piecewise = self._capture_graphs(model)
         self.block_pool, self.state_pool = self._make_pools()
-        self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool)
+        host = (HostTier(config.checkpoint_host_bytes, self.state_pool, self.block_pool)
+                if config.enable_checkpoints and config.checkpoint_host_bytes > 0 else None)
+        self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool, host)
                          if config.enable_checkpoints else None)
         auto = (AutoCheckpointPlanner(self.registry, self.state_pool, config.block_size, config.auto_checkpoint_min_tokens)
                 if self.registry is not None and config.auto_checkpoints else None)
@@ -407,6 +410,11 @@ class LLMEngine:
                 values[f"checkpoint_hits_{kind.value}"] = counters.hits[kind]
                 values[f"checkpoint_tokens_saved_{kind.value}"] = counters.tokens_saved[kind]
                 values[f"checkpoints_evicted_{kind.value}"] = counters.evicted[kind]
+            if registry.host is not None:
+                tier = registry.host.counters
+                values.update(checkpoints_spilled=tier.spilled, checkpoints_restored=tier.restored,
+                              checkpoints_dropped_from_host=tier.dropped, host_tier_checkpoints=len(registry.host),
+                              host_tier_bytes=registry.host.num_bytes)
         vision = self.runner.multimodal
         if vision is not None:
             values.update(vision_encoder_calls=vision.stats.encoder_calls,
@@ -432,6 +440,8 @@ class LLMEngine:
                 raise AssertionError(f"running request {request.request_id} has no state slot")
         if self.registry is not None:
             self.scheduler.check_integrity()
+            if self.registry.host is not None:
+                self.registry.host.check_integrity()
             for block, count in self.registry.block_refs().items():
                 expected[block] = expected.get(block, 0) + count
         self.block_pool.check_integrity(expected)
