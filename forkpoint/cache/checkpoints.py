@@ -74,6 +74,9 @@ class Checkpoint:
     kind: CheckpointKind
     state: CheckpointState
     producer: str | None
+    # the position its state and KV hold (<= num_tokens, the prefix it is keyed by); less only with
+    # checkpoint_exact, where readers compute tokens [state_tokens, ...) themselves
+    state_tokens: int = -1
     blocks: list[int] = field(default_factory=list)
     producer_blocks: list[int] = field(default_factory=list)
     pins: int = 0
@@ -81,6 +84,12 @@ class Checkpoint:
     hits: int = 0
     last_used: int = 0
     registered_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.state_tokens < 0:
+            self.state_tokens = self.num_tokens
+        if not 0 < self.state_tokens <= self.num_tokens:
+            raise ValueError(f"a checkpoint's state position {self.state_tokens} must lie in 1..{self.num_tokens}")
 
     @property
     def ready(self) -> bool:
@@ -172,7 +181,8 @@ class CheckpointRegistry:
             self._slots.free(slot)
             return None
         entry, blocks = restored
-        checkpoint = Checkpoint(key, entry.num_tokens, slot, entry.kind, CheckpointState.READY, None, blocks=blocks)
+        checkpoint = Checkpoint(key, entry.num_tokens, slot, entry.kind, CheckpointState.READY, None,
+                                state_tokens=entry.state_tokens, blocks=blocks)
         self._touch(checkpoint)
         self._by_key[key] = checkpoint
         self._lengths[entry.num_tokens] += 1
@@ -197,13 +207,16 @@ class CheckpointRegistry:
 
     # ------------------------------------------------------------------ transitions
     def register(self, key: bytes, num_tokens: int, producer: str, now: float,
-                 kind: CheckpointKind = CheckpointKind.MARKER) -> Checkpoint | None:
-        """A new PENDING checkpoint produced by `producer`; None when no slot can be freed (a miss)."""
+                 kind: CheckpointKind = CheckpointKind.MARKER, state_tokens: int | None = None) -> Checkpoint | None:
+        """A new PENDING checkpoint produced by `producer`, keyed by the prefix of `num_tokens` tokens
+        and holding the state after `state_tokens` (default: num_tokens); None when no slot can be
+        freed (a miss)."""
         if key in self._by_key:
             raise RuntimeError("checkpoint registered twice")
         if self._slots.num_free == 0 and not self.evict_one(markers_too=not kind.automatic):
             return None
         checkpoint = Checkpoint(key, num_tokens, self._slots.allocate(), kind, CheckpointState.PENDING, producer,
+                                state_tokens=num_tokens if state_tokens is None else state_tokens,
                                 registered_at=now)
         self._touch(checkpoint)
         self._by_key[key] = checkpoint
@@ -285,7 +298,7 @@ class CheckpointRegistry:
             return False
         victim = min(idle, key=lambda c: (not c.kind.automatic, c.last_used))
         if self.host is not None:
-            self.host.spill(victim.key, victim.num_tokens, victim.kind, victim.slot, victim.blocks)
+            self.host.spill(victim.key, victim.num_tokens, victim.state_tokens, victim.kind, victim.slot, victim.blocks)
         self._remove(victim)
         self.counters.evicted[victim.kind] += 1
         logger.debug("evicted: %d-token %s checkpoint", victim.num_tokens, victim.kind.value)

@@ -26,6 +26,7 @@ class SpilledCheckpoint:
     attention layer; `kind` is the checkpoint's CheckpointKind (kept opaque here)."""
 
     num_tokens: int
+    state_tokens: int
     kind: object
     conv: torch.Tensor
     ssm: torch.Tensor
@@ -68,12 +69,12 @@ class HostTier:
     def lengths(self) -> set[int]:
         return {entry.num_tokens for entry in self._entries.values()}
 
-    def spill(self, key: bytes, num_tokens: int, kind: object, slot: int, blocks: list[int]) -> None:
+    def spill(self, key: bytes, num_tokens: int, state_tokens: int, kind: object, slot: int, blocks: list[int]) -> None:
         """Copy a checkpoint's state row `slot` and KV `blocks` to the host (before the device pools
         free them), evicting least recently used host entries to make room."""
         index = torch.tensor(blocks, dtype=torch.long, device=self._states.conv_stack.device)
         entry = SpilledCheckpoint(
-            num_tokens, kind, self._to_host(self._states.conv_stack[:, slot]),
+            num_tokens, state_tokens, kind, self._to_host(self._states.conv_stack[:, slot]),
             self._to_host(self._states.ssm_stack[:, slot]),
             tuple(self._to_host(k.index_select(0, index)) for k in self._blocks.k),
             tuple(self._to_host(v.index_select(0, index)) for v in self._blocks.v))

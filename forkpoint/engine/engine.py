@@ -18,7 +18,6 @@ from forkpoint.cache.checkpoints import CheckpointKind, CheckpointRegistry
 from forkpoint.cache.host_tier import HostTier
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.config import EngineConfig, ModelConfig, VisionConfig
-from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler import ScheduledStep, Scheduler
 from forkpoint.inputs.default_model import DEFAULT_MODEL_NOTICE, ensure_default_model
@@ -117,9 +116,7 @@ class LLMEngine:
                 if config.enable_checkpoints and config.checkpoint_host_bytes > 0 else None)
         self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool, host)
                          if config.enable_checkpoints else None)
-        auto = (AutoCheckpointPlanner(self.registry, self.state_pool, config.block_size, config.auto_checkpoint_min_tokens)
-                if self.registry is not None and config.auto_checkpoints else None)
-        self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry, auto)
+        self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry)
         self.inputs = InputProcessor(self.tokenizer, self.checkpoint_token_id, self.images, PromptLimits(
             vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len, block_size=config.block_size,
             max_kv_blocks=self.block_pool.num_blocks, max_checkpoints=config.max_checkpoints_per_request))
