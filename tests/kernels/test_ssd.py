@@ -26,7 +26,7 @@ def inputs(lengths, heads=4, groups=2, head_dim=8, state_dim=6, seed=0, device="
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
-    move = dict(device=device)
+    move = {"device": device}
     return (x.to(dtype=dtype, **move), dt.to(**move), A.to(**move), B.to(dtype=dtype, **move),
             C.to(dtype=dtype, **move), h0.to(**move), torch.tensor(cu, **move), cu, D.to(**move))
 
@@ -53,7 +53,7 @@ def test_chunked_equals_transformers_scan():
 
 
 def test_steps_equal_recurrence_and_inplace_touches_only_its_rows():
-    x, dt, A, B, C, h0, cu, cu_host, D = inputs([1, 1, 1], seed=5)
+    x, dt, A, B, C, h0, _, cu_host, D = inputs([1, 1, 1], seed=5)
     y, new = ref.ssd_step(x, dt, A, B, C, h0, D=D)
     y_ref, final_ref = ref.ssd_recurrence(x, dt, A, B, C, h0, cu_host, D=D)
     assert rel(y, y_ref) < 1e-6 and rel(new, final_ref) < 1e-6
@@ -68,7 +68,7 @@ def test_steps_equal_recurrence_and_inplace_touches_only_its_rows():
 
 
 def test_bad_shapes_raise_clear_errors():
-    x, dt, A, B, C, h0, cu, cu_host, D = inputs([4, 3], heads=4, groups=2)
+    x, dt, A, B, C, h0, cu, cu_host, _ = inputs([4, 3], heads=4, groups=2)
     with pytest.raises(ValueError, match="multiple of G"):
         ref.chunk_ssd(x, dt, A, B[:, :1].expand(-1, 3, -1), C[:, :1].expand(-1, 3, -1), h0, cu, cu_host)
     with pytest.raises(ValueError, match="float32"):
@@ -99,7 +99,7 @@ def test_gpu_chunk_matches_recurrence(dtype, heads, groups):
 def test_gpu_inplace_step_matches_reference(dtype):
     from forkpoint.kernels.ssd import triton as ssd_triton
 
-    x, dt, A, B, C, h0, cu, cu_host, D = inputs([1] * 5, heads=16, groups=4, head_dim=64, state_dim=128, seed=9,
+    x, dt, A, B, C, h0, _, _, D = inputs([1] * 5, heads=16, groups=4, head_dim=64, state_dim=128, seed=9,
                                                 device="cuda", dtype=dtype)
     pool = torch.full((9, *h0.shape[1:]), float("nan"), device="cuda")
     slots = torch.tensor([8, 2, 5, 1, 3], device="cuda")

@@ -78,7 +78,6 @@ def chunk_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     num_segments = check_cu_seqlens(cu_seqlens_host, x.shape[0])
     _check_states(initial_state, num_segments, x, B, "initial_state")
     tokens, heads, head_dim = x.shape
-    state_dim = B.shape[2]
     device = x.device
     lengths = [cu_seqlens_host[i + 1] - cu_seqlens_host[i] for i in range(num_segments)]
     num_chunks = [-(-n // chunk_size) for n in lengths]
