@@ -12,7 +12,11 @@ from pathlib import Path
 
 import torch
 
-from forkpoint.mamba2_config import MAMBA2_MODEL_TYPES, Mamba2HybridConfig, mamba2_hybrid_fields
+from forkpoint.mamba2_config import (
+    MAMBA2_MODEL_TYPES,
+    Mamba2HybridConfig,
+    mamba2_hybrid_fields,
+)
 
 # Hugging Face model types that forkpoint runs, mapped to the text-config key holding their
 # text model (None: the config is the text config itself).

@@ -36,7 +36,6 @@ from forkpoint.sampling_params import SamplingParams
 logger = logging.getLogger("forkpoint")
 
 
-
 def _tokenizer_spells_images(tokenizer, vision: VisionConfig) -> bool:
     """Whether the tokenizer spells the image placeholder with the ids config.json gives the model."""
     placeholder = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-
 from torch import nn
 
 from forkpoint.config import ModelConfig
