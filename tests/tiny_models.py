@@ -117,14 +117,14 @@ def build_tiny_model(directory: Path, model_type: str, *, fused_experts: bool = 
                      **overrides):
     """Save a tiny random model of `model_type` into `directory`; return the transformers model (float32, eval).
 
-    `overrides` replace config entries of the text model (only for "qwen3_5_moe_text" and
-    "qwen3_5_moe"; the vision tower's output width follows `hidden_size`), e.g. head sizes of 64 for
-    the GPU kernels."""
+    `overrides` replace config entries of the text model (only for "qwen3_5_moe_text", "qwen3_5_moe"
+    and the Mamba2 hybrids; the vision tower's output width follows `hidden_size`), e.g. head sizes
+    of 64 for the GPU kernels."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    if overrides and model_type not in ("qwen3_5_moe_text", "qwen3_5_moe"):
-        raise ValueError("config overrides are supported for qwen3_5_moe_text and qwen3_5_moe only")
+    if overrides and model_type not in ("qwen3_5_moe_text", "qwen3_5_moe", *MAMBA2_MODEL_TYPES):
+        raise ValueError("config overrides are supported for qwen3_5_moe_text, qwen3_5_moe and the Mamba2 hybrids")
     if model_type == "qwen3_5_moe_text":
         model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**{**_COMMON, **_GDN, **_ATTN, **_MOE, **overrides}))
     elif model_type == "qwen3_5_text":
@@ -139,11 +139,11 @@ def build_tiny_model(directory: Path, model_type: str, *, fused_experts: bool = 
         config = tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, **_VISION_IDS)
         model = tf.Qwen3_5MoeForConditionalGeneration(config)
     elif model_type == "nemotron_h":
-        model = tf.NemotronHForCausalLM(tf.NemotronHConfig(**_NEMOTRON))
+        model = tf.NemotronHForCausalLM(tf.NemotronHConfig(**{**_NEMOTRON, **overrides}))
     elif model_type == "granitemoehybrid":
-        model = tf.GraniteMoeHybridForCausalLM(tf.GraniteMoeHybridConfig(**_GRANITE))
+        model = tf.GraniteMoeHybridForCausalLM(tf.GraniteMoeHybridConfig(**{**_GRANITE, **overrides}))
     elif model_type == "falcon_h1":
-        model = tf.FalconH1ForCausalLM(tf.FalconH1Config(**_FALCON))
+        model = tf.FalconH1ForCausalLM(tf.FalconH1Config(**{**_FALCON, **overrides}))
     elif model_type == "qwen3_5":
         config = tf.Qwen3_5Config(text_config=dict(**_COMMON, **_GDN, **_ATTN, **_MROPE, intermediate_size=96),
                                   vision_config=_VISION, **_VISION_IDS)
