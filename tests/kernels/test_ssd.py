@@ -1,5 +1,7 @@
 """Mamba2 SSD scan: the chunked reference and the GPU variants against the token-by-token recurrence
-(fresh random inputs, varlen, initial states, groups < heads; GPU outputs NaN-poisoned)."""
+(fresh random inputs, varlen, initial states, groups < heads). GPU outputs are NaN-poisoned by the
+`poison` fixture (tests/kernels/conftest.py: torch.empty returns NaN while it is active), and the
+in-place step's untouched pool rows hold NaN."""
 
 from __future__ import annotations
 
@@ -80,7 +82,7 @@ def test_bad_shapes_raise_clear_errors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,groups", [(8, 8), (8, 2), (16, 1)])
-def test_gpu_chunk_matches_recurrence(dtype, heads, groups):
+def test_gpu_chunk_matches_recurrence(poison, dtype, heads, groups):
     from forkpoint.kernels.ssd import fla
 
     lengths = [130, 0, 1, 64, 257, 7]
@@ -91,12 +93,14 @@ def test_gpu_chunk_matches_recurrence(dtype, heads, groups):
     y_ref, final_ref = ref.ssd_recurrence(*(t.cpu() for t in (x.float(), dt, A, B.float(), C.float(), h0)),
                                           cu_host, D=D.cpu())
     tol = 1e-3 if dtype == torch.float32 else 2e-2
-    assert not y.isnan().any() and rel(y.cpu(), y_ref) < tol and rel(final.cpu(), final_ref) < tol
+    err_y, err_state = rel(y.cpu(), y_ref), rel(final.cpu(), final_ref)
+    print(f"SSD_GPU chunk {dtype} H={heads} G={groups}: y {err_y:.2e}, final state {err_state:.2e}")
+    assert not y.isnan().any() and not final.isnan().any() and err_y < tol and err_state < tol
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_inplace_step_matches_reference(dtype):
+def test_gpu_inplace_step_matches_reference(poison, dtype):
     from forkpoint.kernels.ssd import triton as ssd_triton
 
     x, dt, A, B, C, h0, _, _, D = inputs([1] * 5, heads=16, groups=4, head_dim=64, state_dim=128, seed=9,
@@ -107,6 +111,8 @@ def test_gpu_inplace_step_matches_reference(dtype):
     y = ssd_triton.ssd_step_inplace(x, dt, A, B, C, pool, slots, D=D)
     y_ref, new_ref = ref.ssd_step(x.float(), dt, A, B.float(), C.float(), h0, D=D)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert rel(y, y_ref) < tol and rel(pool[slots], new_ref) < 1e-5
+    err_y, err_state = rel(y, y_ref), rel(pool[slots], new_ref)
+    print(f"SSD_GPU inplace step {dtype}: y {err_y:.2e}, state {err_state:.2e}")
+    assert not y.isnan().any() and err_y < tol and err_state < 1e-5
     others = [0, 4, 6, 7]
     assert pool[others].isnan().all()  # untouched rows keep their poison
