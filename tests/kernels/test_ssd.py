@@ -92,7 +92,9 @@ def test_gpu_chunk_matches_recurrence(poison, dtype, heads, groups):
     y, final = fla.chunk_ssd(x, dt, A, B, C, h0, cu, cu_host, D=D)
     y_ref, final_ref = ref.ssd_recurrence(*(t.cpu() for t in (x.float(), dt, A, B.float(), C.float(), h0)),
                                           cu_host, D=D.cpu())
-    tol = 1e-3 if dtype == torch.float32 else 2e-2
+    # fla's dots run in TF32 for float32 inputs: measured 1.3e-3 (y) / 4.7e-4 (state) on an H200,
+    # bf16 3.2e-3 / 1.3e-3 (docs/models.md)
+    tol = 5e-3 if dtype == torch.float32 else 2e-2
     err_y, err_state = rel(y.cpu(), y_ref), rel(final.cpu(), final_ref)
     print(f"SSD_GPU chunk {dtype} H={heads} G={groups}: y {err_y:.2e}, final state {err_state:.2e}")
     assert not y.isnan().any() and not final.isnan().any() and err_y < tol and err_state < tol

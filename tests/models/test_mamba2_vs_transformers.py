@@ -5,11 +5,12 @@ The oracle checks are those of tests/models/test_vs_transformers.py, run on thes
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
-from forkpoint import LLM
+from forkpoint import LLM, SamplingParams
 from forkpoint.config import ModelConfig
 from forkpoint.models.registry import model_class
 from tests.models import test_vs_transformers as qwen_tests
@@ -61,3 +62,38 @@ def test_unknown_types_and_inconsistent_architectures_are_clear_errors(tiny_mode
         model_class(ModelConfig.from_dict(raw | {"architectures": ["NemotronHForCausalLM"]}))
     with pytest.raises(ValueError, match="mamba_n_heads"):
         ModelConfig.from_dict(raw | {"mamba_d_head": 12})
+
+
+# config.json of nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 (the entries forkpoint reads)
+NEMOTRON_3_NANO = {
+    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 131072, "hidden_size": 2688,
+    "num_hidden_layers": 52, "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+    "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "attention_bias": False,
+    "intermediate_size": 1856, "mlp_hidden_act": "relu2", "mlp_bias": False, "mamba_num_heads": 64,
+    "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4, "chunk_size": 128,
+    "use_conv_bias": True, "mamba_proj_bias": False, "mamba_hidden_act": "silu", "time_step_min": 0.001,
+    "time_step_limit": [0.0, 1e30], "n_routed_experts": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1856,
+    "n_shared_experts": 1, "moe_shared_expert_intermediate_size": 3712, "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1, "layer_norm_epsilon": 1e-5,
+    "max_position_embeddings": 262144, "tie_word_embeddings": False, "eos_token_id": 2,
+}
+
+
+def test_published_nemotron_3_nano_config_parses_to_its_layer_counts_and_state_sizes():
+    config = ModelConfig.from_dict(NEMOTRON_3_NANO)
+    kinds = config.layer_types
+    assert (kinds.count("mamba2"), kinds.count("moe"), kinds.count("full_attention")) == (23, 23, 6)
+    assert config.num_experts == 128 and config.mamba2.routed_scaling_factor == 2.5 and config.rotary_dim == 0
+    with torch.device("meta"):
+        shapes = model_class(config)(config).pool_shapes(torch.bfloat16)
+    assert shapes.state.conv_shape == (64 * 64 + 2 * 8 * 128, 3) and shapes.state.ssm_shape == (64, 64, 128)
+    assert shapes.state.bytes == 6144 * 3 * 2 + 64 * 64 * 128 * 4  # 2.04 MiB per layer and sequence
+
+
+def test_dummy_weights_generate_finite_outputs(tiny_model_factory):
+    directory, _ = tiny_model_factory("nemotron_h")
+    llm = LLM(str(directory), load_format="dummy", num_kv_blocks=32, max_num_seqs=2)
+    out = llm.generate({"prompt_token_ids": list(range(5, 40))},
+                       SamplingParams(temperature=0.0, max_tokens=3, logprobs=2, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3
+    assert all(math.isfinite(v) for step in out.outputs[0].logprobs for v in step.values())
