@@ -148,13 +148,13 @@ def mamba2_hybrid_fields(raw: dict) -> dict:
     if rope_type != "default":
         raise ValueError(f"unsupported rope_type {rope_type!r}: only 'default' rotary embeddings are implemented")
     common = {"model_type": model_type, "vocab_size": int(raw["vocab_size"]), "hidden_size": hidden,
-                  "num_layers": len(layer_types), "layer_types": layer_types, "num_attention_heads": num_heads,
-                  "num_key_value_heads": int(raw.get("num_key_value_heads") or num_heads), "head_dim": head_dim,
-                  "rope_theta": float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-                  "attention_bias": bool(raw.get("attention_bias", False)),
-                  "linear_num_key_heads": 0, "linear_num_value_heads": 0, "linear_key_head_dim": 0, "linear_value_head_dim": 0,
-                  "linear_conv_kernel_dim": 0, "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
-                  "max_position_embeddings": int(raw.get("max_position_embeddings", 4096))}
+              "num_layers": len(layer_types), "layer_types": layer_types, "num_attention_heads": num_heads,
+              "num_key_value_heads": int(raw.get("num_key_value_heads") or num_heads), "head_dim": head_dim,
+              "rope_theta": float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+              "attention_bias": bool(raw.get("attention_bias", False)),
+              "linear_num_key_heads": 0, "linear_num_value_heads": 0, "linear_key_head_dim": 0, "linear_value_head_dim": 0,
+              "linear_conv_kernel_dim": 0, "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
+              "max_position_embeddings": int(raw.get("max_position_embeddings", 4096))}
     if model_type == "nemotron_h":
         return {**common, **_nemotron(raw, layer_types)}
     if model_type == "granitemoehybrid":
@@ -181,13 +181,16 @@ def _nemotron(raw: dict, layer_types: tuple[str, ...]) -> dict:
                                 router="sigmoid_grouped", n_group=int(raw.get("n_group", 1)),
                                 topk_group=int(raw.get("topk_group", 1)),
                                 routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)))
+    # transformers' NemotronHForCausalLM ties nothing (`_tied_weights_keys = {}`): lm_head is its own tensor
+    # whatever tie_word_embeddings says
     return {"rms_norm_eps": float(raw.get("layer_norm_epsilon", 1e-5)), "rotary_dim": 0, "attention_bias": False,
-                "intermediate_size": int(raw.get("intermediate_size", 0) or 0), "num_experts": num_experts,
-                "num_experts_per_tok": int(raw.get("num_experts_per_tok", 0) or 0),
-                "moe_intermediate_size": int(raw.get("moe_intermediate_size", 0) or 0),
-                "shared_expert_intermediate_size": int(raw.get("moe_shared_expert_intermediate_size", 0) or 0),
-                "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
-                "moe_layers": tuple(kind == "moe" for kind in layer_types), "mamba2": hybrid}
+            "tie_word_embeddings": False,
+            "intermediate_size": int(raw.get("intermediate_size", 0) or 0), "num_experts": num_experts,
+            "num_experts_per_tok": int(raw.get("num_experts_per_tok", 0) or 0),
+            "moe_intermediate_size": int(raw.get("moe_intermediate_size", 0) or 0),
+            "shared_expert_intermediate_size": int(raw.get("moe_shared_expert_intermediate_size", 0) or 0),
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
+            "moe_layers": tuple(kind == "moe" for kind in layer_types), "mamba2": hybrid}
 
 
 def _granite(raw: dict, layer_types: tuple[str, ...], hidden: int, head_dim: int) -> dict:
@@ -215,11 +218,11 @@ def _granite(raw: dict, layer_types: tuple[str, ...], hidden: int, head_dim: int
                                 logits_scaling=float(raw.get("logits_scaling", 1.0)))
     rope = raw.get("position_embedding_type") == "rope"
     return {"rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)), "rotary_dim": head_dim if rope else 0,
-                "intermediate_size": int(raw.get("shared_intermediate_size", 0) or 0), "num_experts": num_experts,
-                "num_experts_per_tok": int(raw.get("num_experts_per_tok", 0) or 0),
-                "moe_intermediate_size": int(raw.get("intermediate_size", 0) or 0),
-                "shared_expert_intermediate_size": int(raw.get("shared_intermediate_size", 0) or 0),
-                "norm_topk_prob": True, "moe_layers": (num_experts > 0,) * len(layer_types), "mamba2": hybrid}
+            "intermediate_size": int(raw.get("shared_intermediate_size", 0) or 0), "num_experts": num_experts,
+            "num_experts_per_tok": int(raw.get("num_experts_per_tok", 0) or 0),
+            "moe_intermediate_size": int(raw.get("intermediate_size", 0) or 0),
+            "shared_expert_intermediate_size": int(raw.get("shared_intermediate_size", 0) or 0),
+            "norm_topk_prob": True, "moe_layers": (num_experts > 0,) * len(layer_types), "mamba2": hybrid}
 
 
 def _falcon(raw: dict, layer_types: tuple[str, ...], hidden: int, head_dim: int) -> dict:
@@ -254,6 +257,6 @@ def _falcon(raw: dict, layer_types: tuple[str, ...], hidden: int, head_dim: int)
                                 ssm_out_multiplier=float(raw.get("ssm_out_multiplier", 1.0)),
                                 mlp_multipliers=(gate, down))
     return {"rms_norm_eps": float(raw.get("rms_norm_eps", 1e-5)), "rotary_dim": head_dim,
-                "intermediate_size": int(raw.get("intermediate_size", 0) or 0), "num_experts": 0, "num_experts_per_tok": 0,
-                "moe_intermediate_size": 0, "shared_expert_intermediate_size": 0, "norm_topk_prob": True,
-                "moe_layers": (False,) * len(layer_types), "mamba2": hybrid}
+            "intermediate_size": int(raw.get("intermediate_size", 0) or 0), "num_experts": 0, "num_experts_per_tok": 0,
+            "moe_intermediate_size": 0, "shared_expert_intermediate_size": 0, "norm_topk_prob": True,
+            "moe_layers": (False,) * len(layer_types), "mamba2": hybrid}

@@ -14,7 +14,7 @@ from forkpoint import LLM, SamplingParams
 from forkpoint.config import ModelConfig
 from forkpoint.models.registry import model_class
 from tests.models import test_vs_transformers as qwen_tests
-from tests.tiny_models import MAMBA2_MODEL_TYPES
+from tests.tiny_models import MAMBA2_MODEL_TYPES, build_tiny_model
 
 
 @pytest.mark.parametrize("model_type", MAMBA2_MODEL_TYPES)
@@ -97,3 +97,28 @@ def test_dummy_weights_generate_finite_outputs(tiny_model_factory):
                        SamplingParams(temperature=0.0, max_tokens=3, logprobs=2, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3
     assert all(math.isfinite(v) for step in out.outputs[0].logprobs for v in step.values())
+
+
+VARIANTS = {
+    "granite_dense_nope_tied": ("granitemoehybrid", {"num_local_experts": 0, "position_embedding_type": "nope",
+                                                     "tie_word_embeddings": True}),
+    "falcon_plain_gate_biases": ("falcon_h1", {"mamba_rms_norm": False, "attention_bias": True, "mlp_bias": True,
+                                               "mamba_proj_bias": True, "projectors_bias": True,
+                                               "mamba_conv_bias": False, "tie_word_embeddings": True}),
+    "falcon_norm_before_gate_dt_limits": ("falcon_h1", {"mamba_norm_before_gate": True,
+                                                        "time_step_limit": (0.3, 2.0)}),
+    # transformers never ties Nemotron-H's lm_head, whatever tie_word_embeddings says
+    "nemotron_groups_biases_tied": ("nemotron_h", {"n_group": 4, "topk_group": 2, "norm_topk_prob": False,
+                                                   "use_bias": True, "mlp_bias": True, "tie_word_embeddings": True,
+                                                   "time_step_min": 0.5}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_config_variants_match_transformers(tmp_path, variant):
+    model_type, overrides = VARIANTS[variant]
+    hf_model = build_tiny_model(tmp_path, model_type, **overrides)
+    llm = LLM(str(tmp_path), num_kv_blocks=64, max_num_seqs=2)
+    token_ids = torch.randint(5, 150, (70,), generator=torch.Generator().manual_seed(4)).tolist()
+    ours, ref = qwen_tests.full_logits(llm, token_ids), qwen_tests.hf_logits(hf_model, token_ids)
+    assert (ours - ref).norm() / ref.norm() <= 1e-4
