@@ -10,7 +10,7 @@ from dataclasses import dataclass
 DEFAULT_MODEL_NAME = "forkpoint-default"
 
 
-class MarkerPolicy(str, enum.Enum):
+class MarkerPolicy(enum.StrEnum):
     """What the server does with the checkpoint marker string when it arrives inside client text
     (message content or a completion prompt, as text or as the marker's token id).
 
