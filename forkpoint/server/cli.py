@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout_s,
                       help="seconds in-flight requests get to finish on shutdown before they are aborted "
                            f"(default: {ServerConfig.shutdown_timeout_s:g})")
+    http.add_argument("--max-request-bytes", type=int, default=None,
+                      help="request bodies above this many bytes get 413 before they are read (default: enough "
+                           "for any one prompt that fits --max-model-len, written with the worst JSON escaping)")
+    http.add_argument("--disable-log-stats", action="store_true",
+                      help="no periodic stats line (throughput, queues, pools, checkpoint reuse) in the log")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                       help="log level (default: info)")
     serve.set_defaults(func=run_serve)
@@ -83,10 +88,12 @@ def run_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         served_model_name=args.served_model_name or _model_name(args.model),
         max_waiting_requests=args.max_waiting_requests, marker_policy=MarkerPolicy(args.marker_in_user_content),
-        shutdown_timeout_s=args.shutdown_timeout,
+        shutdown_timeout_s=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
+        log_stats=not args.disable_log_stats,
     )
+    start = time.perf_counter()
     llm = LLM(**engine_kwargs(args))
-    app = build_app(llm, config)
+    app = build_app(llm, config, load_time_s=time.perf_counter() - start)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.shutdown_timeout)
     return 0
