@@ -32,6 +32,12 @@ from forkpoint.outputs import Logprob
 from forkpoint.sampling_params import SamplingParams
 
 
+def _on(device: torch.device, values: Sequence, dtype: torch.dtype) -> torch.Tensor:
+    """`values` as a tensor on `device`, copied without a host synchronisation (`torch.tensor(...,
+    device=cuda)` would wait for the queued forward)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class SampledToken:
     token_id: int
@@ -86,11 +92,12 @@ class PenaltyCounts:
             elif self.counted[row.key] != len(row.output_token_ids):
                 self._build(index, row)
             indices.append(index)
-        return torch.tensor(indices, dtype=torch.long, device=self.device)
+        return _on(self.device, indices, torch.long)
 
     def record(self, keys: Sequence[str], indices: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Count the sampled `token_ids` ([len(keys)] on the device) for these rows."""
-        self.counts.index_put_((indices, token_ids), torch.ones_like(token_ids, dtype=torch.int32), accumulate=True)
+        flat = indices * self.vocab_size + token_ids
+        self.counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         for key in keys:
             self.counted[key] += 1
 
@@ -131,8 +138,8 @@ class PenaltyCounts:
         prompt = torch.tensor([t for t in row.prompt_token_ids if t < vocab], dtype=torch.long)
         output = torch.tensor([t for t in row.output_token_ids if t < vocab], dtype=torch.long)
         self.seen[index] = False
-        self.seen[index, prompt.to(self.device)] = True
-        self.counts[index] = torch.bincount(output, minlength=vocab).to(device=self.device, dtype=torch.int32)
+        self.seen[index, prompt.to(self.device, non_blocking=True)] = True
+        self.counts[index] = torch.bincount(output, minlength=vocab).to(self.device, torch.int32, non_blocking=True)
         self.counted[row.key] = len(row.output_token_ids)
 
 
@@ -163,7 +170,7 @@ class Sampler:
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         counted: tuple[list[str], torch.Tensor, torch.Tensor] | None = None
         if penalised:
-            index = torch.tensor(penalised, dtype=torch.long, device=device)
+            index = _on(device, penalised, torch.long)
             state_rows = self.penalties.row_indices([rows[i] for i in penalised])
             counts = self.penalties.counts.index_select(0, state_rows)
             seen = self.penalties.seen.index_select(0, state_rows) | (counts > 0)
@@ -174,7 +181,7 @@ class Sampler:
         chosen = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            index = torch.tensor(random_rows, dtype=torch.long, device=device)
+            index = _on(device, random_rows, torch.long)
             drawn = _sample_random(logits.index_select(0, index), [params[i] for i in random_rows],
                                    [rows[i].generator for i in random_rows])
             chosen = chosen.index_copy(0, index, drawn)
@@ -201,9 +208,9 @@ def _penalise(logits: torch.Tensor, params: Sequence[SamplingParams], counts: to
               seen: torch.Tensor) -> torch.Tensor:
     """logits, counts: [P, V]; seen: [P, V] bool (prompt or output) -> penalised logits."""
     device, dtype = logits.device, logits.dtype
-    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=dtype, device=device)[:, None]
-    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=dtype, device=device)[:, None]
-    presence = torch.tensor([p.presence_penalty for p in params], dtype=dtype, device=device)[:, None]
+    repetition = _on(device, [p.repetition_penalty for p in params], dtype)[:, None]
+    frequency = _on(device, [p.frequency_penalty for p in params], dtype)[:, None]
+    presence = _on(device, [p.presence_penalty for p in params], dtype)[:, None]
     scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = torch.where(seen, scaled, logits)
     counts = counts.to(dtype)
@@ -215,18 +222,18 @@ def _sample_random(logits: torch.Tensor, params: Sequence[SamplingParams],
     """logits: [S, V] (penalised) -> [S] sampled ids, by vLLM's filters and exponential race."""
     device, dtype = logits.device, logits.dtype
     vocab = logits.shape[-1]
-    temperature = torch.tensor([p.temperature for p in params], dtype=dtype, device=device)[:, None]
+    temperature = _on(device, [p.temperature for p in params], dtype)[:, None]
     logits = logits / temperature
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=dtype, device=device)[:, None]
+        min_p = _on(device, [p.min_p for p in params], dtype)[:, None]
         probs = torch.softmax(logits, dim=-1)
         logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if any(k < vocab for k in top_k) or any(p.top_p < 1.0 for p in params):
         ordered, order = logits.sort(dim=-1)  # ascending
-        kth = torch.tensor([vocab - k for k in top_k], dtype=torch.long, device=device)[:, None]
+        kth = _on(device, [vocab - k for k in top_k], torch.long)[:, None]
         ordered = ordered.masked_fill(ordered < ordered.gather(1, kth), float("-inf"))
-        top_p = torch.tensor([p.top_p for p in params], dtype=dtype, device=device)[:, None]
+        top_p = _on(device, [p.top_p for p in params], dtype)[:, None]
         below = torch.softmax(ordered, dim=-1).cumsum(dim=-1) <= 1.0 - top_p
         below[:, -1] = False
         ordered = ordered.masked_fill(below, float("-inf"))
@@ -246,7 +253,7 @@ def _to_host(raw: torch.Tensor, chosen: torch.Tensor, params: Sequence[SamplingP
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return [SampledToken(token_id, None) for token_id in chosen.tolist()]
-    index = torch.tensor(rows, dtype=torch.long, device=raw.device)
+    index = _on(raw.device, rows, torch.long)
     logprobs = torch.log_softmax(raw.index_select(0, index), dim=-1)
     k = max(params[i].logprobs for i in rows)
     top_values, top_ids = torch.topk(logprobs, k, dim=-1)
