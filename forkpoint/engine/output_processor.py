@@ -24,6 +24,7 @@ from forkpoint.outputs import CompletionOutput, Logprob, RequestOutput
 
 @dataclass
 class _SequenceText:
+    owner: Request  # a reused request id starts over
     detokenizer: IncrementalDetokenizer
     searched: int = 0  # text[:searched] holds no stop string (nor the start of one that is complete)
     stop_at: int | None = None  # the text is cut here: a stop string starts at this index
@@ -106,9 +107,9 @@ class OutputProcessor:
     def _state(self, request: Request) -> _SequenceText:
         """The sequence's text state, caught up with its output tokens."""
         state = self._texts.get(request.request_id)
-        if state is None:
+        if state is None or state.owner is not request:
             stops = list(request.params.stop)
-            state = _SequenceText(IncrementalDetokenizer(self.tokenizer), stops=stops,
+            state = _SequenceText(request, IncrementalDetokenizer(self.tokenizer), stops=stops,
                                   max_stop_len=max((len(s) for s in stops), default=0))
             self._texts[request.request_id] = state
         seen = state.detokenizer.num_tokens
