@@ -67,8 +67,9 @@ class OutputProcessor:
 
     def make_output(self, request_id: str, prompt: str | None, prompt_token_ids: Sequence[int],
                     checkpoint_positions: Sequence[int], sequences: Sequence[Request]) -> RequestOutput:
-        """The cumulative output of one prompt's sequences; once all have finished, their text state
-        is dropped (this is their last output)."""
+        """The cumulative output of one prompt's sequences (prompt logprobs from the first sequence,
+        which scores the prompt for all); once all have finished, their text state is dropped (this
+        is their last output)."""
         finished = all(s.is_finished for s in sequences)
         completions = []
         for sequence in sequences:
@@ -82,7 +83,13 @@ class OutputProcessor:
         if finished:
             for sequence in sequences:
                 self._texts.pop(sequence.request_id, None)
+        prompt_logprobs = None
+        first = sequences[0]
+        if first.params.prompt_logprobs is not None:
+            entries = first.prompt_logprobs
+            prompt_logprobs = [None] + [entries.get(t) for t in range(1, len(prompt_token_ids))]
         return RequestOutput(
+            prompt_logprobs=prompt_logprobs,
             request_id=request_id,
             prompt=prompt,
             prompt_token_ids=list(prompt_token_ids),

@@ -15,7 +15,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs
 
 
 def make_llm(directory, **kwargs) -> LLM:
-    defaults = dict(num_kv_blocks=128, max_num_seqs=16, max_num_batched_tokens=512)
+    defaults = dict(num_kv_blocks=128, max_num_seqs=16, max_num_batched_tokens=512, auto_checkpoints=False)
     defaults.update(kwargs)
     return LLM(str(directory), **defaults)
 
