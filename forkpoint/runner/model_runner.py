@@ -16,10 +16,10 @@ import torch
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.models.qwen3_5 import HybridForCausalLM, LayerCaches
-from forkpoint.step.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
-from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan
 from forkpoint.runner.multimodal import MultimodalInputs
 from forkpoint.runner.piecewise import PiecewiseForward
+from forkpoint.step.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
+from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan
 
 
 class _Staging:
