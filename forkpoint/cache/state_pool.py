@@ -5,6 +5,9 @@ Row layout of every state tensor (one row = one sequence's or checkpoint's state
     row 0                      always zero: the initial state of a fresh sequence
     rows 1 .. R                request slots (one per running request)
     rows R+1 .. R+C            checkpoint slots (one per checkpoint)
+    row R+C+1                  scratch: written by the padding rows of captured decode steps and by
+                               the start-up warm-up (runner/decode_graphs.py, runner/warmup.py); never
+                               read by a request, its content is meaningless (finite)
 
 Keeping requests and checkpoints in one tensor lets a layer gather any segment's initial state
 with a single `index_select` and scatter final states with one `index_copy_`.
@@ -61,14 +64,15 @@ class SlotAllocator:
 
 class StatePool:
     """conv_stack: [L, rows, conv_dim, W-1] (model dtype); ssm_stack: [L, rows, HV, K, V] (float32);
-    conv[i] / ssm[i]: views of layer i's slice (contiguous, sharing the stacks' storage)."""
+    conv[i] / ssm[i]: views of layer i's slice (contiguous, sharing the stacks' storage);
+    rows = 1 + R + C + 1 (zero row, requests, checkpoints, `scratch_slot`)."""
 
     def __init__(self, num_request_slots: int, num_checkpoint_slots: int, num_layers: int, conv_dim: int,
                  conv_width: int, num_v_heads: int, k_dim: int, v_dim: int, dtype: torch.dtype,
                  device: torch.device, ssm_dtype: torch.dtype = torch.float32) -> None:
         if num_request_slots < 1:
             raise ValueError("the state pool needs at least one request slot")
-        rows = 1 + num_request_slots + num_checkpoint_slots
+        rows = 1 + num_request_slots + num_checkpoint_slots + 1
         self.conv_stack = torch.zeros(num_layers, rows, conv_dim, conv_width - 1, dtype=dtype, device=device)
         self.ssm_stack = torch.zeros(num_layers, rows, num_v_heads, k_dim, v_dim, dtype=ssm_dtype, device=device)
         # single views (not unbind's multi-output views, which autograd forbids writing in place)
@@ -76,6 +80,7 @@ class StatePool:
         self.ssm = [self.ssm_stack[i] for i in range(num_layers)]
         self.requests = SlotAllocator(1, num_request_slots, "request state")
         self.checkpoints = SlotAllocator(1 + num_request_slots, num_checkpoint_slots, "checkpoint state")
+        self.scratch_slot = rows - 1  # see the row layout above
 
     @staticmethod
     def bytes_per_slot(num_layers: int, conv_dim: int, conv_width: int, num_v_heads: int, k_dim: int, v_dim: int,

@@ -18,6 +18,7 @@ from forkpoint.cache.state_pool import StatePool
 from forkpoint.engine.scheduler import KVCopy, PlannedSegment, StepPlan
 from forkpoint.models.qwen3_5 import HybridForCausalLM, LayerCaches
 from forkpoint.runner.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
+from forkpoint.runner.decode_graphs import DecodeGraphs, decode_bucket_sizes
 from forkpoint.runner.multimodal import MultimodalInputs
 from forkpoint.runner.piecewise import PiecewiseForward
 
@@ -195,7 +196,9 @@ class ModelRunner:
 
     With `piecewise` (CUDA graphs, runner/piecewise.py), the steps it accepts run through it (text
     and image steps alike) and the others (more tokens than its largest bucket) through the model's
-    plain forward.
+    plain forward. When its graphs are captured, decode steps run as whole-forward graphs
+    (`decode_graphs`, runner/decode_graphs.py; captured here, after the pools exist), one replay
+    per step; a plain attribute, so benchmarks can detach it (None).
     """
 
     def __init__(self, model: HybridForCausalLM, block_pool: BlockPool, state_pool: StatePool,
@@ -208,6 +211,19 @@ class ModelRunner:
                                   conv_stack=state_pool.conv_stack, ssm_stack=state_pool.ssm_stack)
         self.multimodal = multimodal  # image positions and vision-tower rows; None for text-only engines
         self.piecewise = piecewise
+        self.decode_graphs: DecodeGraphs | None = None
+        if piecewise is not None and piecewise.captured:
+            self.decode_graphs = self._capture_decode_graphs(block_pool, state_pool)
+
+    def _capture_decode_graphs(self, block_pool: BlockPool, state_pool: StatePool) -> DecodeGraphs:
+        """Decode buckets up to the number of request slots (the most sequences a decode step can
+        hold), block tables as wide as the model's context (or the whole pool, if smaller)."""
+        piecewise = self.piecewise
+        max_blocks = min(block_pool.num_blocks, -(-self.model.config.max_position_embeddings // self.block_size))
+        return DecodeGraphs(self.model, self.caches, decode_bucket_sizes(piecewise.sizes, state_pool.requests.count),
+                            max_blocks, scratch_block=block_pool.scratch_block, block_size=self.block_size,
+                            scratch_state_slot=state_pool.scratch_slot, device=self.device, capture=True,
+                            pool=piecewise.memory_pool, stream=piecewise.capture_stream)
 
     def prepare(self, plan: StepPlan) -> tuple[ForwardBatch, list[PlannedSegment]]:
         """The step's batch (images encoded and attached) and the segments its logits rows belong to."""
@@ -223,6 +239,8 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [R, vocab] float32 of one prepared batch, through the graphs when they take it."""
+        if self.decode_graphs is not None and self.decode_graphs.accepts(batch):
+            return self.decode_graphs(batch)
         if self.piecewise is not None and self.piecewise.accepts(batch):
             return self.piecewise(batch, self.caches)
         return self.model(batch, self.caches)
