@@ -8,6 +8,7 @@ only index with them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -21,6 +22,13 @@ from forkpoint.runner.batch import AttentionMetadata, DecodeGroup, ForwardBatch,
 from forkpoint.runner.decode_graphs import DecodeGraphs, decode_bucket_sizes
 from forkpoint.runner.multimodal import MultimodalInputs
 from forkpoint.runner.piecewise import PiecewiseForward
+from forkpoint.runner.warmup import WarmupReport, warm_up
+
+logger = logging.getLogger("forkpoint")
+
+# The longest cached context a warm-up segment starts after (attention kernels loop over the
+# context on the device: its length picks no kernel variant, so a few blocks' worth is enough).
+WARMUP_MAX_CONTEXT = 4096
 
 
 def order_segments(segments: Sequence[PlannedSegment]) -> list[PlannedSegment]:
@@ -198,7 +206,9 @@ class ModelRunner:
     and image steps alike) and the others (more tokens than its largest bucket) through the model's
     plain forward. When its graphs are captured, decode steps run as whole-forward graphs
     (`decode_graphs`, runner/decode_graphs.py; captured here, after the pools exist), one replay
-    per step; a plain attribute, so benchmarks can detach it (None).
+    per step; a plain attribute, so benchmarks can detach it (None). Then the varlen cores of
+    prefill and mixed steps are compiled and autotuned by a warm-up on the pools' scratch rows
+    (runner/warmup.py; `warmup` reports it), so no served step compiles.
     """
 
     def __init__(self, model: HybridForCausalLM, block_pool: BlockPool, state_pool: StatePool,
@@ -211,9 +221,16 @@ class ModelRunner:
                                   conv_stack=state_pool.conv_stack, ssm_stack=state_pool.ssm_stack)
         self.multimodal = multimodal  # image positions and vision-tower rows; None for text-only engines
         self.piecewise = piecewise
+        self.scratch_block, self.scratch_slot = block_pool.scratch_block, state_pool.scratch_slot
         self.decode_graphs: DecodeGraphs | None = None
+        self.warmup: WarmupReport | None = None
         if piecewise is not None and piecewise.captured:
             self.decode_graphs = self._capture_decode_graphs(block_pool, state_pool)
+            max_context = min(WARMUP_MAX_CONTEXT, self.decode_graphs.max_blocks * self.block_size - piecewise.sizes[-1])
+            self.warmup = warm_up(self, max_tokens=piecewise.sizes[-1], max_seqs=state_pool.requests.count,
+                                  max_context=max_context)
+            logger.info("warm-up: %d synthetic steps (%d tokens) in %.1f s", self.warmup.steps, self.warmup.tokens,
+                        self.warmup.seconds)
 
     def _capture_decode_graphs(self, block_pool: BlockPool, state_pool: StatePool) -> DecodeGraphs:
         """Decode buckets up to the number of request slots (the most sequences a decode step can
