@@ -226,7 +226,9 @@ class ModelRunner:
         self.warmup: WarmupReport | None = None
         if piecewise is not None and piecewise.captured:
             self.decode_graphs = self._capture_decode_graphs(block_pool, state_pool)
-            max_context = min(WARMUP_MAX_CONTEXT, self.decode_graphs.max_blocks * self.block_size - piecewise.sizes[-1])
+            # synthetic contexts live in the scratch block (every table entry), so only the model's
+            # context length bounds them
+            max_context = min(WARMUP_MAX_CONTEXT, model.config.max_position_embeddings - piecewise.sizes[-1])
             self.warmup = warm_up(self, max_tokens=piecewise.sizes[-1], max_seqs=state_pool.requests.count,
                                   max_context=max_context)
             logger.info("warm-up: %d synthetic steps (%d tokens) in %.1f s", self.warmup.steps, self.warmup.tokens,
