@@ -257,6 +257,8 @@ def engine_info(llm: LLM, init_s: float) -> dict:
         "enforce_eager": getattr(engine.config, "enforce_eager", None), "enforce_eager_field": eager_field(),
         "runtime_eager_switch": eager_switch(engine) is not None,
         "cuda_graph_sizes": getattr(getattr(engine.runner, "piecewise", None), "sizes", None),
+        "decode_graph_sizes": getattr(getattr(engine.runner, "decode_graphs", None), "sizes", None),
+        "start_up_warmup": dataclasses.asdict(engine.runner.warmup) if getattr(engine.runner, "warmup", None) else None,
     }
     if engine.device.type == "cuda":
         info["gpu_mem_allocated_gb"] = torch.cuda.memory_allocated() / 1e9
@@ -401,6 +403,23 @@ def full_steps(results: dict, tokens: int) -> dict:
             out[mode] = {"tokens_per_s_median": float(np.median(rates)), "min": float(np.min(rates)),
                          "max": float(np.max(rates)), "steps": len(rates)}
     return out
+
+
+def slow_steps(results: dict, engine: str = "default", worst: int = 5) -> dict | None:
+    """Every timed prefill step of `engine`'s max_tokens-1 runs against the least-squares fit
+    a + b * tokens of those same steps: the largest measured / fitted ratios (a step that compiled
+    or autotuned mid-run stands out here) and how many steps exceed twice their fitted time."""
+    fit = step_fit(results, engine)
+    if fit is None:
+        return None
+    a, b = fit["fixed_ms_per_step"] / 1e3, fit["us_per_token"] / 1e6
+    steps = [(s["s"] / (a + b * s["prompt_tokens"]), s["prompt_tokens"], s["s"], r["shape"], r["N"], r["checkpoints"])
+             for r in results["runs"] if r["max_tokens"] == 1 and r["engine"] == engine
+             for s in r["steps"] if s["prompt_tokens"] > 0 and a + b * s["prompt_tokens"] > 0]
+    steps.sort(reverse=True)
+    return {"num_steps": len(steps), "over_2x": sum(1 for s in steps if s[0] > 2.0),
+            "worst": [{"ratio": round(ratio, 2), "tokens": tokens, "ms": round(1e3 * sec, 1), "shape": shape, "N": n,
+                       "ckpt": ckpt} for ratio, tokens, sec, shape, n, ckpt in steps[:worst]]}
 
 
 def skip(results: dict, spec: RowSpec, reason: str) -> None:
@@ -699,9 +718,11 @@ def run_benchmark(args) -> dict:
                 bench = run_eager_rows(args, bench, eager_specs, model_dir, rows_end, results, save)
         results["step_fit"] = [fit for fit in (step_fit(results, e) for e in ("default", "enforce_eager")) if fit]
         results["full_steps"] = full_steps(results, args.max_num_batched_tokens)
+        results["slow_steps"] = slow_steps(results)
         results["tpot"] = {f"N={r['N']} {r['checkpoints']}": r["tpot_ms"] for r in results["runs"]
                            if r["group"] == "decode" and r["engine"] == "default"}
-        print(f"full steps: {results['full_steps']}; TPOT p50 ms: {results['tpot']}", flush=True)
+        print(f"full steps: {results['full_steps']}; TPOT p50 ms: {results['tpot']}; "
+              f"slowest steps against the fit: {results['slow_steps']}", flush=True)
         print(f"step fit: {results['step_fit']}; forkpoint done at {elapsed():.0f} s", flush=True)
         save()
         if not args.no_peer:

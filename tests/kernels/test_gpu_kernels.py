@@ -363,6 +363,7 @@ def test_grouped_moe_matches_reference(poison, t, e, top_k, hidden, inter):
         ("conv1d", "triton", "causal_conv1d_step", 4),
         ("attention", "triton", "paged_attention", 8),
         ("moe", "grouped", "fused_moe", 5),
+        ("moe", "grouped", "topk_softmax", 4),
     ],
 )
 def test_dispatch_sends_cuda_tensors_to_gpu_variant(monkeypatch, op, variant, fn, nargs):
@@ -427,6 +428,7 @@ def test_paged_attention_and_moe_no_host_sync():
     def run():
         tri.paged_attention(q, kc, vc, bt, cu_dev, cu, sl_dev, seq_lens, scale=0.0625)
         grouped.fused_moe(x, gate_up, down, weights, ids)
+        grouped.topk_softmax(x[:, :8], 2, True, torch.bfloat16)
 
     run()
     _no_sync(run)

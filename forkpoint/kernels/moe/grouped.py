@@ -1,6 +1,7 @@
 """Routed-expert MLP on CUDA through `torch._grouped_mm` and Triton (GPU variant of `reference.py`).
 
-Same signature and semantics as `forkpoint.kernels.moe.reference.fused_moe`. Two grouped GEMMs
+Same signatures and semantics as `forkpoint.kernels.moe.reference`. The router's selection
+(`topk_softmax`: softmax, top-k, renormalisation, cast) is one Triton kernel. Two grouped GEMMs
 for all experts at once (CUTLASS on Hopper), no Python loop over experts and no host sync: the
 per-expert row counts stay on the device and reach the GEMM as cumulative offsets.
 
@@ -28,6 +29,51 @@ from forkpoint.kernels.moe import reference
 if not hasattr(torch, "_grouped_mm"):
     # the dispatch falls back to the reference on ModuleNotFoundError
     raise ModuleNotFoundError("torch._grouped_mm is missing in this torch build: the grouped MoE needs torch >= 2.8")
+
+
+@triton.jit
+def _topk_softmax_kernel(logits, w_out, ids_out, E, stride_l, K: tl.constexpr, BLOCK_E: tl.constexpr,
+                         BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """One token per program: softmax over its E logits (fp32), K rounds of argmax (the lowest
+    index wins a tie), the K probabilities divided by their sum when RENORMALIZE."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    x = tl.load(logits + t * stride_l + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    p = tl.where(cols < E, p, -1.0)                  # probabilities are >= 0: -1 marks "not available"
+    slots = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    top_i = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(K):
+        best = tl.max(p, 0)
+        index = tl.minimum(tl.min(tl.where(p == best, cols, BLOCK_E), 0), E - 1)  # in range even for NaN rows
+        top_w = tl.where(slots == j, best, top_w)
+        top_i = tl.where(slots == j, index, top_i)
+        p = tl.where(cols == index, -1.0, p)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(tl.where(slots < K, top_w, 0.0), 0)
+    tl.store(w_out + t * K + slots, top_w.to(w_out.dtype.element_ty), mask=slots < K)
+    tl.store(ids_out + t * K + slots, top_i.to(tl.int64), mask=slots < K)
+
+
+def topk_softmax(logits, top_k, renormalize, out_dtype):
+    """Same result as `reference.topk_softmax` (up to fp32 evaluation order, and ties: equal
+    probabilities go to the lowest expert index), one launch. logits: [T, E] (last dim contiguous)."""
+    if logits.dim() != 2 or not 0 < top_k <= logits.shape[1]:
+        raise ValueError(f"logits must be [T, E] with 0 < top_k <= E, got {tuple(logits.shape)} and top_k={top_k}")
+    num_tokens, num_experts = logits.shape
+    weights = torch.empty((num_tokens, top_k), dtype=out_dtype, device=logits.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.long, device=logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    block_e = triton.next_power_of_2(num_experts)
+    _topk_softmax_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0), K=top_k, BLOCK_E=block_e,
+                                        BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=bool(renormalize),
+                                        num_warps=4 if block_e <= 1024 else 8)
+    return weights, ids
 
 
 @triton.jit
@@ -81,11 +127,10 @@ def fused_moe(x, gate_up, down, topk_weights, topk_ids):
     if num_tokens == 0:
         return x.new_zeros(x.shape)
     flat_ids = topk_ids.flatten()
-    order = flat_ids.argsort(stable=True)                         # [T*k] routes grouped by expert
-    # counts without bincount (its CUDA version reads max() on the host)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
-    offs = counts.cumsum(0, dtype=torch.int32)                    # [E] end row of each expert
+    sorted_ids, order = torch.sort(flat_ids, stable=True)         # [T*k] routes grouped by expert
+    # [E] end row of each expert = routes with an id <= e (no bincount: its CUDA version syncs)
+    experts = torch.arange(num_experts, dtype=sorted_ids.dtype, device=x.device)
+    offs = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
     xs = x.index_select(0, order // top_k)                        # [T*k, Hd]
     h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
     a = silu_and_mul(*h.chunk(2, dim=-1))                         # [T*k, I] bf16
