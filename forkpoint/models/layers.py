@@ -145,8 +145,9 @@ class SparseMoE(nn.Module):
         self.shared_expert = DenseMLP(hidden, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, hidden] -> routed + sigmoid(gate) * shared expert, plus `residual` [T, hidden] when
+        given (the pre-norm residual add of the layer, fused into the routed combine on CUDA)."""
         top_w, top_ids = self.gate(x)
-        routed = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, top_w, top_ids)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return routed + shared
+        return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, top_w, top_ids,
+                         shared=self.shared_expert(x), shared_gate=self.shared_expert_gate(x), residual=residual)

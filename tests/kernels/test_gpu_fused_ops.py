@@ -181,6 +181,14 @@ def test_moe_combine_matches_torch(poison, t, e, top_k, hidden):
     ys = randn(gen, t * top_k, hidden, dtype=torch.bfloat16)
     check(f"moe_combine T={t} E={e} k={top_k} Hd={hidden}", grouped.moe_combine(ys, order, weights),
           _combine_torch(ys, order, weights), BF16_TOL)
+    # the shared expert and the residual in the same fp32 sum (residual as a strided view)
+    shared = randn(gen, t, hidden, dtype=torch.bfloat16)
+    shared_gate = randn(gen, t, 1, dtype=torch.bfloat16)
+    residual = randn(gen, t, hidden + 8, dtype=torch.bfloat16)[:, :hidden]
+    routed = _combine_torch(ys, order, weights).float()
+    expected = (routed + torch.sigmoid(shared_gate.float()) * shared.float() + residual.float()).bfloat16()
+    check(f"moe_combine+shared+residual T={t}", grouped.moe_combine(ys, order, weights, shared=shared,
+          shared_gate=shared_gate, residual=residual), expected, BF16_TOL)
 
 
 # ---------------------------------------------------------------- MoE router selection

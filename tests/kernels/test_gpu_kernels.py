@@ -349,6 +349,13 @@ def test_grouped_moe_matches_reference(poison, t, e, top_k, hidden, inter):
     y = grouped.fused_moe(x, gate_up, down, weights, ids)
     y_ref = reference.fused_moe(*_cpu(x, gate_up, down, weights, ids))
     check(f"moe_grouped T={t} E={e} k={top_k}", y, y_ref, 1e-2)
+    # with the shared expert's gated output and the residual added in the combine
+    shared, residual = (torch.randn(t, hidden, generator=gen, device=DEV).bfloat16() for _ in range(2))
+    shared_gate = torch.randn(t, 1, generator=gen, device=DEV).bfloat16()
+    extras = dict(shared=shared, shared_gate=shared_gate, residual=residual)
+    y = grouped.fused_moe(x, gate_up, down, weights, ids, **extras)
+    y_ref = reference.fused_moe(*_cpu(x, gate_up, down, weights, ids), **{k: v.cpu() for k, v in extras.items()})
+    check(f"moe_grouped+shared+residual T={t} E={e} k={top_k}", y, y_ref, 1e-2)
 
 
 # ---------------------------------------------------------------- dispatch and host syncs
