@@ -25,6 +25,23 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass
+class CheckpointProgress:
+    """A request's part in the checkpoint protocol. Written by the scheduler only.
+
+    producing: PENDING checkpoints this request writes, by position; waiting_on: the unready
+    checkpoint it is deferred on; deferred_since: start of the current wait (the wait bound counts
+    from here); was_deferred: counted once in requests_deferred; gave_up_waiting: the wait bound was
+    hit, it never waits for an unready checkpoint again.
+    """
+
+    producing: list[Checkpoint] = field(default_factory=list)
+    waiting_on: Checkpoint | None = None
+    deferred_since: float | None = None
+    was_deferred: bool = False
+    gave_up_waiting: bool = False
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -42,13 +59,8 @@ class Request:
     num_computed_tokens: int = 0
     slot: int | None = None
     blocks: list[int] = field(default_factory=list)
-    # checkpoint protocol
-    producing: list[Checkpoint] = field(default_factory=list)  # unready checkpoints this request writes
     num_cached_tokens: int = 0
-    waiting_on: Checkpoint | None = None  # unready checkpoint this request is deferred on
-    deferred_since: float | None = None  # start of the current wait (the wait bound counts from here)
-    was_deferred: bool = False  # counted once in requests_deferred
-    gave_up_waiting: bool = False  # wait bound hit: never wait for an unready checkpoint again
+    checkpointing: CheckpointProgress = field(default_factory=CheckpointProgress)
     finish_reason: str | None = None
     stop_text_len: int | None = None
     first_token_time: float | None = None

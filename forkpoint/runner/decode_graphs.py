@@ -43,7 +43,7 @@ from collections.abc import Sequence
 import torch
 
 from forkpoint.models.qwen3_5 import HybridForCausalLM, LayerCaches
-from forkpoint.runner.batch import AttentionMetadata, DecodeGroup, ForwardBatch
+from forkpoint.step.batch import AttentionMetadata, DecodeGroup, ForwardBatch
 
 logger = logging.getLogger("forkpoint")
 

@@ -16,10 +16,10 @@ import torch
 
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.state_pool import StatePool
-from forkpoint.engine.scheduler import KVCopy, PlannedSegment, StepPlan
 from forkpoint.models.qwen3_5 import HybridForCausalLM, LayerCaches
-from forkpoint.runner.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
 from forkpoint.runner.decode_graphs import DecodeGraphs, decode_bucket_sizes
+from forkpoint.step.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
+from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan
 from forkpoint.runner.multimodal import MultimodalInputs
 from forkpoint.runner.piecewise import PiecewiseForward
 from forkpoint.runner.warmup import WarmupReport, warm_up
@@ -29,11 +29,6 @@ logger = logging.getLogger("forkpoint")
 # The longest cached context a warm-up segment starts after (attention kernels loop over the
 # context on the device: its length picks no kernel variant, so a few blocks' worth is enough).
 WARMUP_MAX_CONTEXT = 4096
-
-
-def order_segments(segments: Sequence[PlannedSegment]) -> list[PlannedSegment]:
-    """Decodes first, then prefill segments by phase (stable within a phase)."""
-    return sorted(segments, key=lambda s: s.phase)
 
 
 class _Staging:
@@ -71,9 +66,9 @@ class _Staging:
         return buffer[offset: offset + int(np.prod(shape, dtype=np.int64))].view(shape)
 
 
-def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -> tuple[ForwardBatch, list[PlannedSegment]]:
+def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -> tuple[ForwardBatch, list[Segment]]:
     """Returns the batch and the segments whose logits it yields, in logits row order."""
-    segments = order_segments(plan.segments)
+    segments = plan.ordered()
     num_segments = len(segments)
     lengths = np.fromiter((s.end - s.start for s in segments), dtype=np.int64, count=num_segments)
     cu_q = np.zeros(num_segments + 1, dtype=np.int64)
@@ -82,18 +77,18 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
     token_ids = np.empty(num_tokens, dtype=np.int64)
     positions = np.empty(num_tokens, dtype=np.int64)
     slot_mapping = np.empty(num_tokens, dtype=np.int64)
-    max_blocks = max(len(s.request.blocks) for s in segments)
+    max_blocks = max(len(s.block_table) for s in segments)
     block_tables = np.zeros((num_segments, max_blocks), dtype=np.int64)
     for row, segment in enumerate(segments):
         lo, hi = int(cu_q[row]), int(cu_q[row + 1])
-        start, end, blocks = segment.start, segment.end, segment.request.blocks
+        start, end, blocks = segment.start, segment.end, segment.block_table
         block_tables[row, : len(blocks)] = blocks
         if hi - lo == 1:  # decodes: scalar work beats numpy's per-call overhead
-            token_ids[lo] = segment.request.tokens(start, end)[0]
+            token_ids[lo] = segment.token_ids[0]
             positions[lo] = start
             slot_mapping[lo] = blocks[start // block_size] * block_size + start % block_size
         else:
-            token_ids[lo:hi] = segment.request.tokens(start, end)
+            token_ids[lo:hi] = segment.token_ids
             span = np.arange(start, end, dtype=np.int64)
             positions[lo:hi] = span
             slot_mapping[lo:hi] = block_tables[row, span // block_size] * block_size + span % block_size
@@ -109,7 +104,7 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
     )}
     src, dst = _copy_slots(plan.kv_copies, block_size)
     staged["cow_src"], staged["cow_dst"] = staging.add(src), staging.add(dst)
-    num_decodes = sum(1 for s in segments if s.phase < 0)
+    num_decodes = sum(1 for s in segments if s.kind is SegmentKind.DECODE)
     staged["decode_slots"] = staging.add([s.initial_slot for s in segments[:num_decodes]])
     phase_makers = []
     first = num_decodes
@@ -143,7 +138,7 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
     return batch, sampled
 
 
-def _stage_phase(staging: _Staging, segments: Sequence[PlannedSegment], token_start: int,
+def _stage_phase(staging: _Staging, segments: Sequence[Segment], token_start: int,
                  token_end: int) -> Callable[[torch.Tensor], RecurrentPhase]:
     """Stage one phase's metadata; returns a function building the phase from the device buffer."""
     cu = [0]
@@ -244,14 +239,14 @@ class ModelRunner:
                             scratch_state_slot=state_pool.scratch_slot, device=self.device, capture=True,
                             pool=piecewise.memory_pool, stream=piecewise.capture_stream)
 
-    def prepare(self, plan: StepPlan) -> tuple[ForwardBatch, list[PlannedSegment]]:
+    def prepare(self, plan: StepPlan) -> tuple[ForwardBatch, list[Segment]]:
         """The step's batch (images encoded and attached) and the segments its logits rows belong to."""
         batch, sampled = build_forward_batch(plan, self.block_size, self.device)
         if self.multimodal is not None:
-            batch = self.multimodal.attach(order_segments(plan.segments), batch)
+            batch = self.multimodal.attach(plan.ordered(), batch)
         return batch, sampled
 
-    def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[PlannedSegment]]:
+    def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[Segment]]:
         """Run one step. Returns logits [R, vocab] (float32) and the R segments they belong to."""
         batch, sampled = self.prepare(plan)
         return self.forward(batch), sampled

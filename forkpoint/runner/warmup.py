@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from forkpoint.cache.state_pool import ZERO_SLOT
-from forkpoint.runner.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
+from forkpoint.step.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
 
 
 @dataclass(frozen=True)

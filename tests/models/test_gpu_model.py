@@ -66,11 +66,12 @@ def all_position_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     """Logits [len, vocab] (float32, CPU) at every position of one prompt prefilled in one chunk."""
     engine = llm.engine
     engine.add_request("all-logits", {"prompt_token_ids": token_ids}, SamplingParams(max_tokens=1))
-    plan = engine.scheduler.schedule()
+    step = engine.scheduler.schedule()
+    plan = step.plan
     batch, _ = build_forward_batch(plan, engine.config.block_size, engine.device)
     batch = dataclasses.replace(batch, logits_indices=torch.arange(len(token_ids), device=engine.device))
     logits = engine.runner.model(batch, engine.runner.caches)
-    engine._after_forward(plan)
+    engine.scheduler.commit(step)
     engine.abort_request("all-logits")
     engine.check_integrity()
     return logits.float().cpu()

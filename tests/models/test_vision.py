@@ -45,11 +45,12 @@ def forkpoint_logits(llm: LLM, prompt: dict) -> tuple[torch.Tensor, list[int]]:
     engine = llm.engine
     engine.add_request("full-logits", prompt, SamplingParams(max_tokens=1))
     request = engine.scheduler.waiting[0]
-    plan = engine.scheduler.schedule()
+    step = engine.scheduler.schedule()
+    plan = step.plan
     batch, _ = engine.runner.prepare(plan)
     batch = dataclasses.replace(batch, logits_indices=torch.arange(len(request.prompt_token_ids)))
     logits = engine.runner.model(batch, engine.runner.caches)
-    engine._after_forward(plan)
+    engine.scheduler.commit(step)
     engine.abort_request("full-logits")
     engine.check_integrity()
     return logits, list(request.prompt_token_ids)
@@ -146,14 +147,15 @@ def test_image_tokens_use_their_own_positions(multimodal):
     engine = llm.engine
     engine.add_request("p", {"prompt": prompt_text(1), "multi_modal_data": {"image": IMAGES[:1]}},
                        SamplingParams(max_tokens=1))
-    plan = engine.scheduler.schedule()
+    step = engine.scheduler.schedule()
+    plan = step.plan
     batch, _ = engine.runner.prepare(plan)
     assert batch.embedding_overrides is not None
     assert not torch.equal(batch.mrope_positions[1], batch.mrope_positions[0])
     with_mrope = engine.runner.model(batch, engine.runner.caches)
     without = engine.runner.model(dataclasses.replace(batch, mrope_positions=None), engine.runner.caches)
     assert (with_mrope - without).abs().max() > 1e-3
-    engine._after_forward(plan)
+    engine.scheduler.commit(step)
     engine.abort_request("p")
     engine.check_integrity()
 

@@ -23,11 +23,12 @@ def full_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     """Logits at every prompt position from one forkpoint forward (prefill in one chunk)."""
     engine = llm.engine
     engine.add_request("full-logits", {"prompt_token_ids": token_ids}, SamplingParams(max_tokens=1))
-    plan = engine.scheduler.schedule()
+    step = engine.scheduler.schedule()
+    plan = step.plan
     batch, _ = build_forward_batch(plan, engine.config.block_size, engine.device)
     batch = dataclasses.replace(batch, logits_indices=torch.arange(len(token_ids)))
     logits = engine.runner.model(batch, engine.runner.caches)
-    engine._after_forward(plan)
+    engine.scheduler.commit(step)
     engine.abort_request("full-logits")
     engine.check_integrity()
     return logits
