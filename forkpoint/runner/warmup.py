@@ -98,12 +98,27 @@ def synthetic_batch(segments: list[SyntheticSegment], *, vocab_size: int, block_
 
 def warmup_layouts(max_tokens: int, max_seqs: int, max_context: int, block_size: int, *, seed: int = 0,
                    random_steps: int = 24) -> list[list[SyntheticSegment]]:
-    """The step layouts of the warm-up: fixed edge cases, then `random_steps` seeded random ones.
+    """The step layouts of the warm-up: two representative ones first (for the autotuners), fixed
+    edge cases, then `random_steps` seeded random ones.
 
     Every layout has at most `max_tokens` tokens and `max_seqs` segments, contexts below
     `max_context` (a block multiple apart, and not)."""
     max_context = max(0, max_context)
-    layouts: list[list[SyntheticSegment]] = []
+    # First, for the autotuners: Triton's (paged attention's prefill tiles) and fla's pick a config
+    # on the first call of each key and keep it, so the first call must look like the steps that
+    # dominate serving time, not a toy one. A full step of two long prefills, one after a long
+    # cached prefix (consumers of a checkpoint), tunes fla's chunked kernels and the long-query
+    # attention tiles; then short query segments after long contexts next to decodes tune the
+    # short-query tiles. (On 35B-A3B, with toy steps first -- 1, 2, 3, ... 17 tokens -- the
+    # 8192-token step's attention took 26.0 ms and fla's kernels 23.3 ms, against 11.5 and 15.5 ms
+    # in the run before, whose first prefill was a 4,352-token prompt: docs/e2e_h200.md.)
+    half = max(1, max_tokens // 2) if max_seqs > 1 else max_tokens
+    layouts: list[list[SyntheticSegment]] = [
+        [SyntheticSegment(half, 0, 0)] + ([SyntheticSegment(max_tokens - half, max_context, 0)]
+                                          if max_tokens > half else []),
+        [SyntheticSegment(1, max_context, -1) for _ in range(min(max_seqs - 1, 32, max(max_tokens - 16, 0)))]
+        + [SyntheticSegment(min(16, max_tokens), max_context, 0)],
+    ]
     # single segments of lengths around the integer specialisations (1, odd, multiples of 16), up to
     # the largest step; short ones below and above the attention's short/long autotune split (16)
     for q_len in sorted({1, 2, 3, 7, 16, 17, 63, 64, 65, 200, 256, max_tokens // 2 + 1, max_tokens}):

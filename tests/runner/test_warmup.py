@@ -20,6 +20,12 @@ def test_layouts_cover_phases_decodes_and_limits():
     assert {1, 16, 17, 96} <= {layout[0].q_len for layout in layouts if len(layout) == 1}
     assert any(s.context % 8 == 0 < s.context for layout in layouts for s in layout)
     assert warmup_layouts(96, 8, 40, 8, seed=3) == layouts  # seeded
+    # the autotuners keep their first call's choice: a full step of long prefills comes first, one of
+    # them after a long context, then short query segments after long contexts next to decodes
+    first, second = layouts[0], layouts[1]
+    assert sum(s.q_len for s in first) == 96 and max(s.context for s in first) == 40 and min(s.q_len for s in first) > 16
+    assert max(s.q_len for s in second) == 16 and any(s.phase == -1 for s in second)
+    assert [s.q_len for s in warmup_layouts(64, 1, 0, 8)[0]] == [64]  # one sequence at most
 
 
 def test_synthetic_batch_reads_and_writes_only_scratch_rows():
