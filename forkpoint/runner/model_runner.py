@@ -67,7 +67,9 @@ class _Staging:
 
 
 def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -> tuple[ForwardBatch, list[Segment]]:
-    """Returns the batch and the segments whose logits it yields, in logits row order."""
+    """Returns the batch and the segments whose sampled logits it yields (rows 0 .. len - 1, in that
+    order); further rows hold the prompt-logit rows of the segments with `prompt_logit_rows`, in
+    packed order (`plan.ordered()`)."""
     segments = plan.ordered()
     num_segments = len(segments)
     lengths = np.fromiter((s.end - s.start for s in segments), dtype=np.int64, count=num_segments)
@@ -95,6 +97,10 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
     samples = np.fromiter((s.samples for s in segments), dtype=bool, count=num_segments)
     logits_indices = cu_q[1:][samples] - 1
     sampled = [s for s in segments if s.samples]
+    scored = [(row, s) for row, s in enumerate(segments) if s.prompt_logit_rows]
+    if scored:  # prompt logprobs: rows after the sampled ones, segment by segment
+        logits_indices = np.concatenate([logits_indices] + [
+            np.arange(cu_q[row], cu_q[row] + s.prompt_logit_rows, dtype=np.int64) for row, s in scored])
     seq_lens = np.fromiter((s.end for s in segments), dtype=np.int64, count=num_segments)
 
     staging = _Staging()
