@@ -390,6 +390,8 @@ class HybridForCausalLM(nn.Module):
         else:
             mixer_out = layer.self_attn.finish(core, p.gate)
         normed, hidden = layer.post_attention_layernorm(mixer_out, residual)  # fused residual add
+        if isinstance(layer.mlp, SparseMoE):
+            return layer.mlp(normed, residual=hidden)  # the residual add fused into the experts' combine
         return hidden + layer.mlp(normed)
 
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
