@@ -11,7 +11,7 @@ class Logprob(float):
 
     rank: int | None
 
-    def __new__(cls, value: float, rank: int | None = None) -> "Logprob":
+    def __new__(cls, value: float, rank: int | None = None) -> Logprob:
         obj = super().__new__(cls, value)
         obj.rank = rank
         return obj
@@ -51,3 +51,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     checkpoint_positions: list[int] = field(default_factory=list)
     finished: bool = False
+    # None unless SamplingParams.prompt_logprobs was set; then one entry per prompt token: None for the
+    # first, else {token_id: Logprob} holding the actual token and the top k given the tokens before it
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

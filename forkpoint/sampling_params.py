@@ -73,8 +73,8 @@ class SamplingParams:
     presence_penalty / frequency_penalty in [-2, 2] subtract `p * (count > 0)` / `f * count` over the
     generated tokens; repetition_penalty > 0 divides positive (multiplies negative) logits of every
     token seen in the prompt or the output. `logprobs=k` returns the sampled token's and the top-k log-probabilities
-    (of the unmodified distribution) for every generated token; `prompt_logprobs=k` the same for
-    every prompt token (RequestOutput.prompt_logprobs: None first, then the actual token and the top k).
+    (of the unmodified distribution) for every generated token. `prompt_logprobs=k` returns, for
+    every prompt token after the first, its log-probability and the top-k given the tokens before it.
 
     Logits processors (forkpoint/runner/logits_processors.py, vLLM's semantics), applied before the
     penalties and the pick: `logit_bias` {token id: bias} added to the logits; `allowed_token_ids`
@@ -170,8 +170,8 @@ class SamplingParams:
             object.__setattr__(self, "bad_words", list(words) or None)
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
-            raise ValueError("structured_outputs must be a forkpoint.StructuredOutputsParams, got "
-                             f"{type(so).__name__}: StructuredOutputsParams(json=..., regex=..., choice=..., grammar=...)")
+            raise ValueError(f"structured_outputs must be a forkpoint.StructuredOutputsParams, got "
+                             f"{type(so).__name__}: use StructuredOutputsParams(json=, regex=, choice= or grammar=)")
 
     @property
     def has_logits_processors(self) -> bool:

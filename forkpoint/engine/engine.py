@@ -15,9 +15,12 @@ from pathlib import Path
 import torch
 
 from forkpoint.cache.block_pool import BlockPool
-from forkpoint.cache.checkpoints import CheckpointRegistry
+from forkpoint.cache.checkpoints import CheckpointKind, CheckpointRegistry
+from forkpoint.cache.host_tier import HostTier
+from forkpoint.cache.sizing import build_pools
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.config import EngineConfig, ModelConfig, VisionConfig
+from forkpoint.engine.output_processor import OutputProcessor
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler import ScheduledStep, Scheduler
 from forkpoint.inputs.default_model import DEFAULT_MODEL_NOTICE, ensure_default_model
@@ -26,24 +29,17 @@ from forkpoint.inputs.multimodal import image_prompt_processor
 from forkpoint.inputs.processor import InputProcessor, PromptLimits
 from forkpoint.inputs.tokenizer import load_tokenizer
 from forkpoint.models.loader import build_model
-from forkpoint.outputs import CompletionOutput, RequestOutput
+from forkpoint.outputs import RequestOutput
 from forkpoint.runner.logits_processors import build_request_processors
 from forkpoint.runner.model_runner import ModelRunner
 from forkpoint.runner.multimodal import MultimodalInputs
-from forkpoint.runner.piecewise import (
-    PiecewiseForward,
-    default_cuda_graph_sizes,
-    graph_blocker,
-)
+from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_sizes, graph_blocker
+from forkpoint.runner.prompt_logprobs import score_tokens
 from forkpoint.runner.sampler import sample
 from forkpoint.sampling_params import SamplingParams
 from forkpoint.structured import GrammarCompiler
 
 logger = logging.getLogger("forkpoint")
-
-_CPU_KV_BYTES = 256 << 20
-_CPU_STATE_BYTES = 512 << 20
-_DEFAULT_CHECKPOINT_SLOTS = 64
 
 
 def _tokenizer_spells_images(tokenizer, vision: VisionConfig) -> bool:
@@ -102,6 +98,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
 
         vision = self.model_config.vision
@@ -119,8 +116,10 @@ class LLMEngine:
         # graphs before the pools: their pieces never touch the pools, and the pools' sizing then
         # sees the graphs' buffers and memory pool as used
         piecewise = self._capture_graphs(model)
-        self.block_pool, self.state_pool = self._make_pools()
-        self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool)
+        self.block_pool, self.state_pool = self._make_pools(model)
+        host = (HostTier(config.checkpoint_host_bytes, self.state_pool, self.block_pool)
+                if config.enable_checkpoints and config.checkpoint_host_bytes > 0 else None)
+        self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool, host)
                          if config.enable_checkpoints else None)
         self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry)
         self.inputs = InputProcessor(self.tokenizer, self.checkpoint_token_id, self.images, PromptLimits(
@@ -147,45 +146,12 @@ class LLMEngine:
         sizes = cfg.cuda_graph_sizes or default_cuda_graph_sizes(cfg.max_num_batched_tokens)
         return PiecewiseForward(model, sizes, self.device, capture=True)
 
-    def _make_pools(self) -> tuple[BlockPool, StatePool]:
-        mc, cfg = self.model_config, self.config
-        kv_layers = len(mc.attention_layer_ids)
-        per_block = BlockPool.bytes_per_block(cfg.block_size, max(kv_layers, 1), mc.num_key_value_heads, mc.head_dim,
-                                              self.dtype)
-        per_slot = StatePool.bytes_per_slot(len(mc.gdn_layer_ids), mc.conv_dim, mc.linear_conv_kernel_dim,
-                                            mc.linear_num_value_heads, mc.linear_key_head_dim,
-                                            mc.linear_value_head_dim, self.dtype)
-        checkpoint_slots = cfg.checkpoint_pool_size if cfg.checkpoint_pool_size is not None else (
-            _DEFAULT_CHECKPOINT_SLOTS if cfg.enable_checkpoints else 0)
-        if not cfg.enable_checkpoints:
-            checkpoint_slots = 0
-        kv_bytes, state_bytes = cfg.kv_cache_bytes, cfg.state_cache_bytes
-        if self.device.type == "cpu":
-            kv_bytes, state_bytes = min(kv_bytes, _CPU_KV_BYTES), min(state_bytes, _CPU_STATE_BYTES)
-        else:
-            # after the weights and the CUDA graphs are in place: a share of what is free, states
-            # first (one slot per running sequence and per checkpoint), the rest for KV blocks
-            free, _ = torch.cuda.mem_get_info(self.device)
-            # the image embedding cache fills later on this device (runner/multimodal.py): set it aside
-            image_cache = cfg.image_embedding_cache_bytes if self.images.processor is not None else 0
-            usable = int(free * cfg.gpu_memory_utilization) - image_cache
-            if usable <= 0:
-                raise ValueError(
-                    f"no GPU memory left for the KV and state pools: {free >> 20} MiB free after the weights, "
-                    f"times gpu_memory_utilization {cfg.gpu_memory_utilization}, minus the image embedding cache "
-                    f"({image_cache >> 20} MiB): lower image_embedding_cache_bytes or raise gpu_memory_utilization")
-            state_bytes = min(usable // 2, per_slot * (cfg.max_num_seqs + checkpoint_slots))
-            kv_bytes = usable - state_bytes
-        request_slots = cfg.num_state_slots or max(1, min(cfg.max_num_seqs, state_bytes // max(per_slot, 1)
-                                                          - checkpoint_slots))
-        num_blocks = cfg.num_kv_blocks or max(1, min(kv_bytes // per_block,
-                                                     request_slots * -(-self.max_model_len // cfg.block_size)))
-        blocks = BlockPool(num_blocks, cfg.block_size, kv_layers, mc.num_key_value_heads, mc.head_dim, self.dtype,
-                           self.device)
-        states = StatePool(request_slots, checkpoint_slots, len(mc.gdn_layer_ids), mc.conv_dim,
-                           mc.linear_conv_kernel_dim, mc.linear_num_value_heads, mc.linear_key_head_dim,
-                           mc.linear_value_head_dim, self.dtype, self.device)
-        return blocks, states
+    def _make_pools(self, model) -> tuple[BlockPool, StatePool]:
+        """The pools, sized from the model's declarations (cache/sizing.py)."""
+        # the image embedding cache fills later on this device (runner/multimodal.py): set it aside
+        reserved = self.config.image_embedding_cache_bytes if self.images.processor is not None else 0
+        return build_pools(self.config, model.pool_shapes(self.dtype), self.max_model_len, self.device,
+                           reserved if self.device.type == "cuda" else 0)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
@@ -205,7 +171,8 @@ class LLMEngine:
         seq_positions = list(positions)
         if params.n > 1 and self.registry is not None and len(token_ids) > 1 and (len(token_ids) - 1) not in positions:
             seq_positions.append(len(token_ids) - 1)  # siblings share the prompt through one checkpoint
-        processors = [build_request_processors(params, tokenizer=self.tokenizer, vocab_size=self.model_config.vocab_size,
+        processors = [build_request_processors(params, tokenizer=self.tokenizer,
+                                               vocab_size=self.model_config.vocab_size,
                                                eos_token_ids=self.eos_token_ids, grammars=self.grammars)
                       for _ in range(params.n)]
         now = time.monotonic()
@@ -226,7 +193,7 @@ class LLMEngine:
             ))
         self._groups[request_id] = _PromptGroup(request_id, processed.text, token_ids, positions, sequences, stream)
         for sequence in sequences:
-            self.scheduler.add(sequence)
+            self.scheduler.add(sequence, now)
             self._counters["prompt_tokens_total"] += len(token_ids)
 
     def default_sampling_params(self) -> SamplingParams:
@@ -285,10 +252,10 @@ class LLMEngine:
             logits, sampled = self.runner.execute(step.plan)
             by_id = {request.request_id: request for request in step.requests}
             requests = [by_id[segment.request_id] for segment in sampled]
-            tokens = sample(logits, [r.params for r in requests], [r.generator for r in requests],
+            tokens = sample(logits[: len(sampled)], [r.params for r in requests], [r.generator for r in requests],
                             [(r.prompt_token_ids, r.output_token_ids) for r in requests],
-                            [(r.processors, r.output_token_ids) if r.processors is not None else None
-                             for r in requests])
+                            [r.processors for r in requests])
+            self._score_prompts(step, logits[len(sampled):], by_id)
         except Exception as error:
             raise self._fail_step(step, error) from error
         self.scheduler.commit(step)
@@ -299,6 +266,18 @@ class LLMEngine:
         for request, token in zip(requests, tokens):
             self._append_token(request, token.token_id, token.logprobs, now)
         return self._collect(touched)
+
+    def _score_prompts(self, step: ScheduledStep, rows: torch.Tensor, by_id: dict[str, Request]) -> None:
+        """Prompt logprobs of the step's scored segments from their logits rows (packed order)."""
+        scored = [s for s in step.plan.ordered() if s.prompt_logit_rows]
+        offset = 0
+        for segment in scored:
+            request, count = by_id[segment.request_id], segment.prompt_logit_rows
+            first = segment.start + 1  # row i scores the prompt token at start + 1 + i
+            targets = torch.tensor(request.prompt_token_ids[first: first + count], device=rows.device)
+            entries = score_tokens(rows[offset: offset + count], targets, request.params.prompt_logprobs)
+            request.prompt_logprobs.update(zip(range(first, first + count), entries))
+            offset += count
 
     def _fail_step(self, step: ScheduledStep, error: Exception) -> StepFailed:
         ended = self.scheduler.fail(step)
@@ -330,55 +309,14 @@ class LLMEngine:
         return outputs
 
     def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None, now: float) -> None:
-        request.output_token_ids.append(token_id)
-        if request.processors is not None:
-            request.processors.accept(token_id)
-        if request.params.logprobs is not None:
-            request.output_logprobs.append(logprobs)
         self._counters["generation_tokens_total"] += 1
-        if request.first_token_time is None:
-            request.first_token_time = now
-        params = request.params
-        reason = None
-        if len(request.output_token_ids) < params.min_tokens:
-            pass  # no stop id or stop string counts before min_tokens (vLLM); EOS ids are masked anyway
-        elif token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
-            reason = "stop"
-        elif params.stop:
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-            hits = [text.find(s) for s in params.stop if s in text]
-            if hits:
-                request.stop_text_len = min(hits)
-                reason = "stop"
-        if reason is None and params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens:
-            reason = "length"
-        if reason is None and request.num_tokens >= self.max_model_len:
-            reason = "length"
+        reason = self.output_processor.append_token(request, token_id, logprobs, now)
         if reason is not None:
-            self.scheduler.finish(request, reason)
+            self.scheduler.finish(request, reason, keep_turn_end=True, now=now)
 
     def _make_output(self, group: _PromptGroup) -> RequestOutput:
-        completions = []
-        for sequence in group.sequences:
-            text = self.tokenizer.decode(sequence.output_token_ids, skip_special_tokens=True)
-            if sequence.stop_text_len is not None:
-                text = text[: sequence.stop_text_len]
-            completions.append(CompletionOutput(
-                index=sequence.index,
-                text=text,
-                token_ids=list(sequence.output_token_ids),
-                finish_reason=sequence.finish_reason,
-                logprobs=list(sequence.output_logprobs) if sequence.params.logprobs is not None else None,
-            ))
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=list(group.prompt_token_ids),
-            outputs=completions,
-            num_cached_tokens=max(s.num_cached_tokens for s in group.sequences),
-            checkpoint_positions=list(group.checkpoint_positions),
-            finished=all(s.is_finished for s in group.sequences),
-        )
+        return self.output_processor.make_output(group.request_id, group.prompt, group.prompt_token_ids,
+                                                 group.checkpoint_positions, group.sequences)
 
     # ------------------------------------------------------------------ introspection
     def metrics(self) -> dict[str, int | float]:
@@ -408,6 +346,18 @@ class LLMEngine:
             checkpoint_slots_used=self.state_pool.checkpoints.num_used,
             checkpoint_slots_total=self.state_pool.checkpoints.count,
         )
+        if registry is not None:
+            counters = registry.counters
+            for kind in CheckpointKind:
+                values[f"checkpoints_created_{kind.value}"] = counters.created[kind]
+                values[f"checkpoint_hits_{kind.value}"] = counters.hits[kind]
+                values[f"checkpoint_tokens_saved_{kind.value}"] = counters.tokens_saved[kind]
+                values[f"checkpoints_evicted_{kind.value}"] = counters.evicted[kind]
+            if registry.host is not None:
+                tier = registry.host.counters
+                values.update(checkpoints_spilled=tier.spilled, checkpoints_restored=tier.restored,
+                              checkpoints_dropped_from_host=tier.dropped, host_tier_checkpoints=len(registry.host),
+                              host_tier_bytes=registry.host.num_bytes)
         vision = self.runner.multimodal
         if vision is not None:
             values.update(vision_encoder_calls=vision.stats.encoder_calls,
@@ -433,6 +383,8 @@ class LLMEngine:
                 raise AssertionError(f"running request {request.request_id} has no state slot")
         if self.registry is not None:
             self.scheduler.check_integrity()
+            if self.registry.host is not None:
+                self.registry.host.check_integrity()
             for block, count in self.registry.block_refs().items():
                 expected[block] = expected.get(block, 0) + count
         self.block_pool.check_integrity(expected)

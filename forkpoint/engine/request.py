@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from forkpoint.cache.checkpoints import Checkpoint
+from forkpoint.cache.checkpoints import Checkpoint, CheckpointKind
 from forkpoint.cache.hashing import PrefixHasher
 from forkpoint.inputs.multimodal import MultimodalPrompt
 from forkpoint.runner.logits_processors import RequestProcessors
@@ -30,13 +30,15 @@ class RequestStatus(enum.Enum):
 class CheckpointProgress:
     """A request's part in the checkpoint protocol. Written by the scheduler only.
 
-    producing: PENDING checkpoints this request writes, by position; waiting_on: the unready
+    producing: PENDING checkpoints this request writes, by position; auto_positions: positions the
+    engine placed automatic checkpoints at for this request (engine/auto_checkpoints.py); waiting_on: the unready
     checkpoint it is deferred on; deferred_since: start of the current wait (the wait bound counts
     from here); was_deferred: counted once in requests_deferred; gave_up_waiting: the wait bound was
     hit, it never waits for an unready checkpoint again.
     """
 
     producing: list[Checkpoint] = field(default_factory=list)
+    auto_positions: dict[int, CheckpointKind] = field(default_factory=dict)
     waiting_on: Checkpoint | None = None
     deferred_since: float | None = None
     was_deferred: bool = False
@@ -57,6 +59,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # prompt logprobs (when asked for): position -> entry for the prompt token at that position
+    prompt_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)
     num_computed_tokens: int = 0
     slot: int | None = None
     blocks: list[int] = field(default_factory=list)

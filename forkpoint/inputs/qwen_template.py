@@ -38,7 +38,10 @@ CHAT_TEMPLATE = r"""{%- macro text_of(content) -%}
 {%- if system_text -%}{{ system_text + '\n\n' }}{%- endif -%}
 {{- '# Tools\n\nThese functions are available:\n\n<tools>' -}}
 {%- for tool in tools -%}{{ '\n' + (tool | tojson) }}{%- endfor -%}
-{{- '\n</tools>\n\nTo call a function, reply with exactly this format and nothing after it:\n\n<tool_call>\n<function=function_name>\n<parameter=parameter_name>\nvalue\n</parameter>\n</function>\n</tool_call>\n\nGive every required parameter. Several calls are several <tool_call> blocks. Without a fitting function, answer normally.<|im_end|>\n' -}}
+{{- '\n</tools>\n\nTo call a function, reply with exactly this format and nothing after it:\n\n'
+    + '<tool_call>\n<function=function_name>\n<parameter=parameter_name>\nvalue\n</parameter>\n'
+    + '</function>\n</tool_call>\n\nGive every required parameter. Several calls are several '
+    + '<tool_call> blocks. Without a fitting function, answer normally.<|im_end|>\n' -}}
 {%- elif system_text is not none -%}
 {{- '<|im_start|>system\n' + system_text + '<|im_end|>\n' -}}
 {%- endif -%}

@@ -120,8 +120,9 @@ class OpenAIServing:
         self.check_model(body.model)
         prompt = body.prompt
         batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
-        prompts = [self.prompts.from_text(p, body.checkpoint_positions) if isinstance(p, str)
-                   else self.prompts.from_token_ids(p, body.checkpoint_positions) for p in batch]
+        prompts = await self.prompts.run(lambda: [
+            self.prompts.from_text(p, body.checkpoint_positions) if isinstance(p, str)
+            else self.prompts.from_token_ids(p, body.checkpoint_positions) for p in batch])
         score_only = body.echo and body.max_tokens == 0  # vLLM: one token is sampled, then dropped
         default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, self.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
         max_tokens = 1 if score_only else self._max_tokens(body.max_tokens, prompts, "prompt", default)

@@ -41,7 +41,9 @@ class Segment:
     dest_slots: the state rows the final state is written to (the request's own row, a checkpoint
     row, or both); phase: the packed call a PREFILL segment runs in (0 for DECODE);
     samples: the logits of the last token are sampled (the segment ends the sequence's tokens);
-    multimodal: the request's image placement, or None for text.
+    multimodal: the request's image placement, or None for text; prompt_logit_rows: the logits of
+    the first that many tokens are returned too (they score prompt tokens start + 1 .. start + rows,
+    for prompt logprobs).
     """
 
     request_id: str
@@ -55,6 +57,7 @@ class Segment:
     phase: int
     samples: bool
     multimodal: MultimodalPrompt | None = None
+    prompt_logit_rows: int = 0
 
     @property
     def num_tokens(self) -> int:

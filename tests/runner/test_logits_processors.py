@@ -115,8 +115,8 @@ def test_sampler_keeps_raw_logprobs_and_obeys_processors():
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(2, V, generator=generator)
     params = [SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=1.0, logprobs=0)]
-    rows = [(state(allowed=[5]), []), (state(bias={6: 100.0}), [])]
-    out = sample(logits, params, [None, torch.Generator().manual_seed(1)], processors=rows)
+    out = sample(logits, params, [None, torch.Generator().manual_seed(1)], [((), ()), ((), ())],
+                 processors=[state(allowed=[5]), state(bias={6: 100.0})])
     assert [t.token_id for t in out] == [5, 6]
     raw = torch.log_softmax(logits, dim=-1)
     assert abs(out[0].logprobs[5] - float(raw[0, 5])) < 1e-6  # the unmodified distribution's logprob

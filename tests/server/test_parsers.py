@@ -23,7 +23,8 @@ ARGS = {"city": "San Francisco, CA", "days": 3, "metric": True, "hours": [1, 2],
 
 def test_parse_calls_and_content():
     parser = Qwen3XMLToolParser(TOOLS)
-    content, calls = parser.parse("Let me check.\n\n" + CALL + "\n<tool_call>\n<function=noop>\n</function>\n</tool_call>")
+    noop = "\n<tool_call>\n<function=noop>\n</function>\n</tool_call>"
+    content, calls = parser.parse("Let me check.\n\n" + CALL + noop)
     assert content == "Let me check."
     assert [c.name for c in calls] == ["get_weather", "noop"]
     assert json.loads(calls[0].arguments) == ARGS and json.loads(calls[1].arguments) == {}
