@@ -45,13 +45,17 @@ def test_echo_with_generation_and_streaming(server):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
 
 
-def test_prompt_logprobs_through_a_checkpoint(server, spare_llm, anchor_text):
+def test_prompt_logprobs_with_a_checkpoint_ready(server, spare_llm, anchor_text):
+    """A scoring request whose prefix has a ready checkpoint gets the numbers of a plain run (the
+    engine computes a scored prompt whole: see README)."""
     client = server.client()
     anchor = anchor_text("score")
-    for suffix in (" first candidate", " second candidate"):
-        out = client.completions.create(model=server.model, prompt=anchor + MARKER + suffix, max_tokens=0, echo=True,
-                                        logprobs=1, temperature=0)
-    assert out.usage.prompt_tokens_details.cached_tokens > 0  # the second prompt reused the anchor's checkpoint
+    for suffix in (" first candidate", " second candidate"):  # producer, then a consumer that reuses it
+        plain = client.completions.create(model=server.model, prompt=anchor + MARKER + suffix, max_tokens=1,
+                                          temperature=0)
+    assert plain.usage.prompt_tokens_details.cached_tokens > 0
+    out = client.completions.create(model=server.model, prompt=anchor + MARKER + " second candidate", max_tokens=0,
+                                    echo=True, logprobs=1, temperature=0)
     ids = server.post("/tokenize", json={"prompt": anchor + MARKER + " second candidate"}).json()["tokens"]
     expected = offline(spare_llm, ids)  # no marker: computed from scratch
     got = out.choices[0].logprobs.token_logprobs
