@@ -89,6 +89,8 @@ class ChatFormat(ResponseFormatter):
         calls = calls if self.options.parallel else calls[:1]
         if calls:
             message["tool_calls"] = [c.as_dict() for c in calls]
+        elif message["content"] is None and reasoning is None:
+            message["content"] = ""  # a plain answer is a string, even an empty one
         return {"index": delta.index, "message": message, "logprobs": self._logprobs(delta),
                 "finish_reason": self._finish_reason(delta.finish_reason, bool(calls))}
 
