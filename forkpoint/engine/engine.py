@@ -34,7 +34,7 @@ from forkpoint.runner.logits_processors import build_request_processors
 from forkpoint.runner.model_runner import ModelRunner
 from forkpoint.runner.multimodal import MultimodalInputs
 from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_sizes, graph_blocker
-from forkpoint.runner.prompt_logprobs import score_tokens
+from forkpoint.runner.prompt_logprobs import PromptScores, score_tokens, truncate
 from forkpoint.runner.sampler import sample
 from forkpoint.sampling_params import SamplingParams
 from forkpoint.structured import GrammarCompiler
@@ -268,16 +268,42 @@ class LLMEngine:
         return self._collect(touched)
 
     def _score_prompts(self, step: ScheduledStep, rows: torch.Tensor, by_id: dict[str, Request]) -> None:
-        """Prompt logprobs of the step's scored segments from their logits rows (packed order)."""
-        scored = [s for s in step.plan.ordered() if s.prompt_logit_rows]
+        """Prompt logprobs of the step's segments, in packed order: each scored segment's logits rows
+        (after the sampled rows) score its tokens; a segment that starts at a checkpoint first takes
+        the prefix's scores the checkpoint carries; a segment that ends where a checkpoint it writes
+        keeps its state leaves the prefix's scores with that checkpoint."""
+        writes = {(id(producer), c.state_tokens): c for c, producer in step.written}
         offset = 0
-        for segment in scored:
-            request, count = by_id[segment.request_id], segment.prompt_logit_rows
-            first = segment.start + 1  # row i scores the prompt token at start + 1 + i
-            targets = torch.tensor(request.prompt_token_ids[first: first + count], device=rows.device)
-            entries = score_tokens(rows[offset: offset + count], targets, request.params.prompt_logprobs)
-            request.prompt_logprobs.update(zip(range(first, first + count), entries))
+        for segment in step.plan.ordered():
+            request = by_id[segment.request_id]
+            k = request.params.prompt_logprobs
+            if k is None:
+                continue
+            source = request.checkpointing.read_from
+            if source is not None and segment.start == source.state_tokens and source.prompt_scores is not None:
+                self._take_prefix_scores(request, source.prompt_scores, segment.start, k)
+            count = segment.prompt_logit_rows
+            if count:
+                first = segment.start + 1  # row i scores the prompt token at start + 1 + i
+                targets = torch.tensor(request.prompt_token_ids[first: first + count], device=rows.device)
+                request.prompt_logprobs.update(zip(range(first, first + count),
+                                                   score_tokens(rows[offset: offset + count], targets, k)))
+            written = writes.get((id(request), segment.end))
+            if written is not None and written.prompt_scores_k is not None and count:
+                entries = {p: request.prompt_logprobs.get(p) for p in range(1, segment.end)}
+                if None not in entries.values():  # complete (always, unless a fault interrupted a chain)
+                    self.registry.attach_prompt_scores(written, PromptScores(k, entries,
+                                                                             rows[offset + count - 1].clone()))
             offset += count
+
+    @staticmethod
+    def _take_prefix_scores(request: Request, scores: PromptScores, start: int, k: int) -> None:
+        """Scores of prompt tokens 1 .. start from a checkpoint ending at `start` (top-k cut to `k`)."""
+        tokens = request.prompt_token_ids
+        request.prompt_logprobs.update({p: truncate(e, tokens[p], k) for p, e in scores.entries.items()})
+        if start < len(tokens):
+            target = torch.tensor([tokens[start]], device=scores.boundary_logits.device)
+            request.prompt_logprobs[start] = score_tokens(scores.boundary_logits[None], target, k)[0]
 
     def _fail_step(self, step: ScheduledStep, error: Exception) -> StepFailed:
         ended = self.scheduler.fail(step)

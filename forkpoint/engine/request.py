@@ -40,6 +40,7 @@ class CheckpointProgress:
     producing: list[Checkpoint] = field(default_factory=list)
     auto_positions: dict[int, CheckpointKind] = field(default_factory=dict)
     waiting_on: Checkpoint | None = None
+    read_from: Checkpoint | None = None  # the checkpoint its current computation started from
     deferred_since: float | None = None
     was_deferred: bool = False
     gave_up_waiting: bool = False
