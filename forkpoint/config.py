@@ -311,6 +311,11 @@ class ModelConfig:
                              f"hidden_size {self.hidden_size}: the checkpoint's config is inconsistent")
 
 
+# Tokens per chunk of every chunked recurrent scan (fla-core's chunk kernels and the references): a
+# scan's floating-point result depends on where its chunks start, so exact checkpoints align to it.
+SCAN_CHUNK_TOKENS = 64
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine knobs: the keyword arguments of `LLM`, validated.
@@ -334,6 +339,17 @@ class EngineConfig:
     load_format: str = "auto"
     checkpoint_pool_size: int | None = None
     checkpoint_wait_s: float = 30.0
+    # automatic checkpoints (engine/auto_checkpoints.py): exact positions the engine picks itself where
+    # reuse is certain or likely (shared prefixes, junctions, prompt ends, turn ends); never shorter
+    # than auto_checkpoint_min_tokens tokens
+    auto_checkpoints: bool = True
+    auto_checkpoint_min_tokens: int = 32
+    # bytes of host memory that checkpoints evicted from the device pool spill to (0: no host tier)
+    checkpoint_host_bytes: int = 0
+    # keep every checkpoint's state at a multiple of SCAN_CHUNK_TOKENS at or before its position, and
+    # end prefill chunks there, so the chunked recurrent scans of a consumer run over the same chunks
+    # as without checkpoints (bf16 results bit-identical; each consumer recomputes < 64 tokens)
+    checkpoint_exact: bool = False
     # cap on one request's prefill tokens per step (vLLM's name), so long prompts share steps
     long_prefill_token_threshold: int | None = None
     num_kv_blocks: int | None = None
@@ -367,6 +383,12 @@ class EngineConfig:
             raise ValueError("max_checkpoints_per_request must be >= 0")
         if self.checkpoint_wait_s <= 0:
             raise ValueError("checkpoint_wait_s must be positive")
+        if self.auto_checkpoint_min_tokens < 1:
+            raise ValueError(f"auto_checkpoint_min_tokens must be >= 1, got {self.auto_checkpoint_min_tokens}")
+        if self.checkpoint_exact and self.max_num_batched_tokens < SCAN_CHUNK_TOKENS:
+            raise ValueError(f"checkpoint_exact needs max_num_batched_tokens >= {SCAN_CHUNK_TOKENS} (one scan chunk)")
+        if self.checkpoint_host_bytes < 0:
+            raise ValueError(f"checkpoint_host_bytes must be >= 0, got {self.checkpoint_host_bytes}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
         if self.max_images_per_prompt < 0 or self.image_embedding_cache_bytes < 0:

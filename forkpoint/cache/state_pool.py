@@ -111,6 +111,13 @@ class StatePool:
         self.requests = SlotAllocator(1, num_request_slots, "request state")
         self.checkpoints = SlotAllocator(1 + num_request_slots, num_checkpoint_slots, "checkpoint state")
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy the state of every layer from row `src` to row `dst` (asynchronous on the device)."""
+        if dst == ZERO_SLOT:
+            raise ValueError("the zero state row is never written")
+        self.conv_stack[:, dst].copy_(self.conv_stack[:, src])
+        self.ssm_stack[:, dst].copy_(self.ssm_stack[:, src])
+
     @staticmethod
     def bytes_per_slot(num_layers: int, spec: RecurrentStateSpec) -> int:
         """Bytes of one slot (row) over all `num_layers` recurrent layers."""

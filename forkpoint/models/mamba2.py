@@ -29,7 +29,7 @@ from forkpoint.kernels.ssd import chunk_ssd, ssd_step_inplace
 from forkpoint.mamba2_config import Mamba2Config
 from forkpoint.models.layers import apply_rotary
 from forkpoint.models.qwen3_5 import AttentionProjection, GatedAttention
-from forkpoint.runner.batch import ForwardBatch
+from forkpoint.step.batch import ForwardBatch
 
 
 class PlainRMSNorm(nn.Module):

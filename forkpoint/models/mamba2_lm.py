@@ -18,7 +18,7 @@ from forkpoint.config import ModelConfig
 from forkpoint.models.layers import RotaryEmbedding, mrope_axes
 from forkpoint.models.mamba2 import Mamba2Mixer
 from forkpoint.models.qwen3_5 import LayerCaches
-from forkpoint.runner.batch import ForwardBatch
+from forkpoint.step.batch import ForwardBatch
 
 
 class Mamba2HybridLM(nn.Module):

@@ -35,7 +35,7 @@ from forkpoint.kernels.gating import gdn_gating
 from forkpoint.models.layers import (DenseMLP, GatedRMSNorm, RMSNorm, RotaryEmbedding, SparseMoE, apply_rotary,
                                      mrope_axes)
 from forkpoint.models.vision import VisionTransformer
-from forkpoint.runner.batch import ForwardBatch
+from forkpoint.step.batch import ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class AttentionProjection(NamedTuple):
 
 
 class GatedDeltaNet(nn.Module):
-    """Gated DeltaNet token mixer with packed two-phase execution (see runner/batch.py)."""
+    """Gated DeltaNet token mixer with packed two-phase execution (see step/batch.py)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

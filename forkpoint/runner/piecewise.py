@@ -69,7 +69,7 @@ import torch
 from forkpoint.config import ModelConfig
 from forkpoint.kernels import select_variant
 from forkpoint.models.qwen3_5 import AttentionProjection, GDNProjection, HybridForCausalLM, LayerCaches
-from forkpoint.runner.batch import ForwardBatch
+from forkpoint.step.batch import ForwardBatch
 
 logger = logging.getLogger("forkpoint")
 

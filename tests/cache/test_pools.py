@@ -87,10 +87,13 @@ def test_registry_lru_eviction_skips_pinned_and_unready():
     second = registry.register(b"b", 6, "p", 0.0)
     assert registry.register(b"c", 7, "p", 0.0) is not None  # evicts the idle ready "a"
     assert registry.get(b"a") is None and registry.num_evicted == 1
-    second.pins = 1
     registry.mark_ready(second, owned)
+    registry.pin(second, 6)
     assert registry.register(b"d", 8, "p", 0.0) is None  # b pinned, c unready: nothing to evict
-    registry.check_integrity()
+    registry.check_integrity(readers={b"b": 1}, waiters={}, producers={b"c": "p"})
+    with pytest.raises(AssertionError, match="pins but 0 live readers"):
+        registry.check_integrity(readers={}, waiters={}, producers={b"c": "p"})
+    registry.unpin(second)
     blocks.release(owned)
     blocks.check_integrity({b: c for b, c in registry.block_refs().items()})
 
