@@ -6,6 +6,7 @@ drives `add_request` / `step` / `abort_request`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -19,20 +20,24 @@ from forkpoint.cache.host_tier import HostTier
 from forkpoint.cache.sizing import build_pools
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.config import EngineConfig, ModelConfig, VisionConfig
+from forkpoint.engine.output_processor import OutputProcessor
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler import ScheduledStep, Scheduler
 from forkpoint.inputs.default_model import DEFAULT_MODEL_NOTICE, ensure_default_model
+from forkpoint.inputs.generation_config import GenerationDefaults
 from forkpoint.inputs.multimodal import image_prompt_processor
 from forkpoint.inputs.processor import InputProcessor, PromptLimits
 from forkpoint.inputs.tokenizer import load_tokenizer
 from forkpoint.models.loader import build_model
-from forkpoint.outputs import CompletionOutput, RequestOutput
+from forkpoint.outputs import RequestOutput
+from forkpoint.runner.logits_processors import build_request_processors
 from forkpoint.runner.model_runner import ModelRunner
 from forkpoint.runner.multimodal import MultimodalInputs
 from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_sizes, graph_blocker
 from forkpoint.runner.prompt_logprobs import score_tokens
 from forkpoint.runner.sampler import sample
 from forkpoint.sampling_params import SamplingParams
+from forkpoint.structured import GrammarCompiler
 
 logger = logging.getLogger("forkpoint")
 
@@ -79,6 +84,7 @@ class LLMEngine:
             logger.warning(DEFAULT_MODEL_NOTICE)
         self.model_path = model_path
         self.model_config = ModelConfig.from_hf_dir(model_path)
+        self.generation_defaults = GenerationDefaults.from_model_dir(model_path)
         marker = config.checkpoint_token if config.enable_checkpoints else None
         loaded = load_tokenizer(Path(config.tokenizer) if config.tokenizer else model_path, checkpoint_token=marker)
         if loaded.base_vocab_size > self.model_config.vocab_size:
@@ -92,6 +98,8 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
 
         vision = self.model_config.vision
         max_images = config.max_images_per_prompt
@@ -152,7 +160,9 @@ class LLMEngine:
 
         With `stream=False`, `step()` reports this prompt only once it has finished (no per-step
         detokenisation: the offline API's mode)."""
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.default_sampling_params()
+        if params.max_tokens is None and self.generation_defaults.max_new_tokens is not None:
+            params = dataclasses.replace(params, max_tokens=self.generation_defaults.max_new_tokens)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         processed = self.inputs.process(prompt)
@@ -161,6 +171,10 @@ class LLMEngine:
         seq_positions = list(positions)
         if params.n > 1 and self.registry is not None and len(token_ids) > 1 and (len(token_ids) - 1) not in positions:
             seq_positions.append(len(token_ids) - 1)  # siblings share the prompt through one checkpoint
+        processors = [build_request_processors(params, tokenizer=self.tokenizer,
+                                               vocab_size=self.model_config.vocab_size,
+                                               eos_token_ids=self.eos_token_ids, grammars=self.grammars)
+                      for _ in range(params.n)]
         now = time.monotonic()
         sequences = []
         for index in range(params.n):
@@ -175,11 +189,17 @@ class LLMEngine:
                 hasher=processed.hasher,
                 generator=self._generator(params, index),
                 multimodal=processed.multimodal,
+                processors=processors[index],
             ))
         self._groups[request_id] = _PromptGroup(request_id, processed.text, token_ids, positions, sequences, stream)
         for sequence in sequences:
             self.scheduler.add(sequence, now)
             self._counters["prompt_tokens_total"] += len(token_ids)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json max_new_tokens as max_tokens."""
+        max_new = self.generation_defaults.max_new_tokens
+        return SamplingParams() if max_new is None else SamplingParams(max_tokens=max_new)
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.greedy:
@@ -200,6 +220,7 @@ class LLMEngine:
         for sequence in group.sequences:
             if not sequence.is_finished:
                 self.scheduler.finish(sequence, "abort")
+            sequence.processors = None  # the grammar state goes with the prompt
         self._counters["requests_aborted"] += 1
 
     def has_unfinished_requests(self) -> bool:
@@ -232,7 +253,8 @@ class LLMEngine:
             by_id = {request.request_id: request for request in step.requests}
             requests = [by_id[segment.request_id] for segment in sampled]
             tokens = sample(logits[: len(sampled)], [r.params for r in requests], [r.generator for r in requests],
-                            [(r.prompt_token_ids, r.output_token_ids) for r in requests])
+                            [(r.prompt_token_ids, r.output_token_ids) for r in requests],
+                            [r.processors for r in requests])
             self._score_prompts(step, logits[len(sampled):], by_id)
         except Exception as error:
             raise self._fail_step(step, error) from error
@@ -265,6 +287,7 @@ class LLMEngine:
             for sequence in group.sequences:
                 if not sequence.is_finished:
                     self.scheduler.finish(sequence, "error")
+                sequence.processors = None  # the grammar state goes with the prompt
         self._counters["requests_failed"] += len(failed_ids)
         logger.error("step failed (%s: %s): ended %d request(s): %s", type(error).__name__, error,
                      len(failed_ids), ", ".join(failed_ids))
@@ -279,62 +302,21 @@ class LLMEngine:
             if finished or group.stream:
                 outputs.append(self._make_output(group))
             if finished:
+                for sequence in group.sequences:
+                    sequence.processors = None  # the grammar state goes with the prompt
                 del self._groups[group.request_id]
                 self._counters["requests_finished"] += 1
         return outputs
 
     def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None, now: float) -> None:
-        request.output_token_ids.append(token_id)
-        if request.params.logprobs is not None:
-            request.output_logprobs.append(logprobs)
         self._counters["generation_tokens_total"] += 1
-        if request.first_token_time is None:
-            request.first_token_time = now
-        params = request.params
-        reason = None
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
-            reason = "stop"
-        elif params.stop:
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-            hits = [text.find(s) for s in params.stop if s in text]
-            if hits:
-                request.stop_text_len = min(hits)
-                reason = "stop"
-        if reason is None and params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens:
-            reason = "length"
-        if reason is None and request.num_tokens >= self.max_model_len:
-            reason = "length"
+        reason = self.output_processor.append_token(request, token_id, logprobs, now)
         if reason is not None:
             self.scheduler.finish(request, reason, keep_turn_end=True, now=now)
 
     def _make_output(self, group: _PromptGroup) -> RequestOutput:
-        completions = []
-        for sequence in group.sequences:
-            text = self.tokenizer.decode(sequence.output_token_ids, skip_special_tokens=True)
-            if sequence.stop_text_len is not None:
-                text = text[: sequence.stop_text_len]
-            completions.append(CompletionOutput(
-                index=sequence.index,
-                text=text,
-                token_ids=list(sequence.output_token_ids),
-                finish_reason=sequence.finish_reason,
-                logprobs=list(sequence.output_logprobs) if sequence.params.logprobs is not None else None,
-            ))
-        prompt_logprobs = None
-        first = group.sequences[0]
-        if first.params.prompt_logprobs is not None:
-            entries = first.prompt_logprobs
-            prompt_logprobs = [None] + [entries.get(t) for t in range(1, len(group.prompt_token_ids))]
-        return RequestOutput(
-            prompt_logprobs=prompt_logprobs,
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=list(group.prompt_token_ids),
-            outputs=completions,
-            num_cached_tokens=max(s.num_cached_tokens for s in group.sequences),
-            checkpoint_positions=list(group.checkpoint_positions),
-            finished=all(s.is_finished for s in group.sequences),
-        )
+        return self.output_processor.make_output(group.request_id, group.prompt, group.prompt_token_ids,
+                                                 group.checkpoint_positions, group.sequences)
 
     # ------------------------------------------------------------------ introspection
     def metrics(self) -> dict[str, int | float]:
