@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
                            f"(default: {ServerConfig.shutdown_timeout_s:g})")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                       help="log level (default: info)")
+    replicas = serve.add_argument_group("replicas (Ray Serve; pip install forkpoint[serve])")
+    replicas.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                          help="engine replicas, each on its own GPU (or CPU process), behind this endpoint; requests "
+                               "go to the replica holding their checkpoint (default: 1, no Ray)")
+    replicas.add_argument("--ray-address", default=None,
+                          help="join this Ray cluster for the replicas (default: start a local Ray instance)")
     serve.set_defaults(func=run_serve)
 
     generate = commands.add_parser("generate", help="generate for one-off prompts and print them with timings",
@@ -132,6 +138,10 @@ def run_serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests, marker_policy=MarkerPolicy(args.marker_in_user_content),
         shutdown_timeout_s=args.shutdown_timeout,
     )
+    if args.data_parallel_size != 1 or args.ray_address is not None:
+        from forkpoint.distributed.launch import serve_replicas
+
+        return serve_replicas(args, config, engine_kwargs(args))
     llm = LLM(**engine_kwargs(args))
     app = build_app(llm, config)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
