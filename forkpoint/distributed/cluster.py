@@ -23,12 +23,22 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ray.exceptions import NodeDiedError, RayActorError, RayTaskError, WorkerCrashedError
+from ray.exceptions import (
+    NodeDiedError,
+    RayActorError,
+    RayTaskError,
+    WorkerCrashedError,
+)
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from forkpoint.distributed.replicas import ReplicaSnapshot
 from forkpoint.distributed.router import GENERATE_METHOD
-from forkpoint.server.worker import EngineFailure, NewRequest, OutputSink, ServerShuttingDown
+from forkpoint.server.worker import (
+    EngineFailure,
+    NewRequest,
+    OutputSink,
+    ServerShuttingDown,
+)
 
 logger = logging.getLogger("forkpoint.distributed")
 
@@ -66,11 +76,11 @@ class _Call:
             try:
                 await self._response.__anext__()
                 return
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 (whatever the replica raised is sorted out below)
                 self._response = None
                 cause = _cause(exc)
                 if isinstance(cause, ValueError):
-                    raise ValueError(str(cause)) from None
+                    raise ValueError(str(cause)) from None  # noqa: TRY004 (the engine's error, unwrapped)
                 if not _replica_gone(exc) or self._attempts_left <= 0:
                     raise EngineFailure(f"no replica could take request {self.request.request_id}: "
                                         f"{type(cause).__name__}: {cause}") from None
@@ -88,7 +98,7 @@ class _Call:
                 return
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 (sorted out below: the prompt never hangs)
                 self._response = None
                 cause = _cause(exc)
                 if _replica_gone(exc) and not self.delivered and self._attempts_left > 0:
@@ -98,7 +108,7 @@ class _Call:
                     try:
                         await self.start()
                         continue
-                    except Exception as again:
+                    except Exception as again:  # noqa: BLE001 (ends the prompt with this error)
                         cause = again
                 self._sink.deliver_threadsafe(EngineFailure(
                     f"the replica serving request {self.request.request_id} failed: {type(cause).__name__}: {cause}"))

@@ -36,7 +36,12 @@ from forkpoint.server.errors import install_error_handlers, invalid_request
 from forkpoint.server.generation import Admission
 from forkpoint.server.metrics import ENGINE_COUNTERS, ServerMetrics
 from forkpoint.server.prompts import PromptBuilder
-from forkpoint.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from forkpoint.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from forkpoint.server.serving import OpenAIServing
 
 

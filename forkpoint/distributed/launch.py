@@ -12,15 +12,24 @@ import argparse
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
-import ray
-from ray import serve
+try:
+    import ray
+    from ray import serve
+except ImportError as err:  # an optional dependency: say how to get it
+    raise ImportError("replicas (--data-parallel-size, --ray-address) need Ray Serve: "
+                      "pip install 'forkpoint[serve]'") from err
 from transformers import PreTrainedTokenizerBase
 
 from forkpoint.distributed.cluster import ClusterWorker
 from forkpoint.distributed.ingress import build_cluster_app
-from forkpoint.distributed.replicas import ReplicaBoard, ReplicaInfo, ReplicaOptions, deploy_replicas
+from forkpoint.distributed.replicas import (
+    ReplicaBoard,
+    ReplicaInfo,
+    ReplicaOptions,
+    deploy_replicas,
+)
 from forkpoint.inputs.tokenizer import load_tokenizer
 from forkpoint.server.config import ServerConfig
 
@@ -49,8 +58,8 @@ class ReplicaCluster:
             options = dataclasses.replace(options, num_gpus=_gpus_per_replica(device))
         self.options = options
         self._started_serve = not _serve_running()
-        serve.start(http_options={"location": "NoServer"},
-                    logging_config={"log_level": "WARNING", "enable_access_log": False})
+        if self._started_serve:
+            start_serve()
         self.board = ReplicaBoard.remote()
         try:
             self.handle = deploy_replicas(engine_kwargs, options, self.board)
@@ -87,17 +96,22 @@ class ReplicaCluster:
             if self._started_ray:
                 ray.shutdown()
 
-    def __enter__(self) -> ReplicaCluster:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
+def start_serve() -> None:
+    """Serve without its HTTP proxy (the ingress is forkpoint's own app), quiet logs."""
+    serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING", "enable_access_log": False})
+
+
 def _serve_running() -> bool:
     try:
         serve.status()
-    except Exception:  # no controller yet
+    except Exception:  # noqa: BLE001 (no controller yet: Serve raises several kinds)
         return False
     return True
 
@@ -105,7 +119,7 @@ def _serve_running() -> bool:
 def serve_app_running(name: str) -> bool:
     try:
         return name in serve.status().applications
-    except Exception:
+    except Exception:  # noqa: BLE001 (Serve is gone: nothing to delete)
         return False
 
 

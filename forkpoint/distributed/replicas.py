@@ -28,7 +28,12 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from forkpoint.distributed.router import STATS_KEYS, CheckpointAffineRouter, Decision, RoundRobinRouter
+from forkpoint.distributed.router import (
+    STATS_KEYS,
+    CheckpointAffineRouter,
+    Decision,
+    RoundRobinRouter,
+)
 from forkpoint.llm import LLM
 from forkpoint.outputs import RequestOutput
 from forkpoint.server.worker import EngineWorker, NewRequest, OutputSink
@@ -91,7 +96,7 @@ class ReplicaOptions:
 
     num_replicas: engines (`--data-parallel-size`). router: "affine" or "round_robin".
     num_cpus / num_gpus: Ray resources of each replica; on CPU each replica's torch uses
-    `num_cpus` threads, on GPU each replica gets its own device (`num_gpus=1`); None: 1 when the
+    `num_cpus` threads (Ray sets OMP_NUM_THREADS to them unless the environment sets it), on GPU each replica gets its own device (`num_gpus=1`); None: 1 when the
     engine's device is cuda, or auto on a cluster with GPUs (`ReplicaCluster` resolves it).
     max_ongoing_requests: prompts in flight per replica before Serve holds new ones back (the
     engine's own queue does the batching, so this is large). stats_period_s: how often replicas
@@ -111,6 +116,7 @@ class ReplicaOptions:
     app_name: str = "forkpoint"
     health_check_period_s: float = 2.0
     health_check_timeout_s: float = 30.0
+    graceful_shutdown_timeout_s: float = 10.0
     extra_actor_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -200,13 +206,11 @@ def deploy_replicas(engine_kwargs: dict[str, Any], options: ReplicaOptions, boar
                          "balance_rel_threshold": options.balance_rel_threshold, "pin_ttl_s": options.pin_ttl_s}
     actor_options: dict[str, Any] = {"num_cpus": options.num_cpus, "num_gpus": options.num_gpus,
                                      **options.extra_actor_options}
-    if not options.num_gpus:  # torch on CPU: as many threads as the replica's CPUs
-        threads = str(max(1, int(options.num_cpus)))
-        actor_options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}}
     deployment = serve.deployment(
         EngineReplica, name=DEPLOYMENT_NAME, num_replicas=options.num_replicas,
         max_ongoing_requests=options.max_ongoing_requests, ray_actor_options=actor_options,
         health_check_period_s=options.health_check_period_s, health_check_timeout_s=options.health_check_timeout_s,
+        graceful_shutdown_timeout_s=options.graceful_shutdown_timeout_s, graceful_shutdown_wait_loop_s=0.5,
         logging_config={"log_level": "WARNING", "enable_access_log": False},
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTERS[options.router], request_router_kwargs=router_kwargs,
