@@ -28,7 +28,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -190,9 +190,10 @@ class CheckpointAffineRouter(RequestRouter):
     Configure with `RequestRouterConfig(request_router_class=CheckpointAffineRouter,
     request_router_kwargs={"block_size": 16, ...})`. Calls of `generate` are routed by the policy
     and get the decision as their `route` keyword; other calls go to the least loaded replica.
-    Loads are Ray Serve's queue lengths (requests in flight per replica) plus the choices of the
-    last `choice_window_s` that Serve has not yet confirmed as sent (so that a burst of requests
-    routed at once sees its own choices).
+    Loads are Ray Serve's queue lengths (requests in flight per replica, as this router sent them
+    and the replicas report them) plus the choices made but not sent yet (so that a burst of
+    requests routed at once sees its own choices; one never sent is forgotten after
+    `choice_window_s`).
     """
 
     choice_window_s = 2.0
@@ -202,7 +203,7 @@ class CheckpointAffineRouter(RequestRouter):
         self._block_size = block_size
         self.policy = CheckpointAffinityPolicy(balance_abs_threshold=balance_abs_threshold,
                                                balance_rel_threshold=balance_rel_threshold, pin_ttl_s=pin_ttl_s)
-        self._choices: dict[str, tuple[str, float]] = {}  # internal request id -> (replica, when)
+        self._unsent: dict[str, deque[float]] = {}  # replica -> times of choices not sent yet
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -213,19 +214,21 @@ class CheckpointAffineRouter(RequestRouter):
         keys = RequestKeys.from_prompt(pending_request.args[0].prompt, self._block_size)
         choice = self.policy.choose(keys, self._loads(by_id, now), now)
         pending_request.kwargs["route"] = choice.decision.value
-        self._choices[pending_request.metadata.internal_request_id] = (choice.replica, now)
+        self._unsent.setdefault(choice.replica, deque()).append(now)
         return [[by_id[choice.replica]]]
 
     def _loads(self, replicas: Mapping[str, RunningReplica], now: float) -> dict[str, int]:
-        for request_id, (_, when) in list(self._choices.items()):
-            if now - when > self.choice_window_s:
-                del self._choices[request_id]
-        unsent = Counter(replica for replica, _ in self._choices.values())
+        for times in self._unsent.values():
+            while times and now - times[0] > self.choice_window_s:  # never sent (cancelled): forget
+                times.popleft()
         cache = self.replica_queue_len_cache
-        return {rid: (cache.get(r.replica_id) or 0) + unsent[rid] for rid, r in replicas.items()}
+        return {rid: (cache.get(r.replica_id) or 0) + len(self._unsent.get(rid, ())) for rid, r in replicas.items()}
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        self._choices.pop(pending_request.metadata.internal_request_id, None)  # now in the queue length
+    def on_send_request(self, replica_id) -> None:
+        super().on_send_request(replica_id)  # the queue length now counts it: one choice is no longer unsent
+        times = self._unsent.get(replica_id.unique_id)
+        if times:
+            times.popleft()
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
