@@ -110,7 +110,7 @@ class ReplicaOptions:
     num_gpus: float | None = None
     max_ongoing_requests: int = 4096
     stats_period_s: float = 0.5
-    balance_abs_threshold: int = 16
+    balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
     pin_ttl_s: float = 60.0
     app_name: str = "forkpoint"

@@ -74,7 +74,7 @@ class CheckpointAffinityPolicy:
     was pinned; `lengths` counts exactly the pins' lengths.
     """
 
-    def __init__(self, *, balance_abs_threshold: int = 16, balance_rel_threshold: float = 1.5,
+    def __init__(self, *, balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5,
                  pin_ttl_s: float = 60.0) -> None:
         if balance_abs_threshold < 0 or balance_rel_threshold < 1.0 or pin_ttl_s <= 0:
             raise ValueError("balance_abs_threshold must be >= 0, balance_rel_threshold >= 1 and pin_ttl_s > 0, "
@@ -198,7 +198,7 @@ class CheckpointAffineRouter(RequestRouter):
 
     choice_window_s = 2.0
 
-    def initialize_state(self, block_size: int = 16, balance_abs_threshold: int = 16,
+    def initialize_state(self, block_size: int = 16, balance_abs_threshold: int = 64,
                          balance_rel_threshold: float = 1.5, pin_ttl_s: float = 60.0) -> None:
         self._block_size = block_size
         self.policy = CheckpointAffinityPolicy(balance_abs_threshold=balance_abs_threshold,
