@@ -50,6 +50,7 @@ import forkpoint.engine.engine as engine_module  # noqa: E402
 import forkpoint.runner.model_runner as runner_module  # noqa: E402
 from forkpoint import LLM, SamplingParams  # noqa: E402
 from host_info import VOCAB_LIMIT, code_version, machine_info, machine_line, probe_gflops  # noqa: E402
+from forkpoint.step.plan import SegmentKind  # noqa: E402
 
 
 # ---------------------------------------------------------------- instrumentation
@@ -76,12 +77,12 @@ class StepProbe:
 
         def timed_schedule(*args, **kwargs):
             t0 = time.perf_counter()
-            plan = schedule(*args, **kwargs)
+            step = schedule(*args, **kwargs)
             cur._current["schedule"] = time.perf_counter() - t0
-            cur._current["segments"] = len(plan.segments)
-            cur._current["decodes"] = sum(1 for s in plan.segments if s.phase < 0)
-            cur._current["tokens"] = plan.num_tokens
-            return plan
+            cur._current["segments"] = len(step.plan.segments)
+            cur._current["decodes"] = sum(1 for s in step.plan.segments if s.kind is SegmentKind.DECODE)
+            cur._current["tokens"] = step.plan.num_tokens
+            return step
 
         def timed(fn, key, add=False):
             """fn, with each call's seconds stored in this step's record under `key` (summed if `add`)."""

@@ -285,7 +285,7 @@ class Bench:
         requests, finish = [], {}
         for i, prompt in enumerate(prompts):
             engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params, stream=False)
-            requests.append(engine._groups[f"{tag}-{i}"].sequences[0])
+            requests.append(engine.sequences(f"{tag}-{i}")[0])
         steps, computed, running = [], before["prompt_tokens_computed"], 0
         while engine.has_unfinished_requests():
             self.timer.last = None
@@ -458,8 +458,8 @@ def profile_steps(bench: Bench, args, end: float) -> dict:
         for request_id, prompt in zip(ids, prompts):
             engine.add_request(request_id, {"prompt_token_ids": prompt}, params, stream=False)
         while engine.has_unfinished_requests():
-            decoding = all(engine._groups[i].sequences[0].num_computed_tokens >= len(prompts[0])
-                           for i in ids if i in engine._groups)
+            decoding = all(engine.sequences(i)[0].num_computed_tokens >= len(prompts[0])
+                           for i in ids if engine.sequences(i))
             if (profiled_step == 0 and name not in report) or (profiled_step < 0 and decoding and name not in report):
                 sync(engine.device)
                 activity = ProfilerActivity.CUDA if engine.device.type == "cuda" else ProfilerActivity.CPU

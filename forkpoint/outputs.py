@@ -51,3 +51,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     checkpoint_positions: list[int] = field(default_factory=list)
     finished: bool = False
+    # None unless SamplingParams.prompt_logprobs was set; then one entry per prompt token: None for the
+    # first, else {token_id: Logprob} holding the actual token and the top k given the tokens before it
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

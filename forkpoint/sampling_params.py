@@ -14,7 +14,8 @@ class SamplingParams:
     presence_penalty / frequency_penalty in [-2, 2] subtract `p * (count > 0)` / `f * count` over the
     generated tokens; repetition_penalty > 0 divides positive (multiplies negative) logits of every
     token seen in the prompt or the output. `logprobs=k` returns the sampled token's and the top-k log-probabilities
-    (of the unmodified distribution) for every generated token.
+    (of the unmodified distribution) for every generated token. `prompt_logprobs=k` returns, for
+    every prompt token after the first, its log-probability and the top-k given the tokens before it.
     """
 
     n: int = 1
@@ -31,6 +32,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -55,6 +57,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         stop = self.stop
         if isinstance(stop, str):
             stop = [stop]

@@ -1,122 +1,203 @@
-"""Checkpoint registry: exact-prefix snapshots of recurrent state plus the KV blocks of the prefix.
+"""Checkpoint registry: the one owner of every checkpoint's life cycle.
 
-Life cycle of one checkpoint::
+A checkpoint is the recurrent state of every recurrent layer at an exact token position (one slot
+of the checkpoint pool) plus references to the KV blocks covering the prefix. Its states::
 
-    register (unready, producer set, slot taken)
-        -> mark_ready (the producer's forward wrote the state; KV block refs taken)
-        -> idle (no pins) -> evicted LRU when a slot or KV blocks are needed
-    unready + producer gone (abort, preemption) -> orphaned: the next request that needs it is
-        promoted to producer.
+    register ──> PENDING ──mark_ready──> READY ──evict──> (removed)
+                  │   ^                    │
+    producer_left │   │ promote            └─ never evicted while pinned
+                  v   │
+                ORPHANED ──last waiter leaves──> (removed)
 
-Invariants (check_integrity): every registered checkpoint owns exactly one checkpoint slot; only
-ready checkpoints hold KV block references; pins are never negative; `lengths` counts the
-registered checkpoints of each prefix length.
+- PENDING: a producer (a request id) will write it in a forward. While unready it holds no KV
+  block references; `producer_blocks` is the producer's block table, so consumers scheduled in the
+  same step share its prefix blocks.
+- ORPHANED: the producer left (finished, aborted, preempted, failed) before writing it, and
+  requests wait for it; the next of them to be scheduled is promoted to producer.
+- READY: written; holds KV block references; idle ones are evicted by the value policy below.
+
+Readers and waiters: `pins` counts the segments of the step in flight that read it (taken when
+scheduled, released when the step is committed or fails); `waiters` counts the requests deferred on
+it. Both are transitions of this class; callers never write a checkpoint's fields.
+
+Eviction policy (explicit, in this order): only idle READY checkpoints (no pins, and no deferred
+request still on its way to read it: waiters keep counting after it becomes ready); automatic
+checkpoints (kind other than MARKER) before marked ones; least recently used first within a class.
+An automatic checkpoint can never evict a marked one: `register(..., kind=auto)` evicts only
+automatic checkpoints to make room.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from forkpoint.cache.block_pool import BlockPool
+from forkpoint.cache.host_tier import HostTier
 from forkpoint.cache.state_pool import SlotAllocator
 
 logger = logging.getLogger("forkpoint.checkpoints")
 
 
+class CheckpointState(enum.Enum):
+    PENDING = "pending"
+    ORPHANED = "orphaned"
+    READY = "ready"
+    EVICTED = "evicted"  # removed from the registry (a stale reference reads this)
+
+
+class CheckpointKind(enum.Enum):
+    """Why a checkpoint exists: a marker (or checkpoint_positions) or the engine's own placement."""
+
+    MARKER = "marker"
+    SHARED_PREFIX = "shared_prefix"  # the common prefix of requests that arrived together
+    JUNCTION = "junction"  # where a prompt leaves a prefix computed before
+    PROMPT_END = "prompt_end"  # all but the last token of a prompt (the same prompt sent again)
+    TURN_END = "turn_end"  # prompt plus all but the last output token of a finished request
+
+    @property
+    def automatic(self) -> bool:
+        return self is not CheckpointKind.MARKER
+
+
 @dataclass(eq=False)
 class Checkpoint:
+    """Read-only for everyone but `CheckpointRegistry` (see the module docstring)."""
+
     key: bytes
     num_tokens: int
     slot: int
+    kind: CheckpointKind
+    state: CheckpointState
     producer: str | None
-    ready: bool = False
+    # the position its state and KV hold (<= num_tokens, the prefix it is keyed by); less only with
+    # checkpoint_exact, where readers compute tokens [state_tokens, ...) themselves
+    state_tokens: int = -1
     blocks: list[int] = field(default_factory=list)
-    # while unready: the producer's block table, so same-step consumers can share its prefix blocks
     producer_blocks: list[int] = field(default_factory=list)
-    pins: int = 0  # consumers scheduled in the current step
-    waiters: int = 0  # deferred requests waiting for it to become ready
+    pins: int = 0
+    waiters: int = 0
+    hits: int = 0
     last_used: int = 0
     registered_at: float = 0.0
 
+    def __post_init__(self) -> None:
+        if self.state_tokens < 0:
+            self.state_tokens = self.num_tokens
+        if not 0 < self.state_tokens <= self.num_tokens:
+            raise ValueError(f"a checkpoint's state position {self.state_tokens} must lie in 1..{self.num_tokens}")
+
+    @property
+    def ready(self) -> bool:
+        return self.state is CheckpointState.READY
+
+
+@dataclass
+class CheckpointCounters:
+    """Per kind: created (became ready), hits (segments that read it), tokens_saved, evicted."""
+
+    created: Counter[CheckpointKind] = field(default_factory=Counter)
+    hits: Counter[CheckpointKind] = field(default_factory=Counter)
+    tokens_saved: Counter[CheckpointKind] = field(default_factory=Counter)
+    evicted: Counter[CheckpointKind] = field(default_factory=Counter)
+
 
 class CheckpointRegistry:
-    def __init__(self, slots: SlotAllocator, block_pool: BlockPool) -> None:
+    def __init__(self, slots: SlotAllocator, block_pool: BlockPool, host: HostTier | None = None) -> None:
         self._slots = slots
         self._blocks = block_pool
+        self.host = host  # evicted checkpoints spill here and come back on a hit
         self._by_key: dict[bytes, Checkpoint] = {}
-        self.lengths: Counter[int] = Counter()
+        self._lengths: Counter[int] = Counter()
         self._clock = itertools.count(1)
-        self.num_created = 0
-        self.num_evicted = 0
+        self.counters = CheckpointCounters()
 
+    # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
         return len(self._by_key)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Checkpoint]:
         return iter(list(self._by_key.values()))
 
     def get(self, key: bytes) -> Checkpoint | None:
         return self._by_key.get(key)
 
     @property
+    def num_created(self) -> int:
+        return sum(self.counters.created.values())
+
+    @property
+    def num_evicted(self) -> int:
+        return sum(self.counters.evicted.values())
+
+    @property
     def num_pending(self) -> int:
         return sum(1 for c in self._by_key.values() if not c.ready)
 
-    def touch(self, checkpoint: Checkpoint) -> None:
-        checkpoint.last_used = next(self._clock)
+    def lengths_descending(self) -> list[int]:
+        """The distinct prefix lengths of registered checkpoints, longest first."""
+        return sorted(self._lengths, reverse=True)
 
-    def register(self, key: bytes, num_tokens: int, producer: str, now: float) -> Checkpoint | None:
-        """New unready checkpoint produced by `producer`; None when no slot can be freed."""
-        if key in self._by_key:
-            raise RuntimeError("checkpoint registered twice")
+    def lookup(self, prefix_hash: Callable[[int], bytes], max_length: int) -> tuple[Checkpoint | None,
+                                                                                     Checkpoint | None]:
+        """(longest registered checkpoint of length < max_length whose key is prefix_hash(length),
+        longest READY one). `prefix_hash(n)` is the chained hash of a prompt's first n tokens."""
+        longest = ready = None
+        lengths = set(self._lengths) | (self.host.lengths() if self.host is not None else set())
+        for length in sorted(lengths, reverse=True):
+            if length >= max_length:
+                continue
+            key = prefix_hash(length)
+            checkpoint = self._by_key.get(key)
+            if checkpoint is None and self.host is not None and key in self.host:
+                checkpoint = self._restore(key)
+            if checkpoint is None:
+                continue
+            longest = longest or checkpoint
+            if checkpoint.ready:
+                ready = checkpoint
+                break
+        return longest, ready
+
+    def _restore(self, key: bytes) -> Checkpoint | None:
+        """Bring a spilled checkpoint back from the host tier as READY; None when the device pools
+        have no room for it even after evicting idle checkpoints (it stays on the host)."""
         if self._slots.num_free == 0 and not self.evict_one():
             return None
-        checkpoint = Checkpoint(key, num_tokens, self._slots.allocate(), producer, registered_at=now)
-        self.touch(checkpoint)
+
+        def allocate(count: int) -> list[int] | None:
+            while self._blocks.num_free < count:
+                if not self.evict_one():
+                    return None
+            return self._blocks.allocate(count)
+
+        slot = self._slots.allocate()
+        restored = self.host.restore(key, slot, allocate)
+        if restored is None:
+            self._slots.free(slot)
+            return None
+        entry, blocks = restored
+        checkpoint = Checkpoint(key, entry.num_tokens, slot, entry.kind, CheckpointState.READY, None,
+                                state_tokens=entry.state_tokens, blocks=blocks)
+        self._touch(checkpoint)
         self._by_key[key] = checkpoint
-        self.lengths[num_tokens] += 1
+        self._lengths[entry.num_tokens] += 1
+        logger.debug("restored from the host tier: %d-token %s checkpoint", entry.num_tokens, entry.kind.value)
         return checkpoint
 
-    def mark_ready(self, checkpoint: Checkpoint, blocks: list[int]) -> None:
-        """The producer's forward wrote the state; take references on the prefix's KV blocks."""
-        self._blocks.incref(blocks)
-        checkpoint.blocks = list(blocks)
-        checkpoint.ready = True
-        checkpoint.producer = None
-        checkpoint.producer_blocks = []
-        self.num_created += 1
-        self.touch(checkpoint)
-
-    def orphan(self, checkpoint: Checkpoint) -> None:
-        """The producer left before writing. With waiters, the next one to be scheduled is promoted to
-        producer; without, the checkpoint is dropped."""
-        checkpoint.producer = None
-        checkpoint.producer_blocks = []
-        if checkpoint.waiters == 0:
-            self.remove(checkpoint)
-
-    def evict_one(self) -> bool:
-        """Evict the least recently used idle ready checkpoint. False when none is idle."""
-        idle = [c for c in self._by_key.values() if c.ready and c.pins == 0]
-        if not idle:
-            return False
-        victim = min(idle, key=lambda c: c.last_used)
-        self.remove(victim)
-        self.num_evicted += 1
-        logger.debug("evicted: %d-token checkpoint (least recently used)", victim.num_tokens)
-        return True
-
-    def remove(self, checkpoint: Checkpoint) -> None:
-        del self._by_key[checkpoint.key]
-        self.lengths[checkpoint.num_tokens] -= 1
-        if not self.lengths[checkpoint.num_tokens]:
-            del self.lengths[checkpoint.num_tokens]
-        if checkpoint.blocks:
-            self._blocks.release(checkpoint.blocks)
-        self._slots.free(checkpoint.slot)
+    def orphans_between(self, prefix_hash: Callable[[int], bytes], start: int, end: int) -> list[Checkpoint]:
+        """ORPHANED checkpoints on a prompt's path with start < length <= end."""
+        found = []
+        for length in self._lengths:
+            if start < length <= end:
+                checkpoint = self._by_key.get(prefix_hash(length))
+                if checkpoint is not None and checkpoint.state is CheckpointState.ORPHANED:
+                    found.append(checkpoint)
+        return found
 
     def block_refs(self) -> Counter[int]:
         refs: Counter[int] = Counter()
@@ -124,17 +205,158 @@ class CheckpointRegistry:
             refs.update(checkpoint.blocks)
         return refs
 
-    def check_integrity(self) -> None:
+    # ------------------------------------------------------------------ transitions
+    def register(self, key: bytes, num_tokens: int, producer: str, now: float,
+                 kind: CheckpointKind = CheckpointKind.MARKER, state_tokens: int | None = None) -> Checkpoint | None:
+        """A new PENDING checkpoint produced by `producer`, keyed by the prefix of `num_tokens` tokens
+        and holding the state after `state_tokens` (default: num_tokens); None when no slot can be
+        freed (a miss)."""
+        if key in self._by_key:
+            raise RuntimeError("checkpoint registered twice")
+        if self._slots.num_free == 0 and not self.evict_one(markers_too=not kind.automatic):
+            return None
+        checkpoint = Checkpoint(key, num_tokens, self._slots.allocate(), kind, CheckpointState.PENDING, producer,
+                                state_tokens=num_tokens if state_tokens is None else state_tokens,
+                                registered_at=now)
+        self._touch(checkpoint)
+        self._by_key[key] = checkpoint
+        self._lengths[num_tokens] += 1
+        logger.debug("registered: %d-token %s checkpoint, producer %s", num_tokens, kind.value, producer)
+        return checkpoint
+
+    def writing(self, checkpoint: Checkpoint, producer_blocks: list[int]) -> None:
+        """The producer's step writes it: same-step consumers share these blocks (the live list)."""
+        self._expect(checkpoint, CheckpointState.PENDING)
+        checkpoint.producer_blocks = producer_blocks
+
+    def mark_ready(self, checkpoint: Checkpoint, blocks: list[int]) -> None:
+        """The producer's forward wrote the state; take references on the prefix's KV blocks."""
+        self._expect(checkpoint, CheckpointState.PENDING)
+        self._blocks.incref(blocks)
+        checkpoint.blocks = list(blocks)
+        checkpoint.state = CheckpointState.READY
+        checkpoint.producer = None
+        checkpoint.producer_blocks = []
+        self.counters.created[checkpoint.kind] += 1
+        self._touch(checkpoint)
+        logger.debug("ready: %d tokens (%s)", checkpoint.num_tokens, checkpoint.kind.value)
+
+    def producer_left(self, checkpoint: Checkpoint) -> None:
+        """The producer left before writing: ORPHANED while requests wait for it, else removed."""
+        self._expect(checkpoint, CheckpointState.PENDING)
+        checkpoint.producer = None
+        checkpoint.producer_blocks = []
+        if checkpoint.waiters:
+            checkpoint.state = CheckpointState.ORPHANED
+            logger.debug("orphaned: %d-token checkpoint, %d waiting", checkpoint.num_tokens, checkpoint.waiters)
+        else:
+            self._remove(checkpoint)
+
+    def promote(self, checkpoint: Checkpoint, producer: str) -> None:
+        """ORPHANED -> PENDING with a new producer (a request that needs it)."""
+        self._expect(checkpoint, CheckpointState.ORPHANED)
+        checkpoint.state = CheckpointState.PENDING
+        checkpoint.producer = producer
+        logger.debug("promoted: %s now produces the %d-token checkpoint", producer, checkpoint.num_tokens)
+
+    def add_waiter(self, checkpoint: Checkpoint) -> None:
+        """A request is deferred on an unready checkpoint (it stays a waiter, protecting the checkpoint
+        from eviction, until it is scheduled or leaves)."""
+        if checkpoint.ready:
+            raise RuntimeError("a request is deferred only on an unready checkpoint")
+        checkpoint.waiters += 1
+
+    def drop_waiter(self, checkpoint: Checkpoint) -> None:
+        """A deferred request stops waiting; an orphan nobody waits for any more is removed."""
+        if checkpoint.waiters <= 0:
+            raise RuntimeError("waiter count would go negative")
+        checkpoint.waiters -= 1
+        if checkpoint.state is CheckpointState.ORPHANED and checkpoint.waiters == 0:
+            self._remove(checkpoint)
+
+    def pin(self, checkpoint: Checkpoint, tokens_saved: int) -> None:
+        """A segment of the step being planned reads it (READY, or PENDING and written earlier in
+        the same forward); pinned checkpoints are never evicted."""
+        if checkpoint.state not in (CheckpointState.READY, CheckpointState.PENDING):
+            raise RuntimeError(f"cannot read a {checkpoint.state.value} checkpoint")
+        checkpoint.pins += 1
+        checkpoint.hits += 1
+        self.counters.hits[checkpoint.kind] += 1
+        self.counters.tokens_saved[checkpoint.kind] += tokens_saved
+        self._touch(checkpoint)
+
+    def unpin(self, checkpoint: Checkpoint) -> None:
+        if checkpoint.pins <= 0:
+            raise RuntimeError("checkpoint pin count would go negative")
+        checkpoint.pins -= 1
+
+    def evict_one(self, *, markers_too: bool = True) -> bool:
+        """Evict one idle READY checkpoint by the policy in the module docstring. False when none is."""
+        idle = [c for c in self._by_key.values() if c.ready and c.pins == 0 and c.waiters == 0
+                and (markers_too or c.kind.automatic)]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: (not c.kind.automatic, c.last_used))
+        if self.host is not None:
+            self.host.spill(victim.key, victim.num_tokens, victim.state_tokens, victim.kind, victim.slot, victim.blocks)
+        self._remove(victim)
+        self.counters.evicted[victim.kind] += 1
+        logger.debug("evicted: %d-token %s checkpoint", victim.num_tokens, victim.kind.value)
+        return True
+
+    def evict_all_idle(self) -> int:
+        """Evict every idle READY checkpoint; returns how many (an idle engine can free everything)."""
+        count = 0
+        while self.evict_one():
+            count += 1
+        return count
+
+    def _touch(self, checkpoint: Checkpoint) -> None:
+        checkpoint.last_used = next(self._clock)
+
+    def _expect(self, checkpoint: Checkpoint, state: CheckpointState) -> None:
+        if checkpoint.state is not state:
+            raise RuntimeError(f"checkpoint is {checkpoint.state.value}, expected {state.value}")
+
+    def _remove(self, checkpoint: Checkpoint) -> None:
+        del self._by_key[checkpoint.key]
+        self._lengths[checkpoint.num_tokens] -= 1
+        if not self._lengths[checkpoint.num_tokens]:
+            del self._lengths[checkpoint.num_tokens]
+        if checkpoint.blocks:
+            self._blocks.release(checkpoint.blocks)
+            checkpoint.blocks = []
+        self._slots.free(checkpoint.slot)
+        checkpoint.state = CheckpointState.EVICTED
+
+    # ------------------------------------------------------------------ integrity
+    def check_integrity(self, *, readers: Mapping[bytes, int], waiters: Mapping[bytes, int],
+                        producers: Mapping[bytes, str]) -> None:
+        """Cross-check against the engine's view: `readers` (key -> segments of the step in flight
+        reading it), `waiters` (key -> requests deferred on it), `producers` (key -> id of the live
+        request that will write it). Raises AssertionError on any difference."""
         slots = [c.slot for c in self._by_key.values()]
         if len(set(slots)) != len(slots) or len(slots) != self._slots.num_used:
             raise AssertionError("checkpoint slots and registry disagree")
-        lengths = Counter(c.num_tokens for c in self._by_key.values())
-        if lengths != self.lengths:
+        if Counter(c.num_tokens for c in self._by_key.values()) != self._lengths:
             raise AssertionError("checkpoint length index is stale")
-        for checkpoint in self._by_key.values():
-            if checkpoint.pins < 0 or checkpoint.waiters < 0:
-                raise AssertionError("negative checkpoint pin count")
-            if checkpoint.blocks and not checkpoint.ready:
-                raise AssertionError("unready checkpoint holds KV blocks")
-            if not checkpoint.ready and checkpoint.producer is None and checkpoint.waiters == 0:
-                raise AssertionError("orphaned checkpoint with no waiter was not dropped")
+        for key, checkpoint in self._by_key.items():
+            name = f"{checkpoint.num_tokens}-token {checkpoint.state.value} checkpoint"
+            if checkpoint.pins != readers.get(key, 0):
+                raise AssertionError(f"{name} has {checkpoint.pins} pins but {readers.get(key, 0)} live readers")
+            if checkpoint.waiters != waiters.get(key, 0):
+                raise AssertionError(f"{name} counts {checkpoint.waiters} waiters, {waiters.get(key, 0)} wait")
+            if checkpoint.producer != producers.get(key):
+                raise AssertionError(f"{name}: producer {checkpoint.producer!r}, live {producers.get(key)!r}")
+            if checkpoint.state is CheckpointState.READY:
+                if checkpoint.producer is not None or not checkpoint.blocks and checkpoint.num_tokens:
+                    raise AssertionError(f"{name} has a producer or no KV blocks")
+            elif checkpoint.blocks:
+                raise AssertionError(f"{name} holds KV blocks")
+            if checkpoint.state is CheckpointState.ORPHANED and checkpoint.waiters == 0:
+                raise AssertionError(f"{name} with no waiter was not dropped")
+            if checkpoint.state is CheckpointState.EVICTED:
+                raise AssertionError(f"{name} is still registered")
+        for key in set(readers) | set(waiters) | set(producers):
+            if key not in self._by_key:
+                raise AssertionError("a request refers to a checkpoint the registry does not hold")

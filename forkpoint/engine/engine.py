@@ -14,29 +14,27 @@ from pathlib import Path
 import torch
 
 from forkpoint.cache.block_pool import BlockPool
-from forkpoint.cache.checkpoints import CheckpointRegistry
-from forkpoint.cache.hashing import PrefixHasher
+from forkpoint.cache.checkpoints import CheckpointKind, CheckpointRegistry
+from forkpoint.cache.host_tier import HostTier
+from forkpoint.cache.sizing import build_pools
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.config import EngineConfig, ModelConfig, VisionConfig
 from forkpoint.engine.request import Request, RequestStatus
-from forkpoint.engine.scheduler import Scheduler, StepPlan
+from forkpoint.engine.scheduler import ScheduledStep, Scheduler
 from forkpoint.inputs.default_model import DEFAULT_MODEL_NOTICE, ensure_default_model
-from forkpoint.inputs.markers import prompt_to_token_ids, strip_checkpoint_markers, validate_token_ids
 from forkpoint.inputs.multimodal import image_prompt_processor
+from forkpoint.inputs.processor import InputProcessor, PromptLimits
 from forkpoint.inputs.tokenizer import load_tokenizer
 from forkpoint.models.loader import build_model
 from forkpoint.outputs import CompletionOutput, RequestOutput
 from forkpoint.runner.model_runner import ModelRunner
 from forkpoint.runner.multimodal import MultimodalInputs
 from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_sizes, graph_blocker
+from forkpoint.runner.prompt_logprobs import score_tokens
 from forkpoint.runner.sampler import sample
 from forkpoint.sampling_params import SamplingParams
 
 logger = logging.getLogger("forkpoint")
-
-_CPU_KV_BYTES = 256 << 20
-_CPU_STATE_BYTES = 512 << 20
-_DEFAULT_CHECKPOINT_SLOTS = 64
 
 
 def _tokenizer_spells_images(tokenizer, vision: VisionConfig) -> bool:
@@ -44,6 +42,18 @@ def _tokenizer_spells_images(tokenizer, vision: VisionConfig) -> bool:
     placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
     ids = tokenizer.encode(placeholder, add_special_tokens=False)
     return ids == [vision.vision_start_token_id, vision.image_token_id, vision.vision_end_token_id]
+
+
+class StepFailed(RuntimeError):
+    """A step's forward or sampling raised. `cause` is the exception; `request_ids` the prompts that
+    ended because they were in the step; `outputs` those of other prompts that finished in it.
+    Everything the step took has been released."""
+
+    def __init__(self, cause: Exception, request_ids: list[str], outputs: list[RequestOutput]) -> None:
+        super().__init__(f"step failed ({type(cause).__name__}: {cause}); ended {len(request_ids)} request(s)")
+        self.cause = cause
+        self.request_ids = request_ids
+        self.outputs = outputs
 
 
 @dataclass
@@ -98,17 +108,22 @@ class LLMEngine:
         # graphs before the pools: their pieces never touch the pools, and the pools' sizing then
         # sees the graphs' buffers and memory pool as used
         piecewise = self._capture_graphs(model)
-        self.block_pool, self.state_pool = self._make_pools()
-        self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool)
+        self.block_pool, self.state_pool = self._make_pools(model)
+        host = (HostTier(config.checkpoint_host_bytes, self.state_pool, self.block_pool)
+                if config.enable_checkpoints and config.checkpoint_host_bytes > 0 else None)
+        self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool, host)
                          if config.enable_checkpoints else None)
         self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry)
+        self.inputs = InputProcessor(self.tokenizer, self.checkpoint_token_id, self.images, PromptLimits(
+            vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len, block_size=config.block_size,
+            max_kv_blocks=self.block_pool.num_blocks, max_checkpoints=config.max_checkpoints_per_request))
         multimodal = None if model.visual is None else MultimodalInputs(
             model.visual, self.images.processor, config.image_embedding_cache_bytes, self.device)
         self.runner = ModelRunner(model, self.block_pool, self.state_pool, self.device, multimodal, piecewise)
         self._groups: dict[str, _PromptGroup] = {}
         self._seed_counter = config.seed
-        self._counters = {"prompt_tokens_total": 0, "prompt_tokens_computed": 0, "generation_tokens_total": 0,
-                          "requests_finished": 0, "requests_aborted": 0, "steps": 0}
+        self._counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished": 0,
+                          "requests_aborted": 0, "requests_failed": 0, "steps": 0}
 
     # ------------------------------------------------------------------ set-up
     def _capture_graphs(self, model) -> PiecewiseForward | None:
@@ -123,45 +138,12 @@ class LLMEngine:
         sizes = cfg.cuda_graph_sizes or default_cuda_graph_sizes(cfg.max_num_batched_tokens)
         return PiecewiseForward(model, sizes, self.device, capture=True)
 
-    def _make_pools(self) -> tuple[BlockPool, StatePool]:
-        mc, cfg = self.model_config, self.config
-        kv_layers = len(mc.attention_layer_ids)
-        per_block = BlockPool.bytes_per_block(cfg.block_size, max(kv_layers, 1), mc.num_key_value_heads, mc.head_dim,
-                                              self.dtype)
-        per_slot = StatePool.bytes_per_slot(len(mc.gdn_layer_ids), mc.conv_dim, mc.linear_conv_kernel_dim,
-                                            mc.linear_num_value_heads, mc.linear_key_head_dim,
-                                            mc.linear_value_head_dim, self.dtype)
-        checkpoint_slots = cfg.checkpoint_pool_size if cfg.checkpoint_pool_size is not None else (
-            _DEFAULT_CHECKPOINT_SLOTS if cfg.enable_checkpoints else 0)
-        if not cfg.enable_checkpoints:
-            checkpoint_slots = 0
-        kv_bytes, state_bytes = cfg.kv_cache_bytes, cfg.state_cache_bytes
-        if self.device.type == "cpu":
-            kv_bytes, state_bytes = min(kv_bytes, _CPU_KV_BYTES), min(state_bytes, _CPU_STATE_BYTES)
-        else:
-            # after the weights and the CUDA graphs are in place: a share of what is free, states
-            # first (one slot per running sequence and per checkpoint), the rest for KV blocks
-            free, _ = torch.cuda.mem_get_info(self.device)
-            # the image embedding cache fills later on this device (runner/multimodal.py): set it aside
-            image_cache = cfg.image_embedding_cache_bytes if self.images.processor is not None else 0
-            usable = int(free * cfg.gpu_memory_utilization) - image_cache
-            if usable <= 0:
-                raise ValueError(
-                    f"no GPU memory left for the KV and state pools: {free >> 20} MiB free after the weights, "
-                    f"times gpu_memory_utilization {cfg.gpu_memory_utilization}, minus the image embedding cache "
-                    f"({image_cache >> 20} MiB): lower image_embedding_cache_bytes or raise gpu_memory_utilization")
-            state_bytes = min(usable // 2, per_slot * (cfg.max_num_seqs + checkpoint_slots))
-            kv_bytes = usable - state_bytes
-        request_slots = cfg.num_state_slots or max(1, min(cfg.max_num_seqs, state_bytes // max(per_slot, 1)
-                                                          - checkpoint_slots))
-        num_blocks = cfg.num_kv_blocks or max(1, min(kv_bytes // per_block,
-                                                     request_slots * -(-self.max_model_len // cfg.block_size)))
-        blocks = BlockPool(num_blocks, cfg.block_size, kv_layers, mc.num_key_value_heads, mc.head_dim, self.dtype,
-                           self.device)
-        states = StatePool(request_slots, checkpoint_slots, len(mc.gdn_layer_ids), mc.conv_dim,
-                           mc.linear_conv_kernel_dim, mc.linear_num_value_heads, mc.linear_key_head_dim,
-                           mc.linear_value_head_dim, self.dtype, self.device)
-        return blocks, states
+    def _make_pools(self, model) -> tuple[BlockPool, StatePool]:
+        """The pools, sized from the model's declarations (cache/sizing.py)."""
+        # the image embedding cache fills later on this device (runner/multimodal.py): set it aside
+        reserved = self.config.image_embedding_cache_bytes if self.images.processor is not None else 0
+        return build_pools(self.config, model.pool_shapes(self.dtype), self.max_model_len, self.device,
+                           reserved if self.device.type == "cuda" else 0)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
@@ -173,28 +155,12 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        raw = prompt_to_token_ids(prompt, self.tokenizer)
-        text = raw.text
-        images = self.images.load(raw.multi_modal_data)
-        raw_ids = self.images.expand(raw.token_ids, images)  # markers count expanded image tokens
-        parsed = strip_checkpoint_markers(raw_ids, self.checkpoint_token_id, raw.checkpoint_positions,
-                                          self.config.max_checkpoints_per_request)
-        token_ids = list(parsed.token_ids)
-        validate_token_ids(token_ids, self.model_config.vocab_size)
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, max_model_len is {self.max_model_len}: "
-                             "shorten the prompt or raise max_model_len")
-        needed = -(-(len(token_ids) + 1) // self.config.block_size)
-        if needed > self.block_pool.num_blocks:
-            raise ValueError(f"prompt needs {needed} KV blocks but the pool has {self.block_pool.num_blocks}: "
-                             "raise kv_cache_bytes / num_kv_blocks")
-        multimodal = self.images.place(token_ids, parsed.checkpoint_positions, images)
-        positions = list(parsed.checkpoint_positions) if self.registry is not None else []
+        processed = self.inputs.process(prompt)
+        token_ids = processed.token_ids
+        positions = list(processed.checkpoint_positions) if self.registry is not None else []
         seq_positions = list(positions)
         if params.n > 1 and self.registry is not None and len(token_ids) > 1 and (len(token_ids) - 1) not in positions:
             seq_positions.append(len(token_ids) - 1)  # siblings share the prompt through one checkpoint
-        hasher = PrefixHasher(token_ids, self.config.block_size,
-                              extra_keys=multimodal.hash_keys() if multimodal is not None else ())
         now = time.monotonic()
         sequences = []
         for index in range(params.n):
@@ -206,13 +172,13 @@ class LLMEngine:
                 checkpoint_positions=tuple(sorted(seq_positions)),
                 params=params,
                 arrival_time=now,
-                hasher=hasher,
+                hasher=processed.hasher,
                 generator=self._generator(params, index),
-                multimodal=multimodal,
+                multimodal=processed.multimodal,
             ))
-        self._groups[request_id] = _PromptGroup(request_id, text, token_ids, positions, sequences, stream)
+        self._groups[request_id] = _PromptGroup(request_id, processed.text, token_ids, positions, sequences, stream)
         for sequence in sequences:
-            self.scheduler.add(sequence)
+            self.scheduler.add(sequence, now)
             self._counters["prompt_tokens_total"] += len(token_ids)
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
@@ -239,28 +205,71 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
+    def sequences(self, request_id: str) -> list[Request]:
+        """The sequences of an unfinished prompt ([] once it has finished or for an unknown id), for
+        progress reports (benchmarks, tests); callers read them, never write them."""
+        group = self._groups.get(request_id)
+        return list(group.sequences) if group is not None else []
+
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """One scheduling step and forward. Returns outputs of prompts that progressed."""
-        plan = self.scheduler.schedule()
-        if plan.empty:
-            if plan.finished:
-                return self._collect({r.parent_id: self._groups[r.parent_id] for r in plan.finished})
+        """One scheduling step and forward. Returns outputs of prompts that progressed.
+
+        If the forward or sampling raises, every prompt with a sequence in the step ends (its other
+        sequences are aborted), everything the step took is released, and `StepFailed` is raised with
+        the cause and the outputs of the other prompts that finished in the step; the engine stays
+        usable for the requests that were not in the step."""
+        step = self.scheduler.schedule()
+        if step.empty:
+            if step.finished:
+                return self._collect({r.parent_id: self._groups[r.parent_id] for r in step.finished})
             if self.scheduler.has_unfinished():
                 time.sleep(0.001)  # everything is deferred or waiting for memory
             return []
         self._counters["steps"] += 1
-        logits, sampled = self.runner.execute(plan)
-        self._after_forward(plan)
-        tokens = sample(logits, [s.request.params for s in sampled], [s.request.generator for s in sampled],
-                        [(s.request.prompt_token_ids, s.request.output_token_ids) for s in sampled])
+        try:
+            logits, sampled = self.runner.execute(step.plan)
+            by_id = {request.request_id: request for request in step.requests}
+            requests = [by_id[segment.request_id] for segment in sampled]
+            tokens = sample(logits[: len(sampled)], [r.params for r in requests], [r.generator for r in requests],
+                            [(r.prompt_token_ids, r.output_token_ids) for r in requests])
+            self._score_prompts(step, logits[len(sampled):], by_id)
+        except Exception as error:
+            raise self._fail_step(step, error) from error
+        self.scheduler.commit(step)
         touched: dict[str, _PromptGroup] = {}
-        for request in [s.request for s in plan.segments] + plan.finished:
+        for request in step.requests + step.finished:
             touched[request.parent_id] = self._groups[request.parent_id]
         now = time.monotonic()
-        for segment, token in zip(sampled, tokens):
-            self._append_token(segment.request, token.token_id, token.logprobs, now)
+        for request, token in zip(requests, tokens):
+            self._append_token(request, token.token_id, token.logprobs, now)
         return self._collect(touched)
+
+    def _score_prompts(self, step: ScheduledStep, rows: torch.Tensor, by_id: dict[str, Request]) -> None:
+        """Prompt logprobs of the step's scored segments from their logits rows (packed order)."""
+        scored = [s for s in step.plan.ordered() if s.prompt_logit_rows]
+        offset = 0
+        for segment in scored:
+            request, count = by_id[segment.request_id], segment.prompt_logit_rows
+            first = segment.start + 1  # row i scores the prompt token at start + 1 + i
+            targets = torch.tensor(request.prompt_token_ids[first: first + count], device=rows.device)
+            entries = score_tokens(rows[offset: offset + count], targets, request.params.prompt_logprobs)
+            request.prompt_logprobs.update(zip(range(first, first + count), entries))
+            offset += count
+
+    def _fail_step(self, step: ScheduledStep, error: Exception) -> StepFailed:
+        ended = self.scheduler.fail(step)
+        failed_ids = list(dict.fromkeys(r.parent_id for r in ended))
+        for request_id in failed_ids:
+            group = self._groups.pop(request_id)
+            for sequence in group.sequences:
+                if not sequence.is_finished:
+                    self.scheduler.finish(sequence, "error")
+        self._counters["requests_failed"] += len(failed_ids)
+        logger.error("step failed (%s: %s): ended %d request(s): %s", type(error).__name__, error,
+                     len(failed_ids), ", ".join(failed_ids))
+        finished = {r.parent_id: self._groups[r.parent_id] for r in step.finished if r.parent_id in self._groups}
+        return StepFailed(error, failed_ids, self._collect(finished))
 
     def _collect(self, touched: dict[str, _PromptGroup]) -> list[RequestOutput]:
         """Outputs of the prompts that progressed; finished prompts leave the engine."""
@@ -273,20 +282,6 @@ class LLMEngine:
                 del self._groups[group.request_id]
                 self._counters["requests_finished"] += 1
         return outputs
-
-    def _after_forward(self, plan: StepPlan) -> None:
-        block_size = self.config.block_size
-        for segment in plan.segments:
-            request = segment.request
-            prompt_len = len(request.prompt_token_ids)
-            self._counters["prompt_tokens_computed"] += max(0, min(segment.end, prompt_len) - segment.start)
-            request.num_computed_tokens = max(request.num_computed_tokens, segment.end)
-        for checkpoint, producer in plan.written:
-            self.registry.mark_ready(checkpoint, producer.blocks[: -(-checkpoint.num_tokens // block_size)])
-            producer.producing.remove(checkpoint)
-            logging.getLogger("forkpoint.checkpoints").debug("ready: %d tokens, producer %s", checkpoint.num_tokens, producer.request_id)
-        for checkpoint in plan.consumed:
-            checkpoint.pins -= 1
 
     def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None, now: float) -> None:
         request.output_token_ids.append(token_id)
@@ -310,7 +305,7 @@ class LLMEngine:
         if reason is None and request.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
-            self.scheduler.finish(request, reason)
+            self.scheduler.finish(request, reason, keep_turn_end=True, now=now)
 
     def _make_output(self, group: _PromptGroup) -> RequestOutput:
         completions = []
@@ -325,7 +320,13 @@ class LLMEngine:
                 finish_reason=sequence.finish_reason,
                 logprobs=list(sequence.output_logprobs) if sequence.params.logprobs is not None else None,
             ))
+        prompt_logprobs = None
+        first = group.sequences[0]
+        if first.params.prompt_logprobs is not None:
+            entries = first.prompt_logprobs
+            prompt_logprobs = [None] + [entries.get(t) for t in range(1, len(group.prompt_token_ids))]
         return RequestOutput(
+            prompt_logprobs=prompt_logprobs,
             request_id=group.request_id,
             prompt=group.prompt,
             prompt_token_ids=list(group.prompt_token_ids),
@@ -351,7 +352,9 @@ class LLMEngine:
             checkpoint_wait_timeouts=stats.checkpoint_wait_timeouts,
             deferral_wait_s_total=stats.deferral_wait_s_total,
             preemptions=stats.preemptions,
-            prompt_tokens_cached=self._counters["prompt_tokens_total"] - self._counters["prompt_tokens_computed"],
+            prompt_tokens_computed=stats.prompt_tokens_computed,
+            prompt_tokens_cached=self._counters["prompt_tokens_total"] - stats.prompt_tokens_computed,
+            failed_steps=stats.failed_steps,
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
             kv_blocks_used=self.block_pool.num_used,
@@ -361,6 +364,18 @@ class LLMEngine:
             checkpoint_slots_used=self.state_pool.checkpoints.num_used,
             checkpoint_slots_total=self.state_pool.checkpoints.count,
         )
+        if registry is not None:
+            counters = registry.counters
+            for kind in CheckpointKind:
+                values[f"checkpoints_created_{kind.value}"] = counters.created[kind]
+                values[f"checkpoint_hits_{kind.value}"] = counters.hits[kind]
+                values[f"checkpoint_tokens_saved_{kind.value}"] = counters.tokens_saved[kind]
+                values[f"checkpoints_evicted_{kind.value}"] = counters.evicted[kind]
+            if registry.host is not None:
+                tier = registry.host.counters
+                values.update(checkpoints_spilled=tier.spilled, checkpoints_restored=tier.restored,
+                              checkpoints_dropped_from_host=tier.dropped, host_tier_checkpoints=len(registry.host),
+                              host_tier_bytes=registry.host.num_bytes)
         vision = self.runner.multimodal
         if vision is not None:
             values.update(vision_encoder_calls=vision.stats.encoder_calls,
@@ -385,14 +400,25 @@ class LLMEngine:
             if request.slot is None:
                 raise AssertionError(f"running request {request.request_id} has no state slot")
         if self.registry is not None:
-            self.registry.check_integrity()
+            self.scheduler.check_integrity()
+            if self.registry.host is not None:
+                self.registry.host.check_integrity()
             for block, count in self.registry.block_refs().items():
                 expected[block] = expected.get(block, 0) + count
         self.block_pool.check_integrity(expected)
-        if self.state_pool.requests.num_used != len(self.scheduler.running):
-            raise AssertionError("request state slots leaked")
+        slots = [r.slot for r in self.scheduler.running]
+        if self.state_pool.requests.num_used != len(slots) or len(set(slots)) != len(slots):
+            raise AssertionError("request state slots leaked or shared")
         for request in self.scheduler.waiting:
             if request.slot is not None or request.blocks:
                 raise AssertionError(f"waiting request {request.request_id} holds resources")
         if any(r.status is not RequestStatus.RUNNING for r in self.scheduler.running):
             raise AssertionError("non-running request in the running list")
+        live = {r.parent_id for r in list(self.scheduler.waiting) + self.scheduler.running}
+        if not live <= set(self._groups):
+            raise AssertionError("a queued sequence belongs to no prompt")
+        if not self._groups and self.registry is not None:
+            # idle: nothing may hold a checkpoint, so every one must be evictable
+            stuck = [c for c in self.registry if not c.ready or c.pins]
+            if stuck:
+                raise AssertionError(f"idle engine holds {len(stuck)} checkpoint(s) that can never be evicted")

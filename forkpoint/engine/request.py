@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from forkpoint.cache.checkpoints import Checkpoint
+from forkpoint.cache.checkpoints import Checkpoint, CheckpointKind
 from forkpoint.cache.hashing import PrefixHasher
 from forkpoint.inputs.multimodal import MultimodalPrompt
 from forkpoint.sampling_params import SamplingParams
@@ -23,6 +23,25 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass
+class CheckpointProgress:
+    """A request's part in the checkpoint protocol. Written by the scheduler only.
+
+    producing: PENDING checkpoints this request writes, by position; auto_positions: positions the
+    engine placed automatic checkpoints at for this request (engine/auto_checkpoints.py); waiting_on: the unready
+    checkpoint it is deferred on; deferred_since: start of the current wait (the wait bound counts
+    from here); was_deferred: counted once in requests_deferred; gave_up_waiting: the wait bound was
+    hit, it never waits for an unready checkpoint again.
+    """
+
+    producing: list[Checkpoint] = field(default_factory=list)
+    auto_positions: dict[int, CheckpointKind] = field(default_factory=dict)
+    waiting_on: Checkpoint | None = None
+    deferred_since: float | None = None
+    was_deferred: bool = False
+    gave_up_waiting: bool = False
 
 
 @dataclass(eq=False)
@@ -39,16 +58,13 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # prompt logprobs (when asked for): position -> entry for the prompt token at that position
+    prompt_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)
     num_computed_tokens: int = 0
     slot: int | None = None
     blocks: list[int] = field(default_factory=list)
-    # checkpoint protocol
-    producing: list[Checkpoint] = field(default_factory=list)  # unready checkpoints this request writes
     num_cached_tokens: int = 0
-    waiting_on: Checkpoint | None = None  # unready checkpoint this request is deferred on
-    deferred_since: float | None = None  # start of the current wait (the wait bound counts from here)
-    was_deferred: bool = False  # counted once in requests_deferred
-    gave_up_waiting: bool = False  # wait bound hit: never wait for an unready checkpoint again
+    checkpointing: CheckpointProgress = field(default_factory=CheckpointProgress)
     finish_reason: str | None = None
     stop_text_len: int | None = None
     first_token_time: float | None = None

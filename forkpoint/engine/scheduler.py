@@ -1,68 +1,69 @@
 """Continuous-batching scheduler with checkpoint producers and consumers.
 
-Each `schedule()` returns one `StepPlan`: running requests first (decodes and prefill chunks, in
-order), then waiting requests in arrival order under the token and sequence budgets. A waiting
-request whose longest matching checkpoint is still being produced is *deferred*: it keeps its
-place in the queue and later requests are scheduled past it. It wakes in the step in which the
-checkpoint is ready, or in the same step when the producer's chunk reaches the checkpoint (then
-its segment runs in a later phase of the same forward). When KV blocks run out, idle checkpoints
-are evicted first, then the most recently admitted running request is preempted (recompute).
+One step is `schedule()` -> the runner executes `step.plan` -> `commit(step)` (or `fail(step)`
+when anything between raised). Every pin, slot and block a step takes is released by exactly one of
+the two; only one step is in flight at a time.
+
+`schedule()` plans running requests first (decodes and prefill chunks, in order), then waiting
+requests in arrival order under the token and sequence budgets. A waiting request whose longest
+matching checkpoint is still being produced is *deferred*: it keeps its place in the queue and later
+requests are scheduled past it. It wakes in the step in which the checkpoint is ready, or in the same
+step when the producer's chunk reaches the checkpoint (then its segment runs in a later phase of the
+same forward). When KV blocks run out, idle checkpoints are evicted first, then the most recently
+admitted running request is preempted (recompute).
+
+Checkpoint life cycle transitions are the registry's (cache/checkpoints.py); this class decides
+when to ask for them and keeps each request's side (`Request.checkpointing`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from forkpoint.cache.block_pool import BlockPool
-from forkpoint.cache.checkpoints import Checkpoint, CheckpointRegistry
+from forkpoint.cache.checkpoints import Checkpoint, CheckpointKind, CheckpointRegistry, CheckpointState
 from forkpoint.cache.state_pool import ZERO_SLOT, StatePool
-from forkpoint.config import EngineConfig
+from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig
+from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner, Placement
 from forkpoint.engine.request import Request, RequestStatus
+from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan
 
 logger = logging.getLogger("forkpoint.checkpoints")
 
 
-@dataclass(frozen=True)
-class PlannedSegment:
-    """Tokens [start, end) of `request` run from state row `initial_slot`; the final state goes to
-    each row of `dest_slots`. phase -1 marks a decode (single token from and to the private slot)."""
-
-    request: Request
-    start: int
-    end: int
-    initial_slot: int
-    dest_slots: tuple[int, ...]
-    phase: int
-    samples: bool
-
-
-@dataclass(frozen=True)
-class KVCopy:
-    """Copy-on-write of a shared partial block: the first `num_tokens` slots of src into dst.
-
-    A step's copies apply in list order, after the step's KV write: a later copy may read a block that
-    an earlier one wrote (a same-step consumer of a producer that itself resumed inside that block)."""
-
-    src_block: int
-    dst_block: int
-    num_tokens: int
-
-
 @dataclass
-class StepPlan:
-    segments: list[PlannedSegment] = field(default_factory=list)
-    kv_copies: list[KVCopy] = field(default_factory=list)
-    written: list[tuple[Checkpoint, Request]] = field(default_factory=list)
-    consumed: list[Checkpoint] = field(default_factory=list)  # pinned for this step
-    finished: list[Request] = field(default_factory=list)  # ended while scheduling (cannot ever fit)
-    num_tokens: int = 0
+class ScheduledStep:
+    """One step as the engine sees it: the runner's `plan` plus what commit/fail must settle.
+
+    requests[i] owns plan.segments[i]; written: (checkpoint, producer) pairs this step writes;
+    consumed: checkpoints pinned by this step's readers (one entry per pin); finished: requests
+    that ended while scheduling (they can never fit)."""
+
+    plan: StepPlan
+    requests: list[Request]
+    written: list[tuple[Checkpoint, Request]]
+    consumed: list[Checkpoint]
+    finished: list[Request]
 
     @property
     def empty(self) -> bool:
-        return not self.segments
+        return self.plan.empty
+
+
+@dataclass
+class _Planning:
+    """Scratch state of one `schedule()` call."""
+
+    segments: list[Segment] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    kv_copies: list[KVCopy] = field(default_factory=list)
+    written: list[tuple[Checkpoint, Request]] = field(default_factory=list)
+    consumed: list[Checkpoint] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+    written_phase: dict[int, int] = field(default_factory=dict)  # id(checkpoint) -> phase writing it
 
 
 @dataclass
@@ -73,6 +74,8 @@ class SchedulerStats:
     checkpoint_wait_timeouts: int = 0
     deferral_wait_s_total: float = 0.0
     preemptions: int = 0
+    prompt_tokens_computed: int = 0
+    failed_steps: int = 0
 
 
 class Scheduler:
@@ -87,16 +90,47 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.block_size = block_pool.block_size
         self.chunk_cap = config.long_prefill_token_threshold or config.max_num_batched_tokens
+        self.in_flight: ScheduledStep | None = None
+        self.auto = (AutoCheckpointPlanner(registry, state_pool, self.block_size, config.auto_checkpoint_min_tokens,
+                                           self.state_position)
+                     if registry is not None and config.auto_checkpoints else None)
+        self._live: dict[str, Request] = {}
 
     # ------------------------------------------------------------------ queue management
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, now: float | None = None) -> None:
+        """Queue a new sequence; the first sequence of a prompt gets its automatic checkpoints."""
+        if self.auto is not None and request.index == 0:
+            now = time.monotonic() if now is None else now
+            for placement in self.auto.placements(request, self._live):
+                self._place(placement, now)
+        self._live[request.request_id] = request
         self.waiting.append(request)
+
+    def _place(self, placement: Placement, now: float) -> None:
+        producer, position = placement.producer, placement.position
+        if position in producer.checkpoint_positions:
+            return  # a marker stands there already
+        if producer.status is RequestStatus.RUNNING:  # registered now: its next chunks cut there
+            state = self.state_position(position)
+            if state <= producer.num_computed_tokens:
+                return
+            checkpoint = self.registry.register(producer.hasher.prefix_hash(position), position,
+                                                producer.request_id, now, placement.kind, state)
+            if checkpoint is None:
+                return
+            producer.checkpointing.producing.append(checkpoint)
+            producer.checkpointing.producing.sort(key=lambda c: c.state_tokens)
+        producer.checkpointing.auto_positions[position] = placement.kind  # (re-)claimed at each admission
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, request: Request, reason: str) -> None:
-        """Leave the engine: free the slot and blocks, hand unwritten checkpoints on."""
+    def finish(self, request: Request, reason: str, *, keep_turn_end: bool = False, now: float | None = None) -> None:
+        """Leave the engine: free the slot and blocks, hand unwritten checkpoints on. With
+        `keep_turn_end` (a sequence that ended normally), automatic checkpoints keep its state first."""
+        if keep_turn_end and self.auto is not None:
+            self.auto.keep_turn_end(request, time.monotonic() if now is None else now)
+        self._live.pop(request.request_id, None)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
@@ -112,10 +146,11 @@ class Scheduler:
         if request.blocks:
             self.blocks.release(request.blocks)
             request.blocks = []
-        for checkpoint in request.producing:
-            self.registry.orphan(checkpoint)
-        request.producing = []
-        if request.waiting_on is not None:
+        progress = request.checkpointing
+        for checkpoint in progress.producing:
+            self.registry.producer_left(checkpoint)
+        progress.producing = []
+        if progress.waiting_on is not None:
             self._stop_waiting(request)
 
     def _preempt(self, request: Request) -> None:
@@ -127,39 +162,92 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.stats.preemptions += 1
 
-    # ------------------------------------------------------------------ scheduling
-    def schedule(self, now: float | None = None) -> StepPlan:
+    # ------------------------------------------------------------------ one step
+    def schedule(self, now: float | None = None) -> ScheduledStep:
+        if self.in_flight is not None:
+            raise RuntimeError("a step is still in flight: commit or fail it before scheduling the next")
         now = time.monotonic() if now is None else now
-        plan = StepPlan()
+        planning = _Planning()
         budget = self.config.max_num_batched_tokens
-        written_phase: dict[int, int] = {}  # id(checkpoint) -> phase of the segment writing it
         preempted = False
 
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or budget == 0:
                 continue
-            count = min(request.num_tokens - request.num_computed_tokens, budget, self.chunk_cap)
+            count = self._chunk(request, request.num_computed_tokens, budget)
+            if count == 0:
+                continue
             if not self._grow_blocks(request, request.num_computed_tokens + count):
                 if request.status is RequestStatus.FINISHED:
-                    plan.finished.append(request)
+                    planning.finished.append(request)
                 preempted = True
                 continue
             budget -= count
-            self._plan_chunk(plan, request, request.num_computed_tokens, count, None, written_phase)
+            self._plan_chunk(planning, request, request.num_computed_tokens, count, None)
 
         if not preempted:
             for request in list(self.waiting):
                 if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                     break
-                admitted = self._try_admit(plan, request, budget, now, written_phase)
+                admitted = self._try_admit(planning, request, budget, now)
                 if admitted is None:
                     break  # out of memory: keep FCFS order
                 budget -= admitted
 
-        for segment in plan.segments:
-            plan.num_tokens += segment.end - segment.start
-        return plan
+        step = ScheduledStep(StepPlan(tuple(planning.segments), tuple(planning.kv_copies)), planning.requests,
+                             planning.written, planning.consumed, planning.finished)
+        if not step.empty:
+            self.in_flight = step
+        return step
 
+    def commit(self, step: ScheduledStep) -> None:
+        """The forward ran: advance the requests, mark written checkpoints ready, release the pins."""
+        self._settle(step)
+        for segment, request in zip(step.plan.segments, step.requests):
+            prompt_len = len(request.prompt_token_ids)
+            self.stats.prompt_tokens_computed += max(0, min(segment.end, prompt_len) - segment.start)
+            request.num_computed_tokens = max(request.num_computed_tokens, segment.end)
+        for checkpoint, producer in step.written:
+            self.registry.mark_ready(checkpoint, producer.blocks[: -(-checkpoint.state_tokens // self.block_size)])
+            producer.checkpointing.producing.remove(checkpoint)
+        for checkpoint in step.consumed:
+            self.registry.unpin(checkpoint)
+
+    def fail(self, step: ScheduledStep) -> list[Request]:
+        """Something between schedule and commit raised: release the step's pins and end every
+        request in it with reason "error" (their slots, blocks and unwritten checkpoints go back;
+        waiters of those checkpoints are promoted when next scheduled). Returns the ended requests."""
+        self._settle(step)
+        self.stats.failed_steps += 1
+        for checkpoint in step.consumed:
+            self.registry.unpin(checkpoint)
+        ended = []
+        for request in dict.fromkeys(step.requests):  # a request may own several segments
+            if not request.is_finished:
+                self.finish(request, "error")
+                ended.append(request)
+        return ended
+
+    def _settle(self, step: ScheduledStep) -> None:
+        if self.in_flight is not step:
+            raise RuntimeError("this step is not the one in flight")
+        self.in_flight = None
+
+    def state_position(self, position: int) -> int:
+        """Where a checkpoint at `position` keeps its state: the position itself, or with
+        checkpoint_exact the scan-chunk boundary at or before it (0: the checkpoint is useless)."""
+        return position - position % SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else position
+
+    def _chunk(self, request: Request, start: int, budget: int) -> int:
+        """Tokens of `request` to compute from `start` this step. With checkpoint_exact, a chunk
+        that does not finish the sequence ends at a scan-chunk boundary (0 when none fits), so chunked
+        prefill runs the recurrent scans over the same chunks as one pass."""
+        count = min(request.num_tokens - start, budget, self.chunk_cap)
+        if self.config.checkpoint_exact and start + count < request.num_tokens:
+            count -= (start + count) % SCAN_CHUNK_TOKENS
+        return max(count, 0)
+
+    # ------------------------------------------------------------------ memory
     def _grow_blocks(self, request: Request, num_tokens: int) -> bool:
         """Give a running request blocks for `num_tokens` tokens, evicting idle checkpoints and then
         preempting later requests. False when `request` itself had to be preempted."""
@@ -179,37 +267,24 @@ class Scheduler:
             request.blocks.extend(self.blocks.allocate(need))
         return True
 
-    def _lookup(self, request: Request) -> tuple[Checkpoint | None, Checkpoint | None]:
-        """(longest registered checkpoint matching the prompt, longest *ready* one)."""
-        if self.registry is None:
-            return None, None
-        prompt_len = len(request.prompt_token_ids)
-        longest = ready = None
-        for length in sorted(self.registry.lengths, reverse=True):
-            if length >= prompt_len:
-                continue
-            checkpoint = self.registry.get(request.hasher.prefix_hash(length))
-            if checkpoint is None:
-                continue
-            longest = longest or checkpoint
-            if checkpoint.ready:
-                ready = checkpoint
-                break
-        return longest, ready
-
-    def _try_admit(self, plan: StepPlan, request: Request, budget: int, now: float,
-                   written_phase: dict[int, int]) -> int | None:
+    # ------------------------------------------------------------------ admission
+    def _try_admit(self, planning: _Planning, request: Request, budget: int, now: float) -> int | None:
         """Admit `request` into this step. Returns tokens scheduled, 0 when deferred, None when out of memory."""
-        longest, ready = self._lookup(request)
+        progress = request.checkpointing
+        longest = ready = None
+        # prompt logprobs need the logits of every prompt position: such a request computes its whole
+        # prompt (it may still produce checkpoints for others)
+        if self.registry is not None and request.params.prompt_logprobs is None:
+            longest, ready = self.registry.lookup(request.hasher.prefix_hash, len(request.prompt_token_ids))
         source = ready
         if longest is not None and not longest.ready:
-            if longest.producer is None:
-                source = ready  # orphan: this request is promoted to produce it (below)
-            elif id(longest) in written_phase:
+            if longest.state is CheckpointState.ORPHANED:
+                source = ready  # this request is promoted to produce it (below)
+            elif id(longest) in planning.written_phase:
                 source = longest  # same-step pairing: the producer's phase writes it before we read
-            elif not request.gave_up_waiting:
-                if now - (request.deferred_since or now) > self.config.checkpoint_wait_s:
-                    request.gave_up_waiting = True
+            elif not progress.gave_up_waiting:
+                if now - (progress.deferred_since or now) > self.config.checkpoint_wait_s:
+                    progress.gave_up_waiting = True
                     self.stats.checkpoint_wait_timeouts += 1
                     logger.debug("wait bound: %s computes the %d-token prefix itself", request.request_id,
                                  longest.num_tokens)
@@ -220,17 +295,21 @@ class Scheduler:
 
         if self.states.requests.num_free == 0:
             return None
-        start = source.num_tokens if source is not None else 0
-        count = min(request.num_tokens - start, budget, self.chunk_cap)
+        start = source.state_tokens if source is not None else 0
+        count = self._chunk(request, start, budget)
+        if count == 0:
+            return None  # exact mode: no scan-chunk boundary within the budget left
         shared = [] if source is None else (source.blocks if source.ready else source.producer_blocks)
         full = start // self.block_size
         own_needed = -(-(start + count) // self.block_size) - full
         if source is not None:
-            source.pins += 1  # protects it from the evictions below
+            self.registry.pin(source, start)  # protects it from the evictions below
+            planning.consumed.append(source)
         while own_needed > self.blocks.num_free:
             if self.registry is None or not self.registry.evict_one():
                 if source is not None:
-                    source.pins -= 1
+                    planning.consumed.pop()
+                    self.registry.unpin(source)
                 return None
 
         self.waiting.remove(request)
@@ -243,104 +322,125 @@ class Scheduler:
         request.num_computed_tokens = start
         if source is not None:
             request.num_cached_tokens = start
-            self.registry.touch(source)
-            plan.consumed.append(source)
             self.stats.checkpoint_hits += 1
             if start % self.block_size:
-                plan.kv_copies.append(KVCopy(shared[full], request.blocks[full], start % self.block_size))
+                planning.kv_copies.append(KVCopy(shared[full], request.blocks[full], start % self.block_size))
         self._claim_checkpoints(request, start, now)
-        if request.waiting_on is not None:
+        if progress.waiting_on is not None:
             self._stop_waiting(request, now)
-        self._plan_chunk(plan, request, start, count, source, written_phase)
+        self._plan_chunk(planning, request, start, count, source)
         return count
 
     def _wait_on(self, request: Request, checkpoint: Checkpoint, now: float) -> None:
-        if request.waiting_on is checkpoint:
+        progress = request.checkpointing
+        if progress.waiting_on is checkpoint:
             return
-        if request.waiting_on is not None:
+        if progress.waiting_on is not None:
             self._stop_waiting(request)  # switching checkpoints: the wait goes on, account it once at the end
-        request.waiting_on = checkpoint
-        checkpoint.waiters += 1
-        if request.deferred_since is None:
-            request.deferred_since = now
-        if not request.was_deferred:
-            request.was_deferred = True
+        progress.waiting_on = checkpoint
+        self.registry.add_waiter(checkpoint)
+        if progress.deferred_since is None:
+            progress.deferred_since = now
+        if not progress.was_deferred:
+            progress.was_deferred = True
             self.stats.requests_deferred += 1
             logger.debug("deferred: %s waits for the %d-token checkpoint of %s", request.request_id,
                          checkpoint.num_tokens, checkpoint.producer)
 
     def _stop_waiting(self, request: Request, now: float | None = None) -> None:
-        checkpoint = request.waiting_on
+        progress = request.checkpointing
+        checkpoint = progress.waiting_on
         if checkpoint is not None:
-            request.waiting_on = None
-            checkpoint.waiters -= 1
-            if not checkpoint.ready and checkpoint.producer is None and checkpoint.waiters == 0:
-                self.registry.remove(checkpoint)
-        if request.deferred_since is not None and now is not None:
-            self.stats.deferral_wait_s_total += now - request.deferred_since
-            request.deferred_since = None
+            progress.waiting_on = None
+            self.registry.drop_waiter(checkpoint)
+        if progress.deferred_since is not None and now is not None:
+            self.stats.deferral_wait_s_total += now - progress.deferred_since
+            progress.deferred_since = None
 
     def _claim_checkpoints(self, request: Request, start: int, now: float) -> None:
         """Register (or adopt, when orphaned) every checkpoint this request will pass."""
         if self.registry is None:
             return
-        for position in request.checkpoint_positions:
-            if position <= start:
+        producing = request.checkpointing.producing
+        wanted = dict(request.checkpointing.auto_positions)
+        wanted.update(dict.fromkeys(request.checkpoint_positions, CheckpointKind.MARKER))  # markers win
+        for position, kind in sorted(wanted.items()):
+            state = self.state_position(position)
+            if state <= start:
                 continue
             key = request.hasher.prefix_hash(position)
             checkpoint = self.registry.get(key)
             if checkpoint is None:
-                checkpoint = self.registry.register(key, position, request.request_id, now)
+                checkpoint = self.registry.register(key, position, request.request_id, now, kind, state)
                 if checkpoint is None:
                     logger.debug("no checkpoint slot free for %s at %d: a miss", request.request_id, position)
                     continue  # checkpoint pool full of pinned entries: a miss, never an error
-                logger.debug("registered: %d-token checkpoint, producer %s", position, request.request_id)
-            elif checkpoint.ready or checkpoint.producer is not None:
-                continue
-            else:
+                producing.append(checkpoint)
+            elif checkpoint.state is CheckpointState.ORPHANED:
                 self._promote(request, checkpoint)
-                continue
-            request.producing.append(checkpoint)
         # orphans this request matched on its way (prefix of its prompt without a marker) are adopted too
-        for checkpoint in self._orphans_on_path(request, start):
-            self._promote(request, checkpoint)
-        request.producing.sort(key=lambda c: c.num_tokens)
+        for checkpoint in self.registry.orphans_between(request.hasher.prefix_hash, start,
+                                                        len(request.prompt_token_ids)):
+            if checkpoint.state_tokens > start:  # it will pass the position the state is kept at
+                self._promote(request, checkpoint)
+        producing.sort(key=lambda c: c.state_tokens)
 
     def _promote(self, request: Request, checkpoint: Checkpoint) -> None:
-        checkpoint.producer = request.request_id
+        self.registry.promote(checkpoint, request.request_id)
         self.stats.producer_promotions += 1
-        request.producing.append(checkpoint)
-        logger.debug("promoted: %s now produces the %d-token checkpoint", request.request_id, checkpoint.num_tokens)
+        request.checkpointing.producing.append(checkpoint)
 
-    def _orphans_on_path(self, request: Request, start: int) -> list[Checkpoint]:
-        prompt_len = len(request.prompt_token_ids)
-        found = []
-        for length in self.registry.lengths:
-            if start < length <= prompt_len:
-                checkpoint = self.registry.get(request.hasher.prefix_hash(length))
-                if checkpoint is not None and not checkpoint.ready and checkpoint.producer is None:
-                    found.append(checkpoint)
-        return found
-
-    def _plan_chunk(self, plan: StepPlan, request: Request, start: int, count: int,
-                    source: Checkpoint | None, written_phase: dict[int, int]) -> None:
+    # ------------------------------------------------------------------ segments
+    def _plan_chunk(self, planning: _Planning, request: Request, start: int, count: int,
+                    source: Checkpoint | None) -> None:
         """Split tokens [start, start+count) at this request's checkpoints into segments."""
         end = start + count
         if source is not None:
-            initial, phase = source.slot, written_phase.get(id(source), -1) + 1
+            initial, phase = source.slot, planning.written_phase.get(id(source), -1) + 1
         else:
             initial, phase = (ZERO_SLOT if start == 0 else request.slot), 0
-        cuts = [c for c in request.producing if start < c.num_tokens <= end]
+        cuts = [c for c in request.checkpointing.producing if start < c.state_tokens <= end]
         lo = start
         for checkpoint in cuts:
-            hi = checkpoint.num_tokens
+            hi = checkpoint.state_tokens
             dests = (checkpoint.slot, request.slot) if hi == end else (checkpoint.slot,)
-            plan.segments.append(PlannedSegment(request, lo, hi, initial, dests, phase, hi == request.num_tokens))
-            written_phase[id(checkpoint)] = phase
-            checkpoint.producer_blocks = request.blocks
-            plan.written.append((checkpoint, request))
+            self._add_segment(planning, request, lo, hi, initial, dests, SegmentKind.PREFILL, phase)
+            planning.written_phase[id(checkpoint)] = phase
+            self.registry.writing(checkpoint, request.blocks)
+            planning.written.append((checkpoint, request))
             lo, initial, phase = hi, checkpoint.slot, phase + 1
         if lo < end:
             is_decode = end - lo == 1 and initial == request.slot and phase == 0 and lo > 0
-            plan.segments.append(PlannedSegment(request, lo, end, initial, (request.slot,),
-                                                -1 if is_decode else phase, end == request.num_tokens))
+            self._add_segment(planning, request, lo, end, initial, (request.slot,),
+                              SegmentKind.DECODE if is_decode else SegmentKind.PREFILL, phase)
+
+    @staticmethod
+    def _add_segment(planning: _Planning, request: Request, start: int, end: int, initial: int,
+                     dests: tuple[int, ...], kind: SegmentKind, phase: int) -> None:
+        planning.segments.append(Segment(
+            request_id=request.request_id, start=start, end=end, token_ids=request.tokens(start, end),
+            block_table=request.blocks, initial_slot=initial, dest_slots=dests, kind=kind, phase=phase,
+            samples=end == request.num_tokens, multimodal=request.multimodal,
+            prompt_logit_rows=0 if request.params.prompt_logprobs is None else max(
+                0, min(end, len(request.prompt_token_ids) - 1) - start)))
+        planning.requests.append(request)
+
+    # ------------------------------------------------------------------ integrity
+    def check_integrity(self) -> None:
+        """Requests against the registry: pins, waiters and producers each match a live request."""
+        if self.registry is None:
+            return
+        readers: Counter[bytes] = Counter()
+        if self.in_flight is not None:
+            readers.update(c.key for c in self.in_flight.consumed)
+        waiters: Counter[bytes] = Counter()
+        producers: dict[bytes, str] = {}
+        for request in list(self.waiting) + self.running:
+            progress = request.checkpointing
+            if progress.waiting_on is not None:
+                waiters[progress.waiting_on.key] += 1
+            for checkpoint in progress.producing:
+                if checkpoint.key in producers:
+                    raise AssertionError(f"two producers of the {checkpoint.num_tokens}-token checkpoint")
+                producers[checkpoint.key] = request.request_id
+        self.registry.check_integrity(readers=readers, waiters=waiters, producers=producers)

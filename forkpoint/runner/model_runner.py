@@ -15,16 +15,11 @@ import torch
 
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.state_pool import StatePool
-from forkpoint.engine.scheduler import KVCopy, PlannedSegment, StepPlan
 from forkpoint.models.qwen3_5 import HybridForCausalLM, LayerCaches
-from forkpoint.runner.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
+from forkpoint.step.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
+from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan
 from forkpoint.runner.multimodal import MultimodalInputs
 from forkpoint.runner.piecewise import PiecewiseForward
-
-
-def order_segments(segments: Sequence[PlannedSegment]) -> list[PlannedSegment]:
-    """Decodes first, then prefill segments by phase (stable within a phase)."""
-    return sorted(segments, key=lambda s: s.phase)
 
 
 class _Staging:
@@ -62,9 +57,11 @@ class _Staging:
         return buffer[offset: offset + int(np.prod(shape, dtype=np.int64))].view(shape)
 
 
-def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -> tuple[ForwardBatch, list[PlannedSegment]]:
-    """Returns the batch and the segments whose logits it yields, in logits row order."""
-    segments = order_segments(plan.segments)
+def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -> tuple[ForwardBatch, list[Segment]]:
+    """Returns the batch and the segments whose sampled logits it yields (rows 0 .. len - 1, in that
+    order); further rows hold the prompt-logit rows of the segments with `prompt_logit_rows`, in
+    packed order (`plan.ordered()`)."""
+    segments = plan.ordered()
     num_segments = len(segments)
     lengths = np.fromiter((s.end - s.start for s in segments), dtype=np.int64, count=num_segments)
     cu_q = np.zeros(num_segments + 1, dtype=np.int64)
@@ -73,24 +70,28 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
     token_ids = np.empty(num_tokens, dtype=np.int64)
     positions = np.empty(num_tokens, dtype=np.int64)
     slot_mapping = np.empty(num_tokens, dtype=np.int64)
-    max_blocks = max(len(s.request.blocks) for s in segments)
+    max_blocks = max(len(s.block_table) for s in segments)
     block_tables = np.zeros((num_segments, max_blocks), dtype=np.int64)
     for row, segment in enumerate(segments):
         lo, hi = int(cu_q[row]), int(cu_q[row + 1])
-        start, end, blocks = segment.start, segment.end, segment.request.blocks
+        start, end, blocks = segment.start, segment.end, segment.block_table
         block_tables[row, : len(blocks)] = blocks
         if hi - lo == 1:  # decodes: scalar work beats numpy's per-call overhead
-            token_ids[lo] = segment.request.tokens(start, end)[0]
+            token_ids[lo] = segment.token_ids[0]
             positions[lo] = start
             slot_mapping[lo] = blocks[start // block_size] * block_size + start % block_size
         else:
-            token_ids[lo:hi] = segment.request.tokens(start, end)
+            token_ids[lo:hi] = segment.token_ids
             span = np.arange(start, end, dtype=np.int64)
             positions[lo:hi] = span
             slot_mapping[lo:hi] = block_tables[row, span // block_size] * block_size + span % block_size
     samples = np.fromiter((s.samples for s in segments), dtype=bool, count=num_segments)
     logits_indices = cu_q[1:][samples] - 1
     sampled = [s for s in segments if s.samples]
+    scored = [(row, s) for row, s in enumerate(segments) if s.prompt_logit_rows]
+    if scored:  # prompt logprobs: rows after the sampled ones, segment by segment
+        logits_indices = np.concatenate([logits_indices] + [
+            np.arange(cu_q[row], cu_q[row] + s.prompt_logit_rows, dtype=np.int64) for row, s in scored])
     seq_lens = np.fromiter((s.end for s in segments), dtype=np.int64, count=num_segments)
 
     staging = _Staging()
@@ -100,7 +101,7 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
     )}
     src, dst = _copy_slots(plan.kv_copies, block_size)
     staged["cow_src"], staged["cow_dst"] = staging.add(src), staging.add(dst)
-    num_decodes = sum(1 for s in segments if s.phase < 0)
+    num_decodes = sum(1 for s in segments if s.kind is SegmentKind.DECODE)
     staged["decode_slots"] = staging.add([s.initial_slot for s in segments[:num_decodes]])
     phase_makers = []
     first = num_decodes
@@ -134,7 +135,7 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
     return batch, sampled
 
 
-def _stage_phase(staging: _Staging, segments: Sequence[PlannedSegment], token_start: int,
+def _stage_phase(staging: _Staging, segments: Sequence[Segment], token_start: int,
                  token_end: int) -> Callable[[torch.Tensor], RecurrentPhase]:
     """Stage one phase's metadata; returns a function building the phase from the device buffer."""
     cu = [0]
@@ -209,14 +210,14 @@ class ModelRunner:
         self.multimodal = multimodal  # image positions and vision-tower rows; None for text-only engines
         self.piecewise = piecewise
 
-    def prepare(self, plan: StepPlan) -> tuple[ForwardBatch, list[PlannedSegment]]:
+    def prepare(self, plan: StepPlan) -> tuple[ForwardBatch, list[Segment]]:
         """The step's batch (images encoded and attached) and the segments its logits rows belong to."""
         batch, sampled = build_forward_batch(plan, self.block_size, self.device)
         if self.multimodal is not None:
-            batch = self.multimodal.attach(order_segments(plan.segments), batch)
+            batch = self.multimodal.attach(plan.ordered(), batch)
         return batch, sampled
 
-    def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[PlannedSegment]]:
+    def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[Segment]]:
         """Run one step. Returns logits [R, vocab] (float32) and the R segments they belong to."""
         batch, sampled = self.prepare(plan)
         return self.forward(batch), sampled

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from forkpoint.engine.scheduler import PlannedSegment
 from forkpoint.inputs.images import ImageInput, ImageProcessorConfig, batch_pixel_values
-from forkpoint.runner.batch import ForwardBatch
+from forkpoint.step.batch import ForwardBatch
+from forkpoint.step.plan import Segment
 
 # (pixel_values [N, D] fp32, grids) -> embeddings [N / merge**2, hidden]
 Encoder = Callable[[torch.Tensor, Sequence[Sequence[int]]], torch.Tensor]
@@ -73,10 +73,10 @@ class MultimodalInputs:
         self.cache = ImageEmbeddingCache(cache_bytes)
         self.stats = VisionStats()
 
-    def attach(self, segments: Sequence[PlannedSegment], batch: ForwardBatch) -> ForwardBatch:
+    def attach(self, segments: Sequence[Segment], batch: ForwardBatch) -> ForwardBatch:
         """`segments` in packed order (as `build_forward_batch` ordered them). Returns `batch`
         itself when no request in it has images."""
-        if all(s.request.multimodal is None for s in segments):
+        if all(s.multimodal is None for s in segments):
             return batch
         positions = np.empty((3, batch.num_tokens), dtype=np.int64)
         pieces: list[tuple[int, int, int, ImageInput]] = []  # (batch index, image row, count, image)
@@ -85,7 +85,7 @@ class MultimodalInputs:
             start, end = segment.start, segment.end
             hi = lo + end - start
             _segment_positions(segment, positions[:, lo:hi])
-            multimodal = segment.request.multimodal
+            multimodal = segment.multimodal
             for placed in multimodal.images if multimodal is not None else ():
                 first, last = max(start, placed.offset), min(end, placed.end)
                 if first < last:
@@ -130,14 +130,13 @@ class MultimodalInputs:
         return found
 
 
-def _segment_positions(segment: PlannedSegment, out: np.ndarray) -> None:
+def _segment_positions(segment: Segment, out: np.ndarray) -> None:
     """Write the rotary positions [3, end - start] of a segment's tokens into `out`."""
-    request, start, end = segment.request, segment.start, segment.end
-    multimodal = request.multimodal
+    start, end, multimodal = segment.start, segment.end, segment.multimodal
     if multimodal is None:
         out[:] = np.arange(start, end, dtype=np.int64)
         return
-    prompt_len = len(request.prompt_token_ids)
+    prompt_len = multimodal.mrope_positions.shape[1]
     split = min(max(start, prompt_len), end)
     out[:, : split - start] = multimodal.mrope_positions[:, start:split]
     out[:, split - start:] = np.arange(split, end, dtype=np.int64) + multimodal.position_delta

@@ -69,7 +69,7 @@ import torch
 from forkpoint.config import ModelConfig
 from forkpoint.kernels import select_variant
 from forkpoint.models.qwen3_5 import AttentionProjection, GDNProjection, HybridForCausalLM, LayerCaches
-from forkpoint.runner.batch import ForwardBatch
+from forkpoint.step.batch import ForwardBatch
 
 logger = logging.getLogger("forkpoint")
 
@@ -100,8 +100,11 @@ def graph_blocker(config: ModelConfig, dtype: torch.dtype) -> str | None:
 
     A captured piece must not synchronise with the host. The routed experts' GPU variant
     (kernels/moe/grouped.py) is sync-free but takes bfloat16 only; other dtypes fall back to the
-    reference, which reads per-expert counts on the host.
+    reference, which reads per-expert counts on the host. The pieces exist for the Qwen families
+    only; the Mamba2 hybrids run eagerly.
     """
+    if config.mamba2 is not None:
+        return f"piecewise CUDA graphs cover the Qwen families only, not {config.model_type!r}"
     if any(config.moe_layers):
         grouped = select_variant("moe", "grouped", True).__name__.endswith(".grouped")
         if not grouped:

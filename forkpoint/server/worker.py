@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from forkpoint.engine.engine import LLMEngine
+from forkpoint.engine.engine import LLMEngine, StepFailed
 from forkpoint.outputs import RequestOutput
 from forkpoint.sampling_params import SamplingParams
 
@@ -216,6 +216,11 @@ class EngineWorker:
     def _step(self) -> None:
         try:
             outputs = self._engine.step()
+        except StepFailed as failure:
+            # the engine released the step and stays usable: only the requests in that step fail
+            self._fail_some(failure.request_ids, EngineFailure(
+                f"the engine failed while generating: {type(failure.cause).__name__}: {failure.cause}"))
+            outputs = failure.outputs
         except Exception as exc:
             logger.exception("engine step failed; aborting the requests in flight")
             self._fail_all(EngineFailure(f"the engine failed while generating: {type(exc).__name__}: {exc}"))
@@ -231,6 +236,17 @@ class EngineWorker:
         for sink, batch in batches.items():
             sink.deliver_threadsafe(batch)
         self._metrics = dict(self._engine.metrics())
+
+    def _fail_some(self, request_ids: Sequence[str], exc: BaseException) -> None:
+        """End the sinks of `request_ids` (already ended in the engine) with `exc`; a sink that also
+        carries other requests has them aborted, since its response can no longer complete."""
+        sinks = {self._sinks[r] for r in request_ids if r in self._sinks}
+        for request_id, sink in list(self._sinks.items()):
+            if sink in sinks:
+                self._engine.abort_request(request_id)
+                del self._sinks[request_id]
+        for sink in sinks:
+            sink.deliver_threadsafe(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         """Abort every request in flight and end its sink with `exc`."""

@@ -8,7 +8,21 @@ import torch
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.checkpoints import CheckpointRegistry
 from forkpoint.cache.hashing import PrefixHasher
-from forkpoint.cache.state_pool import StatePool
+from forkpoint.cache.state_pool import RecurrentStateSpec, StatePool
+
+
+def _spec(conv_dim: int, width: int, heads: int, k: int, v: int) -> RecurrentStateSpec:
+    """A GDN-shaped state: conv [conv_dim, width - 1], SSM [heads, k, v], float32."""
+    return RecurrentStateSpec((conv_dim, width - 1), torch.float32, (heads, k, v))
+
+
+def test_state_pool_takes_any_mixer_declaration():
+    spec = RecurrentStateSpec((20, 3), torch.bfloat16, (4, 8, 6))  # Mamba2: [H, P, N]
+    pool = StatePool(3, 2, 5, spec, torch.device("cpu"))
+    assert pool.conv_stack.shape == (5, 6, 20, 3) and pool.conv_stack.dtype == torch.bfloat16
+    assert pool.ssm_stack.shape == (5, 6, 4, 8, 6) and pool.ssm_stack.dtype == torch.float32
+    assert StatePool.bytes_per_slot(5, spec) == 5 * (20 * 3 * 2 + 4 * 8 * 6 * 4)
+    pool.check_integrity()
 
 
 def test_block_pool_refcounts_and_integrity():
@@ -28,7 +42,7 @@ def test_block_pool_refcounts_and_integrity():
 
 
 def test_state_pool_slots_and_zero_row():
-    pool = StatePool(2, 1, 2, 12, 4, 2, 4, 4, torch.float32, torch.device("cpu"))
+    pool = StatePool(2, 1, 2, _spec(12, 4, 2, 4, 4), torch.device("cpu"))
     first, second = pool.requests.allocate(), pool.requests.allocate()
     assert {first, second} == {1, 2}
     with pytest.raises(MemoryError):
@@ -41,9 +55,9 @@ def test_state_pool_slots_and_zero_row():
 
 
 def test_state_pool_layers_are_views_of_the_stacked_states():
-    pool = StatePool(2, 1, 3, 12, 4, 2, 4, 4, torch.float32, torch.device("cpu"))
+    pool = StatePool(2, 1, 3, _spec(12, 4, 2, 4, 4), torch.device("cpu"))
     assert pool.conv_stack.shape == (3, 4, 12, 3) and pool.ssm_stack.shape == (3, 4, 2, 4, 4)
-    assert StatePool.bytes_per_slot(3, 12, 4, 2, 4, 4, torch.float32) * 4 == (
+    assert StatePool.bytes_per_slot(3, _spec(12, 4, 2, 4, 4)) * 4 == (
         pool.conv_stack.numel() * 4 + pool.ssm_stack.numel() * 4)  # memory as with per-layer tensors
     for layer in range(3):
         assert pool.conv[layer].is_contiguous() and pool.ssm[layer].is_contiguous()
@@ -65,7 +79,7 @@ def test_state_pool_layers_are_views_of_the_stacked_states():
 
 def test_registry_lru_eviction_skips_pinned_and_unready():
     blocks = BlockPool(8, 4, 1, 1, 4, torch.float32, torch.device("cpu"))
-    states = StatePool(1, 2, 1, 4, 4, 1, 2, 2, torch.float32, torch.device("cpu"))
+    states = StatePool(1, 2, 1, _spec(4, 4, 1, 2, 2), torch.device("cpu"))
     registry = CheckpointRegistry(states.checkpoints, blocks)
     owned = blocks.allocate(2)
     first = registry.register(b"a", 5, "p", 0.0)
@@ -73,10 +87,13 @@ def test_registry_lru_eviction_skips_pinned_and_unready():
     second = registry.register(b"b", 6, "p", 0.0)
     assert registry.register(b"c", 7, "p", 0.0) is not None  # evicts the idle ready "a"
     assert registry.get(b"a") is None and registry.num_evicted == 1
-    second.pins = 1
     registry.mark_ready(second, owned)
+    registry.pin(second, 6)
     assert registry.register(b"d", 8, "p", 0.0) is None  # b pinned, c unready: nothing to evict
-    registry.check_integrity()
+    registry.check_integrity(readers={b"b": 1}, waiters={}, producers={b"c": "p"})
+    with pytest.raises(AssertionError, match="pins but 0 live readers"):
+        registry.check_integrity(readers={}, waiters={}, producers={b"c": "p"})
+    registry.unpin(second)
     blocks.release(owned)
     blocks.check_integrity({b: c for b, c in registry.block_refs().items()})
 

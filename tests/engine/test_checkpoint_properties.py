@@ -1,5 +1,6 @@
 """Property test: whatever the arrival order, token budget, pool sizes, aborts and marker layout,
-every completed request equals its no-checkpoint run and every pool is consistent and drained."""
+every completed request equals its no-checkpoint run and every pool is consistent and drained.
+A step may also fail (the runner raises): the requests in it end, the others go on unharmed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from forkpoint import LLM, SamplingParams
+from forkpoint.engine.engine import StepFailed
 from tests.tiny_models import words
 
 MARK = "<|mamba_checkpoint|>"
@@ -67,14 +69,24 @@ def render(spec: dict) -> str:
     block_size=st.sampled_from([4, 8, 16]),
     spare_blocks=st.integers(1, 30),
     checkpoint_slots=st.integers(1, 4),
+    fault_at=st.one_of(st.none(), st.integers(0, 10)),
 )
 def test_outputs_always_equal_the_no_checkpoint_run(moe_model, reference, requests, budget, chunk_cap, block_size,
-                                                    spare_blocks, checkpoint_slots):
+                                                    spare_blocks, checkpoint_slots, fault_at):
     longest = max(len(ANCHORS[r["anchor"]]) + len(r["suffix"]) for r in requests) + PARAMS.max_tokens + 1
     llm = LLM(str(moe_model[0]), max_num_batched_tokens=budget, long_prefill_token_threshold=chunk_cap,
               block_size=block_size, num_kv_blocks=-(-longest // block_size) + spare_blocks,
               checkpoint_pool_size=checkpoint_slots, max_num_seqs=4)
     engine = llm.engine
+    execute, calls = engine.runner.execute, []
+
+    def faulty_execute(plan):
+        calls.append(plan)
+        if len(calls) - 1 == fault_at:
+            raise RuntimeError("injected fault")
+        return execute(plan)
+
+    engine.runner.execute = faulty_execute
     finished = {}
     aborted = set()
     for step in range(400):
@@ -84,7 +96,13 @@ def test_outputs_always_equal_the_no_checkpoint_run(moe_model, reference, reques
             if spec["abort_at"] is not None and spec["abort_at"] == step and f"r{index}" not in finished:
                 engine.abort_request(f"r{index}")
                 aborted.add(f"r{index}")
-        for output in engine.step():
+        try:
+            outputs = engine.step()
+        except StepFailed as failure:
+            assert failure.request_ids and isinstance(failure.cause, RuntimeError)
+            aborted.update(failure.request_ids)
+            outputs = failure.outputs
+        for output in outputs:
             if output.finished:
                 finished[output.request_id] = output
         engine.check_integrity()

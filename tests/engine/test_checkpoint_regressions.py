@@ -27,8 +27,9 @@ def record_plans(llm: LLM) -> list:
     schedule, plans = scheduler.schedule, []
 
     def recording(*args, **kwargs):
-        plans.append(schedule(*args, **kwargs))
-        return plans[-1]
+        step = schedule(*args, **kwargs)
+        plans.append(step.plan)
+        return step
 
     scheduler.schedule = recording
     return plans

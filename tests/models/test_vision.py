@@ -20,7 +20,7 @@ IMAGES = [random_image(1, 45, 27), random_image(2, 19, 40, "RGBA"), random_image
 @pytest.fixture(scope="module", params=MULTIMODAL)
 def multimodal(request, tiny_model_factory):
     directory, hf_model = tiny_model_factory(request.param)
-    llm = LLM(str(directory), num_kv_blocks=96, max_num_seqs=8)
+    llm = LLM(str(directory), num_kv_blocks=96, max_num_seqs=8, auto_checkpoints=False)
     return directory, hf_model, llm, image_processor_oracle(directory)
 
 
@@ -45,11 +45,12 @@ def forkpoint_logits(llm: LLM, prompt: dict) -> tuple[torch.Tensor, list[int]]:
     engine = llm.engine
     engine.add_request("full-logits", prompt, SamplingParams(max_tokens=1))
     request = engine.scheduler.waiting[0]
-    plan = engine.scheduler.schedule()
+    step = engine.scheduler.schedule()
+    plan = step.plan
     batch, _ = engine.runner.prepare(plan)
     batch = dataclasses.replace(batch, logits_indices=torch.arange(len(request.prompt_token_ids)))
     logits = engine.runner.model(batch, engine.runner.caches)
-    engine._after_forward(plan)
+    engine.scheduler.commit(step)
     engine.abort_request("full-logits")
     engine.check_integrity()
     return logits, list(request.prompt_token_ids)
@@ -96,7 +97,7 @@ def test_greedy_generation_matches_transformers_under_chunking_and_batching(tiny
     prompts batched with text prompts."""
     directory, hf_model = tiny_model_factory("qwen3_5_moe")
     processor = image_processor_oracle(directory)
-    llm = LLM(str(directory), max_num_batched_tokens=20, num_kv_blocks=96, max_num_seqs=4)
+    llm = LLM(str(directory), max_num_batched_tokens=20, num_kv_blocks=96, max_num_seqs=4, auto_checkpoints=False)
     cases = [(prompt_text(2), IMAGES[:2]), (words(7, 8, 9), []), (prompt_text(1), IMAGES[2:3])]
     prompts = [{"prompt": text, "multi_modal_data": {"image": images}} if images else text for text, images in cases]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
@@ -146,14 +147,15 @@ def test_image_tokens_use_their_own_positions(multimodal):
     engine = llm.engine
     engine.add_request("p", {"prompt": prompt_text(1), "multi_modal_data": {"image": IMAGES[:1]}},
                        SamplingParams(max_tokens=1))
-    plan = engine.scheduler.schedule()
+    step = engine.scheduler.schedule()
+    plan = step.plan
     batch, _ = engine.runner.prepare(plan)
     assert batch.embedding_overrides is not None
     assert not torch.equal(batch.mrope_positions[1], batch.mrope_positions[0])
     with_mrope = engine.runner.model(batch, engine.runner.caches)
     without = engine.runner.model(dataclasses.replace(batch, mrope_positions=None), engine.runner.caches)
     assert (with_mrope - without).abs().max() > 1e-3
-    engine._after_forward(plan)
+    engine.scheduler.commit(step)
     engine.abort_request("p")
     engine.check_integrity()
 

@@ -20,22 +20,23 @@ def test_same_step_producer_and_consumers_form_two_phases(moe_model):
     engine.add_request("p", f"{anchor} {MARK} w20 w21", params)
     engine.add_request("c1", f"{anchor} {MARK} w22", params)
     engine.add_request("c2", f"{anchor} w23 w24 w25", params)
-    plan = engine.scheduler.schedule()
+    step = engine.scheduler.schedule()
+    plan = step.plan
     batch, sampled = build_forward_batch(plan, 8, torch.device("cpu"))
 
     assert batch.decode is None and len(batch.phases) == 2
     first, second = batch.phases
-    checkpoint = plan.written[0][0]
+    checkpoint = step.written[0][0]
     assert first.cu_seqlens_host == (0, 13) and first.initial_slots.tolist() == [ZERO_SLOT]
     assert first.dest_slots.tolist() == [checkpoint.slot]  # the prefix writes only the checkpoint row
     assert second.cu_seqlens_host == (0, 2, 3, 6)  # producer tail, then both consumers
     assert second.initial_slots.tolist() == [checkpoint.slot] * 3
     assert (first.token_start, first.token_end, second.token_start, second.token_end) == (0, 13, 13, 19)
     # every new token's KV slot lies in its own sequence's block table
-    for row, segment in enumerate(sorted(plan.segments, key=lambda s: s.phase)):
+    for row, segment in enumerate(plan.ordered()):
         lo, hi = batch.attention.cu_seqlens_q_host[row], batch.attention.cu_seqlens_q_host[row + 1]
         for offset, position in enumerate(range(segment.start, segment.end)):
-            block = segment.request.blocks[position // 8]
+            block = segment.block_table[position // 8]
             assert batch.attention.slot_mapping[lo + offset] == block * 8 + position % 8
     # consumers copy the 5 prefix tokens of the shared partial block into their own block
     assert len(plan.kv_copies) == 2 and all(c.num_tokens == 5 for c in plan.kv_copies)
@@ -43,16 +44,18 @@ def test_same_step_producer_and_consumers_form_two_phases(moe_model):
     assert batch.logits_indices.tolist() == [14, 15, 18] and len(sampled) == 3
 
     logits = engine.runner.model(batch, engine.runner.caches)
-    engine._after_forward(plan)
+    engine.scheduler.commit(step)
     assert checkpoint.ready and llm.metrics()["checkpoints_created"] == 1
-    tokens = sample(logits, [s.request.params for s in sampled], [None] * 3)
+    requests = {r.request_id: r for r in step.requests}
+    tokens = sample(logits, [requests[s.request_id].params for s in sampled], [None] * 3)
     for segment, token in zip(sampled, tokens):
-        engine._append_token(segment.request, token.token_id, token.logprobs, 0.0)
+        engine._append_token(requests[segment.request_id], token.token_id, token.logprobs, 0.0)
     # the next step is pure decode: one token per sequence, from and to the private slots
-    plan = engine.scheduler.schedule()
+    step = engine.scheduler.schedule()
+    plan = step.plan
     batch, _ = build_forward_batch(plan, 8, torch.device("cpu"))
     assert batch.phases == () and batch.decode.num_tokens == 3
-    assert sorted(batch.decode.slots.tolist()) == sorted(s.request.slot for s in plan.segments)
+    assert sorted(batch.decode.slots.tolist()) == sorted(r.slot for r in step.requests)
     for request_id in ("p", "c1", "c2"):
         engine.abort_request(request_id)
     engine.check_integrity()

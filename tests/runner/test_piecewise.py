@@ -164,7 +164,8 @@ def test_piecewise_without_stacked_states_runs_cores_per_layer(moe_model):
     engine = llm.engine
     piecewise = PiecewiseForward(engine.runner.model, (32,), engine.device, capture=False)
     engine.add_request("r", words(0, 20), SamplingParams(max_tokens=1))
-    plan = engine.scheduler.schedule()
+    step = engine.scheduler.schedule()
+    plan = step.plan
     batch, _ = engine.runner.prepare(plan)
     caches = engine.runner.caches
     before = [t.clone() for t in pool_tensors(caches)]
@@ -176,7 +177,7 @@ def test_piecewise_without_stacked_states_runs_cores_per_layer(moe_model):
     foreign = dataclasses.replace(caches, conv=[t.clone() for t in caches.conv])
     with pytest.raises(ValueError, match="not views of conv_stack"):
         piecewise(batch, foreign)
-    engine._after_forward(plan)
+    engine.scheduler.commit(step)
     engine.abort_request("r")
     engine.check_integrity()
 
@@ -218,7 +219,8 @@ def test_accepts_steps_up_to_the_largest_bucket(moe_model):
     assert piecewise.sizes == (4, 16)
     assert [piecewise.bucket(n) for n in (1, 4, 5, 16)] == [4, 4, 16, 16]
     engine.add_request("r", words(0, 20), SamplingParams(max_tokens=1))
-    plan = engine.scheduler.schedule()
+    step = engine.scheduler.schedule()
+    plan = step.plan
     batch, _ = engine.runner.prepare(plan)
     assert not piecewise.accepts(batch)  # 20 tokens > 16
     with pytest.raises(ValueError, match="at most 16 tokens"):
@@ -229,7 +231,7 @@ def test_accepts_steps_up_to_the_largest_bucket(moe_model):
     with pytest.raises(ValueError, match="CUDA device"):
         PiecewiseForward(engine.runner.model, (4,), engine.device, capture=True)
     engine.runner.forward(batch)  # the plain forward; keeps the engine consistent
-    engine._after_forward(plan)
+    engine.scheduler.commit(step)
     engine.abort_request("r")
     engine.check_integrity()
 

@@ -1,0 +1,72 @@
+"""The input processor: one prompt in any accepted form -> a validated `ProcessedPrompt`.
+
+It tokenizes (or takes token ids), loads and places images, strips checkpoint markers (positions
+count real tokens, images expanded), validates ids and lengths, and builds the prompt's chained
+prefix hasher. It allocates nothing: a ValueError leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from forkpoint.cache.hashing import PrefixHasher
+from forkpoint.inputs.markers import prompt_to_token_ids, strip_checkpoint_markers, validate_token_ids
+from forkpoint.inputs.multimodal import ImagePromptProcessor, MultimodalPrompt
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    """text: the prompt text (None for token-id prompts); token_ids: without markers;
+    checkpoint_positions: marked positions (sorted, exact); multimodal: image placement or None;
+    hasher: chained hashes of token_ids' prefixes (plus image content keys)."""
+
+    text: str | None
+    token_ids: list[int]
+    checkpoint_positions: tuple[int, ...]
+    multimodal: MultimodalPrompt | None
+    hasher: PrefixHasher
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """vocab_size: ids must lie below it; max_model_len: prompts must be shorter; max_kv_blocks: the
+    KV pool's size in blocks of `block_size` (a prompt plus one token must fit it);
+    max_checkpoints: markers allowed per prompt."""
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    max_kv_blocks: int
+    max_checkpoints: int
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, checkpoint_token_id: int | None, images: ImagePromptProcessor,
+                 limits: PromptLimits) -> None:
+        self.tokenizer = tokenizer
+        self.checkpoint_token_id = checkpoint_token_id
+        self.images = images
+        self.limits = limits
+
+    def process(self, prompt) -> ProcessedPrompt:
+        """`prompt`: a str, {"prompt": str} or {"prompt_token_ids": [...]} (optionally with
+        "checkpoint_positions" and "multi_modal_data"). Raises ValueError naming the problem."""
+        limits = self.limits
+        raw = prompt_to_token_ids(prompt, self.tokenizer)
+        images = self.images.load(raw.multi_modal_data)
+        raw_ids = self.images.expand(raw.token_ids, images)  # markers count expanded image tokens
+        parsed = strip_checkpoint_markers(raw_ids, self.checkpoint_token_id, raw.checkpoint_positions,
+                                          limits.max_checkpoints)
+        token_ids = list(parsed.token_ids)
+        validate_token_ids(token_ids, limits.vocab_size)
+        if len(token_ids) >= limits.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, max_model_len is {limits.max_model_len}: "
+                             "shorten the prompt or raise max_model_len")
+        needed = -(-(len(token_ids) + 1) // limits.block_size)
+        if needed > limits.max_kv_blocks:
+            raise ValueError(f"prompt needs {needed} KV blocks but the pool has {limits.max_kv_blocks}: "
+                             "raise kv_cache_bytes / num_kv_blocks")
+        multimodal = self.images.place(token_ids, parsed.checkpoint_positions, images)
+        hasher = PrefixHasher(token_ids, limits.block_size,
+                              extra_keys=multimodal.hash_keys() if multimodal is not None else ())
+        return ProcessedPrompt(raw.text, token_ids, tuple(sorted(parsed.checkpoint_positions)), multimodal, hasher)

@@ -1,0 +1,7 @@
+"""Value types that cross the scheduler/runner/model boundary, below all three.
+
+`plan.StepPlan` is what the scheduler hands the runner for one step (which tokens of which
+requests, from which state rows, into which rows and blocks); `batch.ForwardBatch` is the device
+metadata the runner builds from it and the model reads. Neither imports the engine, the runner or
+the models, so every layer can import them downward.
+"""

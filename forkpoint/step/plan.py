@@ -1,0 +1,94 @@
+"""The step plan: the scheduler's one value object per step, read by the runner.
+
+A plan names, for every request that computes tokens in the step, the tokens, the KV block table,
+the recurrent state row each segment starts from and the rows its final state goes to. It holds no
+engine objects (requests, checkpoints): the runner needs nothing else, and a plan can be sent to
+another process as it is.
+
+Packed order in the forward (see `ordered`)::
+
+    [ decodes | phase 0 prefills | phase 1 prefills | ... ]
+
+A phase p > 0 segment starts from a state written by phase p - 1 of the same forward (a checkpoint
+its producer reaches in this step) or by an earlier step.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from forkpoint.inputs.multimodal import MultimodalPrompt
+
+
+class SegmentKind(enum.Enum):
+    """DECODE: one token, from and to the request's own state row (the single-token kernels).
+    PREFILL: a run of tokens in one packed variable-length call of its phase."""
+
+    DECODE = "decode"
+    PREFILL = "prefill"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Tokens [start, end) of request `request_id`, run from state row `initial_slot`.
+
+    token_ids: the tokens [start, end); block_table: the request's KV blocks, covering `end`
+    (the scheduler does not change the list until the step is committed or failed);
+    dest_slots: the state rows the final state is written to (the request's own row, a checkpoint
+    row, or both); phase: the packed call a PREFILL segment runs in (0 for DECODE);
+    samples: the logits of the last token are sampled (the segment ends the sequence's tokens);
+    multimodal: the request's image placement, or None for text; prompt_logit_rows: the logits of
+    the first that many tokens are returned too (they score prompt tokens start + 1 .. start + rows,
+    for prompt logprobs).
+    """
+
+    request_id: str
+    start: int
+    end: int
+    token_ids: Sequence[int]
+    block_table: Sequence[int]
+    initial_slot: int
+    dest_slots: tuple[int, ...]
+    kind: SegmentKind
+    phase: int
+    samples: bool
+    multimodal: MultimodalPrompt | None = None
+    prompt_logit_rows: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class KVCopy:
+    """Copy-on-write of a shared partial block: the first `num_tokens` slots of src into dst.
+
+    A step's copies apply in list order, after the step's KV write: a later copy may read a block that
+    an earlier one wrote (a same-step consumer of a producer that itself resumed inside that block)."""
+
+    src_block: int
+    dst_block: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    segments: tuple[Segment, ...] = ()
+    kv_copies: tuple[KVCopy, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not self.segments
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.end - s.start for s in self.segments)
+
+    def ordered(self) -> list[Segment]:
+        """Decodes first, then prefill segments by phase (stable within a phase): the packed order."""
+        return sorted(self.segments, key=lambda s: (s.kind is SegmentKind.PREFILL, s.phase))

@@ -1,0 +1,47 @@
+"""Packages import downward only: config and value types, then kernels and cache, then models and
+inputs, then runner, then engine and distributed, then llm.py, then the server. Imports under
+`if TYPE_CHECKING:` (annotations only, never run) are not counted."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import forkpoint
+
+RANK = {"config": 0, "mamba2_config": 0, "sampling_params": 0, "outputs": 0, "step": 1, "kernels": 1, "cache": 1, "models": 2,
+        "inputs": 2, "structured": 2, "runner": 3, "engine": 4, "distributed": 4, "llm": 5, "server": 6, "demo": 6,
+        "__init__": 7}
+ROOT = Path(forkpoint.__file__).parent
+
+
+def runtime_imports(tree: ast.AST):
+    """(line, module) of every import not inside an `if TYPE_CHECKING:` block."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            skipped.update(id(child) for child in ast.walk(node))
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.lineno, node.module
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+
+
+def test_every_module_has_a_rank():
+    unranked = {p.relative_to(ROOT).with_suffix("").parts[0] for p in ROOT.rglob("*.py")} - set(RANK)
+    assert not unranked, f"give these a place in the layering: {sorted(unranked)}"
+
+
+def test_no_import_runs_upward():
+    upward = []
+    for path in sorted(ROOT.rglob("*.py")):
+        source = RANK[path.relative_to(ROOT).with_suffix("").parts[0]]
+        for line, module in runtime_imports(ast.parse(path.read_text())):
+            parts = module.split(".")
+            if parts[0] == "forkpoint" and len(parts) > 1 and RANK[parts[1]] > source:
+                upward.append(f"{path.relative_to(ROOT.parent)}:{line} imports {module}")
+    assert not upward, "imports that run upward:\n" + "\n".join(upward)
