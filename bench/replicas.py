@@ -41,10 +41,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import host_info
 
-from forkpoint.distributed.cluster import aggregate_metrics
-from forkpoint.distributed.launch import ReplicaCluster
-from forkpoint.distributed.replicas import ReplicaOptions
 from forkpoint.server.config import ServerConfig
+from forkpoint.server.replicas.cluster import aggregate_metrics
+from forkpoint.server.replicas.deployment import ReplicaOptions
+from forkpoint.server.replicas.launch import ReplicaCluster
 
 CONFIGS = {"affine": ("affine", None), "round_robin": ("round_robin", None), "single": ("affine", 1)}
 

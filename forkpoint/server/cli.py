@@ -149,7 +149,7 @@ def run_serve(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
     )
     if args.data_parallel_size != 1 or args.ray_address is not None:
-        from forkpoint.distributed.launch import serve_replicas
+        from forkpoint.server.replicas.launch import serve_replicas
 
         return serve_replicas(args, config, engine_kwargs(args))
     llm = LLM(**engine_kwargs(args))

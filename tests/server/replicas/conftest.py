@@ -22,7 +22,7 @@ def ray_instance() -> Iterator[None]:
     import ray
     from ray import serve
 
-    from forkpoint.distributed.launch import start_serve
+    from forkpoint.server.replicas.launch import start_serve
 
     ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
     start_serve()

@@ -20,11 +20,11 @@ import httpx
 import pytest
 
 from forkpoint import LLM, SamplingParams
-from forkpoint.distributed.cluster import ClusterWorker, aggregate_metrics
-from forkpoint.distributed.launch import ReplicaCluster
-from forkpoint.distributed.replicas import ReplicaOptions, ReplicaSnapshot
 from forkpoint.server.config import ServerConfig
-from tests.distributed.conftest import running_app
+from forkpoint.server.replicas.cluster import ClusterWorker, aggregate_metrics
+from forkpoint.server.replicas.deployment import ReplicaOptions, ReplicaSnapshot
+from forkpoint.server.replicas.launch import ReplicaCluster
+from tests.server.replicas.conftest import running_app
 from tests.tiny_models import words
 
 MARKER = "<|mamba_checkpoint|>"

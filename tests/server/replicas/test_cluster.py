@@ -9,10 +9,10 @@ import asyncio
 import pytest
 from ray.exceptions import ActorDiedError
 
-from forkpoint.distributed.cluster import ClusterWorker, aggregate_metrics
-from forkpoint.distributed.replicas import ReplicaSnapshot
 from forkpoint.outputs import CompletionOutput, RequestOutput
 from forkpoint.sampling_params import SamplingParams
+from forkpoint.server.replicas.cluster import ClusterWorker, aggregate_metrics
+from forkpoint.server.replicas.deployment import ReplicaSnapshot
 from forkpoint.server.worker import EngineFailure, NewRequest, OutputSink
 
 

@@ -22,16 +22,16 @@ except ImportError as err:  # an optional dependency: say how to get it
                       "pip install 'forkpoint[serve]'") from err
 from transformers import PreTrainedTokenizerBase
 
-from forkpoint.distributed.cluster import ClusterWorker
-from forkpoint.distributed.ingress import build_cluster_app
-from forkpoint.distributed.replicas import (
+from forkpoint.inputs.tokenizer import load_tokenizer
+from forkpoint.server.config import ServerConfig
+from forkpoint.server.replicas.cluster import ClusterWorker
+from forkpoint.server.replicas.deployment import (
     ReplicaBoard,
     ReplicaInfo,
     ReplicaOptions,
     deploy_replicas,
 )
-from forkpoint.inputs.tokenizer import load_tokenizer
-from forkpoint.server.config import ServerConfig
+from forkpoint.server.replicas.ingress import build_cluster_app
 
 logger = logging.getLogger("forkpoint.distributed")
 

@@ -27,8 +27,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from transformers import PreTrainedTokenizerBase
 
-from forkpoint.distributed.cluster import ClusterWorker
-from forkpoint.distributed.replicas import ReplicaInfo, ReplicaSnapshot
 from forkpoint.inputs.markers import validate_token_ids
 from forkpoint.server.app import ERROR_OUTCOMES, GENERATION_ENDPOINTS
 from forkpoint.server.config import ServerConfig
@@ -42,6 +40,8 @@ from forkpoint.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from forkpoint.server.replicas.cluster import ClusterWorker
+from forkpoint.server.replicas.deployment import ReplicaInfo, ReplicaSnapshot
 from forkpoint.server.serving import OpenAIServing
 
 
