@@ -134,7 +134,8 @@ def run_config(name: str, args: argparse.Namespace, engine: dict, bursts: list[l
     for r in runs:
         for decision, count in r["routes"].items():
             routes[decision] = routes.get(decision, 0) + count
-    return {"config": name, "replicas": replicas, "router": router, "wall_s": wall, "wall_s_all": [r["wall_s"] for r in runs],
+    return {"config": name, "replicas": replicas, "router": router, "wall_s": wall,
+            "wall_s_all": [r["wall_s"] for r in runs],
             "requests_per_s": len(bursts[0]) / wall, "prompt_tokens_per_s": runs[0]["prompt_tokens"] / wall,
             "computed": computed, "prefix_recompute": (computed - suffix_tokens) / (args.anchors * args.anchor_tokens),
             "routes": routes, "per_replica_computed": [r["per_replica_computed"] for r in runs], "runs": runs}

@@ -43,7 +43,7 @@ GENERATE_METHOD = "generate"  # the replica method whose calls carry a prompt (a
 STATS_KEYS = "checkpoint_keys"  # routing stats entry: hex keys of the replica's ready checkpoints
 
 
-class Decision(str, enum.Enum):
+class Decision(enum.StrEnum):
     """Why a request went where it went (the `route` keyword the replica counts)."""
 
     AFFINE = "affine"            # to the replica holding or producing its checkpoint

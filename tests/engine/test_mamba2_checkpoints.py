@@ -52,11 +52,14 @@ def nemotron_reference(nemotron):
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(requests=st.lists(properties.request_strategy, min_size=1, max_size=5), budget=st.integers(6, 48),
        chunk_cap=st.one_of(st.none(), st.integers(4, 20)), block_size=st.sampled_from([4, 16]),
-       spare_blocks=st.integers(1, 20), checkpoint_slots=st.integers(1, 3))
+       spare_blocks=st.integers(1, 20), checkpoint_slots=st.integers(1, 3),
+       fault_at=st.one_of(st.none(), st.integers(0, 10)), auto_min_tokens=st.sampled_from([4, 12, 10_000]))
 def test_outputs_always_equal_the_no_checkpoint_run(nemotron, nemotron_reference, requests, budget, chunk_cap,
-                                                    block_size, spare_blocks, checkpoint_slots):
+                                                    block_size, spare_blocks, checkpoint_slots, fault_at,
+                                                    auto_min_tokens):
     properties.test_outputs_always_equal_the_no_checkpoint_run.hypothesis.inner_test(
-        nemotron, nemotron_reference, requests, budget, chunk_cap, block_size, spare_blocks, checkpoint_slots)
+        nemotron, nemotron_reference, requests, budget, chunk_cap, block_size, spare_blocks, checkpoint_slots,
+        fault_at, auto_min_tokens)
 
 
 def test_engine_state_pool_is_shaped_by_the_mamba2_declaration(nemotron):

@@ -76,11 +76,11 @@ class _Call:
             try:
                 await self._response.__anext__()
                 return
-            except Exception as exc:  # noqa: BLE001 (whatever the replica raised is sorted out below)
+            except Exception as exc:  # whatever the replica raised is sorted out below
                 self._response = None
                 cause = _cause(exc)
                 if isinstance(cause, ValueError):
-                    raise ValueError(str(cause)) from None  # noqa: TRY004 (the engine's error, unwrapped)
+                    raise ValueError(str(cause)) from None  # the engine's error, unwrapped
                 if not _replica_gone(exc) or self._attempts_left <= 0:
                     raise EngineFailure(f"no replica could take request {self.request.request_id}: "
                                         f"{type(cause).__name__}: {cause}") from None
@@ -98,7 +98,7 @@ class _Call:
                 return
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 (sorted out below: the prompt never hangs)
+            except Exception as exc:  # sorted out below: the prompt never hangs
                 self._response = None
                 cause = _cause(exc)
                 if _replica_gone(exc) and not self.delivered and self._attempts_left > 0:
@@ -108,7 +108,7 @@ class _Call:
                     try:
                         await self.start()
                         continue
-                    except Exception as again:  # noqa: BLE001 (ends the prompt with this error)
+                    except Exception as again:  # ends the prompt with this error
                         cause = again
                 self._sink.deliver_threadsafe(EngineFailure(
                     f"the replica serving request {self.request.request_id} failed: {type(cause).__name__}: {cause}"))

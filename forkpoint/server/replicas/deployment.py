@@ -96,8 +96,9 @@ class ReplicaOptions:
 
     num_replicas: engines (`--data-parallel-size`). router: "affine" or "round_robin".
     num_cpus / num_gpus: Ray resources of each replica; on CPU each replica's torch uses
-    `num_cpus` threads (Ray sets OMP_NUM_THREADS to them unless the environment sets it), on GPU each replica gets its own device (`num_gpus=1`); None: 1 when the
-    engine's device is cuda, or auto on a cluster with GPUs (`ReplicaCluster` resolves it).
+    `num_cpus` threads (Ray sets OMP_NUM_THREADS to them unless the environment sets it), on GPU
+    each replica gets its own device (`num_gpus=1`); None: 1 when the engine's device is cuda, or
+    auto on a cluster with GPUs (`ReplicaCluster` resolves it).
     max_ongoing_requests: prompts in flight per replica before Serve holds new ones back (the
     engine's own queue does the batching, so this is large). stats_period_s: how often replicas
     report their checkpoint keys and publish metrics. balance_abs_threshold,

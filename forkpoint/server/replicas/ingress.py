@@ -1,8 +1,10 @@
 """The OpenAI-compatible endpoint in front of the replicas: the server's own request handling
 (`OpenAIServing`, `PromptBuilder`, admission, errors) over a `ClusterWorker` instead of one engine.
 
-Prompts are tokenised here (with the engines' tokenizer and marker), so the router sees the exact
-marker-free ids and checkpoint positions that the engine will hash. Images are not taken (a 400):
+Prompts are tokenised here (with the engines' tokenizer and marker, in one tokenizer thread), so the
+router sees the exact marker-free ids and checkpoint positions that the engine will hash. As in
+`server.app`, bodies over --max-request-bytes get 413 before they are read and the lifespan logs
+a periodic stats line (of the replicas' summed metrics). Images are not taken (a 400):
 their content hashes enter the checkpoint keys and only the engine computes them.
 
 /metrics has the single server's series (engine counters summed over the replicas, dead ones
@@ -15,7 +17,9 @@ included), and per replica, labelled `replica`:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -25,13 +29,15 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.types import Scope
 from transformers import PreTrainedTokenizerBase
 
 from forkpoint.inputs.markers import validate_token_ids
 from forkpoint.server.app import ERROR_OUTCOMES, GENERATION_ENDPOINTS
 from forkpoint.server.config import ServerConfig
-from forkpoint.server.errors import install_error_handlers, invalid_request
+from forkpoint.server.errors import RequestTooLarge, install_error_handlers, invalid_request, log_error_response
 from forkpoint.server.generation import Admission
+from forkpoint.server.limits import RequestSizeLimit, default_max_request_bytes
 from forkpoint.server.metrics import ENGINE_COUNTERS, ServerMetrics
 from forkpoint.server.prompts import PromptBuilder
 from forkpoint.server.protocol import (
@@ -43,6 +49,9 @@ from forkpoint.server.protocol import (
 from forkpoint.server.replicas.cluster import ClusterWorker
 from forkpoint.server.replicas.deployment import ReplicaInfo, ReplicaSnapshot
 from forkpoint.server.serving import OpenAIServing
+from forkpoint.server.stats import log_stats_forever
+
+logger = logging.getLogger("forkpoint.server")
 
 
 class ReplicaCollector(Collector):
@@ -90,9 +99,13 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
                             endpoints=tuple(GENERATION_ENDPOINTS.values()))
     up_age_s = max(5.0, 10 * cluster.poll_s)
     metrics.registry.register(ReplicaCollector(cluster, up_age_s))
+    tokenizer_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="forkpoint-tokenizer")
     prompts = PromptBuilder(tokenizer, checkpoint_token=info.checkpoint_token,
                             checkpoint_token_id=info.checkpoint_token_id,
-                            max_checkpoints=info.max_checkpoints_per_request, policy=config.marker_policy)
+                            max_checkpoints=info.max_checkpoints_per_request, policy=config.marker_policy,
+                            executor=tokenizer_thread)
+    max_request_bytes = (config.max_request_bytes if config.max_request_bytes is not None else
+                         default_max_request_bytes(tokenizer, info.max_model_len, takes_images=False))
     serving = OpenAIServing(model_name=config.served_model_name, max_model_len=info.max_model_len,
                             prompts=prompts, worker=cluster, admission=admission, metrics=metrics)
     created = int(time.time())
@@ -105,13 +118,22 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await cluster.refresh()
-        poller = asyncio.ensure_future(poll())
+        snapshots = await cluster.refresh()
+        logger.info("serving %s on %d replicas (max_model_len %d, requests up to %d bytes)",
+                    config.served_model_name, len(snapshots), info.max_model_len, max_request_bytes)
+        tasks = [asyncio.ensure_future(poll())]
+        if config.log_stats:
+            stats = log_stats_forever(cluster.metrics_snapshot, config.log_stats_interval_s)
+            tasks.append(asyncio.ensure_future(stats))
         try:
             yield
         finally:
-            poller.cancel()
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             cluster.shutdown()
+            tokenizer_thread.shutdown(wait=False, cancel_futures=True)
             if on_shutdown is not None:
                 await asyncio.to_thread(on_shutdown)
 
@@ -126,7 +148,16 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
         if endpoint is not None:
             metrics.count(endpoint, ERROR_OUTCOMES.get(status, "error"))
 
+    def on_too_large(scope: Scope, message: str, answered_here: bool) -> None:
+        if not answered_here:  # raised into the app: the error handlers count and log it
+            return
+        endpoint = GENERATION_ENDPOINTS.get(scope["path"])
+        if endpoint is not None:
+            metrics.count(endpoint, "invalid_request")
+        log_error_response(scope["method"], scope["path"], 413, RequestTooLarge(message).body())
+
     install_error_handlers(app, on_error)
+    app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes, on_reject=on_too_large)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -155,7 +186,7 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
     async def tokenize(body: TokenizeRequest) -> dict:
         serving.check_model(body.model)
         if body.prompt is not None:
-            prompt = prompts.from_text(body.prompt)
+            prompt = await prompts.run(prompts.from_text, body.prompt)
         else:
             prompt = await prompts.from_messages_async(body.messages, add_generation_prompt=body.add_generation_prompt,
                                                        template_kwargs=body.chat_template_kwargs)
@@ -169,7 +200,7 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
             validate_token_ids(body.tokens, len(tokenizer))
         except ValueError as err:
             raise invalid_request(str(err), param="tokens") from None
-        return {"prompt": tokenizer.decode(body.tokens)}
+        return {"prompt": await prompts.run(tokenizer.decode, body.tokens)}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -74,8 +74,9 @@ class ReplicaCluster:
         marker = self.info.checkpoint_token if self.info.checkpoint_token_id is not None else None
         loaded = load_tokenizer(Path(self._tokenizer_path), checkpoint_token=marker)
         if loaded.checkpoint_token_id != self.info.checkpoint_token_id:
-            raise ValueError(f"the tokenizer at {self._tokenizer_path} gives the marker id {loaded.checkpoint_token_id}, "
-                             f"the replicas {self.info.checkpoint_token_id}: they must load the same tokenizer")
+            raise ValueError(f"the tokenizer at {self._tokenizer_path} gives the marker id "
+                             f"{loaded.checkpoint_token_id}, the replicas {self.info.checkpoint_token_id}: "
+                             "they must load the same tokenizer")
         return loaded.tokenizer
 
     def worker(self, **kwargs: Any) -> ClusterWorker:
@@ -111,7 +112,7 @@ def start_serve() -> None:
 def _serve_running() -> bool:
     try:
         serve.status()
-    except Exception:  # noqa: BLE001 (no controller yet: Serve raises several kinds)
+    except Exception:  # no controller yet: Serve raises several kinds
         return False
     return True
 
@@ -119,7 +120,7 @@ def _serve_running() -> bool:
 def serve_app_running(name: str) -> bool:
     try:
         return name in serve.status().applications
-    except Exception:  # noqa: BLE001 (Serve is gone: nothing to delete)
+    except Exception:  # Serve is gone: nothing to delete
         return False
 
 
