@@ -17,6 +17,7 @@ Qwen3.5-35B-A3B shapes with seeded random bf16 weights (load_format="dummy").
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -142,6 +143,7 @@ def main() -> None:
         rng = np.random.default_rng(0)  # the same traces in both modes
         results[mode] = {"agent": agent_trace(llm, args, rng), "rag": rag_trace(llm, args, rng)}
         del llm
+        gc.collect()  # the 35B engine must leave the GPU before the next one loads
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     on, off = results["on"], results["off"]

@@ -16,6 +16,7 @@ import torch
 from forkpoint.cache.checkpoints import Checkpoint, CheckpointKind
 from forkpoint.cache.hashing import PrefixHasher
 from forkpoint.inputs.multimodal import MultimodalPrompt
+from forkpoint.runner.logits_processors import RequestProcessors
 from forkpoint.sampling_params import SamplingParams
 
 
@@ -70,6 +71,8 @@ class Request:
     first_token_time: float | None = None
     # images: placed in prompt_token_ids, with the rotary positions of every token (None: text only)
     multimodal: MultimodalPrompt | None = None
+    # logits processors and grammar state (None: none asked for); released when the prompt leaves
+    processors: RequestProcessors | None = None
 
     @property
     def token_ids(self) -> list[int]:
