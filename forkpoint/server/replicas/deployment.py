@@ -52,6 +52,7 @@ class ReplicaInfo:
     checkpoint_token: str
     checkpoint_token_id: int | None
     max_checkpoints_per_request: int
+    default_max_tokens: int | None  # the model's generation_config.json max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,8 @@ class EngineReplica:
         engine = self._llm.engine
         self._info = ReplicaInfo(str(engine.model_path), engine.max_model_len, engine.config.block_size,
                                  engine.config.checkpoint_token, self._llm.checkpoint_token_id,
-                                 engine.config.max_checkpoints_per_request)
+                                 engine.config.max_checkpoints_per_request,
+                                 engine.generation_defaults.max_new_tokens)
         self._publish()
 
     def info(self) -> ReplicaInfo:

@@ -107,7 +107,8 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
     max_request_bytes = (config.max_request_bytes if config.max_request_bytes is not None else
                          default_max_request_bytes(tokenizer, info.max_model_len, takes_images=False))
     serving = OpenAIServing(model_name=config.served_model_name, max_model_len=info.max_model_len,
-                            prompts=prompts, worker=cluster, admission=admission, metrics=metrics)
+                            prompts=prompts, worker=cluster, admission=admission, metrics=metrics,
+                            default_max_tokens=info.default_max_tokens)
     created = int(time.time())
 
     async def poll() -> None:
@@ -188,8 +189,11 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
         if body.prompt is not None:
             prompt = await prompts.run(prompts.from_text, body.prompt)
         else:
+            kwargs = dict(body.chat_template_kwargs or {})
+            if body.tools is not None:
+                kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
             prompt = await prompts.from_messages_async(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                                       template_kwargs=body.chat_template_kwargs)
+                                                       template_kwargs=kwargs)
         return {"count": len(prompt.token_ids), "max_model_len": info.max_model_len,
                 "tokens": prompt.token_ids, "checkpoint_positions": list(prompt.checkpoint_positions)}
 
