@@ -12,6 +12,12 @@ from pathlib import Path
 
 import torch
 
+from forkpoint.mamba2_config import (
+    MAMBA2_MODEL_TYPES,
+    Mamba2HybridConfig,
+    mamba2_hybrid_fields,
+)
+
 # Hugging Face model types that forkpoint runs, mapped to the text-config key holding their
 # text model (None: the config is the text config itself).
 SUPPORTED_MODEL_TYPES: dict[str, str | None] = {
@@ -20,6 +26,7 @@ SUPPORTED_MODEL_TYPES: dict[str, str | None] = {
     "qwen3_next": None,
     "qwen3_5": "text_config",
     "qwen3_5_moe": "text_config",
+    **{model_type: None for model_type in MAMBA2_MODEL_TYPES},
 }
 
 # activation names of vision MLPs -> torch.nn.functional.gelu's `approximate`
@@ -97,11 +104,13 @@ class VisionConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a hybrid Gated DeltaNet / attention model.
+    """Architecture of a hybrid recurrent / attention model.
 
-    Invariants: `len(layer_types) == num_layers`; each entry is "linear_attention" (GDN) or
-    "full_attention"; `linear_num_value_heads % linear_num_key_heads == 0`;
-    `num_attention_heads % num_key_value_heads == 0`.
+    Invariants: `len(layer_types) == num_layers`; Qwen families: each entry is "linear_attention"
+    (GDN) or "full_attention", `linear_num_value_heads % linear_num_key_heads == 0`; Mamba2 hybrids
+    (`mamba2` set; the GDN fields are 0): entries "mamba2", "full_attention", "mlp", "moe" or
+    "parallel" (see forkpoint/mamba2_config.py); `num_attention_heads % num_key_value_heads == 0`.
+    `rotary_dim == 0`: attention without rotary embeddings (Nemotron-H).
     """
 
     model_type: str
@@ -142,6 +151,8 @@ class ModelConfig:
     # else T (transformers' interleaved layout); only image tokens have distinct axes
     mrope_section: tuple[int, int, int] = (11, 11, 10)
     vision: VisionConfig | None = None  # None: a text-only checkpoint
+    mamba2: Mamba2HybridConfig | None = None  # the Mamba2 hybrids' mixer and multipliers; None for Qwen
+    architectures: tuple[str, ...] = ()  # config.json's `architectures`
 
     @property
     def gdn_layer_ids(self) -> tuple[int, ...]:
@@ -149,7 +160,13 @@ class ModelConfig:
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+        """Layers with attention KV (full attention, and Falcon-H1's parallel layers)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t in ("full_attention", "parallel"))
+
+    @property
+    def recurrent_layer_ids(self) -> tuple[int, ...]:
+        """Layers with a recurrent state row per sequence (GDN, Mamba2, parallel)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t in ("linear_attention", "mamba2", "parallel"))
 
     @property
     def conv_dim(self) -> int:
@@ -185,6 +202,15 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported model_type {model_type!r}: forkpoint runs {sorted(SUPPORTED_MODEL_TYPES)}"
             )
+        eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
+        architectures = tuple(raw.get("architectures") or ())
+        if model_type in MAMBA2_MODEL_TYPES:
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            prefix = "backbone." if model_type == "nemotron_h" else "model."
+            config = cls(**mamba2_hybrid_fields(raw), eos_token_ids=eos_ids, weight_prefix=prefix,
+                         architectures=architectures)
+            config.validate()
+            return config
         text_key = SUPPORTED_MODEL_TYPES[model_type]
         weight_prefix = "model."
         text = raw
@@ -263,20 +289,31 @@ class ModelConfig:
             grouped_gdn_projections=model_type == "qwen3_next",
             mrope_section=mrope_section,
             vision=VisionConfig.from_dict(raw["vision_config"], raw) if text_key and raw.get("vision_config") else None,
+            architectures=architectures,
         )
         config.validate()
         return config
 
     def validate(self) -> None:
-        if self.linear_num_value_heads % self.linear_num_key_heads:
+        if len(self.layer_types) != self.num_layers or len(self.moe_layers) != self.num_layers:
+            raise ValueError(f"config has {self.num_layers} layers but {len(self.layer_types)} layer types")
+        if self.mamba2 is not None:
+            self.mamba2.mamba.validate()
+        elif self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        if not any(self.moe_layers) and self.intermediate_size <= 0:
+        dense = self.mamba2 is None or "mlp" in self.layer_types or self.mamba2.family != "nemotron_h"
+        if dense and not any(self.moe_layers) and self.intermediate_size <= 0:
             raise ValueError("config has neither experts nor a dense intermediate_size")
         if self.vision is not None and self.vision.out_hidden_size != self.hidden_size:
             raise ValueError(f"vision_config out_hidden_size {self.vision.out_hidden_size} differs from the text "
                              f"hidden_size {self.hidden_size}: the checkpoint's config is inconsistent")
+
+
+# Tokens per chunk of every chunked recurrent scan (fla-core's chunk kernels and the references): a
+# scan's floating-point result depends on where its chunks start, so exact checkpoints align to it.
+SCAN_CHUNK_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -309,6 +346,10 @@ class EngineConfig:
     auto_checkpoint_min_tokens: int = 32
     # bytes of host memory that checkpoints evicted from the device pool spill to (0: no host tier)
     checkpoint_host_bytes: int = 0
+    # keep every checkpoint's state at a multiple of SCAN_CHUNK_TOKENS at or before its position, and
+    # end prefill chunks there, so the chunked recurrent scans of a consumer run over the same chunks
+    # as without checkpoints (bf16 results bit-identical; each consumer recomputes < 64 tokens)
+    checkpoint_exact: bool = False
     # cap on one request's prefill tokens per step (vLLM's name), so long prompts share steps
     long_prefill_token_threshold: int | None = None
     num_kv_blocks: int | None = None
@@ -344,6 +385,8 @@ class EngineConfig:
             raise ValueError("checkpoint_wait_s must be positive")
         if self.auto_checkpoint_min_tokens < 1:
             raise ValueError(f"auto_checkpoint_min_tokens must be >= 1, got {self.auto_checkpoint_min_tokens}")
+        if self.checkpoint_exact and self.max_num_batched_tokens < SCAN_CHUNK_TOKENS:
+            raise ValueError(f"checkpoint_exact needs max_num_batched_tokens >= {SCAN_CHUNK_TOKENS} (one scan chunk)")
         if self.checkpoint_host_bytes < 0:
             raise ValueError(f"checkpoint_host_bytes must be >= 0, got {self.checkpoint_host_bytes}")
         if self.max_model_len is not None and self.max_model_len <= 0:

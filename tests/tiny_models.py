@@ -45,6 +45,46 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, rms_norm_e
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
 
+# Mamba2 hybrids: groups < heads, d_state 16, chunk sizes below the test prompts' lengths
+_NEMOTRON = dict(vocab_size=VOCAB, hidden_size=64, max_position_embeddings=4096, eos_token_id=1, pad_token_id=0,
+                 tie_word_embeddings=False, layers_block_type=["mamba", "moe", "attention", "mlp", "mamba", "moe"],
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=8,
+                 mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, n_routed_experts=8,
+                 num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2,
+                 topk_group=1, routed_scaling_factor=1.5, chunk_size=16)
+_GRANITE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, max_position_embeddings=4096, eos_token_id=1,
+                pad_token_id=0, tie_word_embeddings=False, layer_types=["mamba", "mamba", "attention", "mamba"],
+                num_attention_heads=4, num_key_value_heads=2, intermediate_size=32, shared_intermediate_size=48,
+                num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
+                mamba_d_state=16, mamba_chunk_size=16, position_embedding_type="rope", embedding_multiplier=2.0,
+                logits_scaling=3.0, residual_multiplier=0.5, attention_multiplier=0.2)
+_FALCON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, max_position_embeddings=4096, eos_token_id=1,
+               pad_token_id=0, tie_word_embeddings=False, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               intermediate_size=96, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2,
+               mamba_d_state=16, mamba_chunk_size=16, mamba_rms_norm=True, mamba_norm_before_gate=False,
+               embedding_multiplier=1.5, lm_head_multiplier=0.8, key_multiplier=0.9, attention_in_multiplier=1.1,
+               attention_out_multiplier=0.7, ssm_in_multiplier=1.2, ssm_out_multiplier=0.6,
+               ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3], mlp_multipliers=[1.2, 0.7])
+MAMBA2_MODEL_TYPES = ("nemotron_h", "granitemoehybrid", "falcon_h1")
+
+
+def _randomize_mamba2(model: torch.nn.Module, seed: int) -> None:
+    """Random A_log, D, dt_bias, correction biases and norms (transformers' init makes them
+    constant), so the oracle test sees every parameter."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.rand(param.shape, generator=generator) * 2.0 - 1.0)
+            elif name.endswith((".D", "dt_bias")):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+            elif "norm" in name:
+                param.copy_(1.0 + torch.randn(param.shape, generator=generator) * 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
+
+
 def save_tokenizer(directory: Path, *, vision: bool = False) -> None:
     """Word-level tokenizer: ids 0..4 special, then w0, w1, ... (space separated); with `vision`, the
     words stop at w149 and the image tokens of `VISION_TOKENS` follow (special: no spaces needed)."""
@@ -77,14 +117,14 @@ def build_tiny_model(directory: Path, model_type: str, *, fused_experts: bool = 
                      **overrides):
     """Save a tiny random model of `model_type` into `directory`; return the transformers model (float32, eval).
 
-    `overrides` replace config entries of the text model (only for "qwen3_5_moe_text" and
-    "qwen3_5_moe"; the vision tower's output width follows `hidden_size`), e.g. head sizes of 64 for
-    the GPU kernels."""
+    `overrides` replace config entries of the text model (only for "qwen3_5_moe_text", "qwen3_5_moe"
+    and the Mamba2 hybrids; the vision tower's output width follows `hidden_size`), e.g. head sizes
+    of 64 for the GPU kernels."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    if overrides and model_type not in ("qwen3_5_moe_text", "qwen3_5_moe"):
-        raise ValueError("config overrides are supported for qwen3_5_moe_text and qwen3_5_moe only")
+    if overrides and model_type not in ("qwen3_5_moe_text", "qwen3_5_moe", *MAMBA2_MODEL_TYPES):
+        raise ValueError("config overrides are supported for qwen3_5_moe_text, qwen3_5_moe and the Mamba2 hybrids")
     if model_type == "qwen3_5_moe_text":
         model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**{**_COMMON, **_GDN, **_ATTN, **_MOE, **overrides}))
     elif model_type == "qwen3_5_text":
@@ -98,6 +138,12 @@ def build_tiny_model(directory: Path, model_type: str, *, fused_experts: bool = 
         vision = {**_VISION, "out_hidden_size": text["hidden_size"]}
         config = tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, **_VISION_IDS)
         model = tf.Qwen3_5MoeForConditionalGeneration(config)
+    elif model_type == "nemotron_h":
+        model = tf.NemotronHForCausalLM(tf.NemotronHConfig(**{**_NEMOTRON, **overrides}))
+    elif model_type == "granitemoehybrid":
+        model = tf.GraniteMoeHybridForCausalLM(tf.GraniteMoeHybridConfig(**{**_GRANITE, **overrides}))
+    elif model_type == "falcon_h1":
+        model = tf.FalconH1ForCausalLM(tf.FalconH1Config(**{**_FALCON, **overrides}))
     elif model_type == "qwen3_5":
         config = tf.Qwen3_5Config(text_config=dict(**_COMMON, **_GDN, **_ATTN, **_MROPE, intermediate_size=96),
                                   vision_config=_VISION, **_VISION_IDS)
@@ -105,6 +151,8 @@ def build_tiny_model(directory: Path, model_type: str, *, fused_experts: bool = 
     else:
         raise ValueError(model_type)
     _randomize(model, seed)
+    if model_type in MAMBA2_MODEL_TYPES:
+        _randomize_mamba2(model, seed)
     model = model.float().eval()
     model.save_pretrained(directory, safe_serialization=True)
     multimodal = model_type in ("qwen3_5_moe", "qwen3_5")

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from forkpoint.cache.block_pool import BlockPool
+from forkpoint.cache.host_tier import HostTier
 from forkpoint.cache.state_pool import SlotAllocator
 
 logger = logging.getLogger("forkpoint.checkpoints")
@@ -73,6 +74,9 @@ class Checkpoint:
     kind: CheckpointKind
     state: CheckpointState
     producer: str | None
+    # the position its state and KV hold (<= num_tokens, the prefix it is keyed by); less only with
+    # checkpoint_exact, where readers compute tokens [state_tokens, ...) themselves
+    state_tokens: int = -1
     blocks: list[int] = field(default_factory=list)
     producer_blocks: list[int] = field(default_factory=list)
     pins: int = 0
@@ -80,6 +84,12 @@ class Checkpoint:
     hits: int = 0
     last_used: int = 0
     registered_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.state_tokens < 0:
+            self.state_tokens = self.num_tokens
+        if not 0 < self.state_tokens <= self.num_tokens:
+            raise ValueError(f"a checkpoint's state position {self.state_tokens} must lie in 1..{self.num_tokens}")
 
     @property
     def ready(self) -> bool:
@@ -97,9 +107,10 @@ class CheckpointCounters:
 
 
 class CheckpointRegistry:
-    def __init__(self, slots: SlotAllocator, block_pool: BlockPool) -> None:
+    def __init__(self, slots: SlotAllocator, block_pool: BlockPool, host: HostTier | None = None) -> None:
         self._slots = slots
         self._blocks = block_pool
+        self.host = host  # evicted checkpoints spill here and come back on a hit
         self._by_key: dict[bytes, Checkpoint] = {}
         self._lengths: Counter[int] = Counter()
         self._clock = itertools.count(1)
@@ -136,10 +147,14 @@ class CheckpointRegistry:
         """(longest registered checkpoint of length < max_length whose key is prefix_hash(length),
         longest READY one). `prefix_hash(n)` is the chained hash of a prompt's first n tokens."""
         longest = ready = None
-        for length in self.lengths_descending():
+        lengths = set(self._lengths) | (self.host.lengths() if self.host is not None else set())
+        for length in sorted(lengths, reverse=True):
             if length >= max_length:
                 continue
-            checkpoint = self._by_key.get(prefix_hash(length))
+            key = prefix_hash(length)
+            checkpoint = self._by_key.get(key)
+            if checkpoint is None and self.host is not None and key in self.host:
+                checkpoint = self._restore(key)
             if checkpoint is None:
                 continue
             longest = longest or checkpoint
@@ -147,6 +162,32 @@ class CheckpointRegistry:
                 ready = checkpoint
                 break
         return longest, ready
+
+    def _restore(self, key: bytes) -> Checkpoint | None:
+        """Bring a spilled checkpoint back from the host tier as READY; None when the device pools
+        have no room for it even after evicting idle checkpoints (it stays on the host)."""
+        if self._slots.num_free == 0 and not self.evict_one():
+            return None
+
+        def allocate(count: int) -> list[int] | None:
+            while self._blocks.num_free < count:
+                if not self.evict_one():
+                    return None
+            return self._blocks.allocate(count)
+
+        slot = self._slots.allocate()
+        restored = self.host.restore(key, slot, allocate)
+        if restored is None:
+            self._slots.free(slot)
+            return None
+        entry, blocks = restored
+        checkpoint = Checkpoint(key, entry.num_tokens, slot, entry.kind, CheckpointState.READY, None,
+                                state_tokens=entry.state_tokens, blocks=blocks)
+        self._touch(checkpoint)
+        self._by_key[key] = checkpoint
+        self._lengths[entry.num_tokens] += 1
+        logger.debug("restored from the host tier: %d-token %s checkpoint", entry.num_tokens, entry.kind.value)
+        return checkpoint
 
     def orphans_between(self, prefix_hash: Callable[[int], bytes], start: int, end: int) -> list[Checkpoint]:
         """ORPHANED checkpoints on a prompt's path with start < length <= end."""
@@ -166,13 +207,16 @@ class CheckpointRegistry:
 
     # ------------------------------------------------------------------ transitions
     def register(self, key: bytes, num_tokens: int, producer: str, now: float,
-                 kind: CheckpointKind = CheckpointKind.MARKER) -> Checkpoint | None:
-        """A new PENDING checkpoint produced by `producer`; None when no slot can be freed (a miss)."""
+                 kind: CheckpointKind = CheckpointKind.MARKER, state_tokens: int | None = None) -> Checkpoint | None:
+        """A new PENDING checkpoint produced by `producer`, keyed by the prefix of `num_tokens` tokens
+        and holding the state after `state_tokens` (default: num_tokens); None when no slot can be
+        freed (a miss)."""
         if key in self._by_key:
             raise RuntimeError("checkpoint registered twice")
         if self._slots.num_free == 0 and not self.evict_one(markers_too=not kind.automatic):
             return None
         checkpoint = Checkpoint(key, num_tokens, self._slots.allocate(), kind, CheckpointState.PENDING, producer,
+                                state_tokens=num_tokens if state_tokens is None else state_tokens,
                                 registered_at=now)
         self._touch(checkpoint)
         self._by_key[key] = checkpoint
@@ -253,6 +297,8 @@ class CheckpointRegistry:
         if not idle:
             return False
         victim = min(idle, key=lambda c: (not c.kind.automatic, c.last_used))
+        if self.host is not None:
+            self.host.spill(victim.key, victim.num_tokens, victim.state_tokens, victim.kind, victim.slot, victim.blocks)
         self._remove(victim)
         self.counters.evicted[victim.kind] += 1
         logger.debug("evicted: %d-token %s checkpoint", victim.num_tokens, victim.kind.value)

@@ -20,6 +20,7 @@ takes automatic checkpoints first and never lets one evict a marked checkpoint.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from forkpoint.cache.checkpoints import CheckpointKind, CheckpointRegistry
@@ -39,8 +40,10 @@ class Placement:
 
 
 class AutoCheckpointPlanner:
-    def __init__(self, registry: CheckpointRegistry, states: StatePool, block_size: int, min_tokens: int) -> None:
+    def __init__(self, registry: CheckpointRegistry, states: StatePool, block_size: int, min_tokens: int,
+                 state_position: Callable[[int], int]) -> None:
         self.registry = registry
+        self.state_position = state_position  # where a checkpoint at a position keeps its state
         self.states = states
         self.block_size = block_size
         self.min_tokens = min_tokens
@@ -55,7 +58,8 @@ class AutoCheckpointPlanner:
         if match is not None:
             position = min(match.length, len(prompt) - 1)  # a reader computes at least one token
             partner = live.get(match.owner)
-            if partner is not None and partner.num_computed_tokens < position and not partner.is_finished:
+            if (partner is not None and partner.num_computed_tokens < self.state_position(position)
+                    and not partner.is_finished):
                 found.append(Placement(partner, position, CheckpointKind.SHARED_PREFIX))
             else:
                 found.append(Placement(request, position, CheckpointKind.JUNCTION))
@@ -75,6 +79,8 @@ class AutoCheckpointPlanner:
         length = len(tokens)
         if length < self.min_tokens or request.slot is None or request.status is not RequestStatus.RUNNING:
             return
+        if self.state_position(length) != length:
+            return  # checkpoint_exact: the slot's state is not at a scan-chunk boundary
         key = hasher.prefix_hash(length)
         if self.registry.get(key) is not None:
             return

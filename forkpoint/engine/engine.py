@@ -15,9 +15,10 @@ import torch
 
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.checkpoints import CheckpointKind, CheckpointRegistry
+from forkpoint.cache.host_tier import HostTier
+from forkpoint.cache.sizing import build_pools
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.config import EngineConfig, ModelConfig, VisionConfig
-from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner
 from forkpoint.engine.output_processor import OutputProcessor
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler import ScheduledStep, Scheduler
@@ -35,10 +36,6 @@ from forkpoint.runner.sampler import sample
 from forkpoint.sampling_params import SamplingParams
 
 logger = logging.getLogger("forkpoint")
-
-_CPU_KV_BYTES = 256 << 20
-_CPU_STATE_BYTES = 512 << 20
-_DEFAULT_CHECKPOINT_SLOTS = 64
 
 
 def _tokenizer_spells_images(tokenizer, vision: VisionConfig) -> bool:
@@ -113,12 +110,12 @@ class LLMEngine:
         # graphs before the pools: their pieces never touch the pools, and the pools' sizing then
         # sees the graphs' buffers and memory pool as used
         piecewise = self._capture_graphs(model)
-        self.block_pool, self.state_pool = self._make_pools()
-        self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool)
+        self.block_pool, self.state_pool = self._make_pools(model)
+        host = (HostTier(config.checkpoint_host_bytes, self.state_pool, self.block_pool)
+                if config.enable_checkpoints and config.checkpoint_host_bytes > 0 else None)
+        self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool, host)
                          if config.enable_checkpoints else None)
-        auto = (AutoCheckpointPlanner(self.registry, self.state_pool, config.block_size, config.auto_checkpoint_min_tokens)
-                if self.registry is not None and config.auto_checkpoints else None)
-        self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry, auto)
+        self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry)
         self.inputs = InputProcessor(self.tokenizer, self.checkpoint_token_id, self.images, PromptLimits(
             vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len, block_size=config.block_size,
             max_kv_blocks=self.block_pool.num_blocks, max_checkpoints=config.max_checkpoints_per_request))
@@ -143,45 +140,12 @@ class LLMEngine:
         sizes = cfg.cuda_graph_sizes or default_cuda_graph_sizes(cfg.max_num_batched_tokens)
         return PiecewiseForward(model, sizes, self.device, capture=True)
 
-    def _make_pools(self) -> tuple[BlockPool, StatePool]:
-        mc, cfg = self.model_config, self.config
-        kv_layers = len(mc.attention_layer_ids)
-        per_block = BlockPool.bytes_per_block(cfg.block_size, max(kv_layers, 1), mc.num_key_value_heads, mc.head_dim,
-                                              self.dtype)
-        per_slot = StatePool.bytes_per_slot(len(mc.gdn_layer_ids), mc.conv_dim, mc.linear_conv_kernel_dim,
-                                            mc.linear_num_value_heads, mc.linear_key_head_dim,
-                                            mc.linear_value_head_dim, self.dtype)
-        checkpoint_slots = cfg.checkpoint_pool_size if cfg.checkpoint_pool_size is not None else (
-            _DEFAULT_CHECKPOINT_SLOTS if cfg.enable_checkpoints else 0)
-        if not cfg.enable_checkpoints:
-            checkpoint_slots = 0
-        kv_bytes, state_bytes = cfg.kv_cache_bytes, cfg.state_cache_bytes
-        if self.device.type == "cpu":
-            kv_bytes, state_bytes = min(kv_bytes, _CPU_KV_BYTES), min(state_bytes, _CPU_STATE_BYTES)
-        else:
-            # after the weights and the CUDA graphs are in place: a share of what is free, states
-            # first (one slot per running sequence and per checkpoint), the rest for KV blocks
-            free, _ = torch.cuda.mem_get_info(self.device)
-            # the image embedding cache fills later on this device (runner/multimodal.py): set it aside
-            image_cache = cfg.image_embedding_cache_bytes if self.images.processor is not None else 0
-            usable = int(free * cfg.gpu_memory_utilization) - image_cache
-            if usable <= 0:
-                raise ValueError(
-                    f"no GPU memory left for the KV and state pools: {free >> 20} MiB free after the weights, "
-                    f"times gpu_memory_utilization {cfg.gpu_memory_utilization}, minus the image embedding cache "
-                    f"({image_cache >> 20} MiB): lower image_embedding_cache_bytes or raise gpu_memory_utilization")
-            state_bytes = min(usable // 2, per_slot * (cfg.max_num_seqs + checkpoint_slots))
-            kv_bytes = usable - state_bytes
-        request_slots = cfg.num_state_slots or max(1, min(cfg.max_num_seqs, state_bytes // max(per_slot, 1)
-                                                          - checkpoint_slots))
-        num_blocks = cfg.num_kv_blocks or max(1, min(kv_bytes // per_block,
-                                                     request_slots * -(-self.max_model_len // cfg.block_size)))
-        blocks = BlockPool(num_blocks, cfg.block_size, kv_layers, mc.num_key_value_heads, mc.head_dim, self.dtype,
-                           self.device)
-        states = StatePool(request_slots, checkpoint_slots, len(mc.gdn_layer_ids), mc.conv_dim,
-                           mc.linear_conv_kernel_dim, mc.linear_num_value_heads, mc.linear_key_head_dim,
-                           mc.linear_value_head_dim, self.dtype, self.device)
-        return blocks, states
+    def _make_pools(self, model) -> tuple[BlockPool, StatePool]:
+        """The pools, sized from the model's declarations (cache/sizing.py)."""
+        # the image embedding cache fills later on this device (runner/multimodal.py): set it aside
+        reserved = self.config.image_embedding_cache_bytes if self.images.processor is not None else 0
+        return build_pools(self.config, model.pool_shapes(self.dtype), self.max_model_len, self.device,
+                           reserved if self.device.type == "cuda" else 0)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
@@ -366,6 +330,11 @@ class LLMEngine:
                 values[f"checkpoint_hits_{kind.value}"] = counters.hits[kind]
                 values[f"checkpoint_tokens_saved_{kind.value}"] = counters.tokens_saved[kind]
                 values[f"checkpoints_evicted_{kind.value}"] = counters.evicted[kind]
+            if registry.host is not None:
+                tier = registry.host.counters
+                values.update(checkpoints_spilled=tier.spilled, checkpoints_restored=tier.restored,
+                              checkpoints_dropped_from_host=tier.dropped, host_tier_checkpoints=len(registry.host),
+                              host_tier_bytes=registry.host.num_bytes)
         vision = self.runner.multimodal
         if vision is not None:
             values.update(vision_encoder_calls=vision.stats.encoder_calls,
@@ -391,6 +360,8 @@ class LLMEngine:
                 raise AssertionError(f"running request {request.request_id} has no state slot")
         if self.registry is not None:
             self.scheduler.check_integrity()
+            if self.registry.host is not None:
+                self.registry.host.check_integrity()
             for block, count in self.registry.block_refs().items():
                 expected[block] = expected.get(block, 0) + count
         self.block_pool.check_integrity(expected)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.checkpoints import Checkpoint, CheckpointKind, CheckpointRegistry, CheckpointState
 from forkpoint.cache.state_pool import ZERO_SLOT, StatePool
-from forkpoint.config import EngineConfig
+from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig
 from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner, Placement
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan
@@ -80,7 +80,7 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_pool: BlockPool, state_pool: StatePool,
-                 registry: CheckpointRegistry | None, auto: AutoCheckpointPlanner | None = None) -> None:
+                 registry: CheckpointRegistry | None) -> None:
         self.config = config
         self.blocks = block_pool
         self.states = state_pool
@@ -91,7 +91,9 @@ class Scheduler:
         self.block_size = block_pool.block_size
         self.chunk_cap = config.long_prefill_token_threshold or config.max_num_batched_tokens
         self.in_flight: ScheduledStep | None = None
-        self.auto = auto
+        self.auto = (AutoCheckpointPlanner(registry, state_pool, self.block_size, config.auto_checkpoint_min_tokens,
+                                           self.state_position)
+                     if registry is not None and config.auto_checkpoints else None)
         self._live: dict[str, Request] = {}
 
     # ------------------------------------------------------------------ queue management
@@ -109,12 +111,15 @@ class Scheduler:
         if position in producer.checkpoint_positions:
             return  # a marker stands there already
         if producer.status is RequestStatus.RUNNING:  # registered now: its next chunks cut there
+            state = self.state_position(position)
+            if state <= producer.num_computed_tokens:
+                return
             checkpoint = self.registry.register(producer.hasher.prefix_hash(position), position,
-                                                producer.request_id, now, placement.kind)
+                                                producer.request_id, now, placement.kind, state)
             if checkpoint is None:
                 return
             producer.checkpointing.producing.append(checkpoint)
-            producer.checkpointing.producing.sort(key=lambda c: c.num_tokens)
+            producer.checkpointing.producing.sort(key=lambda c: c.state_tokens)
         producer.checkpointing.auto_positions[position] = placement.kind  # (re-)claimed at each admission
 
     def has_unfinished(self) -> bool:
@@ -169,7 +174,9 @@ class Scheduler:
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or budget == 0:
                 continue
-            count = min(request.num_tokens - request.num_computed_tokens, budget, self.chunk_cap)
+            count = self._chunk(request, request.num_computed_tokens, budget)
+            if count == 0:
+                continue
             if not self._grow_blocks(request, request.num_computed_tokens + count):
                 if request.status is RequestStatus.FINISHED:
                     planning.finished.append(request)
@@ -201,7 +208,7 @@ class Scheduler:
             self.stats.prompt_tokens_computed += max(0, min(segment.end, prompt_len) - segment.start)
             request.num_computed_tokens = max(request.num_computed_tokens, segment.end)
         for checkpoint, producer in step.written:
-            self.registry.mark_ready(checkpoint, producer.blocks[: -(-checkpoint.num_tokens // self.block_size)])
+            self.registry.mark_ready(checkpoint, producer.blocks[: -(-checkpoint.state_tokens // self.block_size)])
             producer.checkpointing.producing.remove(checkpoint)
         for checkpoint in step.consumed:
             self.registry.unpin(checkpoint)
@@ -225,6 +232,20 @@ class Scheduler:
         if self.in_flight is not step:
             raise RuntimeError("this step is not the one in flight")
         self.in_flight = None
+
+    def state_position(self, position: int) -> int:
+        """Where a checkpoint at `position` keeps its state: the position itself, or with
+        checkpoint_exact the scan-chunk boundary at or before it (0: the checkpoint is useless)."""
+        return position - position % SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else position
+
+    def _chunk(self, request: Request, start: int, budget: int) -> int:
+        """Tokens of `request` to compute from `start` this step. With checkpoint_exact, a chunk
+        that does not finish the sequence ends at a scan-chunk boundary (0 when none fits), so chunked
+        prefill runs the recurrent scans over the same chunks as one pass."""
+        count = min(request.num_tokens - start, budget, self.chunk_cap)
+        if self.config.checkpoint_exact and start + count < request.num_tokens:
+            count -= (start + count) % SCAN_CHUNK_TOKENS
+        return max(count, 0)
 
     # ------------------------------------------------------------------ memory
     def _grow_blocks(self, request: Request, num_tokens: int) -> bool:
@@ -274,8 +295,10 @@ class Scheduler:
 
         if self.states.requests.num_free == 0:
             return None
-        start = source.num_tokens if source is not None else 0
-        count = min(request.num_tokens - start, budget, self.chunk_cap)
+        start = source.state_tokens if source is not None else 0
+        count = self._chunk(request, start, budget)
+        if count == 0:
+            return None  # exact mode: no scan-chunk boundary within the budget left
         shared = [] if source is None else (source.blocks if source.ready else source.producer_blocks)
         full = start // self.block_size
         own_needed = -(-(start + count) // self.block_size) - full
@@ -342,12 +365,13 @@ class Scheduler:
         wanted = dict(request.checkpointing.auto_positions)
         wanted.update(dict.fromkeys(request.checkpoint_positions, CheckpointKind.MARKER))  # markers win
         for position, kind in sorted(wanted.items()):
-            if position <= start:
+            state = self.state_position(position)
+            if state <= start:
                 continue
             key = request.hasher.prefix_hash(position)
             checkpoint = self.registry.get(key)
             if checkpoint is None:
-                checkpoint = self.registry.register(key, position, request.request_id, now, kind)
+                checkpoint = self.registry.register(key, position, request.request_id, now, kind, state)
                 if checkpoint is None:
                     logger.debug("no checkpoint slot free for %s at %d: a miss", request.request_id, position)
                     continue  # checkpoint pool full of pinned entries: a miss, never an error
@@ -357,8 +381,9 @@ class Scheduler:
         # orphans this request matched on its way (prefix of its prompt without a marker) are adopted too
         for checkpoint in self.registry.orphans_between(request.hasher.prefix_hash, start,
                                                         len(request.prompt_token_ids)):
-            self._promote(request, checkpoint)
-        producing.sort(key=lambda c: c.num_tokens)
+            if checkpoint.state_tokens > start:  # it will pass the position the state is kept at
+                self._promote(request, checkpoint)
+        producing.sort(key=lambda c: c.state_tokens)
 
     def _promote(self, request: Request, checkpoint: Checkpoint) -> None:
         self.registry.promote(checkpoint, request.request_id)
@@ -374,10 +399,10 @@ class Scheduler:
             initial, phase = source.slot, planning.written_phase.get(id(source), -1) + 1
         else:
             initial, phase = (ZERO_SLOT if start == 0 else request.slot), 0
-        cuts = [c for c in request.checkpointing.producing if start < c.num_tokens <= end]
+        cuts = [c for c in request.checkpointing.producing if start < c.state_tokens <= end]
         lo = start
         for checkpoint in cuts:
-            hi = checkpoint.num_tokens
+            hi = checkpoint.state_tokens
             dests = (checkpoint.slot, request.slot) if hi == end else (checkpoint.slot,)
             self._add_segment(planning, request, lo, hi, initial, dests, SegmentKind.PREFILL, phase)
             planning.written_phase[id(checkpoint)] = phase

@@ -8,7 +8,12 @@ Layout conversions handled here:
   become `visual.*` when the model is built `with_vision` (else they are skipped);
 - experts stored per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`) or fused
   (`mlp.experts.gate_up_proj [E, 2I, H]`, `mlp.experts.down_proj [E, H, I]`);
-- Qwen3-Next's grouped `in_proj_qkvz` / `in_proj_ba` into Qwen3.5's flat q|k|v, z, b, a.
+- Qwen3-Next's grouped `in_proj_qkvz` / `in_proj_ba` into Qwen3.5's flat q|k|v, z, b, a;
+- any other per-expert tensor `<base>.experts.{e}.<proj>.weight` into row e of the model's stacked
+  `<base>.experts.<proj>` [E, ...] (Nemotron-H's `up_proj` / `down_proj`);
+- Nemotron-H's `backbone.` prefix (`ModelConfig.weight_prefix`) into `model.`.
+
+The model class comes from `forkpoint.models.registry` (HF `model_type` / `architectures`).
 """
 
 from __future__ import annotations
@@ -20,27 +25,27 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from forkpoint.config import ModelConfig
-from forkpoint.models.layers import mrope_axes
-from forkpoint.models.qwen3_5 import HybridForCausalLM
+from forkpoint.models.registry import model_class
 
 _SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.vision_tower.")
 _VISION_PREFIX = "model.visual."
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED_EXPERT = re.compile(r"^(.+\.experts)\.(\d+)\.(\w+)\.weight$")
 _GROUPED_QKVZ = re.compile(r"^(model\.layers\.\d+\.linear_attn)\.in_proj_(qkvz|ba)\.weight$")
 
 
 def build_model(config: ModelConfig, path: Path | None, load_format: str, device: torch.device,
-                dtype: torch.dtype, seed: int, *, with_vision: bool = False) -> HybridForCausalLM:
+                dtype: torch.dtype, seed: int, *, with_vision: bool = False) -> nn.Module:
     """Return the model in eval mode with every parameter loaded (or dummy-initialised).
     `with_vision` also builds and loads the vision tower (when the config has one)."""
     with torch.device("meta"):
-        model = HybridForCausalLM(config, with_vision=with_vision)
+        model = model_class(config)(config, with_vision=with_vision)
     model = model.to(dtype=dtype)
     model.to_empty(device=device)
-    model.rotary.inv_freq = _inv_freq(config, device)
-    model.rotary.mrope_axis = mrope_axes(config.rotary_dim // 2, config.mrope_section, device)
+    model.init_buffers(device)
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:
@@ -48,16 +53,11 @@ def build_model(config: ModelConfig, path: Path | None, load_format: str, device
             raise ValueError("a model path is needed unless load_format='dummy'")
         _load_safetensors(model, config, path)
     if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.lm_head.weight = model.input_embeddings().weight
     return model.eval()
 
 
-def _inv_freq(config: ModelConfig, device: torch.device) -> torch.Tensor:
-    dim = config.rotary_dim
-    return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
-
-
-def _init_dummy(model: HybridForCausalLM, seed: int) -> None:
+def _init_dummy(model: nn.Module, seed: int) -> None:
     """Seeded random weights on the target device, with realistic scales (as vLLM's dummy format)."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
@@ -69,8 +69,11 @@ def _init_dummy(model: HybridForCausalLM, seed: int) -> None:
             param.data.fill_(1.0)
         elif name.startswith("visual.") and ".norm" in name:  # LayerNorms: identity
             param.data.fill_(1.0 if name.endswith("weight") else 0.0)
-        elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-            param.data.normal_(0.0, 0.05, generator=generator)
+        elif name.endswith(("norm.weight", "layernorm.weight", "norm_f.weight")):
+            # zero-centred norms (Qwen: x * (1 + w)) near 0, plain ones (Mamba2 hybrids: x * w) near 1
+            param.data.normal_(0.0 if model.config.mamba2 is None else 1.0, 0.05, generator=generator)
+        elif name.endswith("e_score_correction_bias"):
+            param.data.zero_()
         else:
             param.data.normal_(0.0, 0.02, generator=generator)
 
@@ -125,7 +128,7 @@ def _split_grouped(config: ModelConfig, kind: str, weight: torch.Tensor) -> dict
     return {"in_proj_b": b.reshape(-1, hidden), "in_proj_a": a.reshape(-1, hidden)}
 
 
-def _load_safetensors(model: HybridForCausalLM, config: ModelConfig, path: Path) -> None:
+def _load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     if config.tie_word_embeddings:
         params.pop("lm_head.weight", None)
@@ -134,6 +137,7 @@ def _load_safetensors(model: HybridForCausalLM, config: ModelConfig, path: Path)
     loaded: set[str] = set()
     unexpected: list[str] = []
     expert_parts: dict[str, int] = {}
+    expert_needed: dict[str, int] = {}
     prefix = config.weight_prefix
 
     def assign(name: str, tensor: torch.Tensor, index: tuple = ()) -> None:
@@ -167,7 +171,13 @@ def _load_safetensors(model: HybridForCausalLM, config: ModelConfig, path: Path)
         name = "model." + raw_name[len(prefix):]
         expert = _PER_EXPERT.match(name)
         grouped = _GROUPED_QKVZ.match(name)
-        if expert:
+        stacked = _STACKED_EXPERT.match(name)
+        if stacked and f"{stacked.group(1)}.{stacked.group(3)}" in params:
+            key = f"{stacked.group(1)}.{stacked.group(3)}"
+            assign(key, tensor, (int(stacked.group(2)),))
+            expert_parts[key] = expert_parts.get(key, 0) + 1
+            expert_needed[key] = params[key].shape[0]
+        elif expert:
             base, index, kind = expert.group(1), int(expert.group(2)), expert.group(3)
             inter = config.moe_intermediate_size
             if kind == "down_proj":
@@ -178,6 +188,7 @@ def _load_safetensors(model: HybridForCausalLM, config: ModelConfig, path: Path)
                 assign(f"{base}.gate_up_proj", tensor, (index, rows))
                 key = f"{base}.gate_up_proj"
             expert_parts[key] = expert_parts.get(key, 0) + 1
+            expert_needed[key] = config.num_experts * (1 if kind == "down_proj" else 2)
         elif grouped:
             for part, value in _split_grouped(config, grouped.group(2), tensor).items():
                 assign(f"{grouped.group(1)}.{part}.weight", value)
@@ -185,8 +196,7 @@ def _load_safetensors(model: HybridForCausalLM, config: ModelConfig, path: Path)
             assign(name, tensor)
 
     for key, count in expert_parts.items():
-        needed = config.num_experts * (1 if key.endswith("down_proj") else 2)
-        if count == needed:
+        if count == expert_needed[key]:
             loaded.add(key)
     if unexpected:
         raise ValueError(f"checkpoint has {len(unexpected)} tensors the model does not know, e.g. {unexpected[:4]}")

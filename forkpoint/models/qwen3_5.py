@@ -25,12 +25,22 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from forkpoint.cache.sizing import PoolShapes
+from forkpoint.cache.state_pool import RecurrentStateSpec
 from forkpoint.config import ModelConfig
 from forkpoint.kernels.attention import copy_kv_slots, paged_attention, write_kv
 from forkpoint.kernels.conv1d import causal_conv1d_step, causal_conv1d_varlen
 from forkpoint.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule_inplace
 from forkpoint.kernels.gating import gdn_gating
-from forkpoint.models.layers import DenseMLP, GatedRMSNorm, RMSNorm, RotaryEmbedding, SparseMoE, apply_rotary
+from forkpoint.models.layers import (
+    DenseMLP,
+    GatedRMSNorm,
+    RMSNorm,
+    RotaryEmbedding,
+    SparseMoE,
+    apply_rotary,
+    mrope_axes,
+)
 from forkpoint.models.vision import VisionTransformer
 from forkpoint.step.batch import ForwardBatch
 
@@ -94,6 +104,13 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    @staticmethod
+    def state_spec(config: ModelConfig, dtype: torch.dtype) -> RecurrentStateSpec:
+        """Per-sequence state: conv [conv_dim, W-1] in the model dtype, SSM [HV, K, V] float32."""
+        return RecurrentStateSpec((config.conv_dim, config.linear_conv_kernel_dim - 1), dtype,
+                                  (config.linear_num_value_heads, config.linear_key_head_dim,
+                                   config.linear_value_head_dim))
 
     def _split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """mixed: [n, conv_dim] -> q, k: [n, H, K]; v: [n, HV, V]."""
@@ -292,6 +309,23 @@ class HybridForCausalLM(nn.Module):
             for i, kind in enumerate(config.layer_types)
         ]
 
+    def pool_shapes(self, dtype: torch.dtype) -> PoolShapes:
+        """What the pools hold per sequence for this model (cache/sizing.py), states and KV in `dtype`."""
+        config = self.config
+        return PoolShapes(len(config.attention_layer_ids), config.num_key_value_heads, config.head_dim, dtype,
+                          len(config.gdn_layer_ids), GatedDeltaNet.state_spec(config, dtype))
+
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def init_buffers(self, device: torch.device) -> None:
+        """Recompute the non-persistent buffers (rotary tables) on `device` after `to_empty`."""
+        config = self.config
+        dim = config.rotary_dim
+        self.rotary.inv_freq = 1.0 / (config.rope_theta ** (
+            torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+        self.rotary.mrope_axis = mrope_axes(dim // 2, config.mrope_section, device)
+
     def is_recurrent(self, layer_id: int) -> bool:
         """Whether layer `layer_id` is a Gated DeltaNet layer (else gated attention)."""
         return self.model.layers[layer_id].is_recurrent
@@ -356,6 +390,8 @@ class HybridForCausalLM(nn.Module):
         else:
             mixer_out = layer.self_attn.finish(core, p.gate)
         normed, hidden = layer.post_attention_layernorm(mixer_out, residual)  # fused residual add
+        if isinstance(layer.mlp, SparseMoE):
+            return layer.mlp(normed, residual=hidden)  # the residual add fused into the experts' combine
         return hidden + layer.mlp(normed)
 
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:

@@ -100,8 +100,11 @@ def graph_blocker(config: ModelConfig, dtype: torch.dtype) -> str | None:
 
     A captured piece must not synchronise with the host. The routed experts' GPU variant
     (kernels/moe/grouped.py) is sync-free but takes bfloat16 only; other dtypes fall back to the
-    reference, which reads per-expert counts on the host.
+    reference, which reads per-expert counts on the host. The pieces exist for the Qwen families
+    only; the Mamba2 hybrids run eagerly.
     """
+    if config.mamba2 is not None:
+        return f"piecewise CUDA graphs cover the Qwen families only, not {config.model_type!r}"
     if any(config.moe_layers):
         grouped = select_variant("moe", "grouped", True).__name__.endswith(".grouped")
         if not grouped:
@@ -279,6 +282,22 @@ class PiecewiseForward:
             self.core_capture_failures += 1
             return None
         return graph
+
+    @property
+    def captured(self) -> bool:
+        """Whether the pieces were captured as CUDA graphs (else they run eagerly)."""
+        return bool(self.graphs)
+
+    @property
+    def memory_pool(self):
+        """The graphs' shared memory pool handle (None without capture): other whole-step graphs that
+        never run concurrently with these (runner/decode_graphs.py) share it."""
+        return self._pool
+
+    @property
+    def capture_stream(self) -> torch.cuda.Stream | None:
+        """The side stream the graphs were captured on (None without capture)."""
+        return self._stream
 
     # ------------------------------------------------------------------ forward
     def bucket(self, num_tokens: int) -> int:

@@ -35,6 +35,15 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
                        help="disable checkpoints: markers and checkpoint controls are ignored, nothing is reused")
     group.add_argument("--max-checkpoints-per-request", type=int, default=4,
                        help="most checkpoints one prompt may carry (default: 4)")
+    group.add_argument("--auto-checkpoints", action=argparse.BooleanOptionalAction, default=True,
+                       help="let the engine checkpoint shared prefixes, junctions, prompt ends and turn ends "
+                            "without markers (default: on)")
+    group.add_argument("--checkpoint-host-bytes", type=int, default=0,
+                       help="bytes of host memory that checkpoints evicted from the device spill to and return "
+                            "from on a hit (default: 0, no host tier)")
+    group.add_argument("--checkpoint-exact", action="store_true",
+                       help="GPU: keep checkpoint states at scan-chunk boundaries so consumers' bf16 results are "
+                            "bit-identical to a run without checkpoints (recomputes up to 63 tokens per consumer)")
     group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                        help="auto/safetensors read the weights; dummy builds seeded random weights from "
                             "config.json alone (default: auto)")
@@ -51,5 +60,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_checkpoints=not args.no_checkpoints, checkpoint_token=args.checkpoint_token,
         max_checkpoints_per_request=args.max_checkpoints_per_request, load_format=args.load_format,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, auto_checkpoints=args.auto_checkpoints,
+        checkpoint_host_bytes=args.checkpoint_host_bytes, checkpoint_exact=args.checkpoint_exact,
     )

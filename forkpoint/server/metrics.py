@@ -51,6 +51,24 @@ class EngineCollector(Collector):
                 "forkpoint_prompt_tokens_reused", "Prompt tokens taken from checkpoints instead of computed.",
                 value=values["prompt_tokens_total"] - values["prompt_tokens_computed"],
             )
+        per_kind = {  # engine.metrics() key prefix -> (metric name, help), labelled by checkpoint kind
+            "checkpoints_created_": ("forkpoint_checkpoints_created_by_kind", "Checkpoints written, by kind."),
+            "checkpoint_hits_": ("forkpoint_checkpoint_hits_by_kind", "Segments that read a checkpoint, by kind."),
+            "checkpoint_tokens_saved_": ("forkpoint_checkpoint_tokens_saved", "Prompt tokens read from checkpoints."),
+            "checkpoints_evicted_": ("forkpoint_checkpoints_evicted_by_kind", "Checkpoints evicted, by kind."),
+        }
+        for prefix, (name, doc) in per_kind.items():
+            family = CounterMetricFamily(name, doc, labels=["kind"])
+            for key, value in values.items():
+                if key.startswith(prefix):
+                    family.add_metric([key[len(prefix):]], value)
+            yield family
+        tier = CounterMetricFamily("forkpoint_host_tier_checkpoints", "Checkpoints moved to or from the host "
+                                   "tier, by event.", labels=["event"])
+        for event in ("spilled", "restored"):
+            if f"checkpoints_{event}" in values:
+                tier.add_metric([event], values[f"checkpoints_{event}"])
+        yield tier
         if "checkpoints_pending" in values:
             yield GaugeMetricFamily("forkpoint_checkpoints_pending", "Checkpoints being produced (unready).",
                                     value=values["checkpoints_pending"])

@@ -89,7 +89,7 @@ def test_turns_by_token_ids_compute_only_their_new_tokens_plus_one(model_dir, pl
     conversation = random_ids(generator, 40)
     for turn in range(8):
         new = len(conversation) if turn == 0 else 7 + 1  # the last output token was never computed
-        outs, cost = computed(llm, lambda: llm.generate({"prompt_token_ids": conversation}, GREEDY, use_tqdm=False))
+        outs, cost = computed(llm, lambda c=conversation: llm.generate({"prompt_token_ids": c}, GREEDY, use_tqdm=False))
         assert cost == new, f"turn {turn}"
         assert_same_outputs(outs, plain.generate({"prompt_token_ids": conversation}, GREEDY, use_tqdm=False))
         conversation = conversation + outs[0].outputs[0].token_ids + random_ids(generator, 7)
@@ -105,7 +105,7 @@ def test_chat_turns_reuse_the_previous_turn(model_dir, plain):
     messages = [{"role": "system", "content": words(*range(30))}, {"role": "user", "content": words(40, 41, 42)}]
     previous = None
     for turn in range(4):
-        outs, cost = computed(llm, lambda: llm.chat(messages, params, use_tqdm=False))
+        outs, cost = computed(llm, lambda m=messages: llm.chat(m, params, use_tqdm=False))
         out = outs[0]
         if previous is not None:
             reused = previous.prompt_token_ids + previous.outputs[0].token_ids[:-1]
@@ -156,3 +156,28 @@ def test_marked_checkpoints_evict_automatic_ones_first(model_dir):
     llm.generate(f"{anchor} {MARK} {words(1)}", GREEDY, use_tqdm=False)
     kinds = [c.kind for c in llm.engine.registry]
     assert CheckpointKind.MARKER in kinds and llm.metrics()["checkpoints_evicted_marker"] == 0
+
+
+def test_host_tier_spills_and_restores_exactly(model_dir, plain):
+    """A device pool of one checkpoint slot: every anchor's checkpoint is evicted by the next one,
+    spills to the host tier and comes back on its next hit (outputs equal the plain run)."""
+    generator = torch.Generator().manual_seed(8)
+    anchors = [words(*random_ids(generator, 37)) for _ in range(3)]
+    llm = LLM(str(model_dir), num_kv_blocks=256, checkpoint_pool_size=1, auto_checkpoints=False,
+              checkpoint_host_bytes=64 << 20)
+    prompts = [f"{anchor} {MARK} {words(i)}" for anchor in anchors for i in (1, 2)]
+    outs = [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert [o.num_cached_tokens for o in outs] == [0, 37] * 3
+    metrics = llm.metrics()
+    assert metrics["checkpoints_spilled"] == 2 and metrics["host_tier_checkpoints"] == 2
+    again = [llm.generate(f"{anchor} {MARK} {words(3)}", GREEDY, use_tqdm=False)[0] for anchor in anchors]
+    assert [o.num_cached_tokens for o in again] == [37] * 3
+    assert llm.metrics()["checkpoints_restored"] == 3
+    refs = plain.generate([{"prompt_token_ids": o.prompt_token_ids} for o in outs + again], GREEDY, use_tqdm=False)
+    assert_same_outputs(outs + again, refs)
+    llm.engine.check_integrity()
+    tiny = LLM(str(model_dir), num_kv_blocks=256, checkpoint_pool_size=1, auto_checkpoints=False,
+               checkpoint_host_bytes=1024)  # smaller than one checkpoint: a miss, never wrong data
+    outs = [tiny.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts[:3] + prompts[:1]]
+    assert [o.num_cached_tokens for o in outs] == [0, 37, 0, 0]
+    assert tiny.metrics()["checkpoints_dropped_from_host"] >= 1

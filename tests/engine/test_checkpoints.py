@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from forkpoint import LLM, SamplingParams
+from forkpoint.step.plan import SegmentKind
 from tests.helpers import assert_same_outputs
 from tests.tiny_models import words
 
@@ -270,4 +271,33 @@ def test_n_greater_than_one_shares_the_prompt(model_dir):
     again = llm.generate(anchor, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=5, ignore_eos=True),
                          use_tqdm=False)[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]  # seeded: reproducible
+    finish_clean(llm)
+
+
+def test_exact_checkpoints_keep_states_on_scan_chunk_boundaries(model_dir):
+    """checkpoint_exact: the state lives at the 64-token boundary at or before the marker, consumers
+    compute from there, chunked prefill ends chunks on boundaries; outputs equal the plain run."""
+    anchor, suffixes = anchor_and_suffixes(150, [5, 9, 70], seed=3)
+    prompts = [f"{anchor} {MARK} {s}" for s in suffixes]
+    llm = make_llm(model_dir, checkpoint_exact=True, max_num_batched_tokens=100, auto_checkpoints=True)
+    plans = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording(*args, **kwargs):
+        step = schedule(*args, **kwargs)
+        plans.append(step.plan)
+        return step
+
+    llm.engine.scheduler.schedule = recording
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    refs = make_llm(model_dir, enable_checkpoints=False).generate(
+        [{"prompt_token_ids": o.prompt_token_ids} for o in outs], GREEDY, use_tqdm=False)
+    assert_same_outputs(outs, refs)
+    assert [o.num_cached_tokens for o in outs] == [0, 128, 128]  # 150 -> the boundary at 128
+    prefills = [s for plan in plans for s in plan.segments if s.kind is SegmentKind.PREFILL]
+    assert len(prefills) > len(prompts)  # chunked and split at the checkpoint
+    for segment in prefills:  # every scan starts on a chunk boundary and ends on one or at the prompt's end
+        assert segment.start % 64 == 0 and (segment.end % 64 == 0 or segment.samples), segment
+    registry = llm.engine.registry
+    assert all(c.state_tokens % 64 == 0 for c in registry)
     finish_clean(llm)

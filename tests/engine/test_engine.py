@@ -12,7 +12,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(moe_model):
-    return LLM(str(moe_model[0]), num_kv_blocks=96, max_num_seqs=8, max_num_batched_tokens=40)
+    return LLM(str(moe_model[0]), num_kv_blocks=96, max_num_seqs=8, max_num_batched_tokens=40, auto_checkpoints=False)
 
 
 def prompts(count: int, seed: int) -> list[dict]:

@@ -25,7 +25,7 @@ def model_dir(tiny_model_factory):
 
 
 def make_llm(directory, **kwargs) -> LLM:
-    defaults = dict(num_kv_blocks=128, max_num_seqs=16, max_num_batched_tokens=512)
+    defaults = dict(num_kv_blocks=128, max_num_seqs=16, max_num_batched_tokens=512, auto_checkpoints=False)
     defaults.update(kwargs)
     return LLM(str(directory), **defaults)
 

@@ -34,7 +34,7 @@ pytestmark = [
 
 # Head sizes the GPU kernels support (the CPU tests' 16/8 are below Triton's 16-wide dot tiles).
 GPU_DIMS = dict(hidden_size=128, linear_key_head_dim=64, linear_value_head_dim=64, head_dim=64)
-ENGINE = dict(num_kv_blocks=512, num_state_slots=16, max_num_seqs=16, checkpoint_pool_size=8)
+ENGINE = dict(num_kv_blocks=512, num_state_slots=16, max_num_seqs=16, checkpoint_pool_size=8, auto_checkpoints=False)
 # Measured on an H200 (docs/gpu_test_log.md): logits 5.5e-3 / 5.7e-3; greedy 48/48 tokens; checkpoint vs
 # plain 6.2e-2 (one greedy difference, at a reference margin of 6.3e-2).
 LOGITS_REL_TOL = 1.5e-2    # bf16 CUDA vs fp32 CPU, ||out - ref|| / ||ref|| over all positions
@@ -162,3 +162,25 @@ def test_checkpoint_path_matches_plain_path_on_cuda(model_dir):
     assert diff <= CHECKPOINT_LOGPROB_TOL
     on.engine.check_integrity()
     off.engine.check_integrity()
+
+
+def test_exact_checkpoints_are_bit_identical_to_the_plain_path_on_cuda(model_dir):
+    """checkpoint_exact: consumers resume from the 64-token scan boundary at or before the marker, so
+    their recurrent scans run over the plain run's chunks; the bf16 logprobs are identical, bit for bit."""
+    exact = LLM(str(model_dir), device="cuda", dtype="bfloat16", checkpoint_exact=True, **ENGINE)
+    off = LLM(str(model_dir), device="cuda", dtype="bfloat16", enable_checkpoints=False, **ENGINE)
+    generator = torch.Generator().manual_seed(5)
+    anchor = random_ids(generator, 150)
+    suffixes = [random_ids(generator, n) for n in (5, 17, 40, 1, 64, 23)]
+    marker = exact.checkpoint_token_id
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5)
+    with_marker = [{"prompt_token_ids": anchor + [marker] + s} for s in suffixes]
+    outs = exact.generate(with_marker[:4], params, use_tqdm=False) + exact.generate(with_marker[4:], params,
+                                                                                  use_tqdm=False)
+    refs = off.generate([{"prompt_token_ids": anchor + s} for s in suffixes], params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0] + [128] * (len(suffixes) - 1)
+    diff = max(max_logprob_diff(a, b) for a, b in zip(outs, refs))
+    print(f"GPU_MODEL exact checkpoint vs plain (cuda bf16): max |logprob diff| {diff:.3e}")
+    assert diff == 0.0
+    assert all(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs, refs))
+    exact.engine.check_integrity()

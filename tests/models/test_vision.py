@@ -20,7 +20,7 @@ IMAGES = [random_image(1, 45, 27), random_image(2, 19, 40, "RGBA"), random_image
 @pytest.fixture(scope="module", params=MULTIMODAL)
 def multimodal(request, tiny_model_factory):
     directory, hf_model = tiny_model_factory(request.param)
-    llm = LLM(str(directory), num_kv_blocks=96, max_num_seqs=8)
+    llm = LLM(str(directory), num_kv_blocks=96, max_num_seqs=8, auto_checkpoints=False)
     return directory, hf_model, llm, image_processor_oracle(directory)
 
 
@@ -97,7 +97,7 @@ def test_greedy_generation_matches_transformers_under_chunking_and_batching(tiny
     prompts batched with text prompts."""
     directory, hf_model = tiny_model_factory("qwen3_5_moe")
     processor = image_processor_oracle(directory)
-    llm = LLM(str(directory), max_num_batched_tokens=20, num_kv_blocks=96, max_num_seqs=4)
+    llm = LLM(str(directory), max_num_batched_tokens=20, num_kv_blocks=96, max_num_seqs=4, auto_checkpoints=False)
     cases = [(prompt_text(2), IMAGES[:2]), (words(7, 8, 9), []), (prompt_text(1), IMAGES[2:3])]
     prompts = [{"prompt": text, "multi_modal_data": {"image": images}} if images else text for text, images in cases]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)

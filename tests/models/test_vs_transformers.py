@@ -63,7 +63,8 @@ def test_logits_match_transformers(tiny_model_factory, model_type, fused):
 def test_greedy_generation_matches_transformers_under_chunking_and_batching(tiny_model_factory, model_type, fused):
     directory, hf_model = tiny_model_factory(model_type, fused)
     # a small token budget forces chunked prefill and mixes prefills with decodes
-    llm = LLM(str(directory), max_num_batched_tokens=24, num_kv_blocks=96, max_num_seqs=4)
+    llm = LLM(str(directory), max_num_batched_tokens=24, num_kv_blocks=96, max_num_seqs=4,
+              auto_checkpoints=False)
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(5, 150, (n,), generator=generator).tolist() for n in (40, 7, 66, 19, 3)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

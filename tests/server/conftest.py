@@ -29,7 +29,8 @@ from forkpoint.server.config import ServerConfig
 
 MARKER = "<|mamba_checkpoint|>"
 # small pools and context: fast to allocate, and "prompt too long" is cheap to provoke
-TEST_LLM_KWARGS = {"max_model_len": 4096, "num_kv_blocks": 2048, "checkpoint_pool_size": 32}
+# marker semantics are tested with automatic checkpoints off (tests/server/test_auto_checkpoints.py turns them on)
+TEST_LLM_KWARGS = {"max_model_len": 4096, "num_kv_blocks": 2048, "checkpoint_pool_size": 32, "auto_checkpoints": False}
 
 
 @dataclass

@@ -1,0 +1,89 @@
+"""Sizing of the KV block pool and the recurrent state pool, from the model's declarations.
+
+The model declares what one sequence needs (`PoolShapes`: its attention layers' KV shape and its
+recurrent layers' `RecurrentStateSpec`); the engine's knobs (`EngineConfig`) bound the memory. On
+CPU the pools take at most `kv_cache_bytes` / `state_cache_bytes` (capped further below); on CUDA,
+`gpu_memory_utilization` of the memory free after the weights (minus what the caller reserves) is
+split: states first (one slot per running sequence and per checkpoint), the rest for KV blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from forkpoint.cache.block_pool import BlockPool
+from forkpoint.cache.state_pool import RecurrentStateSpec, StatePool
+from forkpoint.config import EngineConfig
+
+CPU_KV_BYTES = 256 << 20
+CPU_STATE_BYTES = 512 << 20
+DEFAULT_CHECKPOINT_SLOTS = 64
+
+
+@dataclass(frozen=True)
+class PoolShapes:
+    """What the model's layers store per sequence.
+
+    num_attention_layers layers of KV [num_kv_heads, head_dim] per token in `kv_dtype`;
+    num_recurrent_layers layers of one `state` row each per sequence and per checkpoint.
+    """
+
+    num_attention_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: torch.dtype
+    num_recurrent_layers: int
+    state: RecurrentStateSpec
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    """Result of `plan_pools`: rows and blocks of the two pools."""
+
+    num_kv_blocks: int
+    num_request_slots: int
+    num_checkpoint_slots: int
+
+
+def plan_pools(config: EngineConfig, shapes: PoolShapes, max_model_len: int, device: torch.device,
+               reserved_bytes: int = 0) -> PoolSizes:
+    """Sizes within the budget. `reserved_bytes` (CUDA only) is set aside from the usable memory
+    for caches that fill later on the device (the image embedding cache)."""
+    per_block = BlockPool.bytes_per_block(config.block_size, max(shapes.num_attention_layers, 1), shapes.num_kv_heads,
+                                          shapes.head_dim, shapes.kv_dtype)
+    per_slot = StatePool.bytes_per_slot(shapes.num_recurrent_layers, shapes.state)
+    checkpoint_slots = 0
+    if config.enable_checkpoints:
+        checkpoint_slots = config.checkpoint_pool_size or DEFAULT_CHECKPOINT_SLOTS
+    kv_bytes, state_bytes = config.kv_cache_bytes, config.state_cache_bytes
+    if device.type == "cpu":
+        kv_bytes, state_bytes = min(kv_bytes, CPU_KV_BYTES), min(state_bytes, CPU_STATE_BYTES)
+    else:
+        free, _ = torch.cuda.mem_get_info(device)
+        usable = int(free * config.gpu_memory_utilization) - reserved_bytes
+        if usable <= 0:
+            raise ValueError(
+                f"no GPU memory left for the KV and state pools: {free >> 20} MiB free after the weights, "
+                f"times gpu_memory_utilization {config.gpu_memory_utilization}, minus {reserved_bytes >> 20} MiB "
+                "reserved (the image embedding cache): lower image_embedding_cache_bytes or raise "
+                "gpu_memory_utilization")
+        state_bytes = min(usable // 2, per_slot * (config.max_num_seqs + checkpoint_slots))
+        kv_bytes = usable - state_bytes
+    request_slots = config.num_state_slots or max(1, min(config.max_num_seqs,
+                                                         state_bytes // max(per_slot, 1) - checkpoint_slots))
+    num_blocks = config.num_kv_blocks or max(1, min(kv_bytes // per_block,
+                                                    request_slots * -(-max_model_len // config.block_size)))
+    return PoolSizes(num_blocks, request_slots, checkpoint_slots)
+
+
+def build_pools(config: EngineConfig, shapes: PoolShapes, max_model_len: int, device: torch.device,
+                reserved_bytes: int = 0) -> tuple[BlockPool, StatePool]:
+    """The two pools, sized by `plan_pools`."""
+    sizes = plan_pools(config, shapes, max_model_len, device, reserved_bytes)
+    blocks = BlockPool(sizes.num_kv_blocks, config.block_size, shapes.num_attention_layers, shapes.num_kv_heads,
+                       shapes.head_dim, shapes.kv_dtype, device)
+    states = StatePool(sizes.num_request_slots, sizes.num_checkpoint_slots, shapes.num_recurrent_layers,
+                       shapes.state, device)
+    return blocks, states

@@ -1,0 +1,28 @@
+"""Mamba2 SSD scan: ``chunk_ssd`` (packed varlen prefill, states in and out), ``ssd_step`` (decode,
+states in and out) and ``ssd_step_inplace`` (decode on a state pool, rows updated in place).
+``reference.py`` is the spec (with ``ssd_recurrence``, the token-by-token form); the GPU variants
+have the same signatures and are used for CUDA tensors when they import: ``fla.py`` (fla-core's
+``chunk_simple_gla``) for the prefill, ``triton.py`` (our Triton kernel) for the in-place step."""
+
+import functools
+
+from forkpoint.kernels import select_variant
+from forkpoint.kernels.ssd import reference
+
+
+@functools.wraps(reference.chunk_ssd)
+def chunk_ssd(x, *args, **kwargs):
+    return select_variant("ssd", "fla", x.is_cuda).chunk_ssd(x, *args, **kwargs)
+
+
+@functools.wraps(reference.ssd_step)
+def ssd_step(x, *args, **kwargs):
+    return reference.ssd_step(x, *args, **kwargs)
+
+
+@functools.wraps(reference.ssd_step_inplace)
+def ssd_step_inplace(x, *args, **kwargs):
+    return select_variant("ssd", "triton", x.is_cuda).ssd_step_inplace(x, *args, **kwargs)
+
+
+__all__ = ["chunk_ssd", "ssd_step", "ssd_step_inplace"]

@@ -1,0 +1,209 @@
+"""The Mamba2 mixer and the blocks the Mamba2 hybrids share (Nemotron-H, Granite-4.0-H, Falcon-H1).
+
+The mixer runs like the Gated DeltaNet layer of models/qwen3_5.py, in three parts:
+
+    project   token-wise: in_proj -> gate z [T, I], xBC [T, I + 2 G N] and dt [T, H] fp32
+              (softplus(dt + dt_bias), clamped to the configured limits)      -> Mamba2Projection
+    core      varlen, reads the ForwardBatch and the pools: causal conv over xBC, then the SSD scan
+              per decode group and phase (two-phase prefill: phases start from the zero row,
+              private slots or checkpoint rows and write their final states to `dest_slots`)
+                                                                              -> [T, H, P]
+    finish    token-wise: gated RMSNorm over groups, out_proj                 -> [T, hidden]
+
+Per sequence it keeps a conv state [conv_dim, W-1] (model dtype) and an SSM state [H, P, N]
+(float32), declared by `Mamba2Mixer.state_spec` for the state pool.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forkpoint.cache.state_pool import RecurrentStateSpec
+from forkpoint.config import ModelConfig
+from forkpoint.kernels.conv1d import causal_conv1d_step, causal_conv1d_varlen
+from forkpoint.kernels.ssd import chunk_ssd, ssd_step_inplace
+from forkpoint.mamba2_config import Mamba2Config
+from forkpoint.models.layers import apply_rotary
+from forkpoint.models.qwen3_5 import AttentionProjection, GatedAttention
+from forkpoint.step.batch import ForwardBatch
+
+
+class PlainRMSNorm(nn.Module):
+    """RMSNorm `w * x / rms(x)` (weight not centred), fp32 math, result in x.dtype.
+    x: [..., dim] -> [..., dim]."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype)
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """Mamba2's gated RMSNorm over `groups` groups of the I channels (weight [I], not centred):
+    `w * norm_g(y * silu(z))`, or `w * norm_g(y) * silu(z)` when `norm_before_gate` (Falcon-H1's
+    option). y, z: [T, I] -> [T, I] in y.dtype, fp32 math."""
+
+    def __init__(self, dim: int, groups: int, eps: float, norm_before_gate: bool) -> None:
+        super().__init__()
+        self.groups, self.eps, self.norm_before_gate = groups, eps, norm_before_gate
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        h = y.float()
+        gate = F.silu(z.float())
+        if not self.norm_before_gate:
+            h = h * gate
+        grouped = h.view(h.shape[0], self.groups, -1)
+        h = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)).view(h.shape)
+        h = h * self.weight.float()
+        if self.norm_before_gate:
+            h = h * gate
+        return h.to(y.dtype)
+
+
+class Mamba2Projection(NamedTuple):
+    """Token-wise outputs of the Mamba2 input projection (T rows each)."""
+
+    xbc: torch.Tensor  # [T, conv_dim]: x, B, C channels before the causal convolution
+    z: torch.Tensor  # [T, I]: output gate
+    dt: torch.Tensor  # [T, H] float32: step sizes, softplus'd and clamped
+
+
+class Mamba2Mixer(nn.Module):
+    """Mamba2 token mixer with packed two-phase execution (see runner/batch.py). Parameter names
+    follow the HF checkpoints: in_proj, conv1d, dt_bias, A_log, D, norm, out_proj."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        m: Mamba2Config = config.mamba2.mamba
+        self.m = m
+        self.num_heads, self.head_dim = m.num_heads, m.head_dim
+        self.n_groups, self.state_size = m.n_groups, m.state_size
+        self.intermediate = m.intermediate_size
+        conv_dim = m.conv_dim
+        self.in_proj = nn.Linear(config.hidden_size, self.intermediate + conv_dim + m.num_heads, bias=m.in_proj_bias)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, m.conv_kernel, groups=conv_dim, bias=m.conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(m.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(m.num_heads))
+        self.D = nn.Parameter(torch.ones(m.num_heads))
+        self.norm = (GroupedGatedRMSNorm(self.intermediate, m.norm_groups, m.norm_eps, m.norm_before_gate)
+                     if m.gated_norm else None)
+        self.out_proj = nn.Linear(self.intermediate, config.hidden_size, bias=m.out_proj_bias)
+
+    @staticmethod
+    def state_spec(config: ModelConfig, dtype: torch.dtype) -> RecurrentStateSpec:
+        """Per-sequence state: conv [conv_dim, W-1] in the model dtype, SSM [H, P, N] float32."""
+        m = config.mamba2.mamba
+        return RecurrentStateSpec((m.conv_dim, m.conv_kernel - 1), dtype, (m.num_heads, m.head_dim, m.state_size))
+
+    def project(self, x: torch.Tensor) -> Mamba2Projection:
+        """x: [T, hidden] (after the block's input norm). Token-wise."""
+        m = self.m
+        if m.in_multiplier != 1.0:
+            x = x * m.in_multiplier
+        zxbcdt = self.in_proj(x)
+        if any(mult != 1.0 for mult in m.proj_multipliers):  # Falcon-H1's per-part muP multipliers
+            gn = m.n_groups * m.state_size
+            sizes = (self.intermediate, self.intermediate, gn, gn, m.num_heads)
+            zxbcdt = torch.cat([part * mult for part, mult in zip(zxbcdt.split(sizes, dim=-1), m.proj_multipliers)],
+                               dim=-1)
+        z, xbc, dt = zxbcdt.split([self.intermediate, m.conv_dim, m.num_heads], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(m.dt_min, m.dt_max)
+        return Mamba2Projection(xbc, z, dt)
+
+    def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """xbc: [n, conv_dim] (after the conv) -> x [n, H, P], B and C [n, G, N]."""
+        gn = self.n_groups * self.state_size
+        x, b, c = xbc.split([self.intermediate, gn, gn], dim=-1)
+        n = xbc.shape[0]
+        return (x.reshape(n, self.num_heads, self.head_dim), b.reshape(n, self.n_groups, self.state_size),
+                c.reshape(n, self.n_groups, self.state_size))
+
+    def core(self, p: Mamba2Projection, batch: ForwardBatch, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal conv and SSD scan of the decode group and every phase: reads `batch`, reads and
+        writes rows of conv_state [S, conv_dim, W-1] / ssm_state [S, H, P, N] fp32 in place.
+        Returns out [T, H, P] (every row written: decodes and phases cover all T tokens)."""
+        xbc, dt = p.xbc, p.dt
+        if out is None:
+            out = xbc.new_empty(xbc.shape[0], self.num_heads, self.head_dim)
+        weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias
+        A = -torch.exp(self.A_log.float())
+        decode = batch.decode
+        if decode is not None and decode.num_tokens:
+            n, slots = decode.num_tokens, decode.slots
+            conv_out, new_conv = causal_conv1d_step(xbc[:n], weight, bias, conv_state.index_select(0, slots))
+            x, b, c = self._split(conv_out)
+            out[:n] = ssd_step_inplace(x, dt[:n], A, b, c, ssm_state, slots, D=self.D)
+            conv_state.index_copy_(0, slots, new_conv.to(conv_state.dtype))
+        for phase in batch.phases:
+            lo, hi = phase.token_start, phase.token_end
+            conv_out, final_conv = causal_conv1d_varlen(xbc[lo:hi], weight, bias,
+                                                        conv_state.index_select(0, phase.initial_slots),
+                                                        phase.cu_seqlens, phase.cu_seqlens_host)
+            x, b, c = self._split(conv_out)
+            y, final_ssm = chunk_ssd(x, dt[lo:hi], A, b, c, ssm_state.index_select(0, phase.initial_slots),
+                                     phase.cu_seqlens, phase.cu_seqlens_host, D=self.D)
+            out[lo:hi] = y
+            if phase.dest_slots.numel():
+                dest = phase.dest_slots
+                conv_state.index_copy_(0, dest, final_conv.index_select(0, phase.dest_rows).to(conv_state.dtype))
+                ssm_state.index_copy_(0, dest, final_ssm.index_select(0, phase.dest_rows))
+        return out
+
+    def finish(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """core: [T, H, P]; z: [T, I] -> [T, hidden]. Token-wise."""
+        y = core.reshape(core.shape[0], self.intermediate)
+        y = self.norm(y, z) if self.norm is not None else (y.float() * F.silu(z.float())).to(y.dtype)
+        return self.out_proj(y)
+
+
+class Attention(nn.Module):
+    """Plain multi-head attention with GQA over paged KV: q/k/v/o projections (optional bias),
+    optional rotary embedding (rotate-half on the first rotary_dim dims; none when rotary_dim is 0),
+    `key_multiplier` on the keys (Falcon-H1) and softmax scale `scale`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, hybrid = config.hidden_size, config.mamba2
+        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                                            config.head_dim)
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.scale = hybrid.attention_scale if hybrid.attention_scale is not None else self.head_dim**-0.5
+        self.key_multiplier = hybrid.key_multiplier
+
+    def project(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> q [T, HQ, Dh], k and v [T, HKV, Dh]. Token-wise."""
+        t = x.shape[0]
+        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        if self.key_multiplier != 1.0:
+            k = k * self.key_multiplier
+        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        if cos_sin is not None:
+            cos, sin = cos_sin
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None, batch: ForwardBatch,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Writes this step's K/V, copies shared partial blocks (copy-on-write), attends, o_proj.
+        x: [T, hidden] -> [T, hidden]. The varlen part is Qwen's gated-attention core (it reads only
+        q, k, v and `self.scale`; no output gate here)."""
+        q, k, v = self.project(x, cos_sin)
+        o = GatedAttention.core(self, AttentionProjection(q, k, v, None), batch, k_cache, v_cache)
+        return self.o_proj(o.reshape(o.shape[0], -1))

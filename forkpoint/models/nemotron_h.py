@@ -1,0 +1,147 @@
+"""NVIDIA Nemotron-H / Nemotron-3 (`nemotron_h`): a stack of single-mixer blocks, each
+`hidden + mixer(norm(hidden))`, the mixer one of Mamba2, attention (no rotary), a ReLU^2 MLP or
+a MoE of ReLU^2 experts with a shared expert and a sigmoid router (DeepSeek-V3 style: correction
+bias, expert groups). Weights as `save_pretrained` writes them: `backbone.` prefix (the loader maps
+it to `model.`), experts per expert (`mixer.experts.{e}.up_proj.weight`; stacked here).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forkpoint.config import ModelConfig
+from forkpoint.models.mamba2 import Attention, Mamba2Mixer, PlainRMSNorm
+from forkpoint.models.mamba2_lm import Mamba2HybridLM
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
+class ReluSquaredMLP(nn.Module):
+    """down(relu(up(x))^2) (Nemotron-H's non-gated MLP)."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(relu2(self.up_proj(x)))
+
+
+class GroupedSigmoidRouter(nn.Module):
+    """Nemotron-3's router (transformers' NemotronHTopkRouter): sigmoid scores of the fp32 logits;
+    scores + e_score_correction_bias choose the topk_group best of n_group expert groups (a group's
+    score: the sum of its best two), then the top-k experts inside them; the weights are the raw
+    scores of the chosen experts, renormalised when norm_topk_prob, times routed_scaling_factor."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hybrid = config.mamba2
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
+        self.top_k, self.n_group, self.topk_group = config.num_experts_per_tok, hybrid.n_group, hybrid.topk_group
+        self.norm_topk_prob, self.scale = config.norm_topk_prob, hybrid.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> (weights [T, k] fp32, expert ids [T, k] long)."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        num_experts = choice.shape[-1]
+        grouped = choice.view(-1, self.n_group, num_experts // self.n_group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
+        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, num_experts)
+        ids = torch.topk(choice.masked_fill(~expert_mask, float("-inf")), k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scale, ids
+
+
+class StackedExperts(nn.Module):
+    """Routed ReLU^2 experts stacked: up_proj [E, I, H], down_proj [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x: [T, H]; weights, ids: [T, k] -> sum_j w_j down[e_j] relu(up[e_j] x)^2, [T, H] in x.dtype
+        (accumulated in fp32; each expert that was hit runs once on all its tokens)."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in torch.unique(ids).tolist():
+            token, slot = torch.nonzero(ids == e, as_tuple=True)
+            y = F.linear(relu2(F.linear(x[token], self.up_proj[e])), self.down_proj[e])
+            out.index_add_(0, token, y.float() * weights[token, slot, None])
+        return out.to(x.dtype)
+
+
+class NemotronMoE(nn.Module):
+    """Routed ReLU^2 experts plus the shared expert (always on, unscaled)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = GroupedSigmoidRouter(config)
+        self.experts = StackedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_experts = ReluSquaredMLP(config.hidden_size, config.shared_expert_intermediate_size,
+                                             config.mamba2.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        return self.experts(x, weights, ids) + self.shared_experts(x)
+
+
+class NemotronBlock(nn.Module):
+    """`hidden + mixer(norm(hidden))` for one of the four mixer kinds."""
+
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.kind = config.layer_types[layer_id]
+        self.norm = PlainRMSNorm(config.hidden_size, config.rms_norm_eps)
+        if self.kind == "mamba2":
+            self.mixer: nn.Module = Mamba2Mixer(config)
+        elif self.kind == "full_attention":
+            self.mixer = Attention(config)
+        elif self.kind == "moe":
+            self.mixer = NemotronMoE(config)
+        else:
+            self.mixer = ReluSquaredMLP(config.hidden_size, config.intermediate_size, config.mamba2.mlp_bias)
+
+    def forward(self, hidden, cos_sin, batch, state, kv) -> torch.Tensor:
+        x = self.norm(hidden)
+        if self.kind == "mamba2":
+            p = self.mixer.project(x)
+            out = self.mixer.finish(self.mixer.core(p, batch, *state), p.z)
+        elif self.kind == "full_attention":
+            out = self.mixer(x, cos_sin, batch, *kv)
+        else:
+            out = self.mixer(x)
+        return hidden + out
+
+
+class NemotronHModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(NemotronBlock(config, i) for i in range(config.num_layers))
+        self.norm_f = PlainRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class NemotronHForCausalLM(Mamba2HybridLM):
+    def __init__(self, config: ModelConfig, *, with_vision: bool = False) -> None:
+        super().__init__(config, with_vision=with_vision)
+        self.model = NemotronHModel(config)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embeddings.weight
+
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embeddings
+
+    def final_norm(self) -> nn.Module:
+        return self.model.norm_f
