@@ -134,6 +134,7 @@ class StatePool:
         for layer, (conv, ssm) in enumerate(zip(self.conv, self.ssm)):
             stacked = self.conv_stack[layer], self.ssm_stack[layer]
             if conv.data_ptr() != stacked[0].data_ptr() or ssm.data_ptr() != stacked[1].data_ptr():
-                raise AssertionError(f"the states of recurrent layer {layer} are no longer views of the stacked tensors")
+                raise AssertionError(f"the states of recurrent layer {layer} are no longer views of the stacked "
+                                     "tensors")
         if self.conv_stack[:, ZERO_SLOT].any() or self.ssm_stack[:, ZERO_SLOT].any():
             raise AssertionError("the zero state row was written")

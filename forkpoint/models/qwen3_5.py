@@ -32,8 +32,15 @@ from forkpoint.kernels.attention import copy_kv_slots, paged_attention, write_kv
 from forkpoint.kernels.conv1d import causal_conv1d_step, causal_conv1d_varlen
 from forkpoint.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule_inplace
 from forkpoint.kernels.gating import gdn_gating
-from forkpoint.models.layers import (DenseMLP, GatedRMSNorm, RMSNorm, RotaryEmbedding, SparseMoE, apply_rotary,
-                                     mrope_axes)
+from forkpoint.models.layers import (
+    DenseMLP,
+    GatedRMSNorm,
+    RMSNorm,
+    RotaryEmbedding,
+    SparseMoE,
+    apply_rotary,
+    mrope_axes,
+)
 from forkpoint.models.vision import VisionTransformer
 from forkpoint.step.batch import ForwardBatch
 

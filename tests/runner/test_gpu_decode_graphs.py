@@ -116,7 +116,7 @@ def test_nothing_compiles_after_the_warm_up(model_dir, monkeypatch):  # noqa: F8
     generator = torch.Generator().manual_seed(21)
     marker = llm.checkpoint_token_id
     steps_before = llm.engine.metrics()["steps"]
-    for round_index in range(4):
+    for _round in range(4):
         anchor = random_ids(generator, int(torch.randint(1, 400, (1,), generator=generator)))
         prompts, params = [], []
         for _ in range(int(torch.randint(1, 17, (1,), generator=generator))):
