@@ -35,7 +35,7 @@ from forkpoint.runner.model_runner import ModelRunner
 from forkpoint.runner.multimodal import MultimodalInputs
 from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_sizes, graph_blocker
 from forkpoint.runner.prompt_logprobs import PromptScores, score_tokens, truncate
-from forkpoint.runner.sampler import sample
+from forkpoint.runner.sampler import Sampler, SamplingRow
 from forkpoint.sampling_params import SamplingParams
 from forkpoint.structured import GrammarCompiler
 
@@ -128,6 +128,7 @@ class LLMEngine:
         multimodal = None if model.visual is None else MultimodalInputs(
             model.visual, self.images.processor, config.image_embedding_cache_bytes, self.device)
         self.runner = ModelRunner(model, self.block_pool, self.state_pool, self.device, multimodal, piecewise)
+        self.sampler = Sampler(self.model_config.vocab_size, self.device)  # penalty counts across steps
         self._groups: dict[str, _PromptGroup] = {}
         self._seed_counter = config.seed
         self._counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished": 0,
@@ -220,7 +221,7 @@ class LLMEngine:
         for sequence in group.sequences:
             if not sequence.is_finished:
                 self.scheduler.finish(sequence, "abort")
-            sequence.processors = None  # the grammar state goes with the prompt
+        self._release(group)
         self._counters["requests_aborted"] += 1
 
     def has_unfinished_requests(self) -> bool:
@@ -252,9 +253,9 @@ class LLMEngine:
             logits, sampled = self.runner.execute(step.plan)
             by_id = {request.request_id: request for request in step.requests}
             requests = [by_id[segment.request_id] for segment in sampled]
-            tokens = sample(logits[: len(sampled)], [r.params for r in requests], [r.generator for r in requests],
-                            [(r.prompt_token_ids, r.output_token_ids) for r in requests],
-                            [r.processors for r in requests])
+            tokens = self.sampler.sample(logits[: len(sampled)], [
+                SamplingRow(r.request_id, r.params, r.generator, r.prompt_token_ids, r.output_token_ids, r.processors)
+                for r in requests])
             self._score_prompts(step, logits[len(sampled):], by_id)
         except Exception as error:
             raise self._fail_step(step, error) from error
@@ -313,7 +314,7 @@ class LLMEngine:
             for sequence in group.sequences:
                 if not sequence.is_finished:
                     self.scheduler.finish(sequence, "error")
-                sequence.processors = None  # the grammar state goes with the prompt
+            self._release(group)
         self._counters["requests_failed"] += len(failed_ids)
         logger.error("step failed (%s: %s): ended %d request(s): %s", type(error).__name__, error,
                      len(failed_ids), ", ".join(failed_ids))
@@ -328,11 +329,18 @@ class LLMEngine:
             if finished or group.stream:
                 outputs.append(self._make_output(group))
             if finished:
-                for sequence in group.sequences:
-                    sequence.processors = None  # the grammar state goes with the prompt
                 del self._groups[group.request_id]
+                self._release(group)
                 self._counters["requests_finished"] += 1
         return outputs
+
+    def _release(self, group: _PromptGroup) -> None:
+        """Drop the per-sequence state of a prompt that has left the engine: penalty counts, text
+        and grammar matchers (every path out: finished, aborted, failed)."""
+        for sequence in group.sequences:
+            self.sampler.free(sequence.request_id)
+            self.output_processor.free(sequence.request_id)
+            sequence.processors = None
 
     def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None, now: float) -> None:
         self._counters["generation_tokens_total"] += 1
@@ -400,6 +408,9 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         """Cross-check pools, registry and requests; raises AssertionError on any inconsistency."""
+        live = {s.request_id for group in self._groups.values() for s in group.sequences}
+        self.sampler.check_integrity(live)
+        self.output_processor.check_integrity(live)
         self.state_pool.check_integrity()
         expected: dict[int, int] = {}
         for request in self.scheduler.running:

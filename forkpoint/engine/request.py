@@ -68,7 +68,6 @@ class Request:
     num_cached_tokens: int = 0
     checkpointing: CheckpointProgress = field(default_factory=CheckpointProgress)
     finish_reason: str | None = None
-    stop_text_len: int | None = None
     first_token_time: float | None = None
     # images: placed in prompt_token_ids, with the rotary positions of every token (None: text only)
     multimodal: MultimodalPrompt | None = None
