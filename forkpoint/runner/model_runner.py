@@ -9,6 +9,7 @@ only index with them.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,8 +19,10 @@ from forkpoint.cache.state_pool import StatePool
 from forkpoint.models.qwen3_5 import HybridForCausalLM, LayerCaches
 from forkpoint.step.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
 from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan
-from forkpoint.runner.multimodal import MultimodalInputs
 from forkpoint.runner.piecewise import PiecewiseForward
+
+if TYPE_CHECKING:  # annotations only: a tensor-parallel worker imports this module without the image stack
+    from forkpoint.runner.multimodal import MultimodalInputs
 
 
 class _Staging:
