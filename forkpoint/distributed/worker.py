@@ -61,7 +61,7 @@ def run_worker(spec: WorkerSpec, conn) -> None:
         _serve(spec, conn)
     except EOFError:
         return  # rank 0 has gone: nothing to report to
-    except Exception as error:  # report it, then exit
+    except Exception as error:  # noqa: BLE001 - any failure is reported to rank 0, then the process exits
         try:
             conn.send(("error", f"{type(error).__name__}: {error}", traceback.format_exc()))
         except OSError:
