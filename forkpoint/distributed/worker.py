@@ -60,13 +60,14 @@ def run_worker(spec: WorkerSpec, conn) -> None:
     try:
         _serve(spec, conn)
     except EOFError:
-        return  # rank 0 has gone: nothing to report to
+        pass  # rank 0 has gone: nothing to report to
     except Exception as error:  # noqa: BLE001 - any failure is reported to rank 0, then the process exits
         try:
             conn.send(("error", f"{type(error).__name__}: {error}", traceback.format_exc()))
         except OSError:
             pass
         os._exit(1)  # at once: the closed connections make rank 0's collective raise
+    os._exit(0)  # no interpreter teardown: it has nothing to flush, and the group's teardown waits on peers
 
 
 def _serve(spec: WorkerSpec, conn) -> None:

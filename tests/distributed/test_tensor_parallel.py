@@ -4,6 +4,7 @@ same positions; a killed worker ends the engine with a clear error in bounded ti
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -16,13 +17,15 @@ from forkpoint.config import ModelConfig
 from forkpoint.distributed.loading import build_shard
 from forkpoint.distributed.runner import TensorParallelError
 from forkpoint.distributed.sharding import ShardLayout, check_shardable
+from forkpoint.engine.engine import StepFailed
 from forkpoint.models.loader import build_model
+from forkpoint.server.worker import EngineFailure, EngineWorker, NewRequest, OutputSink
 from tests.helpers import assert_same_outputs
 from tests.tiny_models import words
 
 MARK = "<|mamba_checkpoint|>"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
-ENGINE = dict(num_kv_blocks=128, max_num_seqs=16, max_num_batched_tokens=512, auto_checkpoint_min_tokens=16)
+ENGINE = {"num_kv_blocks": 128, "max_num_seqs": 16, "max_num_batched_tokens": 512, "auto_checkpoint_min_tokens": 16}
 FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 
 
@@ -71,18 +74,31 @@ def test_two_ranks_equal_one_process_with_checkpoints(family):
 
 
 def test_killed_worker_ends_the_engine_with_an_error_in_bounded_time(family):
+    """Through the server's engine thread: the request in flight fails naming the rank, the thread
+    ends (so /health answers 503), and the offline API then raises at once."""
     _, _, llm = family
+    engine_thread = EngineWorker(llm.engine)
+    engine_thread.start()
     worker = llm.engine.runner._processes[0]
     os.kill(worker.pid, signal.SIGKILL)
     worker.join(10)
+
+    async def submit():
+        sink = OutputSink(asyncio.get_running_loop())
+        await engine_thread.add_many([NewRequest("r0", {"prompt": "w1 w2 w3"}, GREEDY)], sink)
+        return await asyncio.wait_for(sink.queue.get(), 30)
+
     started = time.monotonic()
-    with pytest.raises(Exception, match="rank 1") as failure:
-        llm.generate(["w1 w2 w3"], GREEDY, use_tqdm=False)
+    delivered = asyncio.run(submit())
+    assert isinstance(delivered, EngineFailure) and "rank 1" in str(delivered), delivered
     assert time.monotonic() - started < 30
-    assert isinstance(failure.value.__cause__ or failure.value, TensorParallelError) or \
-        isinstance(getattr(failure.value, "cause", None), TensorParallelError)
-    with pytest.raises(Exception, match="restart the engine"):  # at once, at every later step
+    engine_thread.shutdown(5.0)
+    assert not engine_thread.is_alive()
+    started = time.monotonic()
+    with pytest.raises(StepFailed, match="restart the engine") as failure:
         llm.generate(["w4 w5"], GREEDY, use_tqdm=False)
+    assert isinstance(failure.value.cause, TensorParallelError)
+    assert time.monotonic() - started < 5
     assert not llm.engine.has_unfinished_requests()
 
 
@@ -112,6 +128,9 @@ def test_unsplittable_models_are_refused_before_any_process_starts(tiny_model_fa
     config = ModelConfig.from_hf_dir(tiny_model_factory("qwen3_5_text")[0])
     with pytest.raises(ValueError, match="does not divide the model's num_attention_heads"):
         check_shardable(config, 8)
+    mamba2 = ModelConfig.from_hf_dir(tiny_model_factory("nemotron_h")[0])
+    with pytest.raises(ValueError, match="runs with tensor_parallel_size=1 only"):
+        check_shardable(mamba2, 2)
     with pytest.raises(ValueError, match="host tier"):
         LLM(None, tensor_parallel_size=2, checkpoint_host_bytes=1 << 20)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
