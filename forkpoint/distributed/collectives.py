@@ -21,6 +21,7 @@ class TensorParallelGroup:
         self.rank, self.world, self.device = rank, world, device
         store = dist.FileStore(store_path, world)
         timeout = datetime.timedelta(seconds=timeout_s)
+        store.set_timeout(timeout)  # the rendezvous too: a rank that never joins is an error, not a hang
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout

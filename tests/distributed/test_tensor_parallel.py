@@ -73,15 +73,32 @@ def test_two_ranks_equal_one_process_with_checkpoints(family):
     llm.engine.check_integrity()
 
 
-def test_killed_worker_ends_the_engine_with_an_error_in_bounded_time(family):
-    """Through the server's engine thread: the request in flight fails naming the rank, the thread
-    ends (so /health answers 503), and the offline API then raises at once."""
-    _, _, llm = family
-    engine_thread = EngineWorker(llm.engine)
-    engine_thread.start()
+def _kill_idle_worker(llm: LLM) -> None:
     worker = llm.engine.runner._processes[0]
     os.kill(worker.pid, signal.SIGKILL)
     worker.join(10)
+
+
+def _make_worker_raise(llm: LLM) -> None:
+    """The next plan carries a state-row copy that only the worker applies, to a row it lacks: its
+    forward raises while rank 0 waits in the first all-reduce."""
+    llm.engine.state_pool._pending.append((1, 10**6))
+
+
+# one fault per family: each ends its family's engine
+FAULTS = {"qwen3_5_text": _kill_idle_worker, "qwen3_5_moe_text": _make_worker_raise,
+          "qwen3_next": _kill_idle_worker}
+
+
+def test_failed_worker_ends_the_engine_with_an_error_in_bounded_time(family, request):
+    """Through the server's engine thread: the request in flight fails naming the rank (and the
+    worker's error when it raised), the thread ends (so /health answers 503), and the offline API
+    then raises at once."""
+    _, _, llm = family
+    model_type = request.node.callspec.params["family"]
+    engine_thread = EngineWorker(llm.engine)
+    engine_thread.start()
+    FAULTS[model_type](llm)
 
     async def submit():
         sink = OutputSink(asyncio.get_running_loop())
@@ -91,6 +108,8 @@ def test_killed_worker_ends_the_engine_with_an_error_in_bounded_time(family):
     started = time.monotonic()
     delivered = asyncio.run(submit())
     assert isinstance(delivered, EngineFailure) and "rank 1" in str(delivered), delivered
+    if FAULTS[model_type] is _make_worker_raise:
+        assert "IndexError" in str(delivered), delivered  # the worker's own error, not only its exit
     assert time.monotonic() - started < 30
     engine_thread.shutdown(5.0)
     assert not engine_thread.is_alive()
@@ -100,6 +119,7 @@ def test_killed_worker_ends_the_engine_with_an_error_in_bounded_time(family):
     assert isinstance(failure.value.cause, TensorParallelError)
     assert time.monotonic() - started < 5
     assert not llm.engine.has_unfinished_requests()
+    assert not any(p.is_alive() for p in llm.engine.runner._processes)
 
 
 class _Device:
