@@ -105,8 +105,9 @@ class TensorParallelRunner:
             model = build_shard(ShardLayout(model_config, 0, world), group, model_path, config.load_format, dtype,
                                 config.seed)
         except BaseException as error:
+            # rank 0's own ValueError (a bad checkpoint) is the clearest error; else what the workers said
+            reported = "" if isinstance(error, ValueError) else _worker_errors(processes, conns)
             _stop_workers(processes, conns, store_dir)
-            reported = _worker_errors(processes, conns)
             if reported:
                 raise TensorParallelError(f"tensor-parallel start-up failed: {reported}") from error
             raise
