@@ -203,8 +203,9 @@ def run_step(spec, args, gen, dev):
         row["reference_ms"] = cpu_timer(lambda: ref_call(st))
         timer = cpu_timer
     else:
-        from forkpoint.kernels.attention import triton as tri
         import triton
+
+        from forkpoint.kernels.attention import triton as tri
 
         timer = cuda_timer(args)
 

@@ -17,6 +17,7 @@ Qwen3.5-35B-A3B shapes with seeded random bf16 weights (load_format="dummy").
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -71,7 +72,8 @@ def agent_trace(llm: LLM, args, rng: np.random.Generator) -> dict:
         outs, wall, ttft = timed_generate(llm, sessions, params)
         turns.append({"turn": turn, "context": len(sessions[0]), "wall_s": wall, "ttft_p50_s": float(np.median(ttft)),
                       "cached_mean": float(np.mean([o.num_cached_tokens for o in outs]))})
-        sessions = [s + o.outputs[0].token_ids + rng.integers(0, VOCAB_LIMIT, max(1, grow - args.reply_tokens)).tolist()
+        new_tokens = max(1, grow - args.reply_tokens)
+        sessions = [s + o.outputs[0].token_ids + rng.integers(0, VOCAB_LIMIT, new_tokens).tolist()
                     for s, o in zip(sessions, outs)]
     computed = llm.metrics()["prompt_tokens_computed"] - before
     return {"turns": turns, "prompt_tokens_computed": computed, "wall_s": sum(t["wall_s"] for t in turns)}
@@ -141,10 +143,11 @@ def main() -> None:
         rng = np.random.default_rng(0)  # the same traces in both modes
         results[mode] = {"agent": agent_trace(llm, args, rng), "rag": rag_trace(llm, args, rng)}
         del llm
+        gc.collect()  # the 35B engine must leave the GPU before the next one loads
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     on, off = results["on"], results["off"]
-    print(f"| trace | auto on: tokens computed | auto off | ratio | wall on (s) | wall off (s) | speedup |")
+    print("| trace | auto on: tokens computed | auto off | ratio | wall on (s) | wall off (s) | speedup |")
     print("|---|---|---|---|---|---|---|")
     for trace in ("agent", "rag"):
         a, b = on[trace], off[trace]
@@ -154,7 +157,8 @@ def main() -> None:
     print("\n| turn | context | TTFT p50 on (ms) | off (ms) | cached (mean, on) |")
     print("|---|---|---|---|---|")
     for t_on, t_off in zip(on["agent"]["turns"], off["agent"]["turns"]):
-        print(f"| {t_on['turn']} | {t_on['context']} | {t_on['ttft_p50_s'] * 1e3:.0f} | {t_off['ttft_p50_s'] * 1e3:.0f} | "
+        print(f"| {t_on['turn']} | {t_on['context']} | {t_on['ttft_p50_s'] * 1e3:.0f} | "
+              f"{t_off['ttft_p50_s'] * 1e3:.0f} | "
               f"{t_on['cached_mean']:.0f} |")
     print(f"\nRAG: one at a time, TTFT median on {np.median(on['rag']['sequential_ttft_s']) * 1e3:.0f} ms vs off "
           f"{np.median(off['rag']['sequential_ttft_s']) * 1e3:.0f} ms; {args.questions} together: TTFT p50 "

@@ -38,8 +38,9 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from forkpoint import LLM, SamplingParams  # noqa: E402
 from host_info import VOCAB_LIMIT, code_version, machine_info, machine_line, probe_gflops  # noqa: E402
+
+from forkpoint import LLM, SamplingParams  # noqa: E402
 
 
 class LmHeadTimer:

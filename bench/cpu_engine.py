@@ -46,12 +46,12 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from host_info import VOCAB_LIMIT, code_version, machine_info, machine_line, probe_gflops  # noqa: E402
+
 import forkpoint.engine.engine as engine_module  # noqa: E402
 import forkpoint.runner.model_runner as runner_module  # noqa: E402
 from forkpoint import LLM, SamplingParams  # noqa: E402
-from host_info import VOCAB_LIMIT, code_version, machine_info, machine_line, probe_gflops  # noqa: E402
 from forkpoint.step.plan import SegmentKind  # noqa: E402
-
 
 # ---------------------------------------------------------------- instrumentation
 
@@ -67,7 +67,7 @@ class StepProbe:
         self._saved = None
         self._logits = None
 
-    def __enter__(self) -> "StepProbe":
+    def __enter__(self) -> StepProbe:
         engine = self.engine
         schedule, model = engine.scheduler.schedule, engine.runner.model
         build, sample = runner_module.build_forward_batch, engine_module.sample

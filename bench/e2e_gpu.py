@@ -227,10 +227,12 @@ def eager_switch(engine):
     runner = engine.runner
     if "piecewise" not in vars(runner):
         return None
-    graphs = runner.piecewise
+    graphs, decode_graphs = runner.piecewise, getattr(runner, "decode_graphs", None)
 
     def detach(eager: bool) -> None:
         runner.piecewise = None if eager else graphs
+        if decode_graphs is not None:
+            runner.decode_graphs = None if eager else decode_graphs
 
     return detach
 
@@ -255,6 +257,8 @@ def engine_info(llm: LLM, init_s: float) -> dict:
         "enforce_eager": getattr(engine.config, "enforce_eager", None), "enforce_eager_field": eager_field(),
         "runtime_eager_switch": eager_switch(engine) is not None,
         "cuda_graph_sizes": getattr(getattr(engine.runner, "piecewise", None), "sizes", None),
+        "decode_graph_sizes": getattr(getattr(engine.runner, "decode_graphs", None), "sizes", None),
+        "start_up_warmup": dataclasses.asdict(engine.runner.warmup) if getattr(engine.runner, "warmup", None) else None,
     }
     if engine.device.type == "cuda":
         info["gpu_mem_allocated_gb"] = torch.cuda.memory_allocated() / 1e9
@@ -388,6 +392,36 @@ class Bench:
         self.timer.remove()
 
 
+def full_steps(results: dict, tokens: int) -> dict:
+    """Computed tokens/s of the default engine's steps of exactly `tokens` prompt tokens (full
+    steps), plain (checkpoints off) and with checkpoints: median, min, max and count."""
+    out = {}
+    for mode in ("off", "on"):
+        rates = [tokens / step["s"] for r in results["runs"] if r["engine"] == "default" and r["checkpoints"] == mode
+                 for step in r["steps"] if step["prompt_tokens"] == tokens and step["s"] > 0]
+        if rates:
+            out[mode] = {"tokens_per_s_median": float(np.median(rates)), "min": float(np.min(rates)),
+                         "max": float(np.max(rates)), "steps": len(rates)}
+    return out
+
+
+def slow_steps(results: dict, engine: str = "default", worst: int = 5) -> dict | None:
+    """Every timed prefill step of `engine`'s max_tokens-1 runs against the least-squares fit
+    a + b * tokens of those same steps: the largest measured / fitted ratios (a step that compiled
+    or autotuned mid-run stands out here) and how many steps exceed twice their fitted time."""
+    fit = step_fit(results, engine)
+    if fit is None:
+        return None
+    a, b = fit["fixed_ms_per_step"] / 1e3, fit["us_per_token"] / 1e6
+    steps = [(s["s"] / (a + b * s["prompt_tokens"]), s["prompt_tokens"], s["s"], r["shape"], r["N"], r["checkpoints"])
+             for r in results["runs"] if r["max_tokens"] == 1 and r["engine"] == engine
+             for s in r["steps"] if s["prompt_tokens"] > 0 and a + b * s["prompt_tokens"] > 0]
+    steps.sort(reverse=True)
+    return {"num_steps": len(steps), "over_2x": sum(1 for s in steps if s[0] > 2.0),
+            "worst": [{"ratio": round(ratio, 2), "tokens": tokens, "ms": round(1e3 * sec, 1), "shape": shape, "N": n,
+                       "ckpt": ckpt} for ratio, tokens, sec, shape, n, ckpt in steps[:worst]]}
+
+
 def skip(results: dict, spec: RowSpec, reason: str) -> None:
     print(f"skip {spec.group} {spec.shape} N={spec.n} max_tokens={spec.max_tokens} {spec.engine}: {reason}", flush=True)
     results["skipped"].append({**spec.describe(), "reason": reason})
@@ -446,13 +480,18 @@ def profile_steps(bench: Bench, args, end: float) -> dict:
         f"prefill_{p + args.s}_checkpoint": ([rng.integers(0, VOCAB_LIMIT, p).tolist() + [marker]
                                               + rng.integers(0, VOCAB_LIMIT, args.s).tolist()], 1, 0),
     }
-    for n in sorted({min(16, max(args.decode_n)), max(args.decode_n)}):
+    decode_graphs = getattr(engine.runner, "decode_graphs", None)
+    for n in sorted({1, min(16, max(args.decode_n)), min(64, max(args.decode_n)), max(args.decode_n)}):
         cases[f"decode_{n}"] = ([rng.integers(0, VOCAB_LIMIT, 64).tolist() for _ in range(n)], 3, -1)
+        if decode_graphs is not None and n in (1, min(16, max(args.decode_n)), max(args.decode_n)):
+            # the same step without the whole-step decode graph (piecewise graphs + eager cores): before/after
+            cases[f"decode_{n}_piecewise"] = ([rng.integers(0, VOCAB_LIMIT, 64).tolist() for _ in range(n)], 3, -1)
     report = {}
     for name, (prompts, max_tokens, profiled_step) in cases.items():
         if time.perf_counter() > end:
             report.setdefault("left_out", []).append(name)
             continue
+        engine.runner.decode_graphs = None if name.endswith("_piecewise") else decode_graphs
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         ids = [f"prof-{name}-{i}" for i in range(len(prompts))]
         for request_id, prompt in zip(ids, prompts):
@@ -485,6 +524,7 @@ def profile_steps(bench: Bench, args, end: float) -> dict:
                       f"{ {k: round(v, 1) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])} }", flush=True)
             else:
                 engine.step()
+    engine.runner.decode_graphs = decode_graphs
     return report
 
 
@@ -677,6 +717,12 @@ def run_benchmark(args) -> dict:
             if eager_specs:
                 bench = run_eager_rows(args, bench, eager_specs, model_dir, rows_end, results, save)
         results["step_fit"] = [fit for fit in (step_fit(results, e) for e in ("default", "enforce_eager")) if fit]
+        results["full_steps"] = full_steps(results, args.max_num_batched_tokens)
+        results["slow_steps"] = slow_steps(results)
+        results["tpot"] = {f"N={r['N']} {r['checkpoints']}": r["tpot_ms"] for r in results["runs"]
+                           if r["group"] == "decode" and r["engine"] == "default"}
+        print(f"full steps: {results['full_steps']}; TPOT p50 ms: {results['tpot']}; "
+              f"slowest steps against the fit: {results['slow_steps']}", flush=True)
         print(f"step fit: {results['step_fit']}; forkpoint done at {elapsed():.0f} s", flush=True)
         save()
         if not args.no_peer:
@@ -742,8 +788,8 @@ def main() -> None:
     parser.add_argument("--p", type=parse_ints, default=[4096, 624], help="anchors of the main rows")
     parser.add_argument("--s", type=int, default=256, help="suffix length of the main, decode and eager rows")
     parser.add_argument("--n", type=parse_ints, default=[1, 4, 16, 64, 256])
-    parser.add_argument("--decode-p", type=parse_ints, default=[4096, 624])
-    parser.add_argument("--decode-n", type=parse_ints, default=[1, 4, 16, 64, 256])
+    parser.add_argument("--decode-p", type=parse_ints, default=[624])
+    parser.add_argument("--decode-n", type=parse_ints, default=[1, 16, 64, 256], help="TPOT at these batch sizes")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--seed-p", type=int, default=624, help="the seed's shape: anchor")
     parser.add_argument("--seed-s", type=parse_range, default=(350, 650), help="the seed's suffix lengths, LO-HI")
@@ -755,6 +801,8 @@ def main() -> None:
     parser.add_argument("--peer-p", type=parse_ints, default=[624, 4096])
     parser.add_argument("--peer-n", type=parse_ints, default=[1, 4, 16])
     parser.add_argument("--peer-batch", type=int, default=4)
+    parser.add_argument("--peer-layers", type=int, default=8,
+                        help="time the peer's first K layers and scale its wall by layers / K (0: all)")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--tiny-parity", action="store_true", help="forkpoint vs transformers on a 4-layer model first")
     parser.add_argument("--profile", action="store_true", help="kernel time by kind for a few single steps")

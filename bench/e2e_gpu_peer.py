@@ -3,7 +3,9 @@
 `Qwen3_5MoeForCausalLM` is built on the meta device from the benchmark's config and given
 forkpoint's parameter tensors (`load_state_dict(assign=True)`: no second copy of the 70 GB). It is
 timed on the same 1-to-N requests: N sequences of P + S tokens in forwards of `--peer-batch`
-sequences, `use_cache=False`, logits of the last position only (scoring). Used by `e2e_gpu.py`
+sequences, `use_cache=False`, logits of the last position only (scoring); with `--peer-layers K` only the
+first K of the 40 layers run and the wall is scaled by 40 / K (ANCHORS.md: per-layer cost is
+uniform; the parity probe runs before the cut, on all layers). Used by `e2e_gpu.py`
 (run as a script, so this folder is on `sys.path`).
 """
 
@@ -105,6 +107,15 @@ def run_peer(args, cfg: dict, model: torch.nn.Module, results: dict, save) -> No
                                                     for t, v in probe["logprobs"].items())
         info["parity_same_argmax"] = int(logits.argmax()) == max(probe["logprobs"], key=probe["logprobs"].get)
         info["kernels"] = gdn_kernels_of_peer(peer, device, torch.tensor([probe["token_ids"]], device=device))
+    layers = len(peer.model.layers)
+    kept = args.peer_layers if 0 < args.peer_layers < layers else layers
+    scale = layers / kept
+    if kept < layers:  # per-layer cost is uniform (same shapes, every 4th layer attention in both)
+        peer.model.layers = peer.model.layers[:kept]
+        peer.config.num_hidden_layers = kept
+        peer.config.layer_types = peer.config.layer_types[:kept]
+    info.update(layers_timed=kept, layers_total=layers, wall_scale=scale)
+    results["peer"]["scaled"] = {"layers_timed": kept, "layers_total": layers, "wall_scale": scale}
     print(f"peer: {info}", flush=True)
     save()
 
@@ -133,9 +144,10 @@ def run_peer(args, cfg: dict, model: torch.nn.Module, results: dict, save) -> No
                 results["peer"]["runs"].append({"P": p, "N": n, "error": error})
                 torch.cuda.empty_cache()
                 continue
-            wall = time.perf_counter() - start
-            row = {"P": p, "S": args.s, "N": n, "batch": args.peer_batch, "wall_s": wall, "requests_per_s": n / wall,
-                   "prompt_tokens_per_s": n * length / wall}
+            measured = time.perf_counter() - start
+            wall = measured * scale  # the whole model's estimated wall (the parity probe ran all layers)
+            row = {"P": p, "S": args.s, "N": n, "batch": args.peer_batch, "wall_s": wall, "measured_wall_s": measured,
+                   "layers_timed": kept, "requests_per_s": n / wall, "prompt_tokens_per_s": n * length / wall}
             results["peer"]["runs"].append(row)
             print(f"  peer P={p:5d} N={n:3d}: {row['requests_per_s']:8.2f} req/s  "
                   f"{row['prompt_tokens_per_s']:9.0f} tok/s", flush=True)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
 # ---------------------------------------------------------------- time limits
 
 class OutOfTime(BaseException):

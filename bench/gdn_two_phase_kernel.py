@@ -233,7 +233,8 @@ def part_seed(args, gen, rows):
             def sequential(st):
                 xp, gp, bp, xs, gs, bs, c0, s0 = st
                 _, c1, s1 = op(xp, gp, bp, c0, s0, cu_p_d, cu_p)
-                outs = [op(xs[i * s:(i + 1) * s], gs[i * s:(i + 1) * s], bs[i * s:(i + 1) * s], c1, s1, cu_one_d, cu_one)
+                outs = [op(xs[i * s:(i + 1) * s], gs[i * s:(i + 1) * s], bs[i * s:(i + 1) * s], c1, s1,
+                           cu_one_d, cu_one)
                         for i in range(n)]
                 return outs
 
@@ -299,7 +300,8 @@ def part_qwen(args, gen, rows):
                 def build_full():
                     # prompt i = prefix + suffix i, so the full recompute computes the same function
                     xp, gp, bp, xs, gs, bs, c0, s0 = sets[0]
-                    idx = torch.cat([torch.cat([torch.arange(p), p + i * s + torch.arange(s)]) for i in range(n)]).cuda()
+                    idx = torch.cat([torch.cat([torch.arange(p), p + i * s + torch.arange(s)])
+                                     for i in range(n)]).cuda()
                     full = tuple(torch.cat([a, b]).index_select(0, idx) for a, b in ((xp, xs), (gp, gs), (bp, bs)))
                     return full + (c0.expand(n, -1, -1).contiguous(), s0.expand(n, -1, -1, -1).contiguous())
 

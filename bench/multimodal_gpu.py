@@ -302,7 +302,8 @@ def table(results: dict) -> str:
                      if mode == "on" else " | | ")
             lines.append(f"| {row['N']} | {mode} | {r['requests_per_s']:.2f} | {r['ttft_p50_ms']:.0f} / "
                          f"{r['ttft_p99_ms']:.0f} | {r['prompt_tokens_computed']:,.0f} | "
-                         f"{r['computed_tokens_per_s']:,.0f} | {r['images_encoded']:.0f} | {r['steps']:.0f} | {ratio} |")
+                         f"{r['computed_tokens_per_s']:,.0f} | {r['images_encoded']:.0f} | {r['steps']:.0f} | "
+                         f"{ratio} |")
     return "\n".join(lines)
 
 

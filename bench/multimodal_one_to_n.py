@@ -36,10 +36,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from host_info import VOCAB_LIMIT, machine_info, probe_gflops  # noqa: E402
+
 from forkpoint import LLM, SamplingParams  # noqa: E402
 from forkpoint.inputs import qwen_vocab  # noqa: E402
 from forkpoint.inputs.default_model import default_cache_root, default_model_config, ensure_default_model  # noqa: E402
-from host_info import VOCAB_LIMIT, machine_info, probe_gflops  # noqa: E402
 
 MODEL_NAME = "bench-default-qwen3_5_moe-vision-v1"
 VISION = dict(depth=4, hidden_size=256, intermediate_size=1024, num_heads=4, out_hidden_size=256, patch_size=16,
@@ -171,8 +172,8 @@ def summarize(runs: list[dict], n: int) -> dict:
         return statistics.median(fn(r[mode]) for r in runs)
 
     p, s = runs[0]["anchor_len"], runs[0]["suffix_lens"]
-    ideal = statistics.median(sum(r["anchor_len"] + x for x in r["suffix_lens"]) / (r["anchor_len"] + sum(r["suffix_lens"]))
-                              for r in runs)
+    ideal = statistics.median(sum(r["anchor_len"] + x for x in r["suffix_lens"])
+                              / (r["anchor_len"] + sum(r["suffix_lens"])) for r in runs)
     rows = {}
     for mode in ("on", "off"):
         rows[mode] = {
@@ -189,10 +190,12 @@ def summarize(runs: list[dict], n: int) -> dict:
     return {"n": n, "anchor_len_first_repeat": p, "suffix_lens_first_repeat": s, "ideal_ratio": ideal,
             "token_ratio": rows["off"]["prompt_tokens_computed"] / rows["on"]["prompt_tokens_computed"],
             "throughput_ratio": statistics.median(r["off"]["wall_s"] / r["on"]["wall_s"] for r in runs),
-            "throughput_ratio_best": min(r["off"]["wall_s"] for r in runs) / min(r["on"]["wall_s"] for r in runs),
+            "throughput_ratio_best": (min(r["off"]["wall_s"] for r in runs)
+                                      / min(r["on"]["wall_s"] for r in runs)),
             "identical_greedy": sum(a == b for r in runs for a, b in zip(r["on"]["tokens"], r["off"]["tokens"])),
             "compared": n * len(runs), "on": rows["on"], "off": rows["off"],
-            "consumers_reused_anchor": all(c == r["anchor_len"] for r in runs for c in sorted(r["on"]["num_cached_tokens"])[1:])}
+            "consumers_reused_anchor": all(c == r["anchor_len"] for r in runs
+                                           for c in sorted(r["on"]["num_cached_tokens"])[1:])}
 
 
 def print_table(result: dict) -> None:
@@ -200,17 +203,20 @@ def print_table(result: dict) -> None:
     print(f"\nmachine: {m['cpu_model']}, {m['cpu_cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
           f"load average at start {m['load_average_start'][0]:.2f}")
     print(f"N = {row['n']}, anchor {row['anchor_len_first_repeat']} tokens (one image), suffixes "
-          f"{min(row['suffix_lens_first_repeat'])}-{max(row['suffix_lens_first_repeat'])} tokens (one image each); "
+          f"{min(row['suffix_lens_first_repeat'])}-{max(row['suffix_lens_first_repeat'])} tokens "
+          "(one image each); "
           f"medians of {result['args']['repeats']} repeats\n")
-    print("| checkpoints | requests/s | wall (s) | best wall (s) | TTFT p50 (s) | TTFT max (s) | prompt tokens computed | "
-          "images encoded | vision tower (s) | steps |")
+    print("| checkpoints | requests/s | wall (s) | best wall (s) | TTFT p50 (s) | TTFT max (s) | "
+          "prompt tokens computed | images encoded | vision tower (s) | steps |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for mode in ("on", "off"):
         r = row[mode]
-        print(f"| {mode} | {r['requests_per_s']:.2f} | {r['wall_s']:.2f} | {r['wall_min_s']:.2f} | {r['ttft_p50_s']:.2f} | "
-              f"{r['ttft_max_s']:.2f} | {r['prompt_tokens_computed']:,.0f} | {r['images_encoded']:.0f} | "
+        print(f"| {mode} | {r['requests_per_s']:.2f} | {r['wall_s']:.2f} | {r['wall_min_s']:.2f} | "
+              f"{r['ttft_p50_s']:.2f} | {r['ttft_max_s']:.2f} | {r['prompt_tokens_computed']:,.0f} | "
+              f"{r['images_encoded']:.0f} | "
               f"{r['vision_s']:.2f} | {r['steps']:.0f} |")
-    print(f"\nthroughput ratio on/off: paired median {row['throughput_ratio']:.2f}x, best-of {row['throughput_ratio_best']:.2f}x; "
+    print(f"\nthroughput ratio on/off: paired median {row['throughput_ratio']:.2f}x, "
+          f"best-of {row['throughput_ratio_best']:.2f}x; "
           f"computed-token ratio off/on "
           f"{row['token_ratio']:.2f}; ideal sum(P+S_i)/(P+sum S_i) {row['ideal_ratio']:.2f}; greedy tokens identical "
           f"{row['identical_greedy']}/{row['compared']}; consumers reused exactly the anchor: "

@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED=1
 TOTAL="${TOTAL:-540}"
 TESTS="${TESTS:-tests/models/test_gpu_model.py}"
 TEST_TIMEOUT="${TEST_TIMEOUT:-90}"
-PEER_BUDGET="${PEER_BUDGET:-45}"
+PEER_BUDGET="${PEER_BUDGET:-60}"
 BENCH_ARGS="${BENCH_ARGS:---profile}"
 left() { echo $(( TOTAL - ($(date +%s) - START) )); }
 

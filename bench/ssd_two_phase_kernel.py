@@ -153,7 +153,8 @@ def plot(res, path):
     rows = [r for r in res["rows"] if "error" not in r]
     for (p, s), color in zip(sorted({(r["P"], r["S"]) for r in rows}), ("C0", "C1", "C2", "C3")):
         sel = sorted((r for r in rows if (r["P"], r["S"]) == (p, s)), key=lambda r: r["N"])
-        for key, style, label in (("speedup_vs_full", "o-", "vs full"), ("speedup_vs_per_sequence", "x--", "vs per-seq")):
+        for key, style, label in (("speedup_vs_full", "o-", "vs full"),
+                                  ("speedup_vs_per_sequence", "x--", "vs per-seq")):
             pts = [(r["N"], r[key]) for r in sel if key in r]
             if pts:
                 ax.plot(*zip(*pts), style, color=color, label=f"P={p} S={s} {label}")

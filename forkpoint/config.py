@@ -65,7 +65,7 @@ class VisionConfig:
         return self.hidden_size // self.num_heads
 
     @classmethod
-    def from_dict(cls, vision: dict, raw: dict) -> "VisionConfig":
+    def from_dict(cls, vision: dict, raw: dict) -> VisionConfig:
         """`vision`: the `vision_config` entry; `raw`: the whole config (token ids live at its top level)."""
         rope = dict(vision.get("rope_parameters") or {})
         patch, temporal = vision.get("patch_size", 16), vision.get("temporal_patch_size", 2)
@@ -176,7 +176,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_hf_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_hf_dir(cls, path: str | Path) -> ModelConfig:
         """Read `config.json` (and `generation_config.json` if present) from a model directory."""
         path = Path(path)
         config_file = path / "config.json"
@@ -196,7 +196,7 @@ class ModelConfig:
         return cls.from_dict(raw, generation)
 
     @classmethod
-    def from_dict(cls, raw: dict, generation: dict | None = None) -> "ModelConfig":
+    def from_dict(cls, raw: dict, generation: dict | None = None) -> ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -403,7 +403,8 @@ class EngineConfig:
             raise ValueError("max_images_per_prompt and image_embedding_cache_bytes must be >= 0")
         if (self.image_min_pixels is not None and self.image_max_pixels is not None
                 and self.image_min_pixels > self.image_max_pixels):
-            raise ValueError(f"image_min_pixels {self.image_min_pixels} exceeds image_max_pixels {self.image_max_pixels}")
+            raise ValueError(f"image_min_pixels {self.image_min_pixels} exceeds image_max_pixels "
+                             f"{self.image_max_pixels}")
         for name in ("checkpoint_pool_size", "num_kv_blocks", "num_state_slots", "long_prefill_token_threshold",
                      "image_min_pixels", "image_max_pixels"):
             value = getattr(self, name)

@@ -123,7 +123,8 @@ def _layer_types(raw: dict, model_type: str) -> tuple[str, ...]:
         names = raw.get("layer_types") or raw.get("layers_block_type") or ["mamba"] * int(raw["num_hidden_layers"])
     unknown = sorted(set(names) - set(_LAYER_NAMES))
     if unknown:
-        raise ValueError(f"unsupported layer types {unknown} in {model_type} config: forkpoint knows {sorted(_LAYER_NAMES)}")
+        raise ValueError(f"unsupported layer types {unknown} in {model_type} config: forkpoint knows "
+                         f"{sorted(_LAYER_NAMES)}")
     kinds = tuple(_LAYER_NAMES[n] for n in names)
     if model_type == "granitemoehybrid" and set(kinds) - {"mamba2", "full_attention"}:
         raise ValueError("granitemoehybrid layer_types must be mamba or attention layers")
@@ -152,7 +153,8 @@ def mamba2_hybrid_fields(raw: dict) -> dict:
               "num_key_value_heads": int(raw.get("num_key_value_heads") or num_heads), "head_dim": head_dim,
               "rope_theta": float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
               "attention_bias": bool(raw.get("attention_bias", False)),
-              "linear_num_key_heads": 0, "linear_num_value_heads": 0, "linear_key_head_dim": 0, "linear_value_head_dim": 0,
+              "linear_num_key_heads": 0, "linear_num_value_heads": 0, "linear_key_head_dim": 0,
+              "linear_value_head_dim": 0,
               "linear_conv_kernel_dim": 0, "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
               "max_position_embeddings": int(raw.get("max_position_embeddings", 4096))}
     if model_type == "nemotron_h":

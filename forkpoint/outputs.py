@@ -11,7 +11,7 @@ class Logprob(float):
 
     rank: int | None
 
-    def __new__(cls, value: float, rank: int | None = None) -> "Logprob":
+    def __new__(cls, value: float, rank: int | None = None) -> Logprob:
         obj = super().__new__(cls, value)
         obj.rank = rank
         return obj

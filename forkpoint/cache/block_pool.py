@@ -13,7 +13,13 @@ import torch
 
 
 class BlockPool:
-    """`k[j]`, `v[j]`: [num_blocks, block_size, num_kv_heads, head_dim] for attention layer j."""
+    """`k[j]`, `v[j]`: [num_blocks + 1, block_size, num_kv_heads, head_dim] for attention layer j.
+
+    Blocks 0 .. num_blocks-1 are allocated and counted; block `scratch_block` (= num_blocks) is
+    outside the accounting: the padding rows of captured decode steps and the start-up warm-up
+    write and read only it (runner/decode_graphs.py, runner/warmup.py), so its content is
+    meaningless (finite) and no request's table ever holds it.
+    """
 
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -21,7 +27,8 @@ class BlockPool:
             raise ValueError("the KV cache needs at least one block: raise kv_cache_bytes or num_kv_blocks")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.scratch_block = num_blocks
+        shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._ref_counts = [0] * num_blocks

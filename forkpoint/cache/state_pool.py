@@ -9,6 +9,9 @@ Row layout of every state tensor (one row = one sequence's or checkpoint's state
     row 0                      always zero: the initial state of a fresh sequence
     rows 1 .. R                request slots (one per running request)
     rows R+1 .. R+C            checkpoint slots (one per checkpoint)
+    row R+C+1                  scratch: written by the padding rows of captured decode steps and by
+                               the start-up warm-up (runner/decode_graphs.py, runner/warmup.py); never
+                               read by a request, its content is meaningless (finite)
 
 Keeping requests and checkpoints in one tensor lets a layer gather any segment's initial state
 with a single `index_select` and scatter final states with one `index_copy_`.
@@ -95,13 +98,14 @@ def _numel(shape: tuple[int, ...]) -> int:
 class StatePool:
     """conv_stack: [L, rows, *spec.conv_shape] (spec.conv_dtype); ssm_stack: [L, rows, *spec.ssm_shape]
     (spec.ssm_dtype, float32 for both mixers); conv[i] / ssm[i]: views of layer i's slice (contiguous,
-    sharing the stacks' storage). All L recurrent layers share one spec (one stacked tensor each)."""
+    sharing the stacks' storage). All L recurrent layers share one spec (one stacked tensor each).
+    rows = 1 + R + C + 1 (zero row, requests, checkpoints, `scratch_slot`)."""
 
     def __init__(self, num_request_slots: int, num_checkpoint_slots: int, num_layers: int,
                  spec: RecurrentStateSpec, device: torch.device) -> None:
         if num_request_slots < 1:
             raise ValueError("the state pool needs at least one request slot")
-        rows = 1 + num_request_slots + num_checkpoint_slots
+        rows = 1 + num_request_slots + num_checkpoint_slots + 1
         self.spec = spec
         self.conv_stack = torch.zeros(num_layers, rows, *spec.conv_shape, dtype=spec.conv_dtype, device=device)
         self.ssm_stack = torch.zeros(num_layers, rows, *spec.ssm_shape, dtype=spec.ssm_dtype, device=device)
@@ -110,6 +114,7 @@ class StatePool:
         self.ssm = [self.ssm_stack[i] for i in range(num_layers)]
         self.requests = SlotAllocator(1, num_request_slots, "request state")
         self.checkpoints = SlotAllocator(1 + num_request_slots, num_checkpoint_slots, "checkpoint state")
+        self.scratch_slot = rows - 1  # see the row layout above
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy the state of every layer from row `src` to row `dst` (asynchronous on the device)."""
@@ -129,6 +134,7 @@ class StatePool:
         for layer, (conv, ssm) in enumerate(zip(self.conv, self.ssm)):
             stacked = self.conv_stack[layer], self.ssm_stack[layer]
             if conv.data_ptr() != stacked[0].data_ptr() or ssm.data_ptr() != stacked[1].data_ptr():
-                raise AssertionError(f"the states of recurrent layer {layer} are no longer views of the stacked tensors")
+                raise AssertionError(f"the states of recurrent layer {layer} are no longer views of the stacked "
+                                     "tensors")
         if self.conv_stack[:, ZERO_SLOT].any() or self.ssm_stack[:, ZERO_SLOT].any():
             raise AssertionError("the zero state row was written")

@@ -20,6 +20,7 @@ from forkpoint.cache.sizing import build_pools
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.config import EngineConfig, ModelConfig, VisionConfig
 from forkpoint.distributed.runner import TensorParallelRunner
+from forkpoint.engine.output_processor import OutputProcessor
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler import ScheduledStep, Scheduler
 from forkpoint.inputs.default_model import DEFAULT_MODEL_NOTICE, ensure_default_model
@@ -27,7 +28,7 @@ from forkpoint.inputs.multimodal import image_prompt_processor
 from forkpoint.inputs.processor import InputProcessor, PromptLimits
 from forkpoint.inputs.tokenizer import load_tokenizer
 from forkpoint.models.loader import build_model
-from forkpoint.outputs import CompletionOutput, RequestOutput
+from forkpoint.outputs import RequestOutput
 from forkpoint.runner.model_runner import ModelRunner
 from forkpoint.runner.multimodal import MultimodalInputs
 from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_sizes, graph_blocker
@@ -93,6 +94,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
 
         vision = self.model_config.vision
         max_images = config.max_images_per_prompt
@@ -293,57 +295,14 @@ class LLMEngine:
         return outputs
 
     def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None, now: float) -> None:
-        request.output_token_ids.append(token_id)
-        if request.params.logprobs is not None:
-            request.output_logprobs.append(logprobs)
         self._counters["generation_tokens_total"] += 1
-        if request.first_token_time is None:
-            request.first_token_time = now
-        params = request.params
-        reason = None
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
-            reason = "stop"
-        elif params.stop:
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-            hits = [text.find(s) for s in params.stop if s in text]
-            if hits:
-                request.stop_text_len = min(hits)
-                reason = "stop"
-        if reason is None and params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens:
-            reason = "length"
-        if reason is None and request.num_tokens >= self.max_model_len:
-            reason = "length"
+        reason = self.output_processor.append_token(request, token_id, logprobs, now)
         if reason is not None:
             self.scheduler.finish(request, reason, keep_turn_end=True, now=now)
 
     def _make_output(self, group: _PromptGroup) -> RequestOutput:
-        completions = []
-        for sequence in group.sequences:
-            text = self.tokenizer.decode(sequence.output_token_ids, skip_special_tokens=True)
-            if sequence.stop_text_len is not None:
-                text = text[: sequence.stop_text_len]
-            completions.append(CompletionOutput(
-                index=sequence.index,
-                text=text,
-                token_ids=list(sequence.output_token_ids),
-                finish_reason=sequence.finish_reason,
-                logprobs=list(sequence.output_logprobs) if sequence.params.logprobs is not None else None,
-            ))
-        prompt_logprobs = None
-        first = group.sequences[0]
-        if first.params.prompt_logprobs is not None:
-            entries = first.prompt_logprobs
-            prompt_logprobs = [None] + [entries.get(t) for t in range(1, len(group.prompt_token_ids))]
-        return RequestOutput(
-            prompt_logprobs=prompt_logprobs,
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=list(group.prompt_token_ids),
-            outputs=completions,
-            num_cached_tokens=max(s.num_cached_tokens for s in group.sequences),
-            checkpoint_positions=list(group.checkpoint_positions),
-            finished=all(s.is_finished for s in group.sequences),
-        )
+        return self.output_processor.make_output(group.request_id, group.prompt, group.prompt_token_ids,
+                                                 group.checkpoint_positions, group.sequences)
 
     # ------------------------------------------------------------------ introspection
     def metrics(self) -> dict[str, int | float]:

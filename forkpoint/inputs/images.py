@@ -62,7 +62,7 @@ class ImageProcessorConfig:
 
     @classmethod
     def from_model_dir(cls, path: str | os.PathLike | None, vision: VisionConfig, *, min_pixels: int | None = None,
-                       max_pixels: int | None = None) -> "ImageProcessorConfig":
+                       max_pixels: int | None = None) -> ImageProcessorConfig:
         """Read `preprocessor_config.json` when `path` has one (Qwen3.5's defaults otherwise:
         mean = std = 0.5, 65536 to 16777216 pixels); `min_pixels` / `max_pixels` override it."""
         raw: dict = {}

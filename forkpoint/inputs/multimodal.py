@@ -136,7 +136,8 @@ class ImagePromptProcessor:
             if start == 0 or token_ids[start - 1] != vision.vision_start_token_id or end == len(token_ids) or (
                     token_ids[end] != vision.vision_end_token_id):
                 raise ValueError(f"image {index}'s <|image_pad|> at token {start} is not wrapped in "
-                                 "<|vision_start|>...<|vision_end|>: write '<|vision_start|><|image_pad|><|vision_end|>'")
+                                 "<|vision_start|>...<|vision_end|>: "
+                                 "write '<|vision_start|><|image_pad|><|vision_end|>'")
             for position in checkpoint_positions:
                 if start - 1 < position <= end:
                     raise ValueError(

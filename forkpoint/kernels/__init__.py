@@ -12,8 +12,17 @@ gated RMSNorm), ``activation`` (SwiGLU), ``gating`` (GDN decay and beta). Contra
 
 import functools
 import importlib
+import logging
 from collections.abc import Sequence
 from types import ModuleType
+
+logger = logging.getLogger("forkpoint.kernels")
+
+# (op, GPU variant) pairs that the ops' dispatch functions select between, for `kernel_variants`
+GPU_VARIANTS = (
+    ("gated_delta", "fla"), ("gated_delta", "triton"), ("conv1d", "triton"), ("attention", "triton"),
+    ("moe", "grouped"), ("norms", "triton"), ("activation", "triton"), ("gating", "triton"),
+)
 
 
 @functools.cache
@@ -22,14 +31,32 @@ def select_variant(op: str, gpu_variant: str, on_cuda: bool) -> ModuleType:
 
     On CUDA this is ``forkpoint.kernels.<op>.<gpu_variant>`` when it and its dependencies
     (triton, fla) import; otherwise, and always off CUDA, ``forkpoint.kernels.<op>.reference``.
-    Cached, so the import is attempted once per process.
+    Cached, so the import is attempted (and the choice logged) once per process: on CUDA at INFO,
+    with a WARNING when a reference op stands in for a GPU variant that could not be imported.
     """
     if on_cuda:
         try:
-            return importlib.import_module(f"forkpoint.kernels.{op}.{gpu_variant}")
-        except ModuleNotFoundError:
-            pass
+            module = importlib.import_module(f"forkpoint.kernels.{op}.{gpu_variant}")
+        except ModuleNotFoundError as err:
+            logger.warning("kernel %s: CUDA runs the PyTorch reference instead of %s, because %r is not installed "
+                           "(GPU variants need `pip install forkpoint[gpu]`): expect a much slower forward",
+                           op, gpu_variant, err.name)
+        else:
+            logger.info("kernel %s: %s (CUDA)", op, gpu_variant)
+            return module
+    else:
+        logger.debug("kernel %s: reference (not CUDA)", op)
     return importlib.import_module(f"forkpoint.kernels.{op}.reference")
+
+
+def kernel_variants(on_cuda: bool) -> dict[str, str]:
+    """{"op" or "op/variant": the variant that runs} for every op and GPU variant, e.g.
+    ``{"gated_delta/fla": "fla", "gated_delta/triton": "reference", ...}`` (for start-up logs)."""
+    chosen = {}
+    for op, variant in GPU_VARIANTS:
+        name = op if sum(o == op for o, _ in GPU_VARIANTS) == 1 else f"{op}/{variant}"
+        chosen[name] = select_variant(op, variant, on_cuda).__name__.rsplit(".", 1)[-1]
+    return chosen
 
 
 def check_cu_seqlens(cu_seqlens_host: Sequence[int], num_tokens: int, name: str = "cu_seqlens_host") -> int:

@@ -11,7 +11,7 @@ from torch import nn
 
 from forkpoint.config import ModelConfig
 from forkpoint.kernels.activation import silu_and_mul
-from forkpoint.kernels.moe import fused_moe
+from forkpoint.kernels.moe import fused_moe, topk_softmax
 from forkpoint.kernels.norms import gated_rms_norm, rms_norm
 
 
@@ -111,7 +111,8 @@ class DenseMLP(nn.Module):
 
 
 class TopKRouter(nn.Module):
-    """Softmax router: top-k of the softmax probabilities, renormalised when `norm_topk_prob`."""
+    """Softmax router: top-k of the softmax probabilities, renormalised when `norm_topk_prob`
+    (`kernels.moe.topk_softmax`: one kernel on CUDA)."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool) -> None:
         super().__init__()
@@ -121,11 +122,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (weights [T, k] in x.dtype, expert ids [T, k] long)."""
-        probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
-        top_w, top_ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        return top_w.to(x.dtype), top_ids
+        return topk_softmax(F.linear(x, self.weight), self.top_k, self.renormalize, x.dtype)
 
 
 class Experts(nn.Module):
@@ -148,8 +145,9 @@ class SparseMoE(nn.Module):
         self.shared_expert = DenseMLP(hidden, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, hidden] -> routed + sigmoid(gate) * shared expert, plus `residual` [T, hidden] when
+        given (the pre-norm residual add of the layer, fused into the routed combine on CUDA)."""
         top_w, top_ids = self.gate(x)
-        routed = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, top_w, top_ids)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return routed + shared
+        return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, top_w, top_ids,
+                         shared=self.shared_expert(x), shared_gate=self.shared_expert_gate(x), residual=residual)

@@ -86,7 +86,8 @@ class Mamba2Mixer(nn.Module):
         super().__init__()
         m: Mamba2Config = config.mamba2.mamba
         self.m = m
-        self.num_heads, self.head_dim, self.n_groups, self.state_size = m.num_heads, m.head_dim, m.n_groups, m.state_size
+        self.num_heads, self.head_dim = m.num_heads, m.head_dim
+        self.n_groups, self.state_size = m.n_groups, m.state_size
         self.intermediate = m.intermediate_size
         conv_dim = m.conv_dim
         self.in_proj = nn.Linear(config.hidden_size, self.intermediate + conv_dim + m.num_heads, bias=m.in_proj_bias)

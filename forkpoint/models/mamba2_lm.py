@@ -31,7 +31,8 @@ class Mamba2HybridLM(nn.Module):
     def __init__(self, config: ModelConfig, *, with_vision: bool = False) -> None:
         super().__init__()
         if config.mamba2 is None:
-            raise ValueError(f"{type(self).__name__} needs a Mamba2 hybrid config, got model_type {config.model_type!r}")
+            raise ValueError(f"{type(self).__name__} needs a Mamba2 hybrid config, got model_type "
+                             f"{config.model_type!r}")
         del with_vision  # text-only families
         self.config = config
         self.visual = None

@@ -32,8 +32,15 @@ from forkpoint.kernels.attention import copy_kv_slots, paged_attention, write_kv
 from forkpoint.kernels.conv1d import causal_conv1d_step, causal_conv1d_varlen
 from forkpoint.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule_inplace
 from forkpoint.kernels.gating import gdn_gating
-from forkpoint.models.layers import (DenseMLP, GatedRMSNorm, RMSNorm, RotaryEmbedding, SparseMoE, apply_rotary,
-                                     mrope_axes)
+from forkpoint.models.layers import (
+    DenseMLP,
+    GatedRMSNorm,
+    RMSNorm,
+    RotaryEmbedding,
+    SparseMoE,
+    apply_rotary,
+    mrope_axes,
+)
 from forkpoint.models.vision import VisionTransformer
 from forkpoint.step.batch import ForwardBatch
 
@@ -383,6 +390,8 @@ class HybridForCausalLM(nn.Module):
         else:
             mixer_out = layer.self_attn.finish(core, p.gate)
         normed, hidden = layer.post_attention_layernorm(mixer_out, residual)  # fused residual add
+        if isinstance(layer.mlp, SparseMoE):
+            return layer.mlp(normed, residual=hidden)  # the residual add fused into the experts' combine
         return hidden + layer.mlp(normed)
 
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ only index with them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -17,9 +18,17 @@ import torch
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.models.qwen3_5 import HybridForCausalLM, LayerCaches
+from forkpoint.runner.decode_graphs import DecodeGraphs, decode_bucket_sizes
+from forkpoint.runner.piecewise import PiecewiseForward
+from forkpoint.runner.warmup import WarmupReport, warm_up
 from forkpoint.step.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
 from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan
-from forkpoint.runner.piecewise import PiecewiseForward
+
+logger = logging.getLogger("forkpoint")
+
+# The longest cached context a warm-up segment starts after (attention kernels loop over the
+# context on the device: its length picks no kernel variant, so a few blocks' worth is enough).
+WARMUP_MAX_CONTEXT = 4096
 
 if TYPE_CHECKING:  # annotations only: a tensor-parallel worker imports this module without the image stack
     from forkpoint.runner.multimodal import MultimodalInputs
@@ -199,7 +208,11 @@ class ModelRunner:
 
     With `piecewise` (CUDA graphs, runner/piecewise.py), the steps it accepts run through it (text
     and image steps alike) and the others (more tokens than its largest bucket) through the model's
-    plain forward.
+    plain forward. When its graphs are captured, decode steps run as whole-forward graphs
+    (`decode_graphs`, runner/decode_graphs.py; captured here, after the pools exist), one replay
+    per step; a plain attribute, so benchmarks can detach it (None). Then the varlen cores of
+    prefill and mixed steps are compiled and autotuned by a warm-up on the pools' scratch rows
+    (runner/warmup.py; `warmup` reports it), so no served step compiles.
     """
 
     def __init__(self, model: HybridForCausalLM, block_pool: BlockPool, state_pool: StatePool,
@@ -212,6 +225,28 @@ class ModelRunner:
                                   conv_stack=state_pool.conv_stack, ssm_stack=state_pool.ssm_stack)
         self.multimodal = multimodal  # image positions and vision-tower rows; None for text-only engines
         self.piecewise = piecewise
+        self.scratch_block, self.scratch_slot = block_pool.scratch_block, state_pool.scratch_slot
+        self.decode_graphs: DecodeGraphs | None = None
+        self.warmup: WarmupReport | None = None
+        if piecewise is not None and piecewise.captured:
+            self.decode_graphs = self._capture_decode_graphs(block_pool, state_pool)
+            # synthetic contexts live in the scratch block (every table entry), so only the model's
+            # context length bounds them
+            max_context = min(WARMUP_MAX_CONTEXT, model.config.max_position_embeddings - piecewise.sizes[-1])
+            self.warmup = warm_up(self, max_tokens=piecewise.sizes[-1], max_seqs=state_pool.requests.count,
+                                  max_context=max_context)
+            logger.info("warm-up: %d synthetic steps (%d tokens) in %.1f s", self.warmup.steps, self.warmup.tokens,
+                        self.warmup.seconds)
+
+    def _capture_decode_graphs(self, block_pool: BlockPool, state_pool: StatePool) -> DecodeGraphs:
+        """Decode buckets up to the number of request slots (the most sequences a decode step can
+        hold), block tables as wide as the model's context (or the whole pool, if smaller)."""
+        piecewise = self.piecewise
+        max_blocks = min(block_pool.num_blocks, -(-self.model.config.max_position_embeddings // self.block_size))
+        return DecodeGraphs(self.model, self.caches, decode_bucket_sizes(piecewise.sizes, state_pool.requests.count),
+                            max_blocks, scratch_block=block_pool.scratch_block, block_size=self.block_size,
+                            scratch_state_slot=state_pool.scratch_slot, device=self.device, capture=True,
+                            pool=piecewise.memory_pool, stream=piecewise.capture_stream)
 
     def prepare(self, plan: StepPlan) -> tuple[ForwardBatch, list[Segment]]:
         """The step's batch (images encoded and attached) and the segments its logits rows belong to."""
@@ -227,6 +262,8 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [R, vocab] float32 of one prepared batch, through the graphs when they take it."""
+        if self.decode_graphs is not None and self.decode_graphs.accepts(batch):
+            return self.decode_graphs(batch)
         if self.piecewise is not None and self.piecewise.accepts(batch):
             return self.piecewise(batch, self.caches)
         return self.model(batch, self.caches)

@@ -283,6 +283,22 @@ class PiecewiseForward:
             return None
         return graph
 
+    @property
+    def captured(self) -> bool:
+        """Whether the pieces were captured as CUDA graphs (else they run eagerly)."""
+        return bool(self.graphs)
+
+    @property
+    def memory_pool(self):
+        """The graphs' shared memory pool handle (None without capture): other whole-step graphs that
+        never run concurrently with these (runner/decode_graphs.py) share it."""
+        return self._pool
+
+    @property
+    def capture_stream(self) -> torch.cuda.Stream | None:
+        """The side stream the graphs were captured on (None without capture)."""
+        return self._stream
+
     # ------------------------------------------------------------------ forward
     def bucket(self, num_tokens: int) -> int:
         """The smallest bucket holding `num_tokens` rows (`accepts` must hold)."""

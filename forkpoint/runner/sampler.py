@@ -1,7 +1,24 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeded generators.
+"""Token sampling, all rows of a step in one vectorised pass on the device, one host copy per step.
 
-Log-probabilities are those of the model's unmodified distribution (as vLLM's default), for the
-sampled token and the top-k alternatives.
+vLLM's semantics throughout:
+
+    raw logits [R, V] ----------------------------------------------> logprobs (log_softmax, top-k, rank)
+        | (logits processors: the single call site in `Sampler.sample`)
+        v
+    penalties (repetition, then frequency and presence; counts kept on the device per request)
+        |-- greedy rows: argmax
+        v
+    / temperature -> min-p (against the full softmax) -> top-k (ties kept) -> top-p (smallest set
+    whose mass reaches p, at least one token) -> softmax -> exponential race: argmax(probs / q),
+    q ~ Exp(1) drawn from the row's generator
+
+Log-probabilities are those of the model's unmodified distribution (vLLM's default "raw" mode):
+the sampled token's and the top-k alternatives'. Everything the host needs (chosen ids, and for
+rows that ask, their logprobs, ranks and top-k) is packed into one float64 tensor (ids are exact
+below 2**53, float32 values exact in float64) and copied once.
+
+`Sampler` owns the per-request penalty state across steps (`PenaltyCounts`); `reference_sample`
+is the plain per-row spec the tests compare it with.
 """
 
 from __future__ import annotations
@@ -15,56 +32,252 @@ from forkpoint.outputs import Logprob
 from forkpoint.sampling_params import SamplingParams
 
 
+def _on(device: torch.device, values: Sequence, dtype: torch.dtype) -> torch.Tensor:
+    """`values` as a tensor on `device`, copied without a host synchronisation (`torch.tensor(...,
+    device=cuda)` would wait for the queued forward)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class SampledToken:
     token_id: int
     logprobs: dict[int, Logprob] | None
 
 
+@dataclass(frozen=True)
+class SamplingRow:
+    """One logits row of a step: whose it is and how to sample it.
+
+    key: the sequence's request id (keys its penalty state across steps); prompt_token_ids /
+    output_token_ids: its tokens so far (read only to build penalty state, once per request).
+    """
+
+    key: str
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+
+
+class PenaltyCounts:
+    """Per-request token statistics on the device for the rows with penalties.
+
+    counts: [capacity, V] int32, times each token was generated; seen: [capacity, V] bool, tokens
+    of the prompt. A request gets a row the first time it is sampled with penalties (built from its
+    history: one host-to-device copy per request), then each sampled token is added on the device.
+    Invariant: `rows` keys are live requests (the owner calls `free` when one ends), and
+    `counted[key] == len(output_token_ids)` between steps (else the row is rebuilt).
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
+        self.seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self.rows: dict[str, int] = {}
+        self.counted: dict[str, int] = {}
+        self._free_rows: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def row_indices(self, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Rows of `rows` in the state (allocated or rebuilt when stale), as a device index."""
+        indices = []
+        for row in rows:
+            index = self.rows.get(row.key)
+            if index is None:
+                index = self._allocate(row.key)
+                self._build(index, row)
+            elif self.counted[row.key] != len(row.output_token_ids):
+                self._build(index, row)
+            indices.append(index)
+        return _on(self.device, indices, torch.long)
+
+    def record(self, keys: Sequence[str], indices: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Count the sampled `token_ids` ([len(keys)] on the device) for these rows."""
+        flat = indices * self.vocab_size + token_ids
+        self.counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        for key in keys:
+            self.counted[key] += 1
+
+    def free(self, key: str) -> None:
+        """Forget a finished or aborted request (unknown keys are ignored)."""
+        index = self.rows.pop(key, None)
+        if index is not None:
+            del self.counted[key]
+            self._free_rows.append(index)
+
+    def check_integrity(self, live_keys: set[str]) -> None:
+        """Every row belongs to a live request and rows are unique; raises AssertionError."""
+        leaked = set(self.rows) - live_keys
+        if leaked:
+            raise AssertionError(f"penalty state kept for requests that have ended: {sorted(leaked)[:5]}")
+        used = list(self.rows.values())
+        if len(set(used)) != len(used) or set(used) & set(self._free_rows):
+            raise AssertionError("a penalty row has two owners")
+        if len(used) + len(self._free_rows) != self.counts.shape[0]:
+            raise AssertionError("penalty rows leaked")
+
+    def _allocate(self, key: str) -> int:
+        if not self._free_rows:
+            old = self.counts.shape[0]
+            grown = max(4, 2 * old)
+            counts = torch.zeros(grown, self.vocab_size, dtype=torch.int32, device=self.device)
+            seen = torch.zeros(grown, self.vocab_size, dtype=torch.bool, device=self.device)
+            counts[:old] = self.counts
+            seen[:old] = self.seen
+            self.counts, self.seen = counts, seen
+            self._free_rows.extend(range(grown - 1, old - 1, -1))
+        index = self._free_rows.pop()
+        self.rows[key] = index
+        return index
+
+    def _build(self, index: int, row: SamplingRow) -> None:
+        vocab = self.vocab_size
+        prompt = torch.tensor([t for t in row.prompt_token_ids if t < vocab], dtype=torch.long)
+        output = torch.tensor([t for t in row.output_token_ids if t < vocab], dtype=torch.long)
+        self.seen[index] = False
+        self.seen[index, prompt.to(self.device, non_blocking=True)] = True
+        self.counts[index] = torch.bincount(output, minlength=vocab).to(self.device, torch.int32, non_blocking=True)
+        self.counted[row.key] = len(row.output_token_ids)
+
+
+class Sampler:
+    """The engine's sampler. It keeps per-request penalty counts across steps: the engine calls
+    `free(request_id)` whenever a sequence finishes or is aborted, and `check_integrity(live ids)`."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.penalties = PenaltyCounts(vocab_size, device)
+
+    def free(self, key: str) -> None:
+        self.penalties.free(key)
+
+    def check_integrity(self, live_keys: set[str]) -> None:
+        self.penalties.check_integrity(live_keys)
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+        """logits: [R, V] float32 (one row per entry of `rows`) -> one token per row."""
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
+        if not rows:
+            return []
+        raw = logits
+        # logits processors (logit_bias, allowed_token_ids, bad_words, min_tokens, grammar bitmasks)
+        # apply here, once, to a copy: `logits = apply_logits_processors(logits, rows)`
+        params = [row.params for row in rows]
+        device = logits.device
+        penalised = [i for i, p in enumerate(params) if p.has_penalties]
+        counted: tuple[list[str], torch.Tensor, torch.Tensor] | None = None
+        if penalised:
+            index = _on(device, penalised, torch.long)
+            state_rows = self.penalties.row_indices([rows[i] for i in penalised])
+            counts = self.penalties.counts.index_select(0, state_rows)
+            seen = self.penalties.seen.index_select(0, state_rows) | (counts > 0)
+            logits = logits.clone()
+            logits.index_copy_(0, index, _penalise(logits.index_select(0, index), [params[i] for i in penalised],
+                                                   counts, seen))
+            counted = ([rows[i].key for i in penalised], index, state_rows)
+        chosen = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            index = _on(device, random_rows, torch.long)
+            drawn = _sample_random(logits.index_select(0, index), [params[i] for i in random_rows],
+                                   [rows[i].generator for i in random_rows])
+            chosen = chosen.index_copy(0, index, drawn)
+        if counted is not None:
+            keys, index, state_rows = counted
+            self.penalties.record(keys, state_rows, chosen.index_select(0, index))
+        return _to_host(raw, chosen, params)
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None],
            histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None) -> list[SampledToken]:
-    """logits: [R, vocab] float32; one SamplingParams and generator per row; histories[row] =
-    (prompt ids, output ids so far), needed only by rows with penalties.
+    """One-off sampling without state across calls: logits [R, V]; one SamplingParams and
+    generator per row; histories[row] = (prompt ids, output ids so far), needed only by rows with
+    penalties (their counts are built from it). Same results as `Sampler.sample`."""
+    if histories is None and any(p.has_penalties for p in params):
+        raise ValueError("penalties need the token histories of their rows")
+    rows = [SamplingRow(str(i), p, g, *(histories[i] if histories is not None else ((), ())))
+            for i, (p, g) in enumerate(zip(params, generators))]
+    return Sampler(logits.shape[-1], logits.device).sample(logits, rows)
 
-    Log-probabilities of all rows that ask for them come from one log_softmax and one top-k over
-    those rows, and reach the host with the chosen ids: a fixed number of device-to-host copies
-    per step, whatever R is."""
-    if logits.shape[0] == 0:
-        return []
-    raw = logits
-    penalised = [row for row, p in enumerate(params) if p.has_penalties]
-    if penalised:
-        if histories is None:
-            raise ValueError("penalties need the token histories of their rows")
-        logits = logits.clone()
-        for row in penalised:
-            logits[row] = apply_penalties(logits[row], params[row], *histories[row])
-    chosen = logits.argmax(dim=-1)
-    for row, p in enumerate(params):
-        if not p.greedy:
-            chosen[row] = _sample_row(logits[row], p, generators[row])
-    logits = raw  # log-probabilities are those of the unmodified distribution
-    rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+
+def _penalise(logits: torch.Tensor, params: Sequence[SamplingParams], counts: torch.Tensor,
+              seen: torch.Tensor) -> torch.Tensor:
+    """logits, counts: [P, V]; seen: [P, V] bool (prompt or output) -> penalised logits."""
+    device, dtype = logits.device, logits.dtype
+    repetition = _on(device, [p.repetition_penalty for p in params], dtype)[:, None]
+    frequency = _on(device, [p.frequency_penalty for p in params], dtype)[:, None]
+    presence = _on(device, [p.presence_penalty for p in params], dtype)[:, None]
+    scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, scaled, logits)
+    counts = counts.to(dtype)
+    return logits - (frequency * counts + presence * (counts > 0).to(dtype))
+
+
+def _sample_random(logits: torch.Tensor, params: Sequence[SamplingParams],
+                   generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """logits: [S, V] (penalised) -> [S] sampled ids, by vLLM's filters and exponential race."""
+    device, dtype = logits.device, logits.dtype
+    vocab = logits.shape[-1]
+    temperature = _on(device, [p.temperature for p in params], dtype)[:, None]
+    logits = logits / temperature
+    if any(p.min_p > 0.0 for p in params):
+        min_p = _on(device, [p.min_p for p in params], dtype)[:, None]
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if any(k < vocab for k in top_k) or any(p.top_p < 1.0 for p in params):
+        ordered, order = logits.sort(dim=-1)  # ascending
+        kth = _on(device, [vocab - k for k in top_k], torch.long)[:, None]
+        ordered = ordered.masked_fill(ordered < ordered.gather(1, kth), float("-inf"))
+        top_p = _on(device, [p.top_p for p in params], dtype)[:, None]
+        below = torch.softmax(ordered, dim=-1).cumsum(dim=-1) <= 1.0 - top_p
+        below[:, -1] = False
+        ordered = ordered.masked_fill(below, float("-inf"))
+        logits = ordered.scatter(1, order, ordered)
+    probs = torch.softmax(logits, dim=-1)
+    race = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        race.exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            race[row].exponential_(generator=generator)
+    return probs.div_(race).argmax(dim=-1)
+
+
+def _to_host(raw: torch.Tensor, chosen: torch.Tensor, params: Sequence[SamplingParams]) -> list[SampledToken]:
+    """Chosen ids and the raw distribution's logprobs, through one device-to-host copy."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return [SampledToken(token_id, None) for token_id in chosen.tolist()]
-    index = torch.tensor(rows, device=logits.device)
-    logprobs = torch.log_softmax(logits.index_select(0, index), dim=-1)
-    top_k = max(params[row].logprobs for row in rows)
-    top_values, top_ids = torch.topk(logprobs, top_k, dim=-1)
+    index = _on(raw.device, rows, torch.long)
+    logprobs = torch.log_softmax(raw.index_select(0, index), dim=-1)
+    k = max(params[i].logprobs for i in rows)
+    top_values, top_ids = torch.topk(logprobs, k, dim=-1)
     chosen_values = logprobs.gather(1, chosen.index_select(0, index)[:, None])
-    chosen_ranks = (logprobs > chosen_values).sum(dim=-1) + 1
-    chosen_host = chosen.tolist()
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    chosen_values, chosen_ranks = chosen_values[:, 0].tolist(), chosen_ranks.tolist()
+    ranks = (logprobs > chosen_values).sum(dim=-1, keepdim=True) + 1
+    packed = torch.cat([chosen.double(), torch.cat(
+        [chosen_values.double(), ranks.double(), top_values.double(), top_ids.double()], dim=1).flatten()])
+    host = packed.tolist()
+    num_rows = len(params)
+    chosen_host = [int(t) for t in host[:num_rows]]
+    width = 2 + 2 * k
     entries: dict[int, dict[int, Logprob]] = {}
     for i, row in enumerate(rows):
-        k = params[row].logprobs
-        entry = {token: Logprob(value, rank + 1) for rank, (token, value) in
-                 enumerate(zip(top_ids[i][:k], top_values[i][:k]))}
-        entry[chosen_host[row]] = Logprob(chosen_values[i], chosen_ranks[i])
+        block = host[num_rows + i * width: num_rows + (i + 1) * width]
+        values, ids = block[2: 2 + k], block[2 + k:]
+        count = params[row].logprobs
+        entry = {int(token): Logprob(value, rank + 1) for rank, (token, value) in
+                 enumerate(zip(ids[:count], values[:count]))}
+        entry[chosen_host[row]] = Logprob(block[0], int(block[1]))
         entries[row] = entry
     return [SampledToken(token_id, entries.get(row)) for row, token_id in enumerate(chosen_host)]
+
+
+# ---------------------------------------------------------------------------------------- reference
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
@@ -84,19 +297,37 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Se
     return out
 
 
-def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """logits: [vocab] -> scalar token id tensor."""
+def reference_sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+    """The spec of `Sampler.sample`, one row at a time in plain PyTorch (tests compare the two).
+    Draws from each row's generator exactly as the vectorised pass does, so seeded rows agree."""
+    out = []
+    for raw, row in zip(logits, rows):
+        p = row.params
+        scores = apply_penalties(raw, p, row.prompt_token_ids, row.output_token_ids) if p.has_penalties else raw
+        token = int(scores.argmax()) if p.greedy else _reference_draw(scores, p, row.generator)
+        entry = None
+        if p.logprobs is not None:
+            logprobs = torch.log_softmax(raw, dim=-1)
+            order = sorted(range(raw.numel()), key=lambda t: -float(logprobs[t]))
+            entry = {t: Logprob(float(logprobs[t]), rank + 1) for rank, t in enumerate(order[: p.logprobs])}
+            entry[token] = Logprob(float(logprobs[token]), int((logprobs > logprobs[token]).sum()) + 1)
+        out.append(SampledToken(token, entry))
+    return out
+
+
+def _reference_draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     scores = logits / params.temperature
-    if params.top_k > 0 and params.top_k < scores.numel():
-        threshold = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < threshold, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
     if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    vocab = scores.numel()
+    if 0 < params.top_k < vocab:
+        scores = scores.masked_fill(scores < scores.sort().values[vocab - params.top_k], float("-inf"))
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = sorted_probs.cumsum(-1)
-        drop = cumulative - sorted_probs > params.top_p * cumulative[-1]
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator)[0]
+        ordered, order = scores.sort()
+        below = torch.softmax(ordered, dim=-1).cumsum(dim=-1) <= 1.0 - params.top_p  # mass above >= top_p
+        below[-1] = False
+        scores = scores.scatter(0, order[below], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / race).argmax())

@@ -1,7 +1,10 @@
 """The FastAPI app of the OpenAI-compatible server: `build_app(llm, config)`.
 
 One process, one engine thread (`EngineWorker`, started and stopped with the app's lifespan);
-handlers run on the event loop and never touch the engine directly.
+handlers run on the event loop and never touch the engine directly. Tokenisation and prompt
+building run in one tokenizer thread (HF tokenizers are not safe for concurrent use), request bodies
+over --max-request-bytes are refused before they are read (`limits.RequestSizeLimit`), and the
+lifespan logs a start-up summary and a periodic stats line (`stats.py`).
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
 POST /tokenize, POST /detokenize, GET /metrics (Prometheus text format).
@@ -10,6 +13,9 @@ POST /tokenize, POST /detokenize, GET /metrics (Prometheus text format).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,26 +23,32 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import Scope
 
 from forkpoint.inputs.markers import validate_token_ids
 from forkpoint.llm import LLM
 from forkpoint.server.config import ServerConfig
-from forkpoint.server.errors import install_error_handlers, invalid_request
+from forkpoint.server.errors import RequestTooLarge, install_error_handlers, invalid_request, log_error_response
 from forkpoint.server.generation import Admission
+from forkpoint.server.limits import RequestSizeLimit, default_max_request_bytes
 from forkpoint.server.metrics import ServerMetrics
 from forkpoint.server.prompts import PromptBuilder
 from forkpoint.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from forkpoint.server.serving import OpenAIServing
+from forkpoint.server.stats import log_stats_forever, startup_summary
 from forkpoint.server.worker import EngineWorker
+
+logger = logging.getLogger("forkpoint.server")
 
 # paths whose failures count in forkpoint_requests_total, with their endpoint label
 GENERATION_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-ERROR_OUTCOMES = {400: "invalid_request", 422: "invalid_request", 503: "rejected"}
+ERROR_OUTCOMES = {400: "invalid_request", 413: "invalid_request", 422: "invalid_request", 503: "rejected"}
 
 
-def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
+def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = None) -> FastAPI:
     """An app serving `llm`. It takes over `llm.engine`: from the app's startup to its shutdown
     only the app's engine thread may use it (`app.state.worker.call(fn)` runs `fn(engine)` there).
+    load_time_s: how long building `llm` took, for the start-up summary.
     """
     engine = llm.engine
     worker = EngineWorker(engine)
@@ -44,34 +56,59 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(worker.metrics_snapshot, lambda: admission.waiting, lambda: admission.running,
                             endpoints=tuple(GENERATION_ENDPOINTS.values()))
     tokenizer = llm.get_tokenizer()
+    takes_images = engine.images.processor is not None
+    tokenizer_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="forkpoint-tokenizer")
     prompts = PromptBuilder(
         tokenizer, checkpoint_token=engine.config.checkpoint_token, checkpoint_token_id=llm.checkpoint_token_id,
         max_checkpoints=engine.config.max_checkpoints_per_request, policy=config.marker_policy,
-        images=engine.images if engine.images.processor is not None else None,
+        images=engine.images if takes_images else None, executor=tokenizer_thread,
     )
+    max_request_bytes = (config.max_request_bytes if config.max_request_bytes is not None else
+                         default_max_request_bytes(tokenizer, engine.max_model_len, takes_images=takes_images))
     serving = OpenAIServing(model_name=config.served_model_name, max_model_len=engine.max_model_len,
                             prompts=prompts, worker=worker, admission=admission, metrics=metrics)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        for line in startup_summary(llm, config, max_request_bytes, load_time_s):
+            logger.info("%s", line)
         worker.start()
+        stats = (asyncio.create_task(log_stats_forever(worker.metrics_snapshot, config.log_stats_interval_s))
+                 if config.log_stats else None)
         try:
             yield
         finally:
+            if stats is not None:
+                stats.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await stats
             await asyncio.to_thread(worker.shutdown, config.shutdown_timeout_s)
+            tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="forkpoint", summary="OpenAI-compatible server with prefix checkpoints", lifespan=lifespan)
     app.state.worker = worker
     app.state.metrics = metrics
     app.state.config = config
+    app.state.max_request_bytes = max_request_bytes
 
     def on_error(request: Request, status: int) -> None:
         endpoint = GENERATION_ENDPOINTS.get(request.url.path)
         if endpoint is not None:
             metrics.count(endpoint, ERROR_OUTCOMES.get(status, "error"))
 
+    def on_too_large(scope: Scope, message: str, answered_here: bool) -> None:
+        """A body over the limit; when the middleware answers it (Content-Length), log and count it
+        here: otherwise the error handlers do."""
+        if not answered_here:
+            return
+        endpoint = GENERATION_ENDPOINTS.get(scope["path"])
+        if endpoint is not None:
+            metrics.count(endpoint, "invalid_request")
+        log_error_response(scope["method"], scope["path"], 413, RequestTooLarge(message).body())
+
     install_error_handlers(app, on_error)
+    app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes, on_reject=on_too_large)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -101,7 +138,7 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
         the markers and flags stand for: send both back as a token-id prompt for the same effect."""
         serving.check_model(body.model)
         if body.prompt is not None:
-            prompt = prompts.from_text(body.prompt)
+            prompt = await prompts.run(prompts.from_text, body.prompt)
         else:
             prompt = await prompts.from_messages_async(body.messages, add_generation_prompt=body.add_generation_prompt,
                                                        template_kwargs=body.chat_template_kwargs)
@@ -115,7 +152,7 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
             validate_token_ids(body.tokens, len(tokenizer))
         except ValueError as err:
             raise invalid_request(str(err), param="tokens") from None
-        return {"prompt": tokenizer.decode(body.tokens)}
+        return {"prompt": await prompts.run(tokenizer.decode, body.tokens)}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -29,6 +29,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from forkpoint.server.engine_args import engine_kwargs
+
 SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "ze", "po", "qua", "dre", "fin", "gor", "hul", "jex")
 
 
@@ -261,8 +263,6 @@ def plot(summaries: list[RunSummary], p: int, s: int, path: Path, title: str) ->
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from forkpoint.server.cli import engine_kwargs
-
     ns = [int(x) for x in args.n.split(",") if x.strip()]
     if not ns or min(ns) < 1 or args.anchor_tokens < 1 or args.suffix_tokens < 1 or args.groups < 1:
         raise ValueError("--n values, --anchor-tokens, --suffix-tokens and --groups must be >= 1")

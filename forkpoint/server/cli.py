@@ -16,69 +16,10 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
+from forkpoint.server.bench_cli import add_bench_args, run_bench
 from forkpoint.server.config import DEFAULT_MODEL_NAME, MarkerPolicy, ServerConfig
-
-
-def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, title: str = "engine") -> None:
-    """The engine options (the keyword arguments of `LLM`)."""
-    group = parser.add_argument_group(title)
-    model_help = "local Hugging Face model directory (default: the embedded random-weight Qwen3.5-MoE model)"
-    if positional_model:
-        parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help=model_help)
-    else:
-        group.add_argument("--model", default=None, help=model_help)
-    group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                       help="weights and activations dtype; auto is float32 on CPU, bfloat16 on CUDA (default: auto)")
-    group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
-    group.add_argument("--seed", type=int, default=0, help="seed of weights for --load-format dummy and of sampling "
-                                                           "without a request seed (default: 0)")
-    group.add_argument("--max-model-len", type=int, default=None,
-                       help="longest prompt plus output in tokens (default: the model's max_position_embeddings)")
-    group.add_argument("--max-num-seqs", type=int, default=256, help="most sequences per step (default: 256)")
-    group.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                       help="most tokens per step (default: 8192)")
-    group.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default: 16)")
-    group.add_argument("--checkpoint-token", default="<|mamba_checkpoint|>",
-                       help="the checkpoint marker string (default: <|mamba_checkpoint|>)")
-    group.add_argument("--no-checkpoints", action="store_true",
-                       help="disable checkpoints: markers and checkpoint controls are ignored, nothing is reused")
-    group.add_argument("--max-checkpoints-per-request", type=int, default=4,
-                       help="most checkpoints one prompt may carry (default: 4)")
-    group.add_argument("--auto-checkpoints", action=argparse.BooleanOptionalAction, default=True,
-                       help="let the engine checkpoint shared prefixes, junctions, prompt ends and turn ends "
-                            "without markers (default: on)")
-    group.add_argument("--checkpoint-host-bytes", type=int, default=0,
-                       help="bytes of host memory that checkpoints evicted from the device spill to and return "
-                            "from on a hit (default: 0, no host tier)")
-    group.add_argument("--checkpoint-exact", action="store_true",
-                       help="GPU: keep checkpoint states at scan-chunk boundaries so consumers' bf16 results are "
-                            "bit-identical to a run without checkpoints (recomputes up to 63 tokens per consumer)")
-    group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
-                       help="auto/safetensors read the weights; dummy builds seeded random weights from "
-                            "config.json alone (default: auto)")
-    group.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                       help="split the model over N ranks, one process each: GPUs 0..N-1 (NCCL) or the CPU "
-                            "(gloo); Qwen3.5 / Qwen3-Next text models (default: 1)")
-    group.add_argument("--enforce-eager", action="store_true",
-                       help="run every step eagerly: no CUDA graphs of the forward's token-wise parts "
-                            "(faster start-up, slower small steps; CUDA only)")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """`LLM(**engine_kwargs(args))`."""
-    return dict(
-        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, seed=args.seed,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        enable_checkpoints=not args.no_checkpoints, checkpoint_token=args.checkpoint_token,
-        max_checkpoints_per_request=args.max_checkpoints_per_request, load_format=args.load_format,
-        enforce_eager=args.enforce_eager, auto_checkpoints=args.auto_checkpoints,
-        checkpoint_host_bytes=args.checkpoint_host_bytes, checkpoint_exact=args.checkpoint_exact,
-        tensor_parallel_size=args.tensor_parallel_size,
-    )
+from forkpoint.server.engine_args import add_engine_args, engine_kwargs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout_s,
                       help="seconds in-flight requests get to finish on shutdown before they are aborted "
                            f"(default: {ServerConfig.shutdown_timeout_s:g})")
+    http.add_argument("--max-request-bytes", type=int, default=None,
+                      help="request bodies above this many bytes get 413 before they are read (default: enough "
+                           "for any one prompt that fits --max-model-len, written with the worst JSON escaping)")
+    http.add_argument("--disable-log-stats", action="store_true",
+                      help="no periodic stats line (throughput, queues, pools, checkpoint reuse) in the log")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                       help="log level (default: info)")
     serve.set_defaults(func=run_serve)
@@ -122,8 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--chat", action="store_true",
                           help="send each prompt as a user message through the chat template")
     generate.set_defaults(func=run_generate)
-
-    from forkpoint.server.bench_cli import add_bench_args, run_bench
 
     bench = commands.add_parser("bench", help="benchmark 1-to-N prefix sharing, checkpoints on vs off",
                                 description="Run the 1-to-N workload (an anchor, a marker, N suffixes) offline or "
@@ -144,10 +88,12 @@ def run_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         served_model_name=args.served_model_name or _model_name(args.model),
         max_waiting_requests=args.max_waiting_requests, marker_policy=MarkerPolicy(args.marker_in_user_content),
-        shutdown_timeout_s=args.shutdown_timeout,
+        shutdown_timeout_s=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
+        log_stats=not args.disable_log_stats,
     )
+    start = time.perf_counter()
     llm = LLM(**engine_kwargs(args))
-    app = build_app(llm, config)
+    app = build_app(llm, config, load_time_s=time.perf_counter() - start)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.shutdown_timeout)
     return 0

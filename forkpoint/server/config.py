@@ -10,7 +10,7 @@ from dataclasses import dataclass
 DEFAULT_MODEL_NAME = "forkpoint-default"
 
 
-class MarkerPolicy(str, enum.Enum):
+class MarkerPolicy(enum.StrEnum):
     """What the server does with the checkpoint marker string when it arrives inside client text
     (message content or a completion prompt, as text or as the marker's token id).
 
@@ -36,6 +36,11 @@ class ServerConfig:
     marker_policy: see `MarkerPolicy`.
     shutdown_timeout_s: on shutdown, in-flight requests get this long to finish before they
         are aborted.
+    max_request_bytes: request bodies above this get 413 before they are read (vLLM's
+        --max-request-bytes); None: enough for any one prompt that fits max_model_len
+        (`limits.default_max_request_bytes`).
+    log_stats / log_stats_interval_s: log a stats line (throughput, queues, pools, checkpoint
+        reuse) every interval while the engine is busy.
     """
 
     served_model_name: str = DEFAULT_MODEL_NAME
@@ -43,6 +48,9 @@ class ServerConfig:
     retry_after_s: int = 1
     marker_policy: MarkerPolicy = MarkerPolicy.ALLOW
     shutdown_timeout_s: float = 10.0
+    max_request_bytes: int | None = None
+    log_stats: bool = True
+    log_stats_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -53,4 +61,8 @@ class ServerConfig:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        if self.max_request_bytes is not None and self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.log_stats_interval_s <= 0:
+            raise ValueError(f"log_stats_interval_s must be > 0, got {self.log_stats_interval_s}")
         object.__setattr__(self, "marker_policy", MarkerPolicy(self.marker_policy))

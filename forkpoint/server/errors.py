@@ -48,6 +48,16 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+class RequestTooLarge(StarletteHTTPException):
+    """The request body is over --max-request-bytes (raised while it is read; answered 413)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(413, detail=message)
+
+    def body(self) -> dict:
+        return error_body(str(self.detail), "invalid_request_error", code="request_too_large")
+
+
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
     """The OpenAI error envelope."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
@@ -84,35 +94,42 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return message, param
 
 
+def log_error_response(method: str, path: str, status: int, body: dict) -> None:
+    """One log line per error answer, with its reason: INFO for 4xx, ERROR for 5xx."""
+    error = body["error"]
+    param = f" (param {error['param']})" if error.get("param") else ""
+    logger.log(logging.ERROR if status >= 500 else logging.INFO, "%s %s -> %d %s%s: %s", method, path, status,
+               error["type"], param, error["message"])
+
+
 def install_error_handlers(app: FastAPI, on_error: Callable[[Request, int], None]) -> None:
     """Route every exception type the app can raise to an OpenAI error body; `on_error(request,
-    status)` is told about each one (for the outcome metrics)."""
+    status)` is told about each one (for the outcome metrics), and each is logged with its reason."""
+
+    def answer(request: Request, status: int, body: dict, headers: dict[str, str] | None = None) -> JSONResponse:
+        on_error(request, status)
+        log_error_response(request.method, request.url.path, status, body)
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        on_error(request, exc.status)
-        return exc.response()
+        return answer(request, exc.status, exc.body(), exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        on_error(request, 400)
         message, param = _validation_message(exc)
-        return invalid_request(message, param=param).response()
+        return answer(request, 400, invalid_request(message, param=param).body())
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        on_error(request, exc.status_code)
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(
-            error_body(str(exc.detail), kind, code=str(exc.status_code)),
-            status_code=exc.status_code, headers=getattr(exc, "headers", None),
-        )
+        if isinstance(exc, RequestTooLarge):
+            body = exc.body()
+        else:
+            kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+            body = error_body(str(exc.detail), kind, code=str(exc.status_code))
+        return answer(request, exc.status_code, body, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error while serving a request")
-        on_error(request, 500)
-        return JSONResponse(
-            error_body(f"internal server error: {type(exc).__name__}: {exc}", "server_error"),
-            status_code=500,
-        )
+        return answer(request, 500, error_body(f"internal server error: {type(exc).__name__}: {exc}", "server_error"))

@@ -15,16 +15,17 @@ Where the marker can come from, and what the policy (`MarkerPolicy`) does to it:
 Images (chat `image_url` parts with data URLs, multimodal models): decoded here, their
 placeholders expanded before the markers are removed, so positions count image tokens as the
 engine does; the engine receives the expanded ids with the decoded images (`multi_modal_data`).
-The handlers call `from_messages_async`, which decodes the images (base64, PIL decoding, RGB
-conversion, content hash: tens of milliseconds for a large photograph) in a worker thread, so one
-request's images never stall the event loop that streams every other request's tokens; rendering
-and tokenising stay on the loop (cheap next to decoding an image).
+The handlers build prompts through `run` (and `from_messages_async`), in the server's tokenizer
+thread: rendering, tokenising (seconds for a prompt of megabytes) and decoding images never stall
+the event loop that streams every other request's tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import concurrent.futures
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +73,9 @@ class PromptBuilder:
         max_checkpoints: int,
         policy: MarkerPolicy,
         images: ImagePromptProcessor | None = None,
+        executor: concurrent.futures.Executor | None = None,
     ) -> None:
+        self.executor = executor  # where `run` builds prompts (None: asyncio's default thread pool)
         self.images = images  # the engine's image front end (None: image parts are a 400)
         self.tokenizer = tokenizer
         self.checkpoint_token = checkpoint_token
@@ -110,13 +113,15 @@ class PromptBuilder:
             return self._parse(token_ids, None, "messages")
         return self._with_images(token_ids, self._load_images(sources))
 
+    async def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` in the executor, off the event loop (for the tokenizer's work)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
     async def from_messages_async(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
                                   template_kwargs: dict[str, Any] | None = None) -> EnginePrompt:
-        """`from_messages` for the event loop: the images are decoded in a worker thread."""
-        token_ids, sources = self._render(messages, add_generation_prompt, template_kwargs)
-        if not sources:
-            return self._parse(token_ids, None, "messages")
-        return self._with_images(token_ids, await asyncio.to_thread(self._load_images, sources))
+        """`from_messages` for the event loop: rendered, tokenised and its images decoded in the executor."""
+        return await self.run(self.from_messages, messages, add_generation_prompt=add_generation_prompt,
+                              template_kwargs=template_kwargs)
 
     def _render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
                 template_kwargs: dict[str, Any] | None) -> tuple[list[int], list[Any]]:

@@ -204,8 +204,9 @@ class OpenAIServing:
         self.check_model(body.model)
         prompt = body.prompt
         batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
-        prompts = [self.prompts.from_text(p, body.checkpoint_positions) if isinstance(p, str)
-                   else self.prompts.from_token_ids(p, body.checkpoint_positions) for p in batch]
+        prompts = await self.prompts.run(lambda: [
+            self.prompts.from_text(p, body.checkpoint_positions) if isinstance(p, str)
+            else self.prompts.from_token_ids(p, body.checkpoint_positions) for p in batch])
         max_tokens = self._max_tokens(body.max_tokens, prompts, "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS)
         params = self._sampling_params(body, max_tokens, body.logprobs)
         fmt = CompletionFormat(self.prompts.tokenizer, body.logprobs)

@@ -190,6 +190,8 @@ class EngineWorker:
             for request_id in command.request_ids:
                 if self._sinks.pop(request_id, None) is not None:
                     self._engine.abort_request(request_id)
+                    logger.info("request %s aborted (the client went away or the request was cancelled)",
+                                request_id)
         elif isinstance(command, _Call):
             try:
                 command.done.set_result(command.fn(self._engine))
@@ -259,6 +261,8 @@ class EngineWorker:
     def _fail_all(self, exc: BaseException) -> None:
         """Abort every request in flight and end its sink with `exc`."""
         sinks = set(self._sinks.values())
+        if self._sinks:
+            logger.warning("aborting %d request(s) in flight: %s", len(self._sinks), exc)
         for request_id in list(self._sinks):
             try:
                 self._engine.abort_request(request_id)

@@ -19,8 +19,10 @@ def _spec(conv_dim: int, width: int, heads: int, k: int, v: int) -> RecurrentSta
 def test_state_pool_takes_any_mixer_declaration():
     spec = RecurrentStateSpec((20, 3), torch.bfloat16, (4, 8, 6))  # Mamba2: [H, P, N]
     pool = StatePool(3, 2, 5, spec, torch.device("cpu"))
-    assert pool.conv_stack.shape == (5, 6, 20, 3) and pool.conv_stack.dtype == torch.bfloat16
-    assert pool.ssm_stack.shape == (5, 6, 4, 8, 6) and pool.ssm_stack.dtype == torch.float32
+    # rows: zero, 3 requests, 2 checkpoints, scratch
+    assert pool.conv_stack.shape == (5, 7, 20, 3) and pool.conv_stack.dtype == torch.bfloat16
+    assert pool.ssm_stack.shape == (5, 7, 4, 8, 6) and pool.ssm_stack.dtype == torch.float32
+    assert pool.scratch_slot == 6
     assert StatePool.bytes_per_slot(5, spec) == 5 * (20 * 3 * 2 + 4 * 8 * 6 * 4)
     pool.check_integrity()
 
@@ -35,6 +37,10 @@ def test_block_pool_refcounts_and_integrity():
     pool.release(a[:2])
     assert pool.num_free == 6
     pool.check_integrity({})
+    # the scratch block sits after the counted ones and is never handed out
+    assert pool.scratch_block == 6 and pool.k[0].shape[0] == 7
+    assert pool.scratch_block not in pool.allocate(6)
+    pool.release(list(range(6)))
     with pytest.raises(MemoryError):
         pool.allocate(7)
     with pytest.raises(RuntimeError, match="double free"):
@@ -56,8 +62,9 @@ def test_state_pool_slots_and_zero_row():
 
 def test_state_pool_layers_are_views_of_the_stacked_states():
     pool = StatePool(2, 1, 3, _spec(12, 4, 2, 4, 4), torch.device("cpu"))
-    assert pool.conv_stack.shape == (3, 4, 12, 3) and pool.ssm_stack.shape == (3, 4, 2, 4, 4)
-    assert StatePool.bytes_per_slot(3, _spec(12, 4, 2, 4, 4)) * 4 == (
+    # rows: zero, 2 requests, 1 checkpoint, scratch
+    assert pool.conv_stack.shape == (3, 5, 12, 3) and pool.ssm_stack.shape == (3, 5, 2, 4, 4)
+    assert StatePool.bytes_per_slot(3, _spec(12, 4, 2, 4, 4)) * 5 == (
         pool.conv_stack.numel() * 4 + pool.ssm_stack.numel() * 4)  # memory as with per-layer tensors
     for layer in range(3):
         assert pool.conv[layer].is_contiguous() and pool.ssm[layer].is_contiguous()
@@ -65,8 +72,8 @@ def test_state_pool_layers_are_views_of_the_stacked_states():
         pool.ssm[layer][2].fill_(layer + 5.0)
     # layer i's rows are rows i * S .. i * S + S - 1 of the flattened stacks
     flat_conv, flat_ssm = pool.conv_stack.flatten(0, 1), pool.ssm_stack.flatten(0, 1)
-    assert [flat_conv[i * 4 + 1, 0, 0].item() for i in range(3)] == [1.0, 2.0, 3.0]
-    assert [flat_ssm[i * 4 + 2, 0, 0, 0].item() for i in range(3)] == [5.0, 6.0, 7.0]
+    assert [flat_conv[i * 5 + 1, 0, 0].item() for i in range(3)] == [1.0, 2.0, 3.0]
+    assert [flat_ssm[i * 5 + 2, 0, 0, 0].item() for i in range(3)] == [5.0, 6.0, 7.0]
     pool.check_integrity()
     pool.conv_stack[2, 0, 5, 1] = 1.0  # layer 2's zero row, through the stack
     with pytest.raises(AssertionError, match="zero state row"):

@@ -89,7 +89,7 @@ def test_turns_by_token_ids_compute_only_their_new_tokens_plus_one(model_dir, pl
     conversation = random_ids(generator, 40)
     for turn in range(8):
         new = len(conversation) if turn == 0 else 7 + 1  # the last output token was never computed
-        outs, cost = computed(llm, lambda: llm.generate({"prompt_token_ids": conversation}, GREEDY, use_tqdm=False))
+        outs, cost = computed(llm, lambda c=conversation: llm.generate({"prompt_token_ids": c}, GREEDY, use_tqdm=False))
         assert cost == new, f"turn {turn}"
         assert_same_outputs(outs, plain.generate({"prompt_token_ids": conversation}, GREEDY, use_tqdm=False))
         conversation = conversation + outs[0].outputs[0].token_ids + random_ids(generator, 7)
@@ -105,7 +105,7 @@ def test_chat_turns_reuse_the_previous_turn(model_dir, plain):
     messages = [{"role": "system", "content": words(*range(30))}, {"role": "user", "content": words(40, 41, 42)}]
     previous = None
     for turn in range(4):
-        outs, cost = computed(llm, lambda: llm.chat(messages, params, use_tqdm=False))
+        outs, cost = computed(llm, lambda m=messages: llm.chat(m, params, use_tqdm=False))
         out = outs[0]
         if previous is not None:
             reused = previous.prompt_token_ids + previous.outputs[0].token_ids[:-1]

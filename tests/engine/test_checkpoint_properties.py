@@ -70,13 +70,14 @@ def render(spec: dict) -> str:
     spare_blocks=st.integers(1, 30),
     checkpoint_slots=st.integers(1, 4),
     fault_at=st.one_of(st.none(), st.integers(0, 10)),
+    auto_min_tokens=st.sampled_from([4, 12, 10_000]),  # 10_000: automatic checkpoints never placed
 )
 def test_outputs_always_equal_the_no_checkpoint_run(moe_model, reference, requests, budget, chunk_cap, block_size,
-                                                    spare_blocks, checkpoint_slots, fault_at):
+                                                    spare_blocks, checkpoint_slots, fault_at, auto_min_tokens):
     longest = max(len(ANCHORS[r["anchor"]]) + len(r["suffix"]) for r in requests) + PARAMS.max_tokens + 1
     llm = LLM(str(moe_model[0]), max_num_batched_tokens=budget, long_prefill_token_threshold=chunk_cap,
               block_size=block_size, num_kv_blocks=-(-longest // block_size) + spare_blocks,
-              checkpoint_pool_size=checkpoint_slots, max_num_seqs=4)
+              checkpoint_pool_size=checkpoint_slots, max_num_seqs=4, auto_checkpoint_min_tokens=auto_min_tokens)
     engine = llm.engine
     execute, calls = engine.runner.execute, []
 

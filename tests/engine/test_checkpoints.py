@@ -117,8 +117,8 @@ def test_nested_markers_token_ids_positions_and_chat(model_dir):
 
 @pytest.mark.parametrize("bad,match", [
     (f"{MARK} w1 w2", "position 0"),
-    ("w1 {m} {m} w2".format(m=MARK), "position 1"),
-    ("w1 {m} w2 {m} w3 {m} w4 {m} w5 {m} w6".format(m=MARK), "checkpoints"),
+    (f"w1 {MARK} {MARK} w2", "position 1"),
+    (f"w1 {MARK} w2 {MARK} w3 {MARK} w4 {MARK} w5 {MARK} w6", "checkpoints"),
     ({"prompt": "w1 w2 w3", "checkpoint_positions": [9]}, "entry 9 is beyond"),
 ])
 def test_bad_markers_raise_and_engine_still_serves(model_dir, bad, match):

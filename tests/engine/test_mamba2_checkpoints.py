@@ -52,16 +52,19 @@ def nemotron_reference(nemotron):
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(requests=st.lists(properties.request_strategy, min_size=1, max_size=5), budget=st.integers(6, 48),
        chunk_cap=st.one_of(st.none(), st.integers(4, 20)), block_size=st.sampled_from([4, 16]),
-       spare_blocks=st.integers(1, 20), checkpoint_slots=st.integers(1, 3))
+       spare_blocks=st.integers(1, 20), checkpoint_slots=st.integers(1, 3),
+       fault_at=st.one_of(st.none(), st.integers(0, 10)), auto_min_tokens=st.sampled_from([4, 12, 10_000]))
 def test_outputs_always_equal_the_no_checkpoint_run(nemotron, nemotron_reference, requests, budget, chunk_cap,
-                                                    block_size, spare_blocks, checkpoint_slots):
+                                                    block_size, spare_blocks, checkpoint_slots, fault_at,
+                                                    auto_min_tokens):
     properties.test_outputs_always_equal_the_no_checkpoint_run.hypothesis.inner_test(
-        nemotron, nemotron_reference, requests, budget, chunk_cap, block_size, spare_blocks, checkpoint_slots)
+        nemotron, nemotron_reference, requests, budget, chunk_cap, block_size, spare_blocks, checkpoint_slots,
+        fault_at, auto_min_tokens)
 
 
 def test_engine_state_pool_is_shaped_by_the_mamba2_declaration(nemotron):
     llm = LLM(str(nemotron[0]), num_kv_blocks=16, max_num_seqs=2, checkpoint_pool_size=3)
     pool = llm.engine.state_pool
-    assert pool.ssm_stack.shape == (2, 1 + 2 + 3, 8, 8, 16)  # [L, rows, H, P, N]
-    assert pool.conv_stack.shape == (2, 6, 64 + 2 * 2 * 16, 3)  # [L, rows, conv_dim, W-1]
+    assert pool.ssm_stack.shape == (2, 1 + 2 + 3 + 1, 8, 8, 16)  # [L, rows, H, P, N]; rows: zero, 2+3, scratch
+    assert pool.conv_stack.shape == (2, 7, 64 + 2 * 2 * 16, 3)  # [L, rows, conv_dim, W-1]
     llm.engine.check_integrity()

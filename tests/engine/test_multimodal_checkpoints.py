@@ -160,7 +160,8 @@ def one_image(image, text: str = f"{words(1)} {IMAGE} {words(2)}") -> dict:
 
 
 @pytest.mark.parametrize(("prompt", "message"), [
-    (one_image("data:image/png;base64," + base64.b64encode(b"not an image").decode()), "image 0: the data is not an image"),
+    (one_image("data:image/png;base64," + base64.b64encode(b"not an image").decode()),
+     "image 0: the data is not an image"),
     (one_image(png_bytes_truncated()), "image 0: the image data cannot be decoded"),
     (one_image("data:image/png;base64,@@@"), "base64 payload is invalid"),
     (one_image("data:image/svg+xml;base64,PHN2Zz48L3N2Zz4="), "unsupported image type 'image/svg\\+xml'"),

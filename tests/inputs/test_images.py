@@ -151,8 +151,10 @@ def test_mrope_positions_equal_transformers_get_rope_index():
     images = [image_of(2, 3), image_of(1, 1), image_of(4, 2)]
     ids = processor().expand([5, VS, PAD, VE, 5, 5, VS, PAD, VE, VS, PAD, VE, 5, 5, 5], images)
     placed = processor().place(ids, [], images)
-    fake = types.SimpleNamespace(config=types.SimpleNamespace(vision_config=types.SimpleNamespace(spatial_merge_size=2)),
-                                 get_vision_position_ids=lambda *a, **k: Qwen3_5Model.get_vision_position_ids(None, *a, **k))
+    vision_config = types.SimpleNamespace(spatial_merge_size=2)
+    fake = types.SimpleNamespace(config=types.SimpleNamespace(vision_config=vision_config),
+                                 get_vision_position_ids=lambda *a, **k: Qwen3_5Model.get_vision_position_ids(
+                                     None, *a, **k))
     input_ids = torch.tensor([ids])
     ref, delta = Qwen3_5Model.get_rope_index(fake, input_ids, (input_ids == PAD).int(),
                                              image_grid_thw=torch.tensor([i.grid_thw for i in images]))

@@ -181,6 +181,36 @@ def test_moe_combine_matches_torch(poison, t, e, top_k, hidden):
     ys = randn(gen, t * top_k, hidden, dtype=torch.bfloat16)
     check(f"moe_combine T={t} E={e} k={top_k} Hd={hidden}", grouped.moe_combine(ys, order, weights),
           _combine_torch(ys, order, weights), BF16_TOL)
+    # the shared expert and the residual in the same fp32 sum (residual as a strided view)
+    shared = randn(gen, t, hidden, dtype=torch.bfloat16)
+    shared_gate = randn(gen, t, 1, dtype=torch.bfloat16)
+    residual = randn(gen, t, hidden + 8, dtype=torch.bfloat16)[:, :hidden]
+    routed = _combine_torch(ys, order, weights).float()
+    expected = (routed + torch.sigmoid(shared_gate.float()) * shared.float() + residual.float()).bfloat16()
+    check(f"moe_combine+shared+residual T={t}", grouped.moe_combine(ys, order, weights, shared=shared,
+          shared_gate=shared_gate, residual=residual), expected, BF16_TOL)
+
+
+# ---------------------------------------------------------------- MoE router selection
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,e,top_k", [(1, 256, 8), (0, 256, 8), (333, 256, 8), (7, 60, 4), (5, 8, 2), (3, 4, 4)])
+def test_topk_softmax_matches_reference(poison, dtype, renormalize, t, e, top_k):
+    """Same probabilities selected (an id may differ only where the probabilities tie: bf16 logits
+    of 256 experts often do; the kernel gives the tie to the lower index), weights to rounding."""
+    grouped = pytest.importorskip("forkpoint.kernels.moe.grouped")
+    from forkpoint.kernels.moe import reference
+
+    gen = torch.Generator(device=DEV).manual_seed(t + e + top_k)
+    logits = randn(gen, t, e, dtype=dtype, scale=3.0)
+    weights, ids = grouped.topk_softmax(logits, top_k, renormalize, dtype)
+    ref_w, ref_ids = reference.topk_softmax(logits, top_k, renormalize, dtype)
+    assert ids.dtype == torch.long and ids.shape == ref_ids.shape
+    probs = torch.softmax(logits, -1, dtype=torch.float32)
+    assert ((ids == ref_ids) | (probs.gather(1, ids) == probs.gather(1, ref_ids))).all()
+    assert ((ids >= 0) & (ids < e)).all()
+    check(f"topk_softmax T={t} E={e} k={top_k} renorm={renormalize}", weights, ref_w, tol(dtype))
 
 
 # ---------------------------------------------------------------- dispatch and host syncs

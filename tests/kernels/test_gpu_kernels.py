@@ -349,6 +349,13 @@ def test_grouped_moe_matches_reference(poison, t, e, top_k, hidden, inter):
     y = grouped.fused_moe(x, gate_up, down, weights, ids)
     y_ref = reference.fused_moe(*_cpu(x, gate_up, down, weights, ids))
     check(f"moe_grouped T={t} E={e} k={top_k}", y, y_ref, 1e-2)
+    # with the shared expert's gated output and the residual added in the combine
+    shared, residual = (torch.randn(t, hidden, generator=gen, device=DEV).bfloat16() for _ in range(2))
+    shared_gate = torch.randn(t, 1, generator=gen, device=DEV).bfloat16()
+    extras = dict(shared=shared, shared_gate=shared_gate, residual=residual)
+    y = grouped.fused_moe(x, gate_up, down, weights, ids, **extras)
+    y_ref = reference.fused_moe(*_cpu(x, gate_up, down, weights, ids), **{k: v.cpu() for k, v in extras.items()})
+    check(f"moe_grouped+shared+residual T={t} E={e} k={top_k}", y, y_ref, 1e-2)
 
 
 # ---------------------------------------------------------------- dispatch and host syncs
@@ -363,6 +370,7 @@ def test_grouped_moe_matches_reference(poison, t, e, top_k, hidden, inter):
         ("conv1d", "triton", "causal_conv1d_step", 4),
         ("attention", "triton", "paged_attention", 8),
         ("moe", "grouped", "fused_moe", 5),
+        ("moe", "grouped", "topk_softmax", 4),
     ],
 )
 def test_dispatch_sends_cuda_tensors_to_gpu_variant(monkeypatch, op, variant, fn, nargs):
@@ -427,6 +435,7 @@ def test_paged_attention_and_moe_no_host_sync():
     def run():
         tri.paged_attention(q, kc, vc, bt, cu_dev, cu, sl_dev, seq_lens, scale=0.0625)
         grouped.fused_moe(x, gate_up, down, weights, ids)
+        grouped.topk_softmax(x[:, :8], 2, True, torch.bfloat16)
 
     run()
     _no_sync(run)

@@ -88,3 +88,21 @@ def test_rejects_expert_ids_out_of_range():
     inputs["topk_ids"][1, 0] = 8
     with pytest.raises(ValueError, match=r"\[0, 8\)"):
         fused_moe(**inputs)
+
+
+def test_topk_softmax_is_the_routers_softmax_top_k():
+    from forkpoint.kernels.moe import topk_softmax
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(9, 16, generator=gen)
+    probs = torch.softmax(logits, -1)
+    for renormalize in (True, False):
+        weights, ids = topk_softmax(logits, 4, renormalize, torch.float64)
+        expected_ids = probs.argsort(-1, descending=True)[:, :4]
+        assert torch.equal(ids, expected_ids) and weights.dtype == torch.float64
+        expected = probs.gather(1, expected_ids).double()
+        if renormalize:
+            expected = expected / expected.sum(-1, keepdim=True)
+        assert torch.allclose(weights, expected, rtol=1e-6)
+    with pytest.raises(ValueError, match="top_k"):
+        topk_softmax(logits, 17, True, torch.float32)

@@ -116,7 +116,8 @@ def test_bf16_cuda_logits_match_float32_cpu(model_dir):
         out = all_position_logits(gpu, token_ids)
         assert torch.isfinite(out).all()
         rel = ((out - ref).norm() / ref.norm()).item()
-        print(f"GPU_MODEL logits rel err (bf16 cuda vs fp32 cpu), {length} tokens: {rel:.3e} (tol {LOGITS_REL_TOL:.1e})")
+        print(f"GPU_MODEL logits rel err (bf16 cuda vs fp32 cpu), {length} tokens: {rel:.3e} "
+              f"(tol {LOGITS_REL_TOL:.1e})")
         assert rel <= LOGITS_REL_TOL
 
 
@@ -146,7 +147,8 @@ def test_checkpoint_path_matches_plain_path_on_cuda(model_dir):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5)
     # round 1: producer and consumers in one call (same-step pairing); round 2: the ready checkpoint
     with_marker = [{"prompt_token_ids": anchor + [marker] + s} for s in suffixes]
-    outs_on = on.generate(with_marker[:4], params, use_tqdm=False) + on.generate(with_marker[4:], params, use_tqdm=False)
+    outs_on = (on.generate(with_marker[:4], params, use_tqdm=False)
+               + on.generate(with_marker[4:], params, use_tqdm=False))
     outs_off = off.generate([{"prompt_token_ids": anchor + s} for s in suffixes], params, use_tqdm=False)
 
     assert [o.num_cached_tokens for o in outs_on] == [0] + [len(anchor)] * (len(suffixes) - 1)

@@ -34,7 +34,7 @@ def test_same_step_producer_and_consumers_form_two_phases(moe_model):
     assert (first.token_start, first.token_end, second.token_start, second.token_end) == (0, 13, 13, 19)
     # every new token's KV slot lies in its own sequence's block table
     for row, segment in enumerate(plan.ordered()):
-        lo, hi = batch.attention.cu_seqlens_q_host[row], batch.attention.cu_seqlens_q_host[row + 1]
+        lo = batch.attention.cu_seqlens_q_host[row]
         for offset, position in enumerate(range(segment.start, segment.end)):
             block = segment.block_table[position // 8]
             assert batch.attention.slot_mapping[lo + offset] == block * 8 + position % 8

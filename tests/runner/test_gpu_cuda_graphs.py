@@ -1,7 +1,8 @@
 """Piecewise CUDA graphs (runner/piecewise.py) against the eager forward, on CUDA (skipped without).
 
 Tiny random transformers-built Qwen3.5-MoE with the GPU kernels' head sizes (tests/models/
-test_gpu_model.py), text-only and with a vision tower, bfloat16. Graph and eager paths run the same kernels; they differ only where a
+test_gpu_model.py), text-only and with a vision tower, bfloat16. Graph and eager paths run the same kernels;
+they differ only where a
 graph computes on a padded bucket (GEMMs of another row count round differently), so logits agree
 to bf16 rounding and greedy tokens are identical. The graph path includes the per-step GDN core
 graph (captured after the first GDN layer, replayed for the others with their state row offset).

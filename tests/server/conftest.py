@@ -84,14 +84,15 @@ class RunningServer:
 
 
 @contextmanager
-def serve(llm: LLM, config: ServerConfig, graceful_timeout_s: float = 5) -> Iterator[RunningServer]:
+def serve(llm: LLM, config: ServerConfig, graceful_timeout_s: float = 5,
+          load_time_s: float | None = None) -> Iterator[RunningServer]:
     """Run `build_app(llm, config)` on a free 127.0.0.1 port until the block ends (or until the
     test sets `uvicorn_server.should_exit`); uvicorn waits `graceful_timeout_s` for open requests."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    app = build_app(llm, config)
+    app = build_app(llm, config, load_time_s=load_time_s)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful_timeout_s))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn-test", daemon=True)
     thread.start()

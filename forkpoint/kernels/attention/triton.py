@@ -62,7 +62,9 @@ def _attn_block(acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, stri
     return acc, l_i, m_new
 
 
-@triton.jit
+# stride_bt is the step's block-table width: not specialised (== 1, % 16), so steps of any width
+# share one compiled variant (runner/warmup.py cannot enumerate widths)
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attn_kernel(Q, Kc, Vc, O, block_tables, cu_q, seq_lens, qk_scale,
                        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                        stride_vb, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,

@@ -58,7 +58,7 @@ def chunk_indices(cu_seqlens_host: Sequence[int], chunk_size: int, device) -> to
     return _chunk_indices_cached(tuple(int(v) for v in cu_seqlens_host), int(chunk_size), torch.device(device))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NT"])  # the step's chunk count: one variant for any count
 def _varlen_kernel(x, w, b, s0, y, sT, cu_seqlens, chunk_idx, NT, D, stride_xt,
                    W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                    HAS_BIAS: tl.constexpr, SILU: tl.constexpr):

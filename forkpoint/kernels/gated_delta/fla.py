@@ -42,7 +42,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqle
         raise ValueError(f"initial_state has {initial_state.shape[0]} rows but cu_seqlens_host describes {n} "
                          "segments: pass one state row per segment")
     if initial_state.dtype != torch.float32:
-        raise ValueError(f"initial_state must be float32, got {initial_state.dtype}: the recurrent state is kept in fp32")
+        raise ValueError(f"initial_state must be float32, got {initial_state.dtype}: "
+                         "the recurrent state is kept in fp32")
     idx = chunk_indices(cu_seqlens_host, chunk_size, q.device)
     o, final_state = fla_chunk_gated_delta_rule(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
@@ -65,7 +66,8 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state, *, scale=None, u
     final_state [N, HV, K, V] fp32, a new tensor).
     """
     if initial_state.dtype != torch.float32:
-        raise ValueError(f"initial_state must be float32, got {initial_state.dtype}: the recurrent state is kept in fp32")
+        raise ValueError(f"initial_state must be float32, got {initial_state.dtype}: "
+                         "the recurrent state is kept in fp32")
     # [N, 1, ...]: batch of N sequences of one token each, no cu_seqlens needed.
     # fla's signature is (q, k, v, g, gk, gv, beta, ...): pass g and beta by name
     o, final_state = fla_fused_recurrent_gated_delta_rule(

@@ -1,5 +1,6 @@
-"""Routed experts: ``fused_moe``. ``reference.py`` is the spec; the GPU variant, ``grouped.py``
-(grouped GEMMs), has the same signature and is used for CUDA tensors when it imports."""
+"""Routed experts: ``topk_softmax`` (the router's selection) and ``fused_moe``. ``reference.py`` is
+the spec; the GPU variant, ``grouped.py`` (one Triton kernel for the selection, grouped GEMMs for
+the experts), has the same signatures and is used for CUDA tensors when it imports."""
 
 import functools
 
@@ -12,4 +13,9 @@ def fused_moe(x, *args, **kwargs):
     return select_variant("moe", "grouped", x.is_cuda).fused_moe(x, *args, **kwargs)
 
 
-__all__ = ["fused_moe"]
+@functools.wraps(reference.topk_softmax)
+def topk_softmax(logits, *args, **kwargs):
+    return select_variant("moe", "grouped", logits.is_cuda).topk_softmax(logits, *args, **kwargs)
+
+
+__all__ = ["fused_moe", "topk_softmax"]

@@ -1,6 +1,7 @@
 """Routed-expert MLP on CUDA through `torch._grouped_mm` and Triton (GPU variant of `reference.py`).
 
-Same signature and semantics as `forkpoint.kernels.moe.reference.fused_moe`. Two grouped GEMMs
+Same signatures and semantics as `forkpoint.kernels.moe.reference`. The router's selection
+(`topk_softmax`: softmax, top-k, renormalisation, cast) is one Triton kernel. Two grouped GEMMs
 for all experts at once (CUTLASS on Hopper), no Python loop over experts and no host sync: the
 per-expert row counts stay on the device and reach the GEMM as cumulative offsets.
 
@@ -31,7 +32,53 @@ if not hasattr(torch, "_grouped_mm"):
 
 
 @triton.jit
-def _combine_kernel(ys, pos, w, y, Hd, stride_w, K: tl.constexpr, BLOCK: tl.constexpr):
+def _topk_softmax_kernel(logits, w_out, ids_out, E, stride_l, K: tl.constexpr, BLOCK_E: tl.constexpr,
+                         BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """One token per program: softmax over its E logits (fp32), K rounds of argmax (the lowest
+    index wins a tie), the K probabilities divided by their sum when RENORMALIZE."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    x = tl.load(logits + t * stride_l + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    p = tl.where(cols < E, p, -1.0)                  # probabilities are >= 0: -1 marks "not available"
+    slots = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    top_i = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(K):
+        best = tl.max(p, 0)
+        index = tl.minimum(tl.min(tl.where(p == best, cols, BLOCK_E), 0), E - 1)  # in range even for NaN rows
+        top_w = tl.where(slots == j, best, top_w)
+        top_i = tl.where(slots == j, index, top_i)
+        p = tl.where(cols == index, -1.0, p)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(tl.where(slots < K, top_w, 0.0), 0)
+    tl.store(w_out + t * K + slots, top_w.to(w_out.dtype.element_ty), mask=slots < K)
+    tl.store(ids_out + t * K + slots, top_i.to(tl.int64), mask=slots < K)
+
+
+def topk_softmax(logits, top_k, renormalize, out_dtype):
+    """Same result as `reference.topk_softmax` (up to fp32 evaluation order, and ties: equal
+    probabilities go to the lowest expert index), one launch. logits: [T, E] (last dim contiguous)."""
+    if logits.dim() != 2 or not 0 < top_k <= logits.shape[1]:
+        raise ValueError(f"logits must be [T, E] with 0 < top_k <= E, got {tuple(logits.shape)} and top_k={top_k}")
+    num_tokens, num_experts = logits.shape
+    weights = torch.empty((num_tokens, top_k), dtype=out_dtype, device=logits.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.long, device=logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    block_e = triton.next_power_of_2(num_experts)
+    _topk_softmax_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0), K=top_k, BLOCK_E=block_e,
+                                        BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=bool(renormalize),
+                                        num_warps=4 if block_e <= 1024 else 8)
+    return weights, ids
+
+
+@triton.jit
+def _combine_kernel(ys, pos, w, y, shared, gate, residual, Hd, stride_w, stride_s, stride_g, stride_r,
+                    K: tl.constexpr, BLOCK: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < Hd
@@ -40,18 +87,41 @@ def _combine_kernel(ys, pos, w, y, Hd, stride_w, K: tl.constexpr, BLOCK: tl.cons
         row = tl.load(pos + t * K + j).to(tl.int64)
         w_j = tl.load(w + t * stride_w + j).to(tl.float32)
         acc += w_j * tl.load(ys + row * Hd + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_SHARED:
+        g = tl.load(gate + t * stride_g).to(tl.float32)
+        acc += tl.sigmoid(g) * tl.load(shared + t * stride_s + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        acc += tl.load(residual + t * stride_r + cols, mask=m, other=0.0).to(tl.float32)
     tl.store(y + t * Hd + cols, acc.to(y.dtype.element_ty), mask=m)
 
 
-def moe_combine(ys: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+def _rows(tensor: torch.Tensor | None, shape: tuple[int, int], name: str) -> torch.Tensor | None:
+    """`tensor` with contiguous rows of `shape` (None stays None); ValueError on another shape."""
+    if tensor is None:
+        return None
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} must be {list(shape)}, got {list(tensor.shape)}")
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+def moe_combine(ys: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor, *,
+                shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
     """ys: [T*k, Hd] expert outputs in sorted-route order (row p holds route order[p]);
     order: [T*k] long, a permutation of the routes t * k + j; topk_weights: [T, k] float.
-    Returns y [T, Hd] in ys.dtype with y[t] = sum_j w[t, j] * ys[row of route (t, j)], in fp32."""
+    Returns y [T, Hd] in ys.dtype with y[t] = sum_j w[t, j] * ys[row of route (t, j)], in fp32,
+    plus sigmoid(shared_gate[t]) * shared[t] (shared [T, Hd], shared_gate [T, 1]) and residual[t]
+    [T, Hd] when given, still in fp32: one rounding at the end."""
     num_tokens, top_k = topk_weights.shape
     hidden = ys.shape[1]
     if ys.shape[0] != num_tokens * top_k or order.shape != (num_tokens * top_k,):
         raise ValueError(f"ys [T*k, Hd] and order [T*k] must match topk_weights [T, k] = {tuple(topk_weights.shape)}; "
                          f"got ys {tuple(ys.shape)} and order {tuple(order.shape)}")
+    if (shared is None) != (shared_gate is None):
+        raise ValueError("shared and shared_gate come together (the shared expert's output and its gate logit)")
+    shared = _rows(shared, (num_tokens, hidden), "shared")
+    shared_gate = _rows(shared_gate, (num_tokens, 1), "shared_gate")
+    residual = _rows(residual, (num_tokens, hidden), "residual")
     y = torch.empty((num_tokens, hidden), dtype=ys.dtype, device=ys.device)
     if y.numel() == 0:
         return y
@@ -62,32 +132,38 @@ def moe_combine(ys: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tenso
         topk_weights = topk_weights.contiguous()
     block = min(1024, triton.next_power_of_2(hidden))
     grid = (num_tokens, triton.cdiv(hidden, block))
-    _combine_kernel[grid](ys, pos, topk_weights, y, hidden, topk_weights.stride(0), K=top_k, BLOCK=block,
-                          num_warps=4)
+    _combine_kernel[grid](ys, pos, topk_weights, y, ys if shared is None else shared,
+                          ys if shared_gate is None else shared_gate, ys if residual is None else residual,
+                          hidden, topk_weights.stride(0), 0 if shared is None else shared.stride(0),
+                          0 if shared_gate is None else shared_gate.stride(0),
+                          0 if residual is None else residual.stride(0), K=top_k, BLOCK=block,
+                          HAS_SHARED=shared is not None, HAS_RESIDUAL=residual is not None, num_warps=4)
     return y
 
 
-def fused_moe(x, gate_up, down, topk_weights, topk_ids):
+def fused_moe(x, gate_up, down, topk_weights, topk_ids, *, shared=None, shared_gate=None, residual=None):
     """x: [T, Hd] bf16; gate_up: [E, 2I, Hd] bf16; down: [E, Hd, I] bf16; topk_weights: [T, k] float;
-    topk_ids: [T, k] long in [0, E). Returns y [T, Hd] in x.dtype (summed over experts in fp32).
-    Hd and I must be multiples of 8 (16-byte rows for the grouped GEMM)."""
+    topk_ids: [T, k] long in [0, E). Returns y [T, Hd] in x.dtype (summed over experts in fp32), plus
+    the shared expert's sigmoid-gated output and the residual when given (reference.fused_moe),
+    added in the combine's fp32 sum. Hd and I must be multiples of 8 (16-byte rows for the
+    grouped GEMM)."""
     if not (x.dtype == gate_up.dtype == down.dtype == torch.bfloat16):
-        return reference.fused_moe(x, gate_up, down, topk_weights, topk_ids)
+        return reference.fused_moe(x, gate_up, down, topk_weights, topk_ids, shared=shared, shared_gate=shared_gate,
+                                   residual=residual)
     num_experts, two_inter, hidden = reference.check_shapes(x, gate_up, down, topk_weights, topk_ids)
     if hidden % 8 or (two_inter // 2) % 8:
         raise ValueError(f"hidden size {hidden} and expert size {two_inter // 2} must be multiples of 8 "
                          "for torch._grouped_mm (16-byte rows)")
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
-        return x.new_zeros(x.shape)
+        return x.new_zeros(x.shape)  # shared and residual have no rows either
     flat_ids = topk_ids.flatten()
-    order = flat_ids.argsort(stable=True)                         # [T*k] routes grouped by expert
-    # counts without bincount (its CUDA version reads max() on the host)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
-    offs = counts.cumsum(0, dtype=torch.int32)                    # [E] end row of each expert
+    sorted_ids, order = torch.sort(flat_ids, stable=True)         # [T*k] routes grouped by expert
+    # [E] end row of each expert = routes with an id <= e (no bincount: its CUDA version syncs)
+    experts = torch.arange(num_experts, dtype=sorted_ids.dtype, device=x.device)
+    offs = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
     xs = x.index_select(0, order // top_k)                        # [T*k, Hd]
     h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
     a = silu_and_mul(*h.chunk(2, dim=-1))                         # [T*k, I] bf16
     ys = torch._grouped_mm(a, down.transpose(1, 2), offs=offs)     # [T*k, Hd], sorted routes
-    return moe_combine(ys, order, topk_weights).to(x.dtype)
+    return moe_combine(ys, order, topk_weights, shared=shared, shared_gate=shared_gate, residual=residual).to(x.dtype)

@@ -12,6 +12,21 @@ import torch
 import torch.nn.functional as F
 
 
+def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax router's selection: logits [T, E] -> (weights [T, k] in out_dtype, ids [T, k] long).
+
+    Softmax over the E experts in fp32, the k largest probabilities (descending), divided by their
+    sum when `renormalize`, then cast to out_dtype."""
+    if logits.dim() != 2 or not 0 < top_k <= logits.shape[1]:
+        raise ValueError(f"logits must be [T, E] with 0 < top_k <= E, got {tuple(logits.shape)} and top_k={top_k}")
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top_w, top_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    return top_w.to(out_dtype), top_ids
+
+
 def check_shapes(x, gate_up, down, topk_weights, topk_ids) -> tuple[int, int, int]:
     """Raise ValueError unless x [T, Hd], gate_up [E, 2I, Hd], down [E, Hd, I] and topk_weights,
     topk_ids [T, k] fit together; returns (E, 2I, Hd). Shapes only: no device work, no host sync."""
@@ -35,13 +50,30 @@ def fused_moe(
     down: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Apply each token's top-k experts and sum them with the routing weights.
 
     x: [T, Hd]; gate_up: [E, 2I, Hd]; down: [E, Hd, I]; topk_weights: [T, k] (float);
     topk_ids: [T, k] long, in [0, E). Returns y [T, Hd] in x.dtype (computed and summed in fp32).
     Routes are sorted by expert, and each expert that was hit runs once on all its tokens.
+
+    With `shared` [T, Hd] and `shared_gate` [T, 1] (a shared expert's output and gate logit) and/or
+    `residual` [T, Hd], all in x.dtype, returns `residual + (y + sigmoid(shared_gate) * shared)`,
+    each op rounded to x.dtype as written (the GPU variant fuses them into its combine: one
+    rounding).
     """
+    out = _routed(x, gate_up, down, topk_weights, topk_ids)
+    if shared is not None:
+        out = out + torch.sigmoid(shared_gate) * shared
+    return out if residual is None else residual + out
+
+
+def _routed(x, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
+    """`fused_moe` without the shared expert and the residual."""
     num_experts, _, _ = check_shapes(x, gate_up, down, topk_weights, topk_ids)
     flat_ids = topk_ids.flatten()
     counts = torch.bincount(flat_ids, minlength=num_experts)

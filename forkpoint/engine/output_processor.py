@@ -1,0 +1,144 @@
+"""From sampled tokens to `RequestOutput`s: per-sequence incremental text, finish rules (stop
+tokens, stop strings, max_tokens, max_model_len) and the output objects.
+
+Host work per token is linear in the new text: each sequence's `IncrementalDetokenizer` decodes a
+small window, and stop strings are searched only in the text that could hold a new match (the new
+text plus the longest stop string's length minus one before it).
+
+State per sequence lives here, keyed by the sequence's request id: created by its first token,
+dropped when its prompt's finished output is built (`make_output`) or when it is aborted
+(`free`). `check_integrity` tells leaks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from forkpoint.engine.request import Request
+from forkpoint.inputs.detokenizer import IncrementalDetokenizer
+from forkpoint.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+@dataclass
+class _SequenceText:
+    owner: Request  # a reused request id starts over
+    detokenizer: IncrementalDetokenizer
+    searched: int = 0  # text[:searched] holds no stop string (nor the start of one that is complete)
+    stop_at: int | None = None  # the text is cut here: a stop string starts at this index
+    max_stop_len: int = 0
+    stops: list[str] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """tokenizer: decodes the outputs (special tokens skipped); eos_token_ids: ids that end a
+    sequence unless ``ignore_eos``; max_model_len: prompt plus output never exceeds it."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: Collection[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self._texts: dict[str, _SequenceText] = {}
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+    def append_token(self, request: Request, token_id: int, logprobs: dict[int, Logprob] | None,
+                     now: float) -> str | None:
+        """Record a sampled token on `request`; returns the finish reason ("stop", "length") or None.
+        The caller finishes the request when a reason comes back."""
+        request.output_token_ids.append(token_id)
+        params = request.params
+        if params.logprobs is not None:
+            request.output_logprobs.append(logprobs)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            return "stop"
+        if params.stop and self._stop_string_found(request):
+            return "stop"
+        if params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens:
+            return "length"
+        if request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def make_output(self, request_id: str, prompt: str | None, prompt_token_ids: Sequence[int],
+                    checkpoint_positions: Sequence[int], sequences: Sequence[Request]) -> RequestOutput:
+        """The cumulative output of one prompt's sequences (prompt logprobs from the first sequence,
+        which scores the prompt for all); once all have finished, their text state is dropped (this
+        is their last output)."""
+        finished = all(s.is_finished for s in sequences)
+        completions = []
+        for sequence in sequences:
+            completions.append(CompletionOutput(
+                index=sequence.index,
+                text=self._text(sequence),
+                token_ids=list(sequence.output_token_ids),
+                finish_reason=sequence.finish_reason,
+                logprobs=list(sequence.output_logprobs) if sequence.params.logprobs is not None else None,
+            ))
+        if finished:
+            for sequence in sequences:
+                self._texts.pop(sequence.request_id, None)
+        prompt_logprobs = None
+        first = sequences[0]
+        if first.params.prompt_logprobs is not None:
+            entries = first.prompt_logprobs
+            prompt_logprobs = [None] + [entries.get(t) for t in range(1, len(prompt_token_ids))]
+        return RequestOutput(
+            prompt_logprobs=prompt_logprobs,
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=list(prompt_token_ids),
+            outputs=completions,
+            num_cached_tokens=max(s.num_cached_tokens for s in sequences),
+            checkpoint_positions=list(checkpoint_positions),
+            finished=finished,
+        )
+
+    def free(self, request_id: str) -> None:
+        """Drop the text state of an aborted sequence (unknown ids are ignored)."""
+        self._texts.pop(request_id, None)
+
+    def check_integrity(self, live_ids: set[str]) -> None:
+        """Text state is held only for live sequences; raises AssertionError."""
+        leaked = set(self._texts) - live_ids
+        if leaked:
+            raise AssertionError(f"output text kept for sequences that have ended: {sorted(leaked)[:5]}")
+
+    # ---------------------------------------------------------------------------------------------
+
+    def _state(self, request: Request) -> _SequenceText:
+        """The sequence's text state, caught up with its output tokens."""
+        state = self._texts.get(request.request_id)
+        if state is None or state.owner is not request:
+            stops = list(request.params.stop)
+            state = _SequenceText(request, IncrementalDetokenizer(self.tokenizer), stops=stops,
+                                  max_stop_len=max((len(s) for s in stops), default=0))
+            self._texts[request.request_id] = state
+        seen = state.detokenizer.num_tokens
+        if seen < len(request.output_token_ids):
+            state.detokenizer.add(request.output_token_ids[seen:])
+        return state
+
+    def _stop_string_found(self, request: Request) -> bool:
+        state = self._state(request)
+        text = state.detokenizer.text
+        start = max(0, state.searched - state.max_stop_len + 1)
+        hits = [index for index in (text.find(stop, start) for stop in state.stops) if index >= 0]
+        state.searched = len(text)
+        if not hits:
+            return False
+        state.stop_at = min(hits)
+        return True
+
+    def _text(self, sequence: Request) -> str:
+        if not sequence.output_token_ids:
+            return ""
+        state = self._state(sequence)
+        if state.stop_at is not None:
+            return state.detokenizer.final_text[: state.stop_at]
+        return state.detokenizer.final_text if sequence.is_finished else state.detokenizer.text

@@ -1,0 +1,83 @@
+"""Incremental detokenization: the text of a growing token sequence, decoding only a small window
+of new tokens per step (vLLM's look-back approach), so host work stays linear in the output.
+
+Two offsets into the token ids, as in vLLM:
+
+    ids:     ... | prefix_offset ... read_offset | new tokens ...
+                   '---- look-back window ----'
+    prefix_text = decode(ids[prefix_offset:read_offset])
+    full        = decode(ids[prefix_offset:])
+    new text    = full[len(prefix_text):]
+
+Decoding from the same start on both sides makes context-dependent decoders (a leading space
+dropped at a window's start, bytes of one character spread over several tokens) agree; the
+difference is the text the new tokens add. While `full` ends in U+FFFD (a character whose
+remaining bytes are still to come), the window is kept and nothing is committed; `text` then shows
+the part before the incomplete character, and `final_text` includes the replacement characters,
+as a full decode does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Text of one sequence's generated tokens, equal to ``tokenizer.decode(ids,
+    skip_special_tokens=...)`` of all of them (without cleaning up tokenisation spaces, as vLLM).
+
+    Each `add` decodes two windows of a few tokens. A window only grows past the tokens just added
+    while its text ends in an incomplete character or the new tokens decode to nothing (special
+    tokens that are skipped).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._committed = ""  # text of ids[:read_offset]
+        self._pending = ""  # text the tokens past read_offset add so far (may end incomplete)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens added so far."""
+        return len(self._ids)
+
+    @property
+    def text(self) -> str:
+        """The text so far, without a trailing incomplete character."""
+        return self._committed + self._pending.rstrip(REPLACEMENT)
+
+    @property
+    def final_text(self) -> str:
+        """The text of every token, replacement characters of an incomplete tail included."""
+        return self._committed + self._pending
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append `token_ids`; returns the text they completed (possibly empty)."""
+        if not token_ids:
+            return ""
+        before = self.text
+        self._ids.extend(token_ids)
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
+        new_text = full[len(prefix_text):]
+        if len(full) > len(prefix_text) and not full.endswith(REPLACEMENT):
+            self._committed += new_text
+            self._pending = ""
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        else:
+            self._pending = new_text
+        return self.text[len(before):]
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        if not ids:
+            return ""
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens,
+                                      clean_up_tokenization_spaces=False)

@@ -1,0 +1,117 @@
+"""The request size limit (`--max-request-bytes`): an ASGI middleware that answers 413 with an
+OpenAI error body before a too-large body is read, and a default that admits any prompt that
+can fit `max_model_len`.
+
+    Content-Length > limit      -> 413 at once; the body is never read
+    chunked body past the limit -> 413 as soon as the running count passes it
+
+Either way, the server then reads and discards what the client still sends (at most `limit` more
+bytes, in uvicorn's small chunks: memory stays flat) so that the client, still writing, can read
+the 413 rather than see a reset connection; past that the connection is closed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from transformers import PreTrainedTokenizerBase
+
+from forkpoint.server.errors import RequestTooLarge
+
+logger = logging.getLogger("forkpoint.server")
+
+# bytes of JSON per byte of UTF-8 text in the worst case: "\u0001" is 6 bytes for one
+JSON_ESCAPE_FACTOR = 6
+# the request's other fields (sampling parameters, roles, tool schemas)
+REQUEST_OVERHEAD_BYTES = 1 << 20
+# data URLs of a few large photographs, for models that take images (their size in bytes has no
+# bound in tokens: the server resizes them)
+IMAGE_ALLOWANCE_BYTES = 64 << 20
+
+
+def default_max_request_bytes(tokenizer: PreTrainedTokenizerBase, max_model_len: int, *,
+                              takes_images: bool) -> int:
+    """Bytes of a request body that holds any one prompt of up to `max_model_len` tokens, each of
+    them the vocabulary's longest (in UTF-8 bytes, an upper bound of its decoded text), written
+    with the worst JSON escaping, plus `REQUEST_OVERHEAD_BYTES` (and `IMAGE_ALLOWANCE_BYTES`)."""
+    longest = max(len(token.encode("utf-8")) for token in tokenizer.get_vocab())
+    total = max_model_len * longest * JSON_ESCAPE_FACTOR + REQUEST_OVERHEAD_BYTES
+    return total + (IMAGE_ALLOWANCE_BYTES if takes_images else 0)
+
+
+class RequestSizeLimit:
+    """ASGI middleware: bodies over `max_bytes` get 413. `on_reject(scope, message, answered_here)`
+    is told of each: answered_here is True when the middleware sent the 413 itself (a declared
+    Content-Length), False when it raised `RequestTooLarge` into the app for its error handler."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[Scope, str, bool], None]) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.on_reject = on_reject
+
+    def message(self, size: str) -> str:
+        return (f"the request body has {size}, but this server takes at most {self.max_bytes} bytes "
+                "(--max-request-bytes): send a shorter prompt, or start the server with a larger --max-request-bytes")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await self._reject(scope, send, self.message(f"{declared} bytes"))
+            await _discard_body(receive, self.max_bytes)
+            return
+        received = 0
+        refused = False
+
+        async def counting_receive() -> Message:
+            nonlocal received, refused
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # the handler reading the body gets this; FastAPI passes HTTPExceptions on to the
+                    # app's error handler, which answers 413 with an OpenAI error body
+                    refused = True
+                    text = self.message(f"more than {self.max_bytes} bytes")
+                    self.on_reject(scope, text, False)
+                    raise RequestTooLarge(text)
+            return message
+
+        await self.app(scope, counting_receive, send)
+        if refused:
+            await _discard_body(receive, self.max_bytes)
+
+    async def _reject(self, scope: Scope, send: Send, text: str) -> None:
+        self.on_reject(scope, text, True)
+        body = json.dumps(RequestTooLarge(text).body()).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def _discard_body(receive: Receive, limit: int) -> None:
+    """Read and drop the rest of the body, up to `limit` bytes."""
+    drained = 0
+    while drained <= limit:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        drained += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None

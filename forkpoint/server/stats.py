@@ -1,0 +1,104 @@
+"""What the server says in its log: a start-up summary and a periodic stats line like vLLM's,
+both built from `LLM.metrics()` snapshots (the engine thread's latest, never the engine itself).
+
+    forkpoint.server: model /models/qwen (served as qwen), float32 on cpu, max_model_len 4096, loaded in 3.1 s
+    forkpoint.server: pools: 2048 KV blocks x 16 tokens (32768 tokens), 64 state slots, 32 checkpoint slots
+    forkpoint.server: checkpoints on: marker '<|mamba_checkpoint|>', at most 4 per request, ...
+    forkpoint.server: prompt 812.4 tokens/s, generation 96.0 tokens/s | running 4, waiting 0 |
+        KV 12.3% (252/2048), state slots 4/64, checkpoint slots 3/32 | checkpoints: 3 hits, 1,536 prompt
+        tokens reused (65.2% of prompt tokens so far)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from forkpoint.kernels import kernel_variants
+from forkpoint.llm import LLM
+from forkpoint.server.config import ServerConfig
+
+logger = logging.getLogger("forkpoint.server")
+
+# counters whose change means the engine did something in an interval
+ACTIVITY_KEYS = ("prompt_tokens_total", "prompt_tokens_computed", "generation_tokens_total", "requests_finished",
+                 "requests_aborted")
+
+
+def startup_summary(llm: LLM, config: ServerConfig, max_request_bytes: int, load_time_s: float | None) -> list[str]:
+    """The lines the server logs once at start-up."""
+    engine = llm.engine
+    cfg = engine.config
+    values = engine.metrics()
+    loaded = f", loaded in {load_time_s:.1f} s" if load_time_s is not None else ""
+    lines = [
+        f"model {engine.model_path} (served as {config.served_model_name}), {str(engine.dtype).removeprefix('torch.')} "
+        f"on {engine.device}, max_model_len {engine.max_model_len}{loaded}",
+        f"pools: {values['kv_blocks_total']} KV blocks x {cfg.block_size} tokens "
+        f"({values['kv_blocks_total'] * cfg.block_size} tokens), {values['state_slots_total']} state slots, "
+        f"{values['checkpoint_slots_total']} checkpoint slots; at most {cfg.max_num_seqs} sequences and "
+        f"{cfg.max_num_batched_tokens} tokens per step",
+    ]
+    if cfg.enable_checkpoints:
+        lines.append(f"checkpoints on: marker {cfg.checkpoint_token!r} (id {llm.checkpoint_token_id}), at most "
+                     f"{cfg.max_checkpoints_per_request} per request, consumers wait at most "
+                     f"{cfg.checkpoint_wait_s:g} s for a producer; marker in client text: {config.marker_policy.value}")
+    else:
+        lines.append("checkpoints off: markers and checkpoint controls are ignored")
+    variants = kernel_variants(engine.device.type == "cuda")
+    lines.append("kernels: " + ", ".join(f"{op} {variant}" for op, variant in variants.items()))
+    lines.append(f"requests: at most {max_request_bytes:,} bytes (--max-request-bytes), "
+                 f"{config.max_waiting_requests} prompts waiting (--max-waiting-requests); stats every "
+                 + (f"{config.log_stats_interval_s:g} s" if config.log_stats else "- (--disable-log-stats)"))
+    return lines
+
+
+class StatsLine:
+    """Builds the periodic stats line from successive metrics snapshots. `line(values, now)` returns
+    None while the engine stays idle (after one line that shows it idle).
+
+    Prompt throughput counts computed prompt tokens (vLLM's); reused tokens are those a
+    checkpoint supplied (`prompt_tokens_total - prompt_tokens_computed`, so a prompt's reused share
+    counts from its arrival, its computed share as it is computed)."""
+
+    def __init__(self, values: dict[str, float], now: float) -> None:
+        self._last = dict(values)
+        self._last_time = now
+        self._quiet = True  # nothing to say until the engine does something
+
+    def line(self, values: dict[str, float], now: float) -> str | None:
+        last, elapsed = self._last, max(now - self._last_time, 1e-9)
+        self._last, self._last_time = dict(values), now
+        active = values.get("num_running", 0) or values.get("num_waiting", 0) or any(
+            values.get(key, 0) != last.get(key, 0) for key in ACTIVITY_KEYS)
+        if not active and self._quiet:
+            return None
+        self._quiet = not active
+
+        def delta(key: str) -> float:
+            return values.get(key, 0) - last.get(key, 0)
+
+        total = values.get("prompt_tokens_total", 0)
+        reused_so_far = total - values.get("prompt_tokens_computed", 0)
+        reused = delta("prompt_tokens_total") - delta("prompt_tokens_computed")
+        share = f"{100 * reused_so_far / total:.1f}%" if total else "-"
+        kv_used, kv_total = values.get("kv_blocks_used", 0), values.get("kv_blocks_total", 0)
+        return (f"prompt {delta('prompt_tokens_computed') / elapsed:.1f} tokens/s, generation "
+                f"{delta('generation_tokens_total') / elapsed:.1f} tokens/s | running {values.get('num_running', 0)}, "
+                f"waiting {values.get('num_waiting', 0)} | KV {100 * kv_used / max(kv_total, 1):.1f}% "
+                f"({kv_used}/{kv_total}), state slots {values.get('state_slots_used', 0)}/"
+                f"{values.get('state_slots_total', 0)}, checkpoint slots {values.get('checkpoint_slots_used', 0)}/"
+                f"{values.get('checkpoint_slots_total', 0)} | checkpoints: {delta('checkpoint_hits'):.0f} hits, "
+                f"{max(reused, 0):,.0f} prompt tokens reused ({share} of prompt tokens so far)")
+
+
+async def log_stats_forever(snapshot: Callable[[], dict[str, float]], interval_s: float) -> None:
+    """Log `StatsLine` every `interval_s` seconds until cancelled."""
+    stats = StatsLine(snapshot(), time.monotonic())
+    while True:
+        await asyncio.sleep(interval_s)
+        line = stats.line(snapshot(), time.monotonic())
+        if line is not None:
+            logger.info("%s", line)

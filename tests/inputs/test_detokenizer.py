@@ -1,0 +1,92 @@
+"""Incremental detokenization equals a full decode, at every step and at the end, with work
+linear in the number of tokens."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from forkpoint.inputs.detokenizer import IncrementalDetokenizer
+
+TEXTS = ["Hello, world! ", "naïve café ", "日本語のテキスト", "emoji 🤖🧪 and 👩‍👩‍👧", " tabs\tand\nnewlines ",
+         "Ελληνικά ", "ﷺ ", "<|im_end|>", "  spaces  "]
+
+
+@pytest.fixture(scope="module")
+def pieces(qwen) -> dict[str, list[int]]:
+    tokenizer = qwen.tokenizer
+    # ids that decode to part of a character: the single-byte tokens of a multi-byte character
+    partial = [i for i in tokenizer.encode("🤖", add_special_tokens=False)]
+    return {"text": [i for t in TEXTS for i in tokenizer.encode(t, add_special_tokens=False)],
+            "partial": partial,
+            "special": [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|im_start|>"),
+                        qwen.checkpoint_token_id]}
+
+
+def check(tokenizer, ids: list[int], chunks: list[int]) -> None:
+    detok = IncrementalDetokenizer(tokenizer)
+    done = 0
+    streamed = ""
+    for size in chunks + [len(ids)]:
+        step = ids[done:done + size]
+        done += len(step)
+        streamed += detok.add(step)
+        expected = tokenizer.decode(ids[:done], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert detok.text == expected.rstrip("\ufffd"), ids[:done]
+        assert streamed == detok.text
+        assert detok.num_tokens == done
+        if done == len(ids):
+            break
+    assert detok.final_text == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_equals_a_full_decode_on_random_sequences(qwen, pieces, data):
+    vocab = len(qwen.tokenizer)
+    parts = st.one_of(st.sampled_from(pieces["text"]), st.sampled_from(pieces["partial"]),
+                      st.sampled_from(pieces["special"]), st.integers(0, vocab - 1))
+    ids = data.draw(st.lists(parts, min_size=1, max_size=40))
+    chunks = data.draw(st.lists(st.integers(1, 4), max_size=40))
+    check(qwen.tokenizer, ids, chunks)
+
+
+def test_a_character_split_over_tokens_waits_for_its_last_byte(qwen, pieces):
+    detok = IncrementalDetokenizer(qwen.tokenizer)
+    ids = pieces["partial"]
+    assert len(ids) > 1  # the emoji is several byte tokens
+    for token in ids[:-1]:
+        assert detok.add([token]) == ""
+        assert detok.text == "" and detok.final_text.endswith("\ufffd")
+    assert detok.add(ids[-1:]) == "🤖"
+
+
+def test_word_level_tokenizer_and_skipped_special_tokens(tiny_model_factory):
+    from forkpoint.inputs.tokenizer import load_tokenizer
+
+    directory, _ = tiny_model_factory("qwen3_5_moe_text")
+    tokenizer = load_tokenizer(directory, checkpoint_token=None).tokenizer
+    words = tokenizer.encode("w1 w2 w3 w4", add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    ids = [words[0], eos, words[1], words[2], eos, eos, words[3]]
+    for chunks in ([1] * 7, [2, 3, 2], [7]):
+        check(tokenizer, ids, chunks)
+
+
+def test_work_is_linear_in_the_tokens(qwen):
+    tokenizer = qwen.tokenizer
+    ids = tokenizer.encode(" ".join(TEXTS) * 60, add_special_tokens=False)
+    decoded = []
+
+    class Counting:
+        def decode(self, window, **kwargs):
+            decoded.append(len(window))
+            return tokenizer.decode(window, **kwargs)
+
+    detok = IncrementalDetokenizer(Counting())
+    for token in ids:
+        detok.add([token])
+    assert len(ids) > 1000
+    assert sum(decoded) < 8 * len(ids)  # a full decode per token would be ~len(ids)**2 / 2
+    assert detok.final_text == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

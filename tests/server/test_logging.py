@@ -1,0 +1,88 @@
+"""The server talks: a start-up summary, a periodic stats line, the reason of every error answer,
+and aborted requests."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import httpx
+import pytest
+
+from forkpoint.server.config import ServerConfig
+from forkpoint.server.stats import StatsLine
+from tests.server.conftest import serve
+
+
+def messages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "forkpoint.server"]
+
+
+def wait_for(caplog: pytest.LogCaptureFixture, text: str, timeout: float = 10) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [m for m in messages(caplog) if text in m]
+        if found:
+            return found[-1]
+        time.sleep(0.05)
+    raise AssertionError(f"no log line with {text!r} in {messages(caplog)}")
+
+
+def test_startup_summary_stats_errors_and_aborts(spare_llm, caplog):
+    caplog.set_level(logging.INFO, logger="forkpoint.server")
+    config = ServerConfig(served_model_name="talker", log_stats_interval_s=0.2)
+    with serve(spare_llm, config, load_time_s=2.5) as running:
+        summary = " | ".join(messages(caplog))
+        for text in ("served as talker", "float32 on cpu", "max_model_len 4096", "loaded in 2.5 s",
+                     "2048 KV blocks x 16 tokens", "state slots", "32 checkpoint slots", "checkpoints on",
+                     "'<|mamba_checkpoint|>'", "at most 4 per request", "kernels: ", "attention reference",
+                     "--max-request-bytes", "stats every 0.2 s"):
+            assert text in summary, text
+        caplog.clear()
+        time.sleep(0.5)
+        assert not [m for m in messages(caplog) if "tokens/s" in m], "an idle server logs no stats"
+
+        out = running.client().completions.create(model="talker", prompt="Hello there, general", max_tokens=4)
+        assert out.choices[0].finish_reason == "length"
+        line = wait_for(caplog, "tokens/s")
+        for text in ("prompt ", "generation ", "running ", "waiting ", "KV ", "state slots ", "checkpoint slots ",
+                     "hits", "prompt tokens reused"):
+            assert text in line, (text, line)
+
+        # every error answer is logged with its reason (and the field at fault)
+        bad = running.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+        assert bad.status_code == 400
+        line = wait_for(caplog, "-> 400")
+        assert "POST /v1/completions" in line and "(param model)" in line and "'nope' does not exist" in line
+        oversized = b"x" * (running.app.state.max_request_bytes + 1)
+        too_big = httpx.post(f"{running.base_url}/v1/completions", content=oversized,
+                             headers={"content-type": "application/json"}, timeout=30)
+        assert too_big.status_code == 413
+        assert "--max-request-bytes" in wait_for(caplog, "-> 413")
+
+        # a client that goes away: its request is aborted, and the log says so
+        stream = running.client().completions.create(model="talker", prompt="Tell me a story", max_tokens=2000,
+                                                     stream=True, extra_body={"ignore_eos": True})
+        for received, _ in enumerate(stream):
+            if received == 2:
+                break
+        stream.close()
+        assert "aborted" in wait_for(caplog, "aborted")
+        running.wait_idle()
+
+
+def test_stats_line_rates_and_quiet_when_idle():
+    idle = {"prompt_tokens_total": 0, "prompt_tokens_computed": 0, "generation_tokens_total": 0,
+            "checkpoint_hits": 0, "num_running": 0, "num_waiting": 0, "kv_blocks_used": 0, "kv_blocks_total": 100,
+            "state_slots_used": 0, "state_slots_total": 8, "checkpoint_slots_used": 0, "checkpoint_slots_total": 4}
+    stats = StatsLine(idle, now=0.0)
+    assert stats.line(idle, now=10.0) is None
+    busy = {**idle, "prompt_tokens_total": 1000, "prompt_tokens_computed": 400, "generation_tokens_total": 50,
+            "checkpoint_hits": 3, "num_running": 2, "kv_blocks_used": 25, "checkpoint_slots_used": 1}
+    line = stats.line(busy, now=20.0)
+    assert "prompt 40.0 tokens/s" in line and "generation 5.0 tokens/s" in line
+    assert "running 2, waiting 0" in line and "KV 25.0% (25/100)" in line and "checkpoint slots 1/4" in line
+    assert "3 hits" in line and "600 prompt tokens reused (60.0% of prompt tokens so far)" in line
+    done = {**busy, "num_running": 0, "kv_blocks_used": 0}
+    assert "prompt 0.0 tokens/s" in stats.line(done, now=30.0)  # one line that shows it idle
+    assert stats.line(done, now=40.0) is None
