@@ -15,12 +15,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
 
 _HOMES = {
     "LLM": "forkpoint.llm",
     "SamplingParams": "forkpoint.sampling_params",
+    "StructuredOutputsParams": "forkpoint.sampling_params",
     "RequestOutput": "forkpoint.outputs",
     "CompletionOutput": "forkpoint.outputs",
     "Logprob": "forkpoint.outputs",
@@ -29,7 +30,7 @@ _HOMES = {
 if TYPE_CHECKING:
     from forkpoint.llm import LLM
     from forkpoint.outputs import CompletionOutput, Logprob, RequestOutput
-    from forkpoint.sampling_params import SamplingParams
+    from forkpoint.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str):

@@ -1,4 +1,6 @@
-"""The demo behind `scripts/demo.sh`: a few completions, then one shared prefix with N questions.
+"""The demo behind `scripts/demo.sh`: a few completions, then one shared prefix with N questions,
+run with checkpoints and on a second engine without them, side by side (prompt tokens computed,
+time, and whether the answers agree), then the same questions answered with a forced choice.
 
     python -m forkpoint.demo [--model HF_DIR] [--device cpu|cuda] [--max-tokens 16] [--questions 8]
 """
@@ -7,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 
-from forkpoint import LLM, SamplingParams
+from forkpoint import LLM, SamplingParams, StructuredOutputsParams
 
 ANCHOR = (
     "Product listing: Stainless steel kettle, 1.7 litres, 2200 W, auto shut-off, boil-dry protection, "
@@ -52,19 +55,48 @@ def main(argv: list[str] | None = None) -> None:
     candidates = (CANDIDATES * (args.questions // len(CANDIDATES) + 1))[: args.questions]
     questions = [f"{ANCHOR}{marker}\nCandidate: {c}\nSame product? Answer:" for c in candidates]
     score = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    with_ckpt = _one_to_n(llm, questions, score)
+
+    start = time.perf_counter()
+    plain = LLM(args.model, device=args.device, enable_checkpoints=False)
+    plain.generate(prompts, params, use_tqdm=False)  # warm up as the first engine was
+    print(f"\nloaded a second engine without checkpoints in {time.perf_counter() - start:.1f} s")
+    # the very token ids the first engine saw (markers removed), so both compute the same prompts
+    without = _one_to_n(plain, [{"prompt_token_ids": o.prompt_token_ids} for o in with_ckpt.outputs], score)
+
+    print(f"\n1 anchor x {len(questions)} candidates, max_tokens 1:")
+    print(f"  {'':22s} {'prompt tokens':>13s} {'computed':>9s} {'reused':>7s} {'time':>8s}")
+    for name, run in (("with checkpoints", with_ckpt), ("without checkpoints", without)):
+        print(f"  {name:22s} {run.total:13d} {run.computed:9d} {run.total - run.computed:7d} {run.seconds:7.2f}s")
+    same = [a.outputs[0].token_ids for a in with_ckpt.outputs] == [b.outputs[0].token_ids for b in without.outputs]
+    print(f"  computed {without.computed / max(with_ckpt.computed, 1):.1f}x fewer prompt tokens, "
+          f"{without.seconds / max(with_ckpt.seconds, 1e-9):.1f}x faster; same answers: {'yes' if same else 'NO'}")
+    for output in with_ckpt.outputs:
+        print(f"  cached {output.num_cached_tokens:4d}  -> {output.outputs[0].text!r}")
+
+    choice = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=StructuredOutputsParams(
+        choice=[" yes", " no"]))
+    answers = [o.outputs[0].text for o in llm.generate(questions, choice, use_tqdm=False)]
+    print(f"\nthe same questions with structured_outputs choice [' yes', ' no']: {answers}")
+    print("\nmetrics:", {k: v for k, v in llm.metrics().items() if "checkpoint" in k or k.startswith("requests_")})
+
+
+@dataclass
+class _Run:
+    outputs: list
+    total: int
+    computed: int
+    seconds: float
+
+
+def _one_to_n(llm: LLM, prompts: list[str], params: SamplingParams) -> _Run:
     before = llm.metrics()
     start = time.perf_counter()
-    outputs = llm.generate(questions, score, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
     after = llm.metrics()
-    computed = after["prompt_tokens_computed"] - before["prompt_tokens_computed"]
-    total = after["prompt_tokens_total"] - before["prompt_tokens_total"]
-    print(f"\n1 anchor x {len(questions)} candidates in {elapsed:.2f} s: computed {computed} of {total} prompt "
-          f"tokens; checkpoint at token {outputs[0].checkpoint_positions}")
-    for output in outputs:
-        print(f"  cached {output.num_cached_tokens:4d}  -> {output.outputs[0].text!r}")
-    print("\nmetrics:", {k: v for k, v in after.items() if "checkpoint" in k or k.startswith("requests_")})
-
+    return _Run(outputs, after["prompt_tokens_total"] - before["prompt_tokens_total"],
+                after["prompt_tokens_computed"] - before["prompt_tokens_computed"], seconds)
 
 if __name__ == "__main__":
     main()

@@ -87,6 +87,7 @@ class Mamba2HybridConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    moe_latent_size: int | None = None  # Nemotron-3 LatentMoE: experts run in this width (None: hidden)
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     attention_scale: float | None = None  # None: head_dim ** -0.5
@@ -165,8 +166,6 @@ def mamba2_hybrid_fields(raw: dict) -> dict:
 
 
 def _nemotron(raw: dict, layer_types: tuple[str, ...]) -> dict:
-    if raw.get("moe_latent_size") is not None:
-        raise ValueError("nemotron_h moe_latent_size (latent expert projections) is not implemented")
     if raw.get("mlp_hidden_act", "relu2") != "relu2" or raw.get("mamba_hidden_act", "silu") != "silu":
         raise ValueError("nemotron_h: only mlp_hidden_act 'relu2' and mamba_hidden_act 'silu' are implemented")
     heads, head_dim = int(raw.get("mamba_num_heads", 128)), int(raw.get("mamba_head_dim", 64))
@@ -182,7 +181,8 @@ def _nemotron(raw: dict, layer_types: tuple[str, ...]) -> dict:
     hybrid = Mamba2HybridConfig(family="nemotron_h", mamba=mamba, mlp_act="relu2", mlp_bias=bool(raw.get("mlp_bias")),
                                 router="sigmoid_grouped", n_group=int(raw.get("n_group", 1)),
                                 topk_group=int(raw.get("topk_group", 1)),
-                                routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)))
+                                routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+                                moe_latent_size=int(raw["moe_latent_size"]) if raw.get("moe_latent_size") else None)
     # transformers' NemotronHForCausalLM ties nothing (`_tied_weights_keys = {}`): lm_head is its own tensor
     # whatever tie_word_embeddings says
     return {"rms_norm_eps": float(raw.get("layer_norm_epsilon", 1e-5)), "rotary_dim": 0, "attention_bias": False,

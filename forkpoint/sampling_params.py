@@ -1,8 +1,67 @@
-"""Sampling parameters, following vLLM's `SamplingParams` names and defaults."""
+"""Sampling parameters, following vLLM's `SamplingParams` names and defaults, and
+`StructuredOutputsParams` (vLLM's structured-output request: one of json, regex, choice, grammar)."""
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the generated text to a JSON schema, a regular expression, one of a list of
+    strings, or a Lark grammar (llguidance's syntax; GBNF is converted). Exactly one is set.
+
+    json: a JSON schema as a dict or its JSON text (`{"type": "object"}` for any object);
+    regex: a regular expression the whole output must match; choice: a non-empty list of strings;
+    grammar: a Lark (or GBNF) grammar text. Grammars are compiled when the request is added
+    (forkpoint/structured/), so an invalid one is a ValueError there.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("StructuredOutputsParams takes exactly one of json, regex, choice, grammar; got "
+                             + (", ".join(given) if given else "none"))
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {err}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError(f"structured_outputs.regex must be a non-empty string, got {self.regex!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError(f"structured_outputs.grammar must be a non-empty grammar text, got {self.grammar!r}")
+        if self.choice is not None:
+            choice = self.choice
+            if (not isinstance(choice, (list, tuple)) or not choice
+                    or not all(isinstance(c, str) and c for c in choice)):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                                 f"got {choice!r}")
+            object.__setattr__(self, "choice", list(choice))
+
+    @property
+    def kind(self) -> str:
+        """The one field that is set: "json", "regex", "choice" or "grammar"."""
+        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
+
+    def cache_key(self) -> tuple[str, str]:
+        """A hashable identity of the constraint (the compiled-grammar cache key)."""
+        value = getattr(self, self.kind)
+        if not isinstance(value, str):
+            value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return self.kind, value
 
 
 @dataclass(frozen=True)
@@ -16,6 +75,14 @@ class SamplingParams:
     token seen in the prompt or the output. `logprobs=k` returns the sampled token's and the top-k log-probabilities
     (of the unmodified distribution) for every generated token. `prompt_logprobs=k` returns, for
     every prompt token after the first, its log-probability and the top-k given the tokens before it.
+
+    Logits processors (forkpoint/runner/logits_processors.py, vLLM's semantics), applied before the
+    penalties and the pick: `logit_bias` {token id: bias} added to the logits; `allowed_token_ids`
+    restricts the pick to those ids; `bad_words` are never generated (a multi-token word is blocked
+    at its last token when the output ends with the rest); `min_tokens` masks EOS and
+    `stop_token_ids` (and ignores stop strings) until that many tokens are out; `structured_outputs`
+    constrains the text to a schema, regex, choice or grammar (forkpoint/structured/). Token ids
+    are checked against the vocabulary when the request is added.
     """
 
     n: int = 1
@@ -33,6 +100,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -60,6 +132,7 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
                                                  or not 0 <= self.prompt_logprobs <= 20):
             raise ValueError(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
+        self._validate_processors()
         stop = self.stop
         if isinstance(stop, str):
             stop = [stop]
@@ -70,6 +143,41 @@ class SamplingParams:
         if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids)):
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {ids!r}")
         object.__setattr__(self, "stop_token_ids", list(ids) if ids else [])
+
+    def _validate_processors(self) -> None:
+        ids = self.allowed_token_ids
+        if ids is not None and (not isinstance(ids, (list, tuple)) or not ids
+                                or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of non-negative ints, got {ids!r}")
+        if ids is not None:
+            object.__setattr__(self, "allowed_token_ids", list(ids))
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict) or not all(
+                    isinstance(k, int) and not isinstance(k, bool) and k >= 0 and isinstance(v, (int, float))
+                    and not isinstance(v, bool) and math.isfinite(v) for k, v in bias.items()):
+                raise ValueError(f"logit_bias must map non-negative token ids to finite floats, got {bias!r}")
+            object.__setattr__(self, "logit_bias", {k: float(v) for k, v in bias.items()} or None)
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        words = self.bad_words
+        if words is not None and (not isinstance(words, (list, tuple))
+                                  or not all(isinstance(w, str) and w.strip() for w in words)):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {words!r}")
+        if words is not None:
+            object.__setattr__(self, "bad_words", list(words) or None)
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a forkpoint.StructuredOutputsParams, got "
+                             f"{type(so).__name__}: use StructuredOutputsParams(json=, regex=, choice= or grammar=)")
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """Whether the request needs `apply_logits_processors` (any of the fields above)."""
+        return bool(self.allowed_token_ids or self.logit_bias or self.min_tokens or self.bad_words
+                    or self.structured_outputs)
 
     @property
     def greedy(self) -> bool:

@@ -77,6 +77,11 @@ class Checkpoint:
     # the position its state and KV hold (<= num_tokens, the prefix it is keyed by); less only with
     # checkpoint_exact, where readers compute tokens [state_tokens, ...) themselves
     state_tokens: int = -1
+    # prompt logprobs of the prefix, for readers that ask for them (opaque here; see
+    # runner/prompt_logprobs.py PromptScores): the top-k its producer computes (None: it computes none)
+    # and, once written, the scores themselves
+    prompt_scores_k: int | None = None
+    prompt_scores: object | None = None
     blocks: list[int] = field(default_factory=list)
     producer_blocks: list[int] = field(default_factory=list)
     pins: int = 0
@@ -142,10 +147,11 @@ class CheckpointRegistry:
         """The distinct prefix lengths of registered checkpoints, longest first."""
         return sorted(self._lengths, reverse=True)
 
-    def lookup(self, prefix_hash: Callable[[int], bytes], max_length: int) -> tuple[Checkpoint | None,
-                                                                                     Checkpoint | None]:
+    def lookup(self, prefix_hash: Callable[[int], bytes], max_length: int,
+               accept: Callable[[Checkpoint], bool] | None = None) -> tuple[Checkpoint | None, Checkpoint | None]:
         """(longest registered checkpoint of length < max_length whose key is prefix_hash(length),
-        longest READY one). `prefix_hash(n)` is the chained hash of a prompt's first n tokens."""
+        longest READY one), among those `accept` takes (default: all). `prefix_hash(n)` is the chained
+        hash of a prompt's first n tokens."""
         longest = ready = None
         lengths = set(self._lengths) | (self.host.lengths() if self.host is not None else set())
         for length in sorted(lengths, reverse=True):
@@ -155,7 +161,7 @@ class CheckpointRegistry:
             checkpoint = self._by_key.get(key)
             if checkpoint is None and self.host is not None and key in self.host:
                 checkpoint = self._restore(key)
-            if checkpoint is None:
+            if checkpoint is None or (accept is not None and not accept(checkpoint)):
                 continue
             longest = longest or checkpoint
             if checkpoint.ready:
@@ -207,7 +213,8 @@ class CheckpointRegistry:
 
     # ------------------------------------------------------------------ transitions
     def register(self, key: bytes, num_tokens: int, producer: str, now: float,
-                 kind: CheckpointKind = CheckpointKind.MARKER, state_tokens: int | None = None) -> Checkpoint | None:
+                 kind: CheckpointKind = CheckpointKind.MARKER, state_tokens: int | None = None,
+                 prompt_scores_k: int | None = None) -> Checkpoint | None:
         """A new PENDING checkpoint produced by `producer`, keyed by the prefix of `num_tokens` tokens
         and holding the state after `state_tokens` (default: num_tokens); None when no slot can be
         freed (a miss)."""
@@ -217,7 +224,7 @@ class CheckpointRegistry:
             return None
         checkpoint = Checkpoint(key, num_tokens, self._slots.allocate(), kind, CheckpointState.PENDING, producer,
                                 state_tokens=num_tokens if state_tokens is None else state_tokens,
-                                registered_at=now)
+                                prompt_scores_k=prompt_scores_k, registered_at=now)
         self._touch(checkpoint)
         self._by_key[key] = checkpoint
         self._lengths[num_tokens] += 1
@@ -229,6 +236,11 @@ class CheckpointRegistry:
         self._expect(checkpoint, CheckpointState.PENDING)
         checkpoint.producer_blocks = producer_blocks
 
+    def attach_prompt_scores(self, checkpoint: Checkpoint, scores: object) -> None:
+        """The producer's step computed the prefix's prompt logprobs (PENDING, being written)."""
+        self._expect(checkpoint, CheckpointState.PENDING)
+        checkpoint.prompt_scores = scores
+
     def mark_ready(self, checkpoint: Checkpoint, blocks: list[int]) -> None:
         """The producer's forward wrote the state; take references on the prefix's KV blocks."""
         self._expect(checkpoint, CheckpointState.PENDING)
@@ -237,6 +249,8 @@ class CheckpointRegistry:
         checkpoint.state = CheckpointState.READY
         checkpoint.producer = None
         checkpoint.producer_blocks = []
+        if checkpoint.prompt_scores is None:
+            checkpoint.prompt_scores_k = None
         self.counters.created[checkpoint.kind] += 1
         self._touch(checkpoint)
         logger.debug("ready: %d tokens (%s)", checkpoint.num_tokens, checkpoint.kind.value)
@@ -252,11 +266,12 @@ class CheckpointRegistry:
         else:
             self._remove(checkpoint)
 
-    def promote(self, checkpoint: Checkpoint, producer: str) -> None:
+    def promote(self, checkpoint: Checkpoint, producer: str, prompt_scores_k: int | None = None) -> None:
         """ORPHANED -> PENDING with a new producer (a request that needs it)."""
         self._expect(checkpoint, CheckpointState.ORPHANED)
         checkpoint.state = CheckpointState.PENDING
         checkpoint.producer = producer
+        checkpoint.prompt_scores_k = prompt_scores_k
         logger.debug("promoted: %s now produces the %d-token checkpoint", producer, checkpoint.num_tokens)
 
     def add_waiter(self, checkpoint: Checkpoint) -> None:

@@ -6,6 +6,7 @@ drives `add_request` / `step` / `abort_request`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -24,17 +25,20 @@ from forkpoint.engine.output_processor import OutputProcessor
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler import ScheduledStep, Scheduler
 from forkpoint.inputs.default_model import DEFAULT_MODEL_NOTICE, ensure_default_model
+from forkpoint.inputs.generation_config import GenerationDefaults
 from forkpoint.inputs.multimodal import image_prompt_processor
 from forkpoint.inputs.processor import InputProcessor, PromptLimits
 from forkpoint.inputs.tokenizer import load_tokenizer
 from forkpoint.models.loader import build_model
 from forkpoint.outputs import RequestOutput
+from forkpoint.runner.logits_processors import build_request_processors
 from forkpoint.runner.model_runner import ModelRunner
 from forkpoint.runner.multimodal import MultimodalInputs
 from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_sizes, graph_blocker
-from forkpoint.runner.prompt_logprobs import score_tokens
+from forkpoint.runner.prompt_logprobs import PromptScores, score_tokens, truncate
 from forkpoint.runner.sampler import sample
 from forkpoint.sampling_params import SamplingParams
+from forkpoint.structured import GrammarCompiler
 
 logger = logging.getLogger("forkpoint")
 
@@ -81,6 +85,7 @@ class LLMEngine:
             logger.warning(DEFAULT_MODEL_NOTICE)
         self.model_path = model_path
         self.model_config = ModelConfig.from_hf_dir(model_path)
+        self.generation_defaults = GenerationDefaults.from_model_dir(model_path)
         marker = config.checkpoint_token if config.enable_checkpoints else None
         loaded = load_tokenizer(Path(config.tokenizer) if config.tokenizer else model_path, checkpoint_token=marker)
         if loaded.base_vocab_size > self.model_config.vocab_size:
@@ -95,6 +100,7 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
 
         vision = self.model_config.vision
         max_images = config.max_images_per_prompt
@@ -163,7 +169,9 @@ class LLMEngine:
 
         With `stream=False`, `step()` reports this prompt only once it has finished (no per-step
         detokenisation: the offline API's mode)."""
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.default_sampling_params()
+        if params.max_tokens is None and self.generation_defaults.max_new_tokens is not None:
+            params = dataclasses.replace(params, max_tokens=self.generation_defaults.max_new_tokens)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         processed = self.inputs.process(prompt)
@@ -172,6 +180,10 @@ class LLMEngine:
         seq_positions = list(positions)
         if params.n > 1 and self.registry is not None and len(token_ids) > 1 and (len(token_ids) - 1) not in positions:
             seq_positions.append(len(token_ids) - 1)  # siblings share the prompt through one checkpoint
+        processors = [build_request_processors(params, tokenizer=self.tokenizer,
+                                               vocab_size=self.model_config.vocab_size,
+                                               eos_token_ids=self.eos_token_ids, grammars=self.grammars)
+                      for _ in range(params.n)]
         now = time.monotonic()
         sequences = []
         for index in range(params.n):
@@ -186,11 +198,17 @@ class LLMEngine:
                 hasher=processed.hasher,
                 generator=self._generator(params, index),
                 multimodal=processed.multimodal,
+                processors=processors[index],
             ))
         self._groups[request_id] = _PromptGroup(request_id, processed.text, token_ids, positions, sequences, stream)
         for sequence in sequences:
             self.scheduler.add(sequence, now)
             self._counters["prompt_tokens_total"] += len(token_ids)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json max_new_tokens as max_tokens."""
+        max_new = self.generation_defaults.max_new_tokens
+        return SamplingParams() if max_new is None else SamplingParams(max_tokens=max_new)
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.greedy:
@@ -211,6 +229,7 @@ class LLMEngine:
         for sequence in group.sequences:
             if not sequence.is_finished:
                 self.scheduler.finish(sequence, "abort")
+            sequence.processors = None  # the grammar state goes with the prompt
         self._counters["requests_aborted"] += 1
 
     def has_unfinished_requests(self) -> bool:
@@ -243,7 +262,8 @@ class LLMEngine:
             by_id = {request.request_id: request for request in step.requests}
             requests = [by_id[segment.request_id] for segment in sampled]
             tokens = sample(logits[: len(sampled)], [r.params for r in requests], [r.generator for r in requests],
-                            [(r.prompt_token_ids, r.output_token_ids) for r in requests])
+                            [(r.prompt_token_ids, r.output_token_ids) for r in requests],
+                            [r.processors for r in requests])
             self._score_prompts(step, logits[len(sampled):], by_id)
         except Exception as error:
             raise self._fail_step(step, error) from error
@@ -257,16 +277,42 @@ class LLMEngine:
         return self._collect(touched)
 
     def _score_prompts(self, step: ScheduledStep, rows: torch.Tensor, by_id: dict[str, Request]) -> None:
-        """Prompt logprobs of the step's scored segments from their logits rows (packed order)."""
-        scored = [s for s in step.plan.ordered() if s.prompt_logit_rows]
+        """Prompt logprobs of the step's segments, in packed order: each scored segment's logits rows
+        (after the sampled rows) score its tokens; a segment that starts at a checkpoint first takes
+        the prefix's scores the checkpoint carries; a segment that ends where a checkpoint it writes
+        keeps its state leaves the prefix's scores with that checkpoint."""
+        writes = {(id(producer), c.state_tokens): c for c, producer in step.written}
         offset = 0
-        for segment in scored:
-            request, count = by_id[segment.request_id], segment.prompt_logit_rows
-            first = segment.start + 1  # row i scores the prompt token at start + 1 + i
-            targets = torch.tensor(request.prompt_token_ids[first: first + count], device=rows.device)
-            entries = score_tokens(rows[offset: offset + count], targets, request.params.prompt_logprobs)
-            request.prompt_logprobs.update(zip(range(first, first + count), entries))
+        for segment in step.plan.ordered():
+            request = by_id[segment.request_id]
+            k = request.params.prompt_logprobs
+            if k is None:
+                continue
+            source = request.checkpointing.read_from
+            if source is not None and segment.start == source.state_tokens and source.prompt_scores is not None:
+                self._take_prefix_scores(request, source.prompt_scores, segment.start, k)
+            count = segment.prompt_logit_rows
+            if count:
+                first = segment.start + 1  # row i scores the prompt token at start + 1 + i
+                targets = torch.tensor(request.prompt_token_ids[first: first + count], device=rows.device)
+                request.prompt_logprobs.update(zip(range(first, first + count),
+                                                   score_tokens(rows[offset: offset + count], targets, k)))
+            written = writes.get((id(request), segment.end))
+            if written is not None and written.prompt_scores_k is not None and count:
+                entries = {p: request.prompt_logprobs.get(p) for p in range(1, segment.end)}
+                if None not in entries.values():  # complete (always, unless a fault interrupted a chain)
+                    self.registry.attach_prompt_scores(written, PromptScores(k, entries,
+                                                                             rows[offset + count - 1].clone()))
             offset += count
+
+    @staticmethod
+    def _take_prefix_scores(request: Request, scores: PromptScores, start: int, k: int) -> None:
+        """Scores of prompt tokens 1 .. start from a checkpoint ending at `start` (top-k cut to `k`)."""
+        tokens = request.prompt_token_ids
+        request.prompt_logprobs.update({p: truncate(e, tokens[p], k) for p, e in scores.entries.items()})
+        if start < len(tokens):
+            target = torch.tensor([tokens[start]], device=scores.boundary_logits.device)
+            request.prompt_logprobs[start] = score_tokens(scores.boundary_logits[None], target, k)[0]
 
     def _fail_step(self, step: ScheduledStep, error: Exception) -> StepFailed:
         ended = self.scheduler.fail(step)
@@ -276,6 +322,7 @@ class LLMEngine:
             for sequence in group.sequences:
                 if not sequence.is_finished:
                     self.scheduler.finish(sequence, "error")
+                sequence.processors = None  # the grammar state goes with the prompt
         self._counters["requests_failed"] += len(failed_ids)
         logger.error("step failed (%s: %s): ended %d request(s): %s", type(error).__name__, error,
                      len(failed_ids), ", ".join(failed_ids))
@@ -290,6 +337,8 @@ class LLMEngine:
             if finished or group.stream:
                 outputs.append(self._make_output(group))
             if finished:
+                for sequence in group.sequences:
+                    sequence.processors = None  # the grammar state goes with the prompt
                 del self._groups[group.request_id]
                 self._counters["requests_finished"] += 1
         return outputs

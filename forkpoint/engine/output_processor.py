@@ -50,11 +50,15 @@ class OutputProcessor:
         """Record a sampled token on `request`; returns the finish reason ("stop", "length") or None.
         The caller finishes the request when a reason comes back."""
         request.output_token_ids.append(token_id)
+        if request.processors is not None:
+            request.processors.accept(token_id)  # advance the grammar (runner/logits_processors.py)
         params = request.params
         if params.logprobs is not None:
             request.output_logprobs.append(logprobs)
         if request.first_token_time is None:
             request.first_token_time = now
+        if len(request.output_token_ids) < params.min_tokens:  # vLLM: no stop id or string counts before it
+            return "length" if request.num_tokens >= self.max_model_len else None
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
             return "stop"
         if params.stop and self._stop_string_found(request):

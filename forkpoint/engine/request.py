@@ -16,6 +16,7 @@ import torch
 from forkpoint.cache.checkpoints import Checkpoint, CheckpointKind
 from forkpoint.cache.hashing import PrefixHasher
 from forkpoint.inputs.multimodal import MultimodalPrompt
+from forkpoint.runner.logits_processors import RequestProcessors
 from forkpoint.sampling_params import SamplingParams
 
 
@@ -39,6 +40,7 @@ class CheckpointProgress:
     producing: list[Checkpoint] = field(default_factory=list)
     auto_positions: dict[int, CheckpointKind] = field(default_factory=dict)
     waiting_on: Checkpoint | None = None
+    read_from: Checkpoint | None = None  # the checkpoint its current computation started from
     deferred_since: float | None = None
     was_deferred: bool = False
     gave_up_waiting: bool = False
@@ -70,6 +72,8 @@ class Request:
     first_token_time: float | None = None
     # images: placed in prompt_token_ids, with the rotary positions of every token (None: text only)
     multimodal: MultimodalPrompt | None = None
+    # logits processors and grammar state (None: none asked for); released when the prompt leaves
+    processors: RequestProcessors | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from forkpoint.cache.block_pool import BlockPool
@@ -115,7 +116,8 @@ class Scheduler:
             if state <= producer.num_computed_tokens:
                 return
             checkpoint = self.registry.register(producer.hasher.prefix_hash(position), position,
-                                                producer.request_id, now, placement.kind, state)
+                                                producer.request_id, now, placement.kind, state,
+                                                self._scores_k(producer, state))
             if checkpoint is None:
                 return
             producer.checkpointing.producing.append(checkpoint)
@@ -150,6 +152,7 @@ class Scheduler:
         for checkpoint in progress.producing:
             self.registry.producer_left(checkpoint)
         progress.producing = []
+        progress.read_from = None
         if progress.waiting_on is not None:
             self._stop_waiting(request)
 
@@ -272,10 +275,9 @@ class Scheduler:
         """Admit `request` into this step. Returns tokens scheduled, 0 when deferred, None when out of memory."""
         progress = request.checkpointing
         longest = ready = None
-        # prompt logprobs need the logits of every prompt position: such a request computes its whole
-        # prompt (it may still produce checkpoints for others)
-        if self.registry is not None and request.params.prompt_logprobs is None:
-            longest, ready = self.registry.lookup(request.hasher.prefix_hash, len(request.prompt_token_ids))
+        if self.registry is not None:
+            longest, ready = self.registry.lookup(request.hasher.prefix_hash, len(request.prompt_token_ids),
+                                                  self._readable_by(request))
         source = ready
         if longest is not None and not longest.ready:
             if longest.state is CheckpointState.ORPHANED:
@@ -320,6 +322,7 @@ class Scheduler:
         self.blocks.incref(request.blocks)
         request.blocks.extend(self.blocks.allocate(own_needed))
         request.num_computed_tokens = start
+        progress.read_from = source
         if source is not None:
             request.num_cached_tokens = start
             self.stats.checkpoint_hits += 1
@@ -330,6 +333,22 @@ class Scheduler:
             self._stop_waiting(request, now)
         self._plan_chunk(planning, request, start, count, source)
         return count
+
+    @staticmethod
+    def _readable_by(request: Request) -> Callable[[Checkpoint], bool] | None:
+        """Prompt logprobs need a score for every prompt token: such a request reads only checkpoints
+        that carry (or whose producer computes) the prefix's scores with at least its top-k."""
+        k = request.params.prompt_logprobs
+        if k is None:
+            return None
+        return lambda c: c.prompt_scores_k is not None and c.prompt_scores_k >= k
+
+    def _scores_k(self, request: Request, state_position: int) -> int | None:
+        """The prompt-logprob top-k a checkpoint this request writes at `state_position` will carry
+        (none when the position's last score is the sampling row, at the prompt's end)."""
+        if state_position >= len(request.prompt_token_ids):
+            return None
+        return request.params.prompt_logprobs
 
     def _wait_on(self, request: Request, checkpoint: Checkpoint, now: float) -> None:
         progress = request.checkpointing
@@ -371,7 +390,8 @@ class Scheduler:
             key = request.hasher.prefix_hash(position)
             checkpoint = self.registry.get(key)
             if checkpoint is None:
-                checkpoint = self.registry.register(key, position, request.request_id, now, kind, state)
+                checkpoint = self.registry.register(key, position, request.request_id, now, kind, state,
+                                                    self._scores_k(request, state))
                 if checkpoint is None:
                     logger.debug("no checkpoint slot free for %s at %d: a miss", request.request_id, position)
                     continue  # checkpoint pool full of pinned entries: a miss, never an error
@@ -386,7 +406,7 @@ class Scheduler:
         producing.sort(key=lambda c: c.state_tokens)
 
     def _promote(self, request: Request, checkpoint: Checkpoint) -> None:
-        self.registry.promote(checkpoint, request.request_id)
+        self.registry.promote(checkpoint, request.request_id, self._scores_k(request, checkpoint.state_tokens))
         self.stats.producer_promotions += 1
         request.checkpointing.producing.append(checkpoint)
 

@@ -1,22 +1,24 @@
 """The embedded default model: a small Qwen3.5-MoE model with seeded random weights and the real
 Qwen3.5 tokenizer, built on first use into a Hugging Face model directory and cached.
 
-Layout of the built directory (``<cache root>/default-qwen3_5_moe-v1``)::
+Layout of the built directory (``<cache root>/default-qwen3_5_moe-v2``)::
 
     config.json             Qwen3_5MoeForCausalLM, model_type qwen3_5_moe_text (text only)
     model.safetensors       bfloat16; experts stored per expert
                             (model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight);
                             no lm_head.weight (tied to model.embed_tokens.weight)
-    generation_config.json  eos_token_id [<|im_end|> 248046, <|endoftext|> 248044]
+    generation_config.json  eos_token_id [<|im_end|> 248046, <|endoftext|> 248044], max_new_tokens 128
+                            (the default max_tokens of requests that give none: generation_config.py)
     tokenizer.json          the Qwen3.5 vocabulary (see qwen_vocab.py)
-    tokenizer_config.json   ChatML chat template, eos <|im_end|>, pad <|endoftext|>, no BOS
+    tokenizer_config.json   ChatML chat template with Qwen3.5's tool format and thinking switch
+                            (qwen_template.py), eos <|im_end|>, pad <|endoftext|>, no BOS
     README.md               says the weights are random
     forkpoint_default.json  written last: its presence marks a complete build
 
 The cache root is ``cache_dir``, else ``$FORKPOINT_CACHE``, else ``~/.cache/forkpoint``. A build
 goes to a temporary sibling directory that is renamed into place, so concurrent or interrupted
 builds never leave a partial model directory behind (an interrupted one may leave a
-``.default-qwen3_5_moe-v1.building-*`` directory, which is safe to delete).
+``.default-qwen3_5_moe-v2.building-*`` directory, which is safe to delete).
 """
 
 from __future__ import annotations
@@ -41,10 +43,13 @@ from forkpoint.inputs import qwen_vocab
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "default-qwen3_5_moe-v1"
+DEFAULT_MODEL_NAME = "default-qwen3_5_moe-v2"  # v2: max_new_tokens, the template with tools
 CACHE_ENV = "FORKPOINT_CACHE"
 COMPLETE_MARKER = "forkpoint_default.json"
 SEED = 0
+# a random-weight model rarely samples EOS: a request without max_tokens stops here, not at the
+# end of the context (32k tokens, minutes on a CPU)
+MAX_NEW_TOKENS = 128
 
 DEFAULT_MODEL_NOTICE = (
     "forkpoint is using its embedded default model: a small Qwen3.5-MoE model (4 layers, hidden "
@@ -141,7 +146,8 @@ def build_default_model(directory: Path) -> None:
         _randomize(model)
     model.to(torch.bfloat16).save_pretrained(directory, safe_serialization=True)
     im_end, endoftext = (qwen_vocab.special_token_id(t) for t in ("<|im_end|>", "<|endoftext|>"))
-    generation_config = {"eos_token_id": [im_end, endoftext], "pad_token_id": endoftext}
+    generation_config = {"eos_token_id": [im_end, endoftext], "pad_token_id": endoftext,
+                         "max_new_tokens": MAX_NEW_TOKENS}
     (directory / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
     qwen_vocab.write_tokenizer(directory, model_max_length=config.max_position_embeddings)
     (directory / "README.md").write_text(

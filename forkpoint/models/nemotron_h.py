@@ -83,18 +83,27 @@ class StackedExperts(nn.Module):
 
 
 class NemotronMoE(nn.Module):
-    """Routed ReLU^2 experts plus the shared expert (always on, unscaled)."""
+    """Routed ReLU^2 experts plus the shared expert (always on, unscaled). With `moe_latent_size`
+    (Nemotron-3 LatentMoE) the routed experts run in the latent width, between fc1_latent_proj
+    and fc2_latent_proj; the router and the shared expert read the full hidden state."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        hidden, latent, bias = config.hidden_size, config.mamba2.moe_latent_size, config.mamba2.mlp_bias
         self.gate = GroupedSigmoidRouter(config)
-        self.experts = StackedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
-        self.shared_experts = ReluSquaredMLP(config.hidden_size, config.shared_expert_intermediate_size,
-                                             config.mamba2.mlp_bias)
+        self.experts = StackedExperts(config.num_experts, latent or hidden, config.moe_intermediate_size)
+        self.shared_experts = ReluSquaredMLP(hidden, config.shared_expert_intermediate_size, bias)
+        if latent is not None:
+            self.fc1_latent_proj = nn.Linear(hidden, latent, bias=bias)
+            self.fc2_latent_proj = nn.Linear(latent, hidden, bias=bias)
+        self.latent = latent is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        return self.experts(x, weights, ids) + self.shared_experts(x)
+        if not self.latent:
+            return self.experts(x, weights, ids) + self.shared_experts(x)
+        routed = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), weights, ids))
+        return routed + self.shared_experts(x)
 
 
 class NemotronBlock(nn.Module):

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from forkpoint.outputs import Logprob
+from forkpoint.runner.logits_processors import RequestProcessors, apply_logits_processors
 from forkpoint.sampling_params import SamplingParams
 
 
@@ -49,7 +50,8 @@ class SamplingRow:
     """One logits row of a step: whose it is and how to sample it.
 
     key: the sequence's request id (keys its penalty state across steps); prompt_token_ids /
-    output_token_ids: its tokens so far (read only to build penalty state, once per request).
+    output_token_ids: its tokens so far (read only to build penalty state, once per request);
+    processors: its logits-processor state (runner/logits_processors.py), None without any.
     """
 
     key: str
@@ -57,6 +59,7 @@ class SamplingRow:
     generator: torch.Generator | None
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    processors: RequestProcessors | None = None
 
 
 class PenaltyCounts:
@@ -163,8 +166,10 @@ class Sampler:
         if not rows:
             return []
         raw = logits
-        # logits processors (logit_bias, allowed_token_ids, bad_words, min_tokens, grammar bitmasks)
-        # apply here, once, to a copy: `logits = apply_logits_processors(logits, rows)`
+        if any(row.processors is not None for row in rows):  # logit_bias ... grammar bitmasks, on a copy
+            logits = logits.clone()
+            apply_logits_processors(logits, [(r.processors, r.output_token_ids) if r.processors is not None else None
+                                             for r in rows])
         params = [row.params for row in rows]
         device = logits.device
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
@@ -193,14 +198,17 @@ class Sampler:
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None],
-           histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None) -> list[SampledToken]:
+           histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+           processors: Sequence[RequestProcessors | None] | None = None) -> list[SampledToken]:
     """One-off sampling without state across calls: logits [R, V]; one SamplingParams and
     generator per row; histories[row] = (prompt ids, output ids so far), needed only by rows with
-    penalties (their counts are built from it). Same results as `Sampler.sample`."""
+    penalties (their counts are built from it) or processors; processors[row]: the row's
+    logits-processor state or None. Same results as `Sampler.sample`."""
     if histories is None and any(p.has_penalties for p in params):
         raise ValueError("penalties need the token histories of their rows")
-    rows = [SamplingRow(str(i), p, g, *(histories[i] if histories is not None else ((), ())))
-            for i, (p, g) in enumerate(zip(params, generators))]
+    states = list(processors) if processors is not None else [None] * len(params)
+    rows = [SamplingRow(str(i), p, g, *(histories[i] if histories is not None else ((), ())), processors=state)
+            for i, (p, g, state) in enumerate(zip(params, generators, states))]
     return Sampler(logits.shape[-1], logits.device).sample(logits, rows)
 
 

@@ -33,7 +33,12 @@ from forkpoint.server.generation import Admission
 from forkpoint.server.limits import RequestSizeLimit, default_max_request_bytes
 from forkpoint.server.metrics import ServerMetrics
 from forkpoint.server.prompts import PromptBuilder
-from forkpoint.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from forkpoint.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from forkpoint.server.serving import OpenAIServing
 from forkpoint.server.stats import log_stats_forever, startup_summary
 from forkpoint.server.worker import EngineWorker
@@ -66,7 +71,8 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
     max_request_bytes = (config.max_request_bytes if config.max_request_bytes is not None else
                          default_max_request_bytes(tokenizer, engine.max_model_len, takes_images=takes_images))
     serving = OpenAIServing(model_name=config.served_model_name, max_model_len=engine.max_model_len,
-                            prompts=prompts, worker=worker, admission=admission, metrics=metrics)
+                            prompts=prompts, worker=worker, admission=admission, metrics=metrics,
+                            default_max_tokens=engine.generation_defaults.max_new_tokens)
     created = int(time.time())
 
     @asynccontextmanager
@@ -140,8 +146,11 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
         if body.prompt is not None:
             prompt = await prompts.run(prompts.from_text, body.prompt)
         else:
+            kwargs = dict(body.chat_template_kwargs or {})
+            if body.tools is not None:
+                kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
             prompt = await prompts.from_messages_async(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                                       template_kwargs=body.chat_template_kwargs)
+                                                       template_kwargs=kwargs)
         return {"count": len(prompt.token_ids), "max_model_len": engine.max_model_len,
                 "tokens": prompt.token_ids, "checkpoint_positions": list(prompt.checkpoint_positions)}
 

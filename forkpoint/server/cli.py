@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="no periodic stats line (throughput, queues, pools, checkpoint reuse) in the log")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                       help="log level (default: info)")
+    replicas = serve.add_argument_group("replicas (Ray Serve; pip install forkpoint[serve])")
+    replicas.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                          help="engine replicas, each on its own GPU (or CPU process), behind this endpoint; requests "
+                               "go to the replica holding their checkpoint (default: 1, no Ray)")
+    replicas.add_argument("--ray-address", default=None,
+                          help="join this Ray cluster for the replicas (default: start a local Ray instance)")
     serve.set_defaults(func=run_serve)
 
     generate = commands.add_parser("generate", help="generate for one-off prompts and print them with timings",
@@ -91,6 +97,10 @@ def run_serve(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
         log_stats=not args.disable_log_stats,
     )
+    if args.data_parallel_size != 1 or args.ray_address is not None:
+        from forkpoint.server.replicas.launch import serve_replicas
+
+        return serve_replicas(args, config, engine_kwargs(args))
     start = time.perf_counter()
     llm = LLM(**engine_kwargs(args))
     app = build_app(llm, config, load_time_s=time.perf_counter() - start)

@@ -88,6 +88,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     param = loc[0] if loc else None
     where = ".".join(loc)
     detail = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":  # the models forbid fields that forkpoint does not honour
+        detail = ("this parameter is not supported by forkpoint (docs/server.md lists every parameter and "
+                  "its status): remove it")
     message = f"{where}: {detail}" if where else detail
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem(s))"

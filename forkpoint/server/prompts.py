@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +41,7 @@ from forkpoint.inputs.multimodal import ImagePromptProcessor
 from forkpoint.server.config import MarkerPolicy
 from forkpoint.server.errors import APIError, invalid_request
 from forkpoint.server.protocol import ChatMessage
+from forkpoint.server.reasoning import prompt_opens_thinking
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class EnginePrompt:
     token_ids: list[int]
     checkpoint_positions: tuple[int, ...]
     multi_modal_data: dict[str, Any] | None = None  # {"image": [ImageInput, ...]}, placeholders expanded
+    opens_thinking: bool = False  # chat: the rendered prompt ends inside an open <think> (reasoning.py)
 
     def engine_input(self) -> dict[str, Any]:
         prompt = {"prompt_token_ids": self.token_ids, "checkpoint_positions": list(self.checkpoint_positions)}
@@ -108,10 +112,10 @@ class PromptBuilder:
                       template_kwargs: dict[str, Any] | None = None) -> EnginePrompt:
         """A chat conversation, rendered with the tokenizer's chat template (images decoded in
         this thread: handlers on the event loop use `from_messages_async`)."""
-        token_ids, sources = self._render(messages, add_generation_prompt, template_kwargs)
+        token_ids, sources, thinking = self._render(messages, add_generation_prompt, template_kwargs)
         if not sources:
-            return self._parse(token_ids, None, "messages")
-        return self._with_images(token_ids, self._load_images(sources))
+            return dataclasses.replace(self._parse(token_ids, None, "messages"), opens_thinking=thinking)
+        return dataclasses.replace(self._with_images(token_ids, self._load_images(sources)), opens_thinking=thinking)
 
     async def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """`fn(*args, **kwargs)` in the executor, off the event loop (for the tokenizer's work)."""
@@ -124,8 +128,9 @@ class PromptBuilder:
                               template_kwargs=template_kwargs)
 
     def _render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
-                template_kwargs: dict[str, Any] | None) -> tuple[list[int], list[Any]]:
-        """Token ids of the rendered conversation (markers still in) and its image sources in order."""
+                template_kwargs: dict[str, Any] | None) -> tuple[list[int], list[Any], bool]:
+        """Token ids of the rendered conversation (markers still in), its image sources in order,
+        and whether the prompt leaves a thought open."""
         conversation = [self._message(i, message) for i, message in enumerate(messages)]
         try:
             text, sources = render_chat_with_images(self.tokenizer, conversation,
@@ -139,7 +144,7 @@ class PromptBuilder:
                                   param="messages") from None
         if sources and self.images is None:
             raise invalid_request("this server takes no images: its model has no vision tower", param="messages")
-        return raw.token_ids, sources
+        return raw.token_ids, sources, prompt_opens_thinking(text)
 
     def _load_images(self, sources: list[Any]) -> list[ImageInput]:
         """Decode, convert and hash the images (CPU-bound, thread-safe: no shared state)."""
@@ -175,7 +180,10 @@ class PromptBuilder:
                     fields["text"] = text
                 parts.append(fields)
             content = parts
-        return {**message.model_dump(exclude_none=True), "content": content}
+        fields = message.model_dump(exclude_none=True)
+        if "tool_calls" in fields:
+            fields["tool_calls"] = _tool_calls_for_template(index, fields["tool_calls"])
+        return {**fields, "content": content}
 
     def _no_image_placeholders(self, token_ids: Sequence[int], param: str) -> None:
         """Text and token-id prompts carry no images: an image placeholder in one is a 400 that says
@@ -206,3 +214,26 @@ class PromptBuilder:
         except ValueError as err:
             raise invalid_request(str(err), param=param) from None
         return EnginePrompt(parsed.token_ids, parsed.checkpoint_positions)
+
+
+def _tool_calls_for_template(index: int, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's OpenAI tool calls with `arguments` decoded from JSON text into a
+    dict, as chat templates (Qwen's among them) iterate over them."""
+    param = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise invalid_request(f"{param} must be a list of tool calls", param=param)
+    result = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise invalid_request(f"{param}: each call needs function.name", param=param)
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as err:
+                raise invalid_request(f"{param}: function.arguments is not valid JSON: {err}", param=param) from None
+        if not isinstance(arguments, dict):
+            raise invalid_request(f"{param}: function.arguments must be a JSON object", param=param)
+        result.append({**call, "function": {**function, "arguments": arguments}})
+    return result

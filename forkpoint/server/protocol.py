@@ -1,17 +1,21 @@
 """Request bodies of the OpenAI-compatible API, validated by pydantic (a violation is a 400 naming
-the field). Only fields that forkpoint honours are declared; unknown fields are ignored, as the
-OpenAI API does for fields a model does not use.
+the field). Only fields that forkpoint honours are declared, and a request with any other
+top-level field is a 400 naming it (`extra="forbid"`): nothing a client sends is silently ignored.
+docs/server.md lists every parameter with its status.
 
 forkpoint extensions (pass them with the openai client's ``extra_body``):
 - ``checkpoint_positions`` (completions): checkpoint positions in prompt tokens, for token-id
   prompts (and text prompts), as in the offline API;
 - a ``"checkpoint": true`` flag on a chat text content part: checkpoint right after that part;
-- vLLM's sampling extras ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``.
+- vLLM's extras: sampling (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+  ``stop_token_ids``, ``min_tokens``, ``allowed_token_ids``, ``bad_words``, ``prompt_logprobs``),
+  structured outputs (``structured_outputs``, and the older ``guided_json``, ``guided_regex``,
+  ``guided_choice``, ``guided_grammar``), ``chat_template_kwargs``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -21,12 +25,46 @@ NO_IMAGES_IN_COMPLETIONS = ("/v1/completions takes text or token-id prompts only
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's ``structured_outputs`` body: exactly one of json, regex, choice, grammar."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: text (no constraint), json_object (any JSON object) or json_schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
 
 
 class SamplingFields(BaseModel):
     """Sampling fields shared by both generation endpoints (OpenAI ranges)."""
 
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -44,6 +82,30 @@ class SamplingFields(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # logits processors (OpenAI: logit_bias, keys are token ids as strings; the rest vLLM's)
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0)
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    # structured outputs: at most one of these
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: Literal["auto", "guidance", "llguidance"] | None = None  # llguidance is what runs
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (strings of digits), got {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {key}")
+        return bias
 
     @property
     def include_usage(self) -> bool:
@@ -54,6 +116,7 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions. ``prompt``: a string, a list of token ids, or a batch of either."""
 
     prompt: str | TokenIds | list[str] | list[TokenIds]
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     checkpoint_positions: list[int] | None = None
@@ -84,12 +147,11 @@ class CompletionRequest(SamplingFields):
             raise ValueError("prompt is an empty list: give a string, token ids, or a non-empty batch")
         return prompt
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported: the prompt is not returned with the completion")
-        return echo
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is allowed only with echo: true (score the prompt without generating)")
+        return self
 
 
 class ContentPart(BaseModel):
@@ -102,9 +164,37 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """A message; other keys (``tool_calls``, ``tool_call_id``, ``name``, ``reasoning_content``)
+    go to the chat template."""
+
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[ContentPart] | None = None
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -116,6 +206,18 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise ValueError(f"tool_choice {choice if isinstance(choice, str) else 'function'!r} needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not in tools")
+        return self
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -124,13 +226,15 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
-    """POST /tokenize: exactly one of ``prompt`` and ``messages``."""
+    """POST /tokenize: exactly one of ``prompt`` and ``messages`` (with ``tools`` rendered as chat does)."""
 
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -142,5 +246,6 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     """POST /detokenize."""
 
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int]

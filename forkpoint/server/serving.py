@@ -8,9 +8,7 @@ the shape of a choice, which `CompletionFormat` and `ChatFormat` supply.
 
 from __future__ import annotations
 
-import abc
 import asyncio
-import dataclasses
 import json
 import time
 import uuid
@@ -21,19 +19,33 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
-from transformers import PreTrainedTokenizerBase
 
 from forkpoint.outputs import CompletionOutput, RequestOutput
 from forkpoint.sampling_params import SamplingParams
+from forkpoint.server.chat_format import ChatFormat, ChatOptions
 from forkpoint.server.errors import APIError, error_body, invalid_request
 from forkpoint.server.generation import Admission, Generation
 from forkpoint.server.metrics import ServerMetrics
 from forkpoint.server.prompts import EnginePrompt, PromptBuilder
-from forkpoint.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from forkpoint.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
+from forkpoint.server.request_params import (
+    sampling_params,
+    structured_outputs,
+    tool_constraint,
+)
+from forkpoint.server.responses import (
+    CompletionFormat,
+    Delta,
+    ResponseFormatter,
+    prompt_logprobs_json,
+)
 from forkpoint.server.worker import EngineFailure, EngineWorker, ServerShuttingDown
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (without a generation config)
 
 
 @dataclass
@@ -43,103 +55,6 @@ class _ChoiceCursor:
     text_len: int = 0
     num_tokens: int = 0
     finished: bool = False
-
-
-@dataclass
-class _Delta:
-    """New output of one choice since the last chunk."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str | None
-    text_offset: int = 0
-
-
-class _Format(abc.ABC):
-    """Shape of one endpoint's responses. Subclasses fill in the choice layouts."""
-
-    object_name = ""
-    chunk_object_name = ""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, top_logprobs: int | None) -> None:
-        self.tokenizer = tokenizer
-        self.top_logprobs = top_logprobs  # None: no logprobs in the response
-
-    @abc.abstractmethod
-    def choice(self, delta: _Delta) -> dict[str, Any]:
-        """A choice of the whole response (`delta` holds the complete output)."""
-
-    @abc.abstractmethod
-    def chunk_choice(self, delta: _Delta) -> dict[str, Any]:
-        """A choice of a streamed chunk."""
-
-    def opening_chunks(self, num_choices: int) -> list[dict[str, Any]]:
-        """Choices of the chunks sent before any token (chat: the assistant role)."""
-        return []
-
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    def _top(self, logprobs: dict[int, float]) -> list[tuple[int, float]]:
-        return sorted(logprobs.items(), key=lambda item: -item[1])[: self.top_logprobs]
-
-
-class CompletionFormat(_Format):
-    object_name = "text_completion"
-    chunk_object_name = "text_completion"
-
-    def choice(self, delta: _Delta) -> dict[str, Any]:
-        return {"index": delta.index, "text": delta.text, "logprobs": self._logprobs(delta),
-                "finish_reason": delta.finish_reason}
-
-    chunk_choice = choice
-
-    def _logprobs(self, delta: _Delta) -> dict[str, Any] | None:
-        if self.top_logprobs is None or delta.logprobs is None:
-            return None
-        tokens, token_logprobs, top, offsets = [], [], [], []
-        offset = delta.text_offset
-        for token_id, entry in zip(delta.token_ids, delta.logprobs):
-            text = self.token_text(token_id)
-            tokens.append(text)
-            token_logprobs.append(entry.get(token_id))
-            top.append({self.token_text(t): lp for t, lp in self._top(entry)})
-            offsets.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
-
-
-class ChatFormat(_Format):
-    object_name = "chat.completion"
-    chunk_object_name = "chat.completion.chunk"
-
-    def choice(self, delta: _Delta) -> dict[str, Any]:
-        return {"index": delta.index, "message": {"role": "assistant", "content": delta.text},
-                "logprobs": self._logprobs(delta), "finish_reason": delta.finish_reason}
-
-    def chunk_choice(self, delta: _Delta) -> dict[str, Any]:
-        return {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
-                "logprobs": self._logprobs(delta), "finish_reason": delta.finish_reason}
-
-    def opening_chunks(self, num_choices: int) -> list[dict[str, Any]]:
-        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                for i in range(num_choices)]
-
-    def _entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    def _logprobs(self, delta: _Delta) -> dict[str, Any] | None:
-        if self.top_logprobs is None or delta.logprobs is None:
-            return None
-        content = []
-        for token_id, entry in zip(delta.token_ids, delta.logprobs):
-            item = self._entry(token_id, entry.get(token_id))
-            item["top_logprobs"] = [self._entry(t, lp) for t, lp in self._top(entry)]
-            content.append(item)
-        return {"content": content}
 
 
 @dataclass
@@ -187,7 +102,8 @@ class OpenAIServing:
     """Handlers of the two generation endpoints, bound to one engine worker."""
 
     def __init__(self, *, model_name: str, max_model_len: int, prompts: PromptBuilder, worker: EngineWorker,
-                 admission: Admission, metrics: ServerMetrics) -> None:
+                 admission: Admission, metrics: ServerMetrics, default_max_tokens: int | None = None) -> None:
+        self.default_max_tokens = default_max_tokens  # the model's generation_config.json max_new_tokens
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.prompts = prompts
@@ -207,21 +123,42 @@ class OpenAIServing:
         prompts = await self.prompts.run(lambda: [
             self.prompts.from_text(p, body.checkpoint_positions) if isinstance(p, str)
             else self.prompts.from_token_ids(p, body.checkpoint_positions) for p in batch])
-        max_tokens = self._max_tokens(body.max_tokens, prompts, "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS)
-        params = self._sampling_params(body, max_tokens, body.logprobs)
-        fmt = CompletionFormat(self.prompts.tokenizer, body.logprobs)
+        score_only = body.echo and body.max_tokens == 0  # vLLM: one token is sampled, then dropped
+        default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, self.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
+        max_tokens = 1 if score_only else self._max_tokens(body.max_tokens, prompts, "prompt", default)
+        if score_only:
+            self._max_tokens(1, prompts, "prompt", None)  # the length checks still apply
+        # echo with logprobs scores the prompt too (OpenAI, lm-eval-harness' loglikelihood)
+        prompt_top = body.logprobs if body.echo and body.logprobs is not None else None
+        if body.prompt_logprobs is not None:
+            prompt_top = max(prompt_top or 0, body.prompt_logprobs)
+        params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_top,
+                                 structured=structured_outputs(body))
+        fmt = CompletionFormat(self.prompts.tokenizer, body.logprobs, echo=body.echo, drop_output=score_only,
+                               prompt_logprobs=body.prompt_logprobs)
         return await self._generate("completions", "prompt", "cmpl", body, prompts, params, fmt, request)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise invalid_request("top_logprobs needs logprobs: true", param="top_logprobs")
+        kwargs = dict(body.chat_template_kwargs or {})
+        if body.tools is not None:
+            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
         prompt = await self.prompts.from_messages_async(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                                        template_kwargs=body.chat_template_kwargs)
-        max_tokens = self._max_tokens(body.max_new_tokens, [prompt], "messages", None)
+                                                        template_kwargs=kwargs)
+        max_tokens = self._max_tokens(body.max_new_tokens, [prompt], "messages", self.default_max_tokens)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._sampling_params(body, max_tokens, top)
-        fmt = ChatFormat(self.prompts.tokenizer, top)
+        structured, forced = structured_outputs(body), tool_constraint(body)
+        if structured is not None and forced is not None:
+            raise invalid_request(f"tool_choice {body.tool_choice if isinstance(body.tool_choice, str) else 'function'}"
+                                  " already constrains the output: drop the structured-output field",
+                                  param="tool_choice")
+        params = sampling_params(body, max_tokens=max_tokens, logprobs=top, prompt_logprobs=body.prompt_logprobs,
+                                 structured=structured or forced)
+        # a constrained output is the answer itself: an open <think> in the prompt does not apply to it
+        options = ChatOptions.of(body, thinking=prompt.opens_thinking and params.structured_outputs is None)
+        fmt = ChatFormat(self.prompts.tokenizer, top, options)
         return await self._generate("chat", "messages", "chatcmpl", body, [prompt], params, fmt, request)
 
     def _max_tokens(self, requested: int | None, prompts: list[EnginePrompt], prompt_param: str,
@@ -234,7 +171,7 @@ class OpenAIServing:
                 f"prompt has {longest} tokens but max_model_len is {self.max_model_len}: shorten the prompt",
                 param=prompt_param, code="context_length_exceeded")
         room = self.max_model_len - longest
-        if requested is None:
+        if requested is None:  # the model's generation config, else the endpoint's default, else the room left
             return min(default, room) if default is not None else room
         if requested > room:
             raise invalid_request(
@@ -243,22 +180,8 @@ class OpenAIServing:
                 param="max_tokens", code="context_length_exceeded")
         return requested
 
-    @staticmethod
-    def _sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        try:
-            return SamplingParams(
-                n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, min_p=body.min_p,
-                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                repetition_penalty=body.repetition_penalty,
-                seed=body.seed, max_tokens=max_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
-                ignore_eos=body.ignore_eos, logprobs=logprobs)
-        except ValueError as err:  # SamplingParams names the field first: "stop must be ..."
-            field_name = str(err).split(" ", 1)[0]
-            raise invalid_request(str(err), param=field_name if field_name in SAMPLING_FIELDS else None) from None
-
     async def _generate(self, endpoint: str, prompt_param: str, id_prefix: str, body: SamplingFields,
-                        prompts: list[EnginePrompt], params: SamplingParams, fmt: _Format,
+                        prompts: list[EnginePrompt], params: SamplingParams, fmt: ResponseFormatter,
                         request: Request) -> Response:
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         gen = Generation(self.worker, self.admission, self.metrics, endpoint=endpoint, prompt_param=prompt_param,
@@ -273,12 +196,13 @@ class OpenAIServing:
         finally:
             gen.close()
 
-    async def _collect(self, gen: Generation, fmt: _Format, header: dict[str, Any], request: Request) -> Response:
+    async def _collect(self, gen: Generation, fmt: ResponseFormatter, header: dict[str, Any],
+                       request: Request) -> Response:
         usage = _Usage()
 
         async def run() -> None:
             async for index, output in gen.outputs():
-                usage.last[index] = output
+                usage.last[index] = fmt.transform(output)
 
         work = asyncio.ensure_future(run())
         watch = asyncio.ensure_future(_until_disconnected(request))
@@ -298,11 +222,15 @@ class OpenAIServing:
         if exc is not None:
             raise exc
         n = gen.params.n
-        choices = [fmt.choice(_Delta(index * n + c.index, c.text, c.token_ids, c.logprobs, c.finish_reason))
+        choices = [fmt.choice(Delta(index * n + c.index, c.text, c.token_ids, c.logprobs, c.finish_reason,
+                                    output=output))
                    for index, output in sorted(usage.last.items()) for c in output.outputs]
-        return JSONResponse({**header, "object": fmt.object_name, "choices": choices, "usage": usage.as_dict()})
+        body = {**header, "object": fmt.object_name, "choices": choices, "usage": usage.as_dict()}
+        if isinstance(fmt, ChatFormat) and fmt.options.prompt_logprobs is not None:  # vLLM: once, top level
+            body["prompt_logprobs"] = prompt_logprobs_json(self.prompts.tokenizer, usage.last[0].prompt_logprobs)
+        return JSONResponse(body)
 
-    async def _stream(self, gen: Generation, fmt: _Format, header: dict[str, Any], num_prompts: int,
+    async def _stream(self, gen: Generation, fmt: ResponseFormatter, header: dict[str, Any], num_prompts: int,
                       include_usage: bool) -> AsyncIterator[str]:
         chunk = {**header, "object": fmt.chunk_object_name}
         n = gen.params.n
@@ -311,12 +239,14 @@ class OpenAIServing:
         try:
             for choice in fmt.opening_chunks(num_prompts * n):
                 yield _sse({**chunk, "choices": [choice]})
-            async for index, output in gen.outputs():
+            async for index, raw in gen.outputs():
+                output = fmt.transform(raw)
                 usage.last[index] = output
                 for completion in output.outputs:
                     key = index * n + completion.index
                     delta = _delta_of(key, completion, cursors.setdefault(key, _ChoiceCursor()), gen.params.stop)
                     if delta is not None:
+                        delta.output = output
                         yield _sse({**chunk, "choices": [fmt.chunk_choice(delta)]})
             if include_usage:
                 yield _sse({**chunk, "choices": [], "usage": usage.as_dict()})
@@ -326,7 +256,7 @@ class OpenAIServing:
         yield _sse("[DONE]")
 
 
-def _delta_of(index: int, completion: CompletionOutput, cursor: _ChoiceCursor, stops: list[str]) -> _Delta | None:
+def _delta_of(index: int, completion: CompletionOutput, cursor: _ChoiceCursor, stops: list[str]) -> Delta | None:
     """The output of `completion` past `cursor` (advancing it), or None when there is nothing to
     send yet. Until the choice finishes, two tails of the cumulative text are held back because
     the engine may still rewrite them: replacement characters (a multi-byte character whose
@@ -342,7 +272,7 @@ def _delta_of(index: int, completion: CompletionOutput, cursor: _ChoiceCursor, s
         return None
     tokens = completion.token_ids[cursor.num_tokens:]
     logprobs = completion.logprobs[cursor.num_tokens:] if completion.logprobs is not None else None
-    delta = _Delta(index, text[cursor.text_len:end], tokens, logprobs, finish, text_offset=cursor.text_len)
+    delta = Delta(index, text[cursor.text_len:end], tokens, logprobs, finish, text_offset=cursor.text_len)
     cursor.text_len = max(cursor.text_len, end)
     cursor.num_tokens = len(completion.token_ids)
     cursor.finished = finish is not None or cursor.finished

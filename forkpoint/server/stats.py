@@ -6,7 +6,7 @@ both built from `LLM.metrics()` snapshots (the engine thread's latest, never the
     forkpoint.server: checkpoints on: marker '<|mamba_checkpoint|>', at most 4 per request, ...
     forkpoint.server: prompt 812.4 tokens/s, generation 96.0 tokens/s | running 4, waiting 0 |
         KV 12.3% (252/2048), state slots 4/64, checkpoint slots 3/32 | checkpoints: 3 hits, 1,536 prompt
-        tokens reused (65.2% of prompt tokens so far)
+        tokens reused, hit rate 65.2% of prompt tokens since start
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class StatsLine:
                 f"({kv_used}/{kv_total}), state slots {values.get('state_slots_used', 0)}/"
                 f"{values.get('state_slots_total', 0)}, checkpoint slots {values.get('checkpoint_slots_used', 0)}/"
                 f"{values.get('checkpoint_slots_total', 0)} | checkpoints: {delta('checkpoint_hits'):.0f} hits, "
-                f"{max(reused, 0):,.0f} prompt tokens reused ({share} of prompt tokens so far)")
+                f"{max(reused, 0):,.0f} prompt tokens reused, hit rate {share} of prompt tokens since start")
 
 
 async def log_stats_forever(snapshot: Callable[[], dict[str, float]], interval_s: float) -> None:

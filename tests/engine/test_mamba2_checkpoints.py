@@ -57,6 +57,8 @@ def nemotron_reference(nemotron):
 def test_outputs_always_equal_the_no_checkpoint_run(nemotron, nemotron_reference, requests, budget, chunk_cap,
                                                     block_size, spare_blocks, checkpoint_slots, fault_at,
                                                     auto_min_tokens):
+    """Random arrivals, budgets, pools, aborts, marker layouts, automatic-checkpoint thresholds and a
+    runner fault at a random step."""
     properties.test_outputs_always_equal_the_no_checkpoint_run.hypothesis.inner_test(
         nemotron, nemotron_reference, requests, budget, chunk_cap, block_size, spare_blocks, checkpoint_slots,
         fault_at, auto_min_tokens)

@@ -55,8 +55,29 @@ def test_prompt_logprobs_through_checkpoints_equal_the_plain_run(model):
         for ours, theirs in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
             assert ours.keys() == theirs.keys() and all(abs(ours[t] - theirs[t]) <= 1e-5 for t in ours)
     assert_matches(outs[2].prompt_logprobs, outs[2].prompt_token_ids, reference(hf, outs[2].prompt_token_ids), 3)
-    # the cost: a request that asks for prompt logprobs computes its whole prompt
-    assert all(o.num_cached_tokens == 0 for o in outs)
+    # the producer leaves the prefix's scores with the checkpoint: consumers reuse the prefix
+    anchor_len = outs[0].checkpoint_positions[0]
+    assert [o.num_cached_tokens for o in outs] == [0, anchor_len, anchor_len]
+    # a later consumer asking for fewer top logprobs reads them too; one asking for more computes all
+    fewer = llm.generate(f"{anchor} {MARK} {words(70, 71)}", SamplingParams(max_tokens=1, prompt_logprobs=1),
+                         use_tqdm=False)[0]
+    more = llm.generate(f"{anchor} {MARK} {words(72, 73)}", SamplingParams(max_tokens=1, prompt_logprobs=5),
+                        use_tqdm=False)[0]
+    assert (fewer.num_cached_tokens, more.num_cached_tokens) == (anchor_len, 0)
+    for out, k in ((fewer, 1), (more, 5)):
+        assert_matches(out.prompt_logprobs, out.prompt_token_ids, reference(hf, out.prompt_token_ids), k)
+    llm.engine.check_integrity()
+
+
+def test_prompt_logprobs_with_exact_checkpoints_and_chunking(model):
+    directory, hf = model
+    anchor = words(*range(5, 75))  # 70 tokens: the state is kept at 64
+    prompts = [f"{anchor} {MARK} {words(80 + i, 90 + i)}" for i in range(3)]
+    llm = LLM(str(directory), checkpoint_exact=True, max_num_batched_tokens=64)
+    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0, 64, 64]
+    for out in outs:
+        assert_matches(out.prompt_logprobs, out.prompt_token_ids, reference(hf, out.prompt_token_ids), 3)
     llm.engine.check_integrity()
 
 

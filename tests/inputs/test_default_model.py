@@ -33,6 +33,7 @@ def test_directory_layout(default_model_dir: Path):
     assert "RANDOM weights" in (default_model_dir / "README.md").read_text()
     generation = json.loads((default_model_dir / "generation_config.json").read_text())
     assert generation["eos_token_id"] == [248046, 248044]
+    assert generation["max_new_tokens"] == default_model.MAX_NEW_TOKENS  # requests without max_tokens stop there
     config = json.loads((default_model_dir / "config.json").read_text())
     assert config["model_type"] == "qwen3_5_moe_text"
     assert config["architectures"] == ["Qwen3_5MoeForCausalLM"]

@@ -107,6 +107,7 @@ VARIANTS = {
                                                "mamba_conv_bias": False, "tie_word_embeddings": True}),
     "falcon_norm_before_gate_dt_limits": ("falcon_h1", {"mamba_norm_before_gate": True,
                                                         "time_step_limit": (0.3, 2.0)}),
+    "nemotron_latent_moe": ("nemotron_h", {"moe_latent_size": 24}),
     # transformers never ties Nemotron-H's lm_head, whatever tie_word_embeddings says
     "nemotron_groups_biases_tied": ("nemotron_h", {"n_group": 4, "topk_group": 2, "norm_topk_prob": False,
                                                    "use_bias": True, "mlp_bias": True, "tie_word_embeddings": True,

@@ -46,7 +46,7 @@ def test_startup_summary_stats_errors_and_aborts(spare_llm, caplog):
         assert out.choices[0].finish_reason == "length"
         line = wait_for(caplog, "tokens/s")
         for text in ("prompt ", "generation ", "running ", "waiting ", "KV ", "state slots ", "checkpoint slots ",
-                     "hits", "prompt tokens reused"):
+                     "hits", "prompt tokens reused", "hit rate"):
             assert text in line, (text, line)
 
         # every error answer is logged with its reason (and the field at fault)
@@ -82,7 +82,7 @@ def test_stats_line_rates_and_quiet_when_idle():
     line = stats.line(busy, now=20.0)
     assert "prompt 40.0 tokens/s" in line and "generation 5.0 tokens/s" in line
     assert "running 2, waiting 0" in line and "KV 25.0% (25/100)" in line and "checkpoint slots 1/4" in line
-    assert "3 hits" in line and "600 prompt tokens reused (60.0% of prompt tokens so far)" in line
+    assert "3 hits" in line and "600 prompt tokens reused, hit rate 60.0% of prompt tokens since start" in line
     done = {**busy, "num_running": 0, "kv_blocks_used": 0}
     assert "prompt 0.0 tokens/s" in stats.line(done, now=30.0)  # one line that shows it idle
     assert stats.line(done, now=40.0) is None

@@ -1,0 +1,11 @@
+"""Many engine replicas on Ray Serve behind one OpenAI-compatible endpoint
+(`forkpoint serve --data-parallel-size N`), routed by `forkpoint.distributed.router`.
+
+    deployment.py  EngineReplica (one LLM + the server's engine thread per Serve replica),
+                   ReplicaBoard (their published metrics), deploy_replicas
+    cluster.py     ClusterWorker: the engine worker's surface over the replicas (retries, faults)
+    ingress.py     the OpenAI app over a ClusterWorker, with per-replica metrics
+    launch.py      ReplicaCluster (Ray, Serve, board, replicas) and the `serve` entry point
+
+Needs Ray Serve (`pip install forkpoint[serve]`). docs/replicas.md has the design and numbers.
+"""

@@ -1,0 +1,213 @@
+"""The OpenAI-compatible endpoint in front of the replicas: the server's own request handling
+(`OpenAIServing`, `PromptBuilder`, admission, errors) over a `ClusterWorker` instead of one engine.
+
+Prompts are tokenised here (with the engines' tokenizer and marker, in one tokenizer thread), so the
+router sees the exact marker-free ids and checkpoint positions that the engine will hash. As in
+`server.app`, bodies over --max-request-bytes get 413 before they are read and the lifespan logs
+a periodic stats line (of the replicas' summed metrics). Images are not taken (a 400):
+their content hashes enter the checkpoint keys and only the engine computes them.
+
+/metrics has the single server's series (engine counters summed over the replicas, dead ones
+included), and per replica, labelled `replica`:
+`forkpoint_replica_prompt_tokens_computed_total` (and the other engine counters),
+`forkpoint_replica_checkpoints_held`, `forkpoint_replica_requests_in_flight`, `forkpoint_replica_up`,
+`forkpoint_routing_decisions_total{replica, decision}`; and `forkpoint_replica_retries_total`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.types import Scope
+from transformers import PreTrainedTokenizerBase
+
+from forkpoint.inputs.markers import validate_token_ids
+from forkpoint.server.app import ERROR_OUTCOMES, GENERATION_ENDPOINTS
+from forkpoint.server.config import ServerConfig
+from forkpoint.server.errors import RequestTooLarge, install_error_handlers, invalid_request, log_error_response
+from forkpoint.server.generation import Admission
+from forkpoint.server.limits import RequestSizeLimit, default_max_request_bytes
+from forkpoint.server.metrics import ENGINE_COUNTERS, ServerMetrics
+from forkpoint.server.prompts import PromptBuilder
+from forkpoint.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from forkpoint.server.replicas.cluster import ClusterWorker
+from forkpoint.server.replicas.deployment import ReplicaInfo, ReplicaSnapshot
+from forkpoint.server.serving import OpenAIServing
+from forkpoint.server.stats import log_stats_forever
+
+logger = logging.getLogger("forkpoint.server")
+
+
+class ReplicaCollector(Collector):
+    """Per-replica series from the cluster worker's latest snapshots (`up_age_s`: a replica that
+    has not published for this long counts as down)."""
+
+    def __init__(self, cluster: ClusterWorker, up_age_s: float) -> None:
+        self._cluster = cluster
+        self._up_age_s = up_age_s
+
+    def collect(self) -> Iterator[Metric]:
+        snapshots: list[ReplicaSnapshot] = self._cluster.snapshots()
+        now = time.time()
+        for key, (name, doc) in ENGINE_COUNTERS.items():
+            family = CounterMetricFamily(name.replace("forkpoint_", "forkpoint_replica_", 1), doc, labels=["replica"])
+            for s in snapshots:
+                if key in s.metrics:
+                    family.add_metric([s.replica], s.metrics[key])
+            yield family
+        routes = CounterMetricFamily("forkpoint_routing_decisions", "Requests routed to each replica, by decision.",
+                                     labels=["replica", "decision"])
+        held = GaugeMetricFamily("forkpoint_replica_checkpoints_held", "Ready checkpoints per replica.",
+                                 labels=["replica"])
+        busy = GaugeMetricFamily("forkpoint_replica_requests_in_flight", "Requests waiting or running per replica.",
+                                 labels=["replica"])
+        up = GaugeMetricFamily("forkpoint_replica_up", "1 while the replica publishes its metrics.", labels=["replica"])
+        for s in snapshots:
+            for decision, count in s.routes.items():
+                routes.add_metric([s.replica, decision], count)
+            held.add_metric([s.replica], s.checkpoint_keys)
+            busy.add_metric([s.replica], s.metrics.get("num_waiting", 0) + s.metrics.get("num_running", 0))
+            up.add_metric([s.replica], float(now - s.published_at <= self._up_age_s))
+        yield from (routes, held, busy, up)
+        yield CounterMetricFamily("forkpoint_replica_retries", "Prompts sent again after their replica died.",
+                                  value=self._cluster.retries)
+
+
+def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreTrainedTokenizerBase,
+                      config: ServerConfig, *, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+    """The app serving the replicas behind `cluster`; `tokenizer` must be the engines' (the marker
+    registered as `info.checkpoint_token_id`). Its lifespan polls the replicas' metrics every
+    `cluster.poll_s` and calls `on_shutdown` at the end."""
+    admission = Admission(config.max_waiting_requests, config.retry_after_s)
+    metrics = ServerMetrics(cluster.metrics_snapshot, lambda: admission.waiting, lambda: admission.running,
+                            endpoints=tuple(GENERATION_ENDPOINTS.values()))
+    up_age_s = max(5.0, 10 * cluster.poll_s)
+    metrics.registry.register(ReplicaCollector(cluster, up_age_s))
+    tokenizer_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="forkpoint-tokenizer")
+    prompts = PromptBuilder(tokenizer, checkpoint_token=info.checkpoint_token,
+                            checkpoint_token_id=info.checkpoint_token_id,
+                            max_checkpoints=info.max_checkpoints_per_request, policy=config.marker_policy,
+                            executor=tokenizer_thread)
+    max_request_bytes = (config.max_request_bytes if config.max_request_bytes is not None else
+                         default_max_request_bytes(tokenizer, info.max_model_len, takes_images=False))
+    serving = OpenAIServing(model_name=config.served_model_name, max_model_len=info.max_model_len,
+                            prompts=prompts, worker=cluster, admission=admission, metrics=metrics,
+                            default_max_tokens=info.default_max_tokens)
+    created = int(time.time())
+
+    async def poll() -> None:
+        while True:
+            with contextlib.suppress(Exception):  # the board answers again once Ray recovers
+                await cluster.refresh()
+            await asyncio.sleep(cluster.poll_s)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        snapshots = await cluster.refresh()
+        logger.info("serving %s on %d replicas (max_model_len %d, requests up to %d bytes)",
+                    config.served_model_name, len(snapshots), info.max_model_len, max_request_bytes)
+        tasks = [asyncio.ensure_future(poll())]
+        if config.log_stats:
+            stats = log_stats_forever(cluster.metrics_snapshot, config.log_stats_interval_s)
+            tasks.append(asyncio.ensure_future(stats))
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            cluster.shutdown()
+            tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+            if on_shutdown is not None:
+                await asyncio.to_thread(on_shutdown)
+
+    app = FastAPI(title="forkpoint", summary="OpenAI-compatible server over checkpoint-affine replicas",
+                  lifespan=lifespan)
+    app.state.cluster = cluster
+    app.state.metrics = metrics
+    app.state.config = config
+
+    def on_error(request: Request, status: int) -> None:
+        endpoint = GENERATION_ENDPOINTS.get(request.url.path)
+        if endpoint is not None:
+            metrics.count(endpoint, ERROR_OUTCOMES.get(status, "error"))
+
+    def on_too_large(scope: Scope, message: str, answered_here: bool) -> None:
+        if not answered_here:  # raised into the app: the error handlers count and log it
+            return
+        endpoint = GENERATION_ENDPOINTS.get(scope["path"])
+        if endpoint is not None:
+            metrics.count(endpoint, "invalid_request")
+        log_error_response(scope["method"], scope["path"], 413, RequestTooLarge(message).body())
+
+    install_error_handlers(app, on_error)
+    app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes, on_reject=on_too_large)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while at least one replica publishes its metrics, 503 otherwise."""
+        live = len(cluster.live_replicas(up_age_s))
+        if live:
+            return JSONResponse({"status": "ok", "replicas": live})
+        return JSONResponse({"status": "no replica running", "replicas": 0}, status_code=503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": config.served_model_name, "object": "model", "created": created, "owned_by": "forkpoint",
+            "root": info.model_path, "max_model_len": info.max_model_len,
+        }]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await serving.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serving.chat(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        serving.check_model(body.model)
+        if body.prompt is not None:
+            prompt = await prompts.run(prompts.from_text, body.prompt)
+        else:
+            kwargs = dict(body.chat_template_kwargs or {})
+            if body.tools is not None:
+                kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
+            prompt = await prompts.from_messages_async(body.messages, add_generation_prompt=body.add_generation_prompt,
+                                                       template_kwargs=kwargs)
+        return {"count": len(prompt.token_ids), "max_model_len": info.max_model_len,
+                "tokens": prompt.token_ids, "checkpoint_positions": list(prompt.checkpoint_positions)}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        serving.check_model(body.model)
+        try:
+            validate_token_ids(body.tokens, len(tokenizer))
+        except ValueError as err:
+            raise invalid_request(str(err), param="tokens") from None
+        return {"prompt": await prompts.run(tokenizer.decode, body.tokens)}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,198 @@
+"""Two engine replicas of a tiny model on a local Ray instance, behind one OpenAI endpoint.
+
+Checkpoint-affine routing computes a shared prefix once across the cluster, round-robin computes
+it on both replicas, outputs equal one engine's, and a replica killed mid-run leaves no request
+hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from forkpoint import LLM, SamplingParams
+from forkpoint.server.config import ServerConfig
+from forkpoint.server.replicas.cluster import ClusterWorker, aggregate_metrics
+from forkpoint.server.replicas.deployment import ReplicaOptions, ReplicaSnapshot
+from forkpoint.server.replicas.launch import ReplicaCluster
+from tests.server.replicas.conftest import running_app
+from tests.tiny_models import words
+
+MARKER = "<|mamba_checkpoint|>"
+ENGINE = {"device": "cpu", "max_model_len": 512, "num_kv_blocks": 512, "checkpoint_pool_size": 8}
+CONFIG = ServerConfig(served_model_name="tiny")
+
+
+@dataclass
+class Served:
+    cluster: ReplicaCluster
+    worker: ClusterWorker
+    url: str
+
+    def snapshots(self, until_total: float, timeout: float = 30) -> dict[str, ReplicaSnapshot]:
+        """Replica snapshots once the cluster has seen `until_total` prompt tokens and is idle."""
+        deadline = time.monotonic() + timeout
+        while True:
+            snaps = self.worker.snapshots()
+            total = aggregate_metrics(snaps)
+            if (total.get("prompt_tokens_total", 0) >= until_total
+                    and total.get("num_running", 0) + total.get("num_waiting", 0) == 0):
+                return {s.replica: s for s in snaps}
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the replicas did not report {until_total} prompt tokens: {snaps}")
+            time.sleep(0.05)
+
+    def totals(self) -> dict[str, float]:
+        return aggregate_metrics(self.worker.snapshots())
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory) -> str:
+    return str(tiny_model_factory("qwen3_5_text")[0])
+
+
+@pytest.fixture(scope="module")
+def clusters(ray_instance, model_dir) -> Iterator[dict[str, Served]]:
+    """An affine and a round-robin cluster of two replicas each, deployed at the same time."""
+    options = {router: ReplicaOptions(num_replicas=2, router=router, app_name=router, stats_period_s=0.2,
+                                      graceful_shutdown_timeout_s=2.0) for router in ("affine", "round_robin")}
+    with ExitStack() as stack:
+        served = {}
+        for router, opts in options.items():
+            cluster = stack.enter_context(ReplicaCluster({"model": model_dir, **ENGINE}, opts))
+            app = cluster.app(CONFIG)
+            served[router] = Served(cluster, app.state.cluster, stack.enter_context(running_app(app)))
+        yield served
+
+
+@pytest.fixture(scope="module")
+def affine(clusters) -> Served:
+    return clusters["affine"]
+
+
+@pytest.fixture(scope="module")
+def round_robin(clusters) -> Served:
+    return clusters["round_robin"]
+
+
+@pytest.fixture(scope="module")
+def single(model_dir) -> LLM:
+    return LLM(model=model_dir, **ENGINE)
+
+
+def one_to_n(tag: int, n: int) -> tuple[str, list[str], int, list[int]]:
+    """(anchor text with marker, n prompts, anchor tokens P, suffix tokens S_i)."""
+    anchor = words(*range(tag, tag + 40))  # 40 tokens
+    suffixes = [words(*range(100 + i, 103 + i)) for i in range(n)]  # 3 tokens each
+    return anchor + MARKER, [anchor + MARKER + " " + s for s in suffixes], 40, [3] * n
+
+
+def completions(url: str, prompts, **body) -> list[httpx.Response]:
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            return await asyncio.gather(*(client.post("/v1/completions", json={
+                "model": "tiny", "prompt": p, "temperature": 0, "max_tokens": 4, "logprobs": 2, **body})
+                for p in prompts))
+    return asyncio.run(main())
+
+
+def assert_same_as_one_engine(single: LLM, prompts: list[str], choices: list[dict]) -> None:
+    expected = single.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, logprobs=2), use_tqdm=False)
+    assert [c["text"] for c in choices] == [o.outputs[0].text for o in expected]
+    for choice, out in zip(choices, expected):
+        want = [lp[t] for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(want, abs=1e-5)
+
+
+def test_one_to_eight_computes_the_prefix_once_across_the_cluster(affine, single):
+    before = affine.totals()
+    _, prompts, p, s = one_to_n(0, 8)
+    (response,) = completions(affine.url, [prompts])  # one request, eight prompts
+    assert response.status_code == 200, response.text
+    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+    snaps = affine.snapshots(before.get("prompt_tokens_total", 0) + 8 * (p + 3))
+    computed = aggregate_metrics(snaps.values())["prompt_tokens_computed"] - before.get("prompt_tokens_computed", 0)
+    assert computed <= p + sum(s) + 2
+    routes = {d: sum(x.routes.get(d, 0) for x in snaps.values()) for d in ("new", "affine", "load")}
+    assert routes == {"new": 1, "affine": 7, "load": 0}
+    assert_same_as_one_engine(single, prompts, choices)
+
+    # consumers without a marker, in separate requests, follow the checkpoint too
+    anchor = prompts[0].split(MARKER)[0]
+    later = [anchor + " " + words(140 + i, 141 + i) for i in range(4)]
+    responses = completions(affine.url, later)
+    assert all(r.status_code == 200 for r in responses)
+    assert [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in responses] == [p] * 4
+    snaps = affine.snapshots(before.get("prompt_tokens_total", 0) + 8 * (p + 3) + 4 * (p + 2))
+    assert sum(x.routes["affine"] for x in snaps.values()) == 7 + 4
+
+
+def test_round_robin_computes_the_prefix_on_both_replicas(round_robin, single):
+    before = {s.replica: s.metrics for s in round_robin.worker.snapshots()}
+    _, prompts, p, s = one_to_n(50, 8)
+    responses = completions(round_robin.url, prompts)  # eight requests at once
+    assert all(r.status_code == 200 for r in responses)
+    snaps = round_robin.snapshots(sum(m["prompt_tokens_total"] for m in before.values()) + 8 * (p + 3))
+    per_replica = {r: x.metrics["prompt_tokens_computed"] - before[r]["prompt_tokens_computed"]
+                   for r, x in snaps.items()}
+    assert len(per_replica) == 2 and all(c >= p for c in per_replica.values())
+    assert sum(per_replica.values()) >= 2 * p + sum(s) - 2
+    assert [x.routes["round_robin"] for x in snaps.values()] == [4, 4]
+    assert_same_as_one_engine(single, prompts, [r.json()["choices"][0] for r in responses])
+
+
+def test_a_replica_killed_mid_run_leaves_no_request_hanging(affine):
+    _, prompts, _, _ = one_to_n(10, 7)
+    before = {s.replica: s.routes["new"] for s in affine.worker.snapshots()}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=affine.url, timeout=90) as client:
+            body = {"model": "tiny", "temperature": 0, "ignore_eos": True}
+            async with client.stream("POST", "/v1/completions", json={
+                    **body, "prompt": prompts[0], "max_tokens": 400, "stream": True}) as stream:
+                lines = stream.aiter_lines()
+                while not (await lines.__anext__()).startswith("data: {"):
+                    pass  # the producer is streaming: its checkpoint exists, its replica is known
+                others = [asyncio.ensure_future(client.post("/v1/completions", json={
+                    **body, "prompt": q, "max_tokens": 200})) for q in prompts[1:]]
+                await asyncio.sleep(0.3)
+                victim = _replica_with_new_key(affine, before)
+                os.kill(victim.pid, signal.SIGKILL)
+                started = time.monotonic()
+                rest = [line async for line in lines]
+                results = await asyncio.wait_for(asyncio.gather(*others), timeout=60)
+                return rest, results, time.monotonic() - started
+
+    rest, results, elapsed = asyncio.run(main())
+    assert elapsed < 60
+    events = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
+    assert "error" in events[-1] and "failed" in events[-1]["error"]["message"]  # streamed: a clear error
+    assert [line for line in rest if line][-1] == "data: [DONE]"
+    for response in results:  # each consumer finished elsewhere (sent again) or failed clearly
+        assert response.status_code in (200, 500), response.text
+        if response.status_code == 200:
+            assert response.json()["usage"]["completion_tokens"] == 200
+        else:
+            assert "failed" in response.json()["error"]["message"]
+    # the survivor serves the anchor afterwards
+    (after,) = completions(affine.url, [prompts[0]])
+    assert after.status_code == 200
+
+
+def _replica_with_new_key(served: Served, before: dict[str, int]) -> ReplicaSnapshot:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for snap in served.worker.snapshots():
+            if snap.routes["new"] > before.get(snap.replica, 0):
+                return snap
+        time.sleep(0.05)
+    raise AssertionError("no replica reported the producer")
