@@ -81,9 +81,16 @@ def plan_pools(config: EngineConfig, shapes: PoolShapes, max_model_len: int, dev
 def build_pools(config: EngineConfig, shapes: PoolShapes, max_model_len: int, device: torch.device,
                 reserved_bytes: int = 0) -> tuple[BlockPool, StatePool]:
     """The two pools, sized by `plan_pools`."""
-    sizes = plan_pools(config, shapes, max_model_len, device, reserved_bytes)
-    blocks = BlockPool(sizes.num_kv_blocks, config.block_size, shapes.num_attention_layers, shapes.num_kv_heads,
+    return pools_of_sizes(plan_pools(config, shapes, max_model_len, device, reserved_bytes), config.block_size,
+                          shapes, device)
+
+
+def pools_of_sizes(sizes: PoolSizes, block_size: int, shapes: PoolShapes, device: torch.device,
+                   state_pool: type[StatePool] = StatePool) -> tuple[BlockPool, StatePool]:
+    """The two pools with the given sizes (a tensor-parallel rank: rank 0's sizes, its own shapes);
+    `state_pool` is the state pool class (a `StatePool` subclass)."""
+    blocks = BlockPool(sizes.num_kv_blocks, block_size, shapes.num_attention_layers, shapes.num_kv_heads,
                        shapes.head_dim, shapes.kv_dtype, device)
-    states = StatePool(sizes.num_request_slots, sizes.num_checkpoint_slots, shapes.num_recurrent_layers,
-                       shapes.state, device)
+    states = state_pool(sizes.num_request_slots, sizes.num_checkpoint_slots, shapes.num_recurrent_layers,
+                        shapes.state, device)
     return blocks, states

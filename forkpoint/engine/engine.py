@@ -20,6 +20,7 @@ from forkpoint.cache.host_tier import HostTier
 from forkpoint.cache.sizing import build_pools
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.config import EngineConfig, ModelConfig, VisionConfig
+from forkpoint.distributed.runner import TensorParallelRunner
 from forkpoint.engine.output_processor import OutputProcessor
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler import ScheduledStep, Scheduler
@@ -111,12 +112,19 @@ class LLMEngine:
                                              min_pixels=config.image_min_pixels, max_pixels=config.image_max_pixels)
 
         torch.manual_seed(config.seed)
-        model = build_model(self.model_config, model_path, config.load_format, self.device, self.dtype, config.seed,
-                            with_vision=self.images.processor is not None)
-        # graphs before the pools: their pieces never touch the pools, and the pools' sizing then
-        # sees the graphs' buffers and memory pool as used
-        piecewise = self._capture_graphs(model)
-        self.block_pool, self.state_pool = self._make_pools(model)
+        parallel = None  # ranks > 0 in worker processes (forkpoint/distributed/runner.py)
+        if config.tensor_parallel_size > 1:
+            parallel = TensorParallelRunner.start(config, self.model_config, model_path, self.device, self.dtype,
+                                                  with_vision=self.images.processor is not None)
+            model, piecewise = parallel.model, None
+            self.block_pool, self.state_pool = parallel.make_pools(config, self.max_model_len)
+        else:
+            model = build_model(self.model_config, model_path, config.load_format, self.device, self.dtype,
+                                config.seed, with_vision=self.images.processor is not None)
+            # graphs before the pools: their pieces never touch the pools, and the pools' sizing then
+            # sees the graphs' buffers and memory pool as used
+            piecewise = self._capture_graphs(model)
+            self.block_pool, self.state_pool = self._make_pools(model)
         host = (HostTier(config.checkpoint_host_bytes, self.state_pool, self.block_pool)
                 if config.enable_checkpoints and config.checkpoint_host_bytes > 0 else None)
         self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool, host)
@@ -127,7 +135,8 @@ class LLMEngine:
             max_kv_blocks=self.block_pool.num_blocks, max_checkpoints=config.max_checkpoints_per_request))
         multimodal = None if model.visual is None else MultimodalInputs(
             model.visual, self.images.processor, config.image_embedding_cache_bytes, self.device)
-        self.runner = ModelRunner(model, self.block_pool, self.state_pool, self.device, multimodal, piecewise)
+        self.runner = parallel or ModelRunner(model, self.block_pool, self.state_pool, self.device, multimodal,
+                                              piecewise)
         self.sampler = Sampler(self.model_config.vocab_size, self.device)  # penalty counts across steps
         self._groups: dict[str, _PromptGroup] = {}
         self._seed_counter = config.seed

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -35,6 +35,17 @@ _VISION_PREFIX = "model.visual."
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _STACKED_EXPERT = re.compile(r"^(.+\.experts)\.(\d+)\.(\w+)\.weight$")
 _GROUPED_QKVZ = re.compile(r"^(model\.layers\.\d+\.linear_attn)\.in_proj_(qkvz|ba)\.weight$")
+
+# read(name, lazy) -> tensor: `lazy` is a safetensors slice (`get_shape()`, indexing reads only the
+# indexed part), `name` the checkpoint tensor's name with the weight prefix already mapped to `model.`
+# (per-expert and grouped names as stored); the default reads the whole tensor. A tensor-parallel
+# rank passes one that reads its shard (forkpoint/distributed/loading.py).
+TensorReader = Callable[[str, object], torch.Tensor]
+
+
+def read_whole(name: str, lazy) -> torch.Tensor:
+    """The `TensorReader` of a single process: the whole tensor."""
+    return lazy[:]
 
 
 def build_model(config: ModelConfig, path: Path | None, load_format: str, device: torch.device,
@@ -51,7 +62,7 @@ def build_model(config: ModelConfig, path: Path | None, load_format: str, device
     else:
         if path is None:
             raise ValueError("a model path is needed unless load_format='dummy'")
-        _load_safetensors(model, config, path)
+        load_safetensors(model, config, path)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.input_embeddings().weight
     return model.eval()
@@ -61,21 +72,28 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
     """Seeded random weights on the target device, with realistic scales (as vLLM's dummy format)."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if name.endswith("A_log"):
-            param.data.uniform_(0.0, 2.7, generator=generator)
-        elif name.endswith("dt_bias"):
-            param.data.fill_(1.0)
-        elif name.endswith("norm.weight") and "linear_attn" in name:
-            param.data.fill_(1.0)
-        elif name.startswith("visual.") and ".norm" in name:  # LayerNorms: identity
-            param.data.fill_(1.0 if name.endswith("weight") else 0.0)
-        elif name.endswith(("norm.weight", "layernorm.weight", "norm_f.weight")):
-            # zero-centred norms (Qwen: x * (1 + w)) near 0, plain ones (Mamba2 hybrids: x * w) near 1
-            param.data.normal_(0.0 if model.config.mamba2 is None else 1.0, 0.05, generator=generator)
-        elif name.endswith("e_score_correction_bias"):
-            param.data.zero_()
-        else:
-            param.data.normal_(0.0, 0.02, generator=generator)
+        fill_dummy(name, param.data, generator, centred_norms=model.config.mamba2 is None)
+
+
+def fill_dummy(name: str, tensor: torch.Tensor, generator: torch.Generator, *, centred_norms: bool) -> None:
+    """Fill parameter `name`'s tensor in place with its dummy values, drawing from `generator` (parameters
+    are filled in `named_parameters` order; a tensor-parallel rank fills the full tensor, then keeps its
+    shard, so every rank draws the same sequence as one process). `centred_norms`: Qwen's `x * (1 + w)`
+    norms (near 0), else plain `x * w` norms (near 1)."""
+    if name.endswith("A_log"):
+        tensor.uniform_(0.0, 2.7, generator=generator)
+    elif name.endswith("dt_bias"):
+        tensor.fill_(1.0)
+    elif name.endswith("norm.weight") and "linear_attn" in name:
+        tensor.fill_(1.0)
+    elif name.startswith("visual.") and ".norm" in name:  # LayerNorms: identity
+        tensor.fill_(1.0 if name.endswith("weight") else 0.0)
+    elif name.endswith(("norm.weight", "layernorm.weight", "norm_f.weight")):
+        tensor.normal_(0.0 if centred_norms else 1.0, 0.05, generator=generator)
+    elif name.endswith("e_score_correction_bias"):
+        tensor.zero_()
+    else:
+        tensor.normal_(0.0, 0.02, generator=generator)
 
 
 def _checkpoint_files(path: Path) -> list[Path]:
@@ -98,12 +116,14 @@ def _checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, object, Path]]:
+    """(name, lazy slice, file) of every stored tensor; nothing is read until the slice is indexed."""
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():
-                    yield name, handle.get_tensor(name)
+                names = list(handle.keys())
+                for name in names:
+                    yield name, handle.get_slice(name), file
         except (OSError, SafetensorError) as err:
             raise ValueError(f"cannot read weights file {file}: {err}") from err
 
@@ -128,7 +148,9 @@ def _split_grouped(config: ModelConfig, kind: str, weight: torch.Tensor) -> dict
     return {"in_proj_b": b.reshape(-1, hidden), "in_proj_a": a.reshape(-1, hidden)}
 
 
-def _load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> None:
+def load_safetensors(model: nn.Module, config: ModelConfig, path: Path, read: TensorReader = read_whole) -> None:
+    """Copy the checkpoint's tensors (as `read` returns them) into the model's parameters; ValueError
+    naming the tensors when some are missing, unknown or of the wrong shape."""
     params = dict(model.named_parameters(remove_duplicate=False))
     if config.tie_word_embeddings:
         params.pop("lm_head.weight", None)
@@ -155,20 +177,27 @@ def _load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> None
         if not index:
             loaded.add(name)
 
-    for raw_name, tensor in _iter_tensors(_checkpoint_files(path)):
+    def fetch(name: str, lazy, file: Path) -> torch.Tensor:
+        try:
+            return read(name, lazy)
+        except (OSError, SafetensorError) as err:
+            raise ValueError(f"cannot read tensor {name} of weights file {file}: {err}") from err
+
+    for raw_name, lazy, file in _iter_tensors(_checkpoint_files(path)):
         if model.visual is not None and raw_name.startswith(_VISION_PREFIX):
-            assign("visual." + raw_name[len(_VISION_PREFIX):], tensor)
+            assign("visual." + raw_name[len(_VISION_PREFIX):], fetch(raw_name, lazy, file))
             continue
         if raw_name.startswith(_SKIPPED_PREFIXES):
             continue
         if raw_name == "lm_head.weight":
             if not config.tie_word_embeddings:
-                assign("lm_head.weight", tensor)
+                assign("lm_head.weight", fetch(raw_name, lazy, file))
             continue
         if not raw_name.startswith(prefix):
             unexpected.append(raw_name)
             continue
         name = "model." + raw_name[len(prefix):]
+        tensor = fetch(name, lazy, file)
         expert = _PER_EXPERT.match(name)
         grouped = _GROUPED_QKVZ.match(name)
         stacked = _STACKED_EXPERT.match(name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,7 +19,6 @@ from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.models.qwen3_5 import HybridForCausalLM, LayerCaches
 from forkpoint.runner.decode_graphs import DecodeGraphs, decode_bucket_sizes
-from forkpoint.runner.multimodal import MultimodalInputs
 from forkpoint.runner.piecewise import PiecewiseForward
 from forkpoint.runner.warmup import WarmupReport, warm_up
 from forkpoint.step.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
@@ -29,6 +29,9 @@ logger = logging.getLogger("forkpoint")
 # The longest cached context a warm-up segment starts after (attention kernels loop over the
 # context on the device: its length picks no kernel variant, so a few blocks' worth is enough).
 WARMUP_MAX_CONTEXT = 4096
+
+if TYPE_CHECKING:  # annotations only: a tensor-parallel worker imports this module without the image stack
+    from forkpoint.runner.multimodal import MultimodalInputs
 
 
 class _Staging:

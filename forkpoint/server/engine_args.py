@@ -47,6 +47,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
     group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                        help="auto/safetensors read the weights; dummy builds seeded random weights from "
                             "config.json alone (default: auto)")
+    group.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                       help="split the model over N ranks, one process each: GPUs 0..N-1 (NCCL) or the CPU "
+                            "(gloo); Qwen3.5 / Qwen3-Next text models (default: 1)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="run every step eagerly: no CUDA graphs of the forward's token-wise parts "
                             "(faster start-up, slower small steps; CUDA only)")
@@ -62,4 +65,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_checkpoints_per_request=args.max_checkpoints_per_request, load_format=args.load_format,
         enforce_eager=args.enforce_eager, auto_checkpoints=args.auto_checkpoints,
         checkpoint_host_bytes=args.checkpoint_host_bytes, checkpoint_exact=args.checkpoint_exact,
+        tensor_parallel_size=args.tensor_parallel_size,
     )

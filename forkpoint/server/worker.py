@@ -10,7 +10,8 @@ answers through futures and per-request `OutputSink`s.
     sink.queue  <-- loop.call_soon_threadsafe --- one delivery per sink per step
 
 All commands waiting in the queue are applied before each step, so requests that arrive together
-(one producer and its consumers) are scheduled together.
+(one producer and its consumers) are scheduled together. A failure the engine cannot continue from
+(a tensor-parallel rank failed) ends every request and the thread, so /health reports 503.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from forkpoint.distributed.runner import TensorParallelError
 from forkpoint.engine.engine import LLMEngine, StepFailed
 from forkpoint.outputs import RequestOutput
 from forkpoint.sampling_params import SamplingParams
@@ -100,6 +102,7 @@ class EngineWorker:
         # engine thread only:
         self._sinks: dict[str, OutputSink] = {}
         self._deadline: float | None = None
+        self._fatal: BaseException | None = None  # the engine cannot step any more
 
     # ---- any thread ---------------------------------------------------------------------------
 
@@ -152,7 +155,7 @@ class EngineWorker:
     # ---- engine thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
+        while self._fatal is None:
             busy = self._engine.has_unfinished_requests()
             if self._deadline is not None:
                 if not self._sinks or time.monotonic() >= self._deadline:
@@ -219,6 +222,11 @@ class EngineWorker:
         try:
             outputs = self._engine.step()
         except StepFailed as failure:
+            if isinstance(failure.cause, TensorParallelError):  # no later step can run: end the thread
+                logger.error("the engine cannot continue: %s", failure.cause)
+                self._fatal = failure.cause
+                self._fail_all(EngineFailure(f"the engine failed: {failure.cause}"))
+                return
             # the engine released the step and stays usable: only the requests in that step fail
             self._fail_some(failure.request_ids, EngineFailure(
                 f"the engine failed while generating: {type(failure.cause).__name__}: {failure.cause}"))

@@ -1,0 +1,237 @@
+"""`TensorParallelRunner`: ModelRunner's interface on rank 0 of a tensor-parallel engine.
+
+Rank 0 is the engine process: it runs the scheduler, and each step sends the `StepPlan` (with the
+state-row copies made since the last step, distributed/pools.py) to every worker over its pipe, then
+runs the same forward on its own shard; the logits come back gathered from all ranks' vocab shares,
+and the engine samples them as with one process. The workers (distributed/worker.py) are started
+with torch.multiprocessing (spawn), one per rank > 0; rank r runs on cuda:r on CUDA (NCCL), on the
+CPU otherwise (gloo).
+
+Failure is final and bounded: a worker that dies makes the step's collective raise at once, one that
+hangs makes it raise after `timeout_s`, one that raises reports the error and exits; the runner then
+stops every worker and raises `TensorParallelError` naming the rank and its error, now and at every
+later step (the group's ranks are out of step: the engine must be restarted).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+import weakref
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from forkpoint.cache.block_pool import BlockPool
+from forkpoint.cache.sizing import plan_pools, pools_of_sizes
+from forkpoint.cache.state_pool import StatePool
+from forkpoint.config import EngineConfig, ModelConfig
+from forkpoint.distributed.collectives import TensorParallelGroup
+from forkpoint.distributed.loading import build_shard
+from forkpoint.distributed.pools import MirroredStatePool
+from forkpoint.distributed.sharding import ShardLayout, check_shardable
+from forkpoint.distributed.worker import WorkerSpec, caches_of, run_worker
+from forkpoint.runner.model_runner import build_forward_batch
+from forkpoint.step.batch import ForwardBatch
+from forkpoint.step.plan import Segment, StepPlan
+
+logger = logging.getLogger("forkpoint")
+
+COLLECTIVE_TIMEOUT_S = 120.0  # a collective (or the start-up rendezvous) waiting longer than this raises
+START_TIMEOUT_S = 3600.0  # loading a shard: the workers are watched for exits meanwhile
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed; the group is stopped and the engine cannot continue."""
+
+
+class TensorParallelRunner:
+    """Rank 0's runner: `execute(plan) -> (logits [R, vocab] float32, segments)`, as `ModelRunner`.
+
+    Built in two steps, as the engine builds its parts: `start` spawns the workers and loads rank 0's
+    shard (`model`); `make_pools` sizes the pools, builds rank 0's and has every worker build its own.
+    `close()` stops the workers (also run when the runner is garbage-collected or the process exits).
+    """
+
+    multimodal = None  # text only: image steps are refused before the workers start
+    piecewise = None  # no CUDA graphs: each step runs eagerly on every rank
+
+    def __init__(self, model, group: TensorParallelGroup, processes: list, conns: list, store_dir: str,
+                 block_size: int, dtype: torch.dtype) -> None:
+        self.model = model
+        self.device = group.device
+        self.block_size = block_size
+        self.group = group
+        self._dtype = dtype
+        self._processes = processes
+        self._conns = conns
+        self._failure: TensorParallelError | None = None
+        self.block_pool: BlockPool | None = None
+        self.state_pool: MirroredStatePool | None = None
+        self.caches = None
+        self._finalizer = weakref.finalize(self, _stop_workers, processes, conns, store_dir)
+
+    # ------------------------------------------------------------------ start-up
+    @classmethod
+    def start(cls, config: EngineConfig, model_config: ModelConfig, model_path: Path | None, device: torch.device,
+              dtype: torch.dtype, *, with_vision: bool = False,
+              timeout_s: float = COLLECTIVE_TIMEOUT_S) -> TensorParallelRunner:
+        """Spawn ranks 1 .. N-1, join the group and load rank 0's shard. ValueError (before any process
+        starts) when the model cannot be split N ways or asks for what the tensor-parallel engine lacks."""
+        world = config.tensor_parallel_size
+        check_shardable(model_config, world)
+        if with_vision:
+            raise ValueError("tensor_parallel_size > 1 serves text only: pass max_images_per_prompt=0 for this "
+                             "multimodal checkpoint")
+        devices = _rank_devices(device, world)
+        store_dir = tempfile.mkdtemp(prefix="forkpoint-tp-")
+        context = mp.get_context("spawn")
+        processes, conns = [], []
+        try:
+            for rank in range(1, world):
+                spec = WorkerSpec(model_config, model_path, config.load_format, dtype, config.seed, rank, world,
+                                  f"{store_dir}/store", str(devices[rank]), config.block_size, timeout_s)
+                parent, child = context.Pipe()
+                process = context.Process(target=run_worker, args=(spec, child), name=f"forkpoint-tp-rank{rank}",
+                                          daemon=True)
+                process.start()
+                child.close()
+                processes.append(process)
+                conns.append(parent)
+            group = TensorParallelGroup(f"{store_dir}/store", 0, world, devices[0], timeout_s)
+            model = build_shard(ShardLayout(model_config, 0, world), group, model_path, config.load_format, dtype,
+                                config.seed)
+        except BaseException as error:
+            # rank 0's own ValueError (a bad checkpoint) is the clearest error; else what the workers said
+            reported = "" if isinstance(error, ValueError) else _worker_errors(processes, conns)
+            _stop_workers(processes, conns, store_dir)
+            if reported:
+                raise TensorParallelError(f"tensor-parallel start-up failed: {reported}") from error
+            raise
+        return cls(model, group, processes, conns, store_dir, config.block_size, dtype)
+
+    def make_pools(self, config: EngineConfig, max_model_len: int) -> tuple[BlockPool, StatePool]:
+        """Rank 0's pools (its heads), sized by `plan_pools`; every worker builds its own with the same
+        sizes. Returns once all ranks are ready (raises `TensorParallelError` when one fails)."""
+        shapes = self.model.pool_shapes(self._dtype)
+        sizes = plan_pools(config, shapes, max_model_len, self.device)
+        self.block_pool, self.state_pool = pools_of_sizes(sizes, config.block_size, shapes, self.device,
+                                                          MirroredStatePool)
+        self.caches = caches_of(self.block_pool, self.state_pool)
+        self._send(("pools", sizes))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for rank, (process, conn) in enumerate(zip(self._processes, self._conns), start=1):
+            while not conn.poll(0.05):
+                if not process.is_alive() or time.monotonic() > deadline:
+                    raise self._fail(RuntimeError(f"rank {rank} did not become ready"))
+            try:
+                message = conn.recv()
+            except EOFError:
+                raise self._fail(RuntimeError(f"rank {rank} exited while loading")) from None
+            if message[0] != "ready":
+                raise self._fail(RuntimeError(f"rank {rank} failed while loading"), {rank: message})
+        return self.block_pool, self.state_pool
+
+    # ------------------------------------------------------------------ steps
+    def prepare(self, plan: StepPlan) -> tuple[ForwardBatch, list[Segment]]:
+        """Rank 0's batch, after the plan went to every worker (they start their forward at once):
+        the batch must then be passed to `forward`."""
+        self._check_running()
+        batch, sampled = build_forward_batch(plan, self.block_size, self.device)  # raises before any send
+        self._send(("step", plan, self.state_pool.take_copies()))
+        return batch, sampled
+
+    def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[Segment]]:
+        """Run one step on every rank. Returns logits [R, vocab] (float32) and the R segments they belong to."""
+        batch, sampled = self.prepare(plan)
+        return self.forward(batch), sampled
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Rank 0's forward of a batch from `prepare` (meeting the workers' in the collectives)."""
+        try:
+            return self.model(batch, self.caches)
+        except Exception as error:
+            raise self._fail(error) from error
+
+    def close(self) -> None:
+        """Stop the workers (idempotent); later steps raise `TensorParallelError`."""
+        if self._failure is None:
+            self._failure = TensorParallelError("the tensor-parallel engine was closed")
+        self._finalizer()
+
+    # ------------------------------------------------------------------ failures
+    def _check_running(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        for rank, process in enumerate(self._processes, start=1):
+            if not process.is_alive():
+                raise self._fail(RuntimeError(f"rank {rank} is not running"))
+
+    def _send(self, message: tuple) -> None:
+        try:
+            for conn in self._conns:
+                conn.send(message)
+        except OSError as error:  # a worker's end is closed: it has exited
+            raise self._fail(error) from error
+
+    def _fail(self, error: Exception, received: dict[int, tuple] | None = None) -> TensorParallelError:
+        """Stop every worker; the error to raise now and at every later step."""
+        reported = _worker_errors(self._processes, self._conns, received)
+        self._finalizer()
+        cause = reported or f"rank 0: {type(error).__name__}: {error}"
+        self._failure = TensorParallelError(
+            f"tensor-parallel engine failed ({cause}); its workers are stopped: restart the engine")
+        logger.error("%s", self._failure)
+        return self._failure
+
+
+def _rank_devices(device: torch.device, world: int) -> list[torch.device]:
+    if device.type != "cuda":
+        return [torch.device("cpu")] * world
+    base = device.index or 0
+    if torch.cuda.device_count() < base + world:
+        raise ValueError(f"tensor_parallel_size {world} from {device} needs {base + world} CUDA devices, "
+                         f"{torch.cuda.device_count()} visible")
+    return [torch.device("cuda", base + rank) for rank in range(world)]
+
+
+def _worker_errors(processes: list, conns: list, received: dict[int, tuple] | None = None) -> str:
+    """What the failed workers reported (or sent already: `received` by rank) or how they exited ("" when
+    every one still runs quietly)."""
+    found = []
+    for rank, (process, conn) in enumerate(zip(processes, conns), start=1):
+        message = (received or {}).get(rank)
+        try:
+            if message is None and conn.poll(0.5):
+                message = conn.recv()
+        except (EOFError, OSError):
+            message = None
+        if message is not None and message[0] == "error":
+            logger.error("tensor-parallel rank %d: %s", rank, message[2])
+            found.append(f"rank {rank}: {message[1]}")
+            continue
+        process.join(0.5)
+        if process.exitcode is not None:
+            found.append(f"rank {rank} exited with code {process.exitcode}")
+    return "; ".join(found)
+
+
+def _stop_workers(processes: list, conns: list, store_dir: str) -> None:
+    """Ask the workers to stop, kill the ones that do not within 5 s, close the pipes, remove the store."""
+    for conn in conns:
+        try:
+            conn.send(("stop",))
+        except OSError:
+            pass
+    deadline = time.monotonic() + 5.0
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join(1.0)
+    for conn in conns:
+        conn.close()
+    shutil.rmtree(store_dir, ignore_errors=True)

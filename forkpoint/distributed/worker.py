@@ -1,0 +1,97 @@
+"""The loop of a tensor-parallel rank > 0, in its own process (torch.multiprocessing, spawn).
+
+Protocol over the rank's pipe to rank 0 (the engine process)::
+
+    rank 0 -> worker   ("pools", PoolSizes)                   once, after both loaded their shards
+    worker -> rank 0   ("ready",)                             pools built: steps may come
+    rank 0 -> worker   ("step", StepPlan, ((src, dst), ...))  each step: state-row copies, then the plan
+    rank 0 -> worker   ("stop",)                              leave the loop
+    worker -> rank 0   ("error", "Type: message", traceback)  anything raised; the process then exits
+
+A step's forward meets rank 0's in the group's collectives (distributed/collectives.py); the worker
+discards the gathered logits. On any exception the worker reports it and exits at once, which closes
+its connections, so rank 0's pending collective raises instead of waiting; when rank 0 goes away
+(the pipe closes) the worker leaves quietly.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from forkpoint.cache.sizing import pools_of_sizes
+from forkpoint.config import ModelConfig
+from forkpoint.distributed.collectives import TensorParallelGroup
+from forkpoint.distributed.loading import build_shard
+from forkpoint.distributed.sharding import ShardLayout
+from forkpoint.models.qwen3_5 import LayerCaches
+from forkpoint.runner.model_runner import build_forward_batch
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to build its shard (picklable)."""
+
+    model_config: ModelConfig  # the full model's
+    model_path: Path | None
+    load_format: str
+    dtype: torch.dtype
+    seed: int
+    rank: int
+    world: int
+    store_path: str
+    device: str
+    block_size: int
+    timeout_s: float
+
+
+def caches_of(block_pool, state_pool) -> LayerCaches:
+    """The pools' tensors as the model reads them."""
+    return LayerCaches(conv=state_pool.conv, ssm=state_pool.ssm, k=block_pool.k, v=block_pool.v,
+                       conv_stack=state_pool.conv_stack, ssm_stack=state_pool.ssm_stack)
+
+
+def run_worker(spec: WorkerSpec, conn) -> None:
+    """Process entry point of rank `spec.rank`."""
+    try:
+        _serve(spec, conn)
+    except EOFError:
+        pass  # rank 0 has gone: nothing to report to
+    except Exception as error:  # noqa: BLE001 - any failure is reported to rank 0, then the process exits
+        try:
+            conn.send(("error", f"{type(error).__name__}: {error}", traceback.format_exc()))
+        except OSError:
+            pass
+        os._exit(1)  # at once: the closed connections make rank 0's collective raise
+    os._exit(0)  # no interpreter teardown: it has nothing to flush, and the group's teardown waits on peers
+
+
+def _serve(spec: WorkerSpec, conn) -> None:
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:  # share the cores with the other ranks
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world))
+    group = TensorParallelGroup(spec.store_path, spec.rank, spec.world, device, spec.timeout_s)
+    layout = ShardLayout(spec.model_config, spec.rank, spec.world)
+    torch.manual_seed(spec.seed)
+    model = build_shard(layout, group, spec.model_path, spec.load_format, spec.dtype, spec.seed)
+    kind, sizes = conn.recv()
+    if kind != "pools":
+        raise RuntimeError(f"expected the pool sizes from rank 0, got {kind!r}")
+    block_pool, state_pool = pools_of_sizes(sizes, spec.block_size, model.pool_shapes(spec.dtype), device)
+    caches = caches_of(block_pool, state_pool)
+    conn.send(("ready",))
+    while True:
+        message = conn.recv()
+        if message[0] == "stop":
+            return
+        _, plan, copies = message
+        for src, dst in copies:
+            state_pool.copy_slot(src, dst)
+        batch, _ = build_forward_batch(plan, spec.block_size, device)
+        model(batch, caches)

@@ -1,0 +1,178 @@
+"""Tensor parallelism (forkpoint/distributed/): tensor_parallel_size=2 on CPU (gloo, one worker process)
+gives one process's greedy tokens and logprobs (float32, within 1e-5), with checkpoints reused at the
+same positions; a killed worker ends the engine with a clear error in bounded time."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from forkpoint import LLM, SamplingParams
+from forkpoint.config import ModelConfig
+from forkpoint.distributed.loading import build_shard
+from forkpoint.distributed.runner import TensorParallelError
+from forkpoint.distributed.sharding import ShardLayout, check_shardable
+from forkpoint.engine.engine import StepFailed
+from forkpoint.models.loader import build_model
+from forkpoint.server.worker import EngineFailure, EngineWorker, NewRequest, OutputSink
+from tests.helpers import assert_same_outputs
+from tests.tiny_models import words
+
+MARK = "<|mamba_checkpoint|>"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
+ENGINE = {"num_kv_blocks": 128, "max_num_seqs": 16, "max_num_batched_tokens": 512, "auto_checkpoint_min_tokens": 16}
+FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+
+
+def _prompts() -> tuple[list[str], int]:
+    """A marker family: one anchor of 37 tokens (not a multiple of the block size), six suffixes."""
+    generator = torch.Generator().manual_seed(0)
+    anchor = words(*torch.randint(0, 150, (37,), generator=generator).tolist())
+    suffixes = [words(*torch.randint(0, 150, (n,), generator=generator).tolist()) for n in (5, 9, 3, 12, 7, 1)]
+    return [f"{anchor} {MARK} {s}" for s in suffixes], 37
+
+
+def _run(llm: LLM) -> tuple[list, list, dict]:
+    """The marker family, then a second turn of each conversation (its turn-end checkpoint: a state-row
+    copy made outside the forward), with the metrics after both."""
+    prompts, _ = _prompts()
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    turns = [{"prompt_token_ids": o.prompt_token_ids + o.outputs[0].token_ids + [7, 8, 9]} for o in first]
+    second = llm.generate(turns, GREEDY, use_tqdm=False)
+    return first, second, llm.metrics()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tiny_model_factory):
+    """(model directory, TP=1 results, the TP=2 LLM) per family; the TP=2 engine is closed afterwards."""
+    directory, _ = tiny_model_factory(request.param)
+    reference = _run(LLM(str(directory), **ENGINE))
+    llm = LLM(str(directory), tensor_parallel_size=2, **ENGINE)
+    yield directory, reference, llm
+    llm.engine.runner.close()
+
+
+def test_two_ranks_equal_one_process_with_checkpoints(family):
+    _, (ref_first, ref_second, ref_metrics), llm = family
+    first, second, metrics = _run(llm)
+    assert_same_outputs(first, ref_first)
+    assert_same_outputs(second, ref_second)
+    # consumers reuse exactly the same tokens: the anchor, then each conversation's turn end
+    _, anchor = _prompts()
+    assert sorted(o.num_cached_tokens for o in first) == [0] + [anchor] * 5
+    assert [o.num_cached_tokens for o in first] == [o.num_cached_tokens for o in ref_first]
+    assert [o.num_cached_tokens for o in second] == [o.num_cached_tokens for o in ref_second]
+    assert all(o.num_cached_tokens == len(f.prompt_token_ids) + 3 for o, f in zip(second, first))
+    for key in ("prompt_tokens_computed", "checkpoints_created", "checkpoint_hits"):
+        assert metrics[key] == ref_metrics[key], key
+    llm.engine.check_integrity()
+
+
+def _kill_idle_worker(llm: LLM) -> None:
+    worker = llm.engine.runner._processes[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+
+
+def _make_worker_raise(llm: LLM) -> None:
+    """The next plan carries a state-row copy that only the worker applies, to a row it lacks: its
+    forward raises while rank 0 waits in the first all-reduce."""
+    llm.engine.state_pool._pending.append((1, 10**6))
+
+
+# one fault per family: each ends its family's engine
+FAULTS = {"qwen3_5_text": _kill_idle_worker, "qwen3_5_moe_text": _make_worker_raise,
+          "qwen3_next": _kill_idle_worker}
+
+
+def test_failed_worker_ends_the_engine_with_an_error_in_bounded_time(family, request):
+    """Through the server's engine thread: the request in flight fails naming the rank (and the
+    worker's error when it raised), the thread ends (so /health answers 503), and the offline API
+    then raises at once."""
+    _, _, llm = family
+    model_type = request.node.callspec.params["family"]
+    engine_thread = EngineWorker(llm.engine)
+    engine_thread.start()
+    FAULTS[model_type](llm)
+
+    async def submit():
+        sink = OutputSink(asyncio.get_running_loop())
+        await engine_thread.add_many([NewRequest("r0", {"prompt": "w1 w2 w3"}, GREEDY)], sink)
+        return await asyncio.wait_for(sink.queue.get(), 30)
+
+    started = time.monotonic()
+    delivered = asyncio.run(submit())
+    assert isinstance(delivered, EngineFailure) and "rank 1" in str(delivered), delivered
+    if FAULTS[model_type] is _make_worker_raise:
+        assert "IndexError" in str(delivered), delivered  # the worker's own error, not only its exit
+    assert time.monotonic() - started < 30
+    engine_thread.shutdown(5.0)
+    assert not engine_thread.is_alive()
+    started = time.monotonic()
+    with pytest.raises(StepFailed, match="restart the engine") as failure:
+        llm.generate(["w4 w5"], GREEDY, use_tqdm=False)
+    assert isinstance(failure.value.cause, TensorParallelError)
+    assert time.monotonic() - started < 5
+    assert not llm.engine.has_unfinished_requests()
+    assert not any(p.is_alive() for p in llm.engine.runner._processes)
+
+
+class _Device:
+    """The part of TensorParallelGroup that loading reads."""
+
+    device = torch.device("cpu")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("load_format", ["safetensors", "dummy"])
+def test_each_rank_loads_exactly_its_share_of_the_full_weights(tiny_model_factory, model_type, load_format):
+    directory, _ = tiny_model_factory(model_type)
+    config = ModelConfig.from_hf_dir(directory)
+    full = dict(build_model(config, directory, load_format, torch.device("cpu"), torch.float32, 3).named_parameters())
+    for rank in range(2):
+        layout = ShardLayout(config, rank, 2)
+        shard = build_shard(layout, _Device(), directory, load_format, torch.float32, 3)
+        for name, param in shard.named_parameters():
+            expected = layout.shard(name, full[name])
+            assert torch.equal(param, expected), name
+            if layout.pieces(name, tuple(full[name].shape)) is not None and not name.endswith("bias"):
+                assert param.numel() < full[name].numel(), name
+
+
+def test_unsplittable_models_are_refused_before_any_process_starts(tiny_model_factory):
+    config = ModelConfig.from_hf_dir(tiny_model_factory("qwen3_5_text")[0])
+    with pytest.raises(ValueError, match="does not divide the model's num_attention_heads"):
+        check_shardable(config, 8)
+    mamba2 = ModelConfig.from_hf_dir(tiny_model_factory("nemotron_h")[0])
+    with pytest.raises(ValueError, match="runs with tensor_parallel_size=1 only"):
+        check_shardable(mamba2, 2)
+    with pytest.raises(ValueError, match="host tier"):
+        LLM(None, tensor_parallel_size=2, checkpoint_host_bytes=1 << 20)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        LLM(None, tensor_parallel_size=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_gpu_two_ranks_equal_one_gpu_within_bf16_tolerance(tiny_model_factory, model_type):
+    directory, _ = tiny_model_factory(model_type)
+    kwargs = dict(ENGINE, device="cuda", dtype="bfloat16", enforce_eager=True)
+    ref_first, ref_second, _ = _run(LLM(str(directory), **kwargs))
+    llm = LLM(str(directory), tensor_parallel_size=2, **kwargs)
+    try:
+        first, second, _ = _run(llm)
+    finally:
+        llm.engine.runner.close()
+    for ours, theirs in ((first, ref_first), (second, ref_second)):
+        assert [o.num_cached_tokens for o in ours] == [o.num_cached_tokens for o in theirs]
+        agree = sum(o.outputs[0].token_ids == r.outputs[0].token_ids for o, r in zip(ours, theirs))
+        assert agree >= len(ours) - 1  # bf16 reductions in another order may flip one near-tie
+        for o, r in zip(ours, theirs):
+            top = max(r.outputs[0].logprobs[0], key=lambda t: r.outputs[0].logprobs[0][t])
+            assert abs(o.outputs[0].logprobs[0].get(top, -99) - r.outputs[0].logprobs[0][top]) < 0.1
