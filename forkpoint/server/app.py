@@ -123,11 +123,23 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "engine not running"}, status_code=503)
 
+    add_openai_routes(app, serving=serving, prompts=prompts, tokenizer=tokenizer, metrics=metrics,
+                      model_root=str(engine.model_path), max_model_len=engine.max_model_len,
+                      served_model_name=config.served_model_name, created=created)
+    return app
+
+
+def add_openai_routes(app: FastAPI, *, serving: OpenAIServing, prompts: PromptBuilder, tokenizer,
+                      metrics: ServerMetrics, model_root: str, max_model_len: int, served_model_name: str,
+                      created: int) -> None:
+    """The OpenAI-compatible routes every front end shares (one engine's app, the replicas' ingress):
+    /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /metrics."""
+
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{
-            "id": config.served_model_name, "object": "model", "created": created, "owned_by": "forkpoint",
-            "root": str(engine.model_path), "max_model_len": engine.max_model_len,
+            "id": served_model_name, "object": "model", "created": created, "owned_by": "forkpoint",
+            "root": model_root, "max_model_len": max_model_len,
         }]}
 
     @app.post("/v1/completions")
@@ -151,7 +163,7 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
                 kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
             prompt = await prompts.from_messages_async(body.messages, add_generation_prompt=body.add_generation_prompt,
                                                        template_kwargs=kwargs)
-        return {"count": len(prompt.token_ids), "max_model_len": engine.max_model_len,
+        return {"count": len(prompt.token_ids), "max_model_len": max_model_len,
                 "tokens": prompt.token_ids, "checkpoint_positions": list(prompt.checkpoint_positions)}
 
     @app.post("/detokenize")
@@ -166,5 +178,3 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    return app

@@ -25,27 +25,19 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from fastapi.responses import JSONResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import Scope
 from transformers import PreTrainedTokenizerBase
 
-from forkpoint.inputs.markers import validate_token_ids
-from forkpoint.server.app import ERROR_OUTCOMES, GENERATION_ENDPOINTS
+from forkpoint.server.app import ERROR_OUTCOMES, GENERATION_ENDPOINTS, add_openai_routes
 from forkpoint.server.config import ServerConfig
-from forkpoint.server.errors import RequestTooLarge, install_error_handlers, invalid_request, log_error_response
+from forkpoint.server.errors import RequestTooLarge, install_error_handlers, log_error_response
 from forkpoint.server.generation import Admission
 from forkpoint.server.limits import RequestSizeLimit, default_max_request_bytes
 from forkpoint.server.metrics import ENGINE_COUNTERS, ServerMetrics
 from forkpoint.server.prompts import PromptBuilder
-from forkpoint.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
 from forkpoint.server.replicas.cluster import ClusterWorker
 from forkpoint.server.replicas.deployment import ReplicaInfo, ReplicaSnapshot
 from forkpoint.server.serving import OpenAIServing
@@ -168,46 +160,7 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
             return JSONResponse({"status": "ok", "replicas": live})
         return JSONResponse({"status": "no replica running", "replicas": 0}, status_code=503)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": config.served_model_name, "object": "model", "created": created, "owned_by": "forkpoint",
-            "root": info.model_path, "max_model_len": info.max_model_len,
-        }]}
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await serving.completions(body, request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await serving.chat(body, request)
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
-        serving.check_model(body.model)
-        if body.prompt is not None:
-            prompt = await prompts.run(prompts.from_text, body.prompt)
-        else:
-            kwargs = dict(body.chat_template_kwargs or {})
-            if body.tools is not None:
-                kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
-            prompt = await prompts.from_messages_async(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                                       template_kwargs=kwargs)
-        return {"count": len(prompt.token_ids), "max_model_len": info.max_model_len,
-                "tokens": prompt.token_ids, "checkpoint_positions": list(prompt.checkpoint_positions)}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
-        serving.check_model(body.model)
-        try:
-            validate_token_ids(body.tokens, len(tokenizer))
-        except ValueError as err:
-            raise invalid_request(str(err), param="tokens") from None
-        return {"prompt": await prompts.run(tokenizer.decode, body.tokens)}
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
+    add_openai_routes(app, serving=serving, prompts=prompts, tokenizer=tokenizer, metrics=metrics,
+                      model_root=info.model_path, max_model_len=info.max_model_len,
+                      served_model_name=config.served_model_name, created=created)
     return app
