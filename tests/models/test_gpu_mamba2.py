@@ -1,7 +1,8 @@
 """The Mamba2 hybrids on CUDA (skipped without CUDA): forkpoint in bfloat16 with the GPU kernels
 (fla-core's simple-GLA kernels for the SSD prefill, the Triton in-place SSD decode, Triton conv and
 attention, grouped MoE for Granite's SwiGLU and Nemotron's ReLU^2 experts, CUDA graphs) against
-forkpoint on CPU in float32 (the reference kernels, which match transformers to 1e-4), on tiny random checkpoints at head sizes the GPU kernels take.
+forkpoint on CPU in float32 (the reference kernels, which match transformers to 1e-4), on tiny
+random checkpoints at head sizes the GPU kernels take.
 The checks and their near-tie rule are those of tests/models/test_gpu_model.py; measured values are
 printed (`pytest -s`, lines starting with GPU_MODEL) and recorded in docs/models.md.
 """
