@@ -139,11 +139,9 @@ def run_peer(args, cfg: dict, model: torch.nn.Module, results: dict, save) -> No
     if kept < layers:  # Qwen: uniform per-layer cost; Nemotron: a prefix with the whole mix (docstring)
         peer.model.layers = peer.model.layers[:kept]
         peer.config.num_hidden_layers = kept
-        for field in ("layer_types", "layers_block_type"):
+        for field in ("layer_types", "layers_block_type"):  # Nemotron-H: hybrid_override_pattern follows
             if getattr(peer.config, field, None) is not None:
                 setattr(peer.config, field, list(getattr(peer.config, field))[:kept])
-        if getattr(peer.config, "hybrid_override_pattern", None):
-            peer.config.hybrid_override_pattern = peer.config.hybrid_override_pattern[:kept]
     info.update(layers_timed=kept, layers_total=layers, wall_scale=scale,
                 kinds_timed={k: kinds[:kept].count(k) for k in sorted(set(kinds))},
                 kinds_total={k: kinds.count(k) for k in sorted(set(kinds))})
