@@ -43,6 +43,9 @@ class FalconMLP(nn.Module):
 
 
 class FalconLayer(nn.Module):
+    """Attention and Mamba2 side by side, then the MLP; `reduce` sums each residual branch over the
+    tensor-parallel ranks (the identity in one process)."""
+
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         del layer_id  # every layer is "parallel"
@@ -54,6 +57,7 @@ class FalconLayer(nn.Module):
         self.feed_forward = FalconMLP(config)
         self.ssm_out, self.attn_in, self.attn_out = (hybrid.ssm_out_multiplier, hybrid.attention_in_multiplier,
                                                      hybrid.attention_out_multiplier)
+        self.reduce: nn.Module = nn.Identity()  # a tensor-parallel rank's all-reduce of the partial sums
 
     core_kind = "parallel"
 
@@ -96,8 +100,8 @@ class FalconLayer(nn.Module):
         _, mamba_out = self.mamba_part(p, core)
         mamba = self.mamba.finish(mamba_out, p.mamba.z) * self.ssm_out
         attn = self.self_attn.finish(self._attention_out(core)) * self.attn_out
-        hidden = hidden + (mamba + attn)
-        return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
+        hidden = hidden + self.reduce(mamba + attn)
+        return hidden + self.reduce(self.feed_forward(self.pre_ff_layernorm(hidden)))
 
 
 class FalconH1Model(nn.Module):

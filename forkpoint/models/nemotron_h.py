@@ -107,7 +107,8 @@ class NemotronMoE(nn.Module):
 class NemotronBlock(nn.Module):
     """`hidden + mixer(norm(hidden))` for one of the four mixer kinds, in the parts of
     models/mamba2_lm.py: Mamba2 and attention blocks project / core / finish; MLP and MoE blocks
-    are token-wise only (`finish`)."""
+    are token-wise only (`finish`). `reduce` sums the mixer's output over the tensor-parallel ranks
+    (the identity in one process)."""
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -122,6 +123,7 @@ class NemotronBlock(nn.Module):
             self.mixer = NemotronMoE(config)
         else:
             self.mixer = ReluSquaredMLP(config.hidden_size, config.intermediate_size, config.mamba2.mlp_bias)
+        self.reduce: nn.Module = nn.Identity()  # a tensor-parallel rank's all-reduce of the partial sums
 
     def mamba_mixer(self) -> Mamba2Mixer:
         return self.mixer
@@ -141,10 +143,12 @@ class NemotronBlock(nn.Module):
 
     def finish(self, hidden, p, core) -> torch.Tensor:
         if self.kind == "mamba2":
-            return hidden + self.mixer.finish(core, p.z)
-        if self.kind == "full_attention":
-            return hidden + self.mixer.finish(core)
-        return hidden + self.mixer(self.norm(hidden))
+            out = self.mixer.finish(core, p.z)
+        elif self.kind == "full_attention":
+            out = self.mixer.finish(core)
+        else:
+            out = self.mixer(self.norm(hidden))
+        return hidden + self.reduce(out)
 
 
 class NemotronHModel(nn.Module):
