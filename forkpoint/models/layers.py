@@ -86,16 +86,6 @@ def mrope_axes(half: int, mrope_section: tuple[int, int, int], device: torch.dev
     return axis
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, sin: [T, rotary_dim]. Rotates the first rotary_dim dims."""
-    rotary_dim = cos.shape[-1]
-    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    half = rotary_dim // 2
-    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-    x_rot = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
-    return torch.cat((x_rot, x_pass), dim=-1)
-
-
 class StackedProjections(nn.Module):
     """A module whose projections of one input run as one GEMM.
 

@@ -32,6 +32,7 @@ from forkpoint.kernels.attention import copy_kv_slots, paged_attention, write_kv
 from forkpoint.kernels.conv1d import causal_conv1d_step_inplace, causal_conv1d_varlen
 from forkpoint.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule_inplace
 from forkpoint.kernels.gating import gdn_gating
+from forkpoint.kernels.rotary import apply_rotary
 from forkpoint.models.layers import (
     DenseMLP,
     GatedRMSNorm,
@@ -39,7 +40,6 @@ from forkpoint.models.layers import (
     RotaryEmbedding,
     SparseMoE,
     StackedProjections,
-    apply_rotary,
     mrope_axes,
 )
 from forkpoint.models.vision import VisionTransformer

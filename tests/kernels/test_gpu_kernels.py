@@ -280,6 +280,24 @@ def test_causal_conv1d_step_inplace_matches_reference(poison, n):
     assert torch.equal(pool.cpu(), pool_ref), "pool rows: the targets an exact shift, the others untouched"
 
 
+@pytest.mark.parametrize("t,h,d,r", [(1, 16, 256, 64), (300, 2, 256, 64), (37, 32, 128, 128), (5, 5, 96, 32)])
+def test_rotary_matches_reference(poison, t, h, d, r):
+    """Triton rotary vs the reference in fp32 on CPU copies (partial and full rotary, head counts
+    that do not fill a block, x a row-strided view): NaN-poisoned output, bf16 tolerance."""
+    tri = pytest.importorskip("forkpoint.kernels.rotary.triton")
+    from forkpoint.kernels.rotary import reference
+
+    gen = torch.Generator(device=DEV).manual_seed(60 + t + h)
+    x = torch.randn(t, h, d + 32, generator=gen, device=DEV).bfloat16()[..., :d]
+    angles = 40 * torch.rand(t, r // 2, generator=gen, device=DEV)
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    y = tri.apply_rotary(x, cos, sin)
+    y_ref = reference.apply_rotary(*(v.float() for v in _cpu(x, cos, sin)))
+    check(f"rotary T={t} H={h} D={d} R={r}", y, y_ref, 1e-2)
+    assert torch.equal(y[..., r:].cpu(), x[..., r:].cpu()), "the pass-through dims must be copied exactly"
+
+
 # ---------------------------------------------------------------- paged attention
 
 def _paged_case(gen, hq, hkv, dh, block_size):
@@ -405,6 +423,7 @@ def test_grouped_moe_matches_reference(poison, t, e, top_k, hidden, inter):
         ("conv1d", "triton", "causal_conv1d_varlen", 6),
         ("conv1d", "triton", "causal_conv1d_step", 4),
         ("conv1d", "triton", "causal_conv1d_step_inplace", 5),
+        ("rotary", "triton", "apply_rotary", 3),
         ("attention", "triton", "paged_attention", 8),
         ("moe", "grouped", "fused_moe", 5),
         ("moe", "grouped", "topk_softmax", 4),
@@ -475,6 +494,9 @@ def test_paged_attention_and_moe_no_host_sync():
         tri.paged_attention(q, kc, vc, bt, cu_dev, cu, sl_dev, seq_lens, scale=0.0625)
         grouped.fused_moe(x, gate_up, down, weights, ids)
         grouped.topk_softmax(x[:, :8], 2, True, torch.bfloat16)
+        rotary.apply_rotary(q, cos, sin)
 
+    rotary = pytest.importorskip("forkpoint.kernels.rotary.triton")
+    cos, sin = (torch.rand(q.shape[0], 64, generator=gen, device=DEV).bfloat16() for _ in range(2))
     run()
     _no_sync(run)
