@@ -65,7 +65,9 @@ def words(start: int, count: int) -> str:
     return " ".join(f"w{i}" for i in range(start, start + count))
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "qwen3_5_text", *MAMBA2_MODEL_TYPES])
+# Mamba2: Nemotron-H (core-less MLP / MoE blocks, ReLU^2 experts) and Falcon-H1 (parallel layers);
+# Granite-4.0-H's layers are of kinds these cover (its stacked core: test_piecewise)
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "qwen3_5_text", "nemotron_h", "falcon_h1"])
 def test_piecewise_steps_match_plain_forward(tiny_model_factory, model_type):
     directory, _ = tiny_model_factory(model_type)
     llm = LLM(str(directory), **ENGINE)
