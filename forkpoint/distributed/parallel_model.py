@@ -15,10 +15,10 @@ on the rank's heads and pool rows. Three parts differ:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from forkpoint.config import ModelConfig
 from forkpoint.distributed.collectives import TensorParallelGroup
+from forkpoint.distributed.parallel_layers import vocab_parallel_lookup
 from forkpoint.models.qwen3_5 import (
     AttentionProjection,
     GDNProjection,
@@ -41,12 +41,8 @@ class ParallelHybridForCausalLM(HybridForCausalLM):
         """As `HybridForCausalLM.embed` (text only): input_ids [T] long (full vocab ids)."""
         if embedding_overrides is not None:
             raise ValueError("tensor-parallel engines serve text only")
-        weight = self.model.embed_tokens.weight
-        local = input_ids - self.vocab_start
-        mine = (local >= 0) & (local < weight.shape[0])
-        rows = F.embedding(local.clamp(0, weight.shape[0] - 1), weight)
-        hidden = torch.where(mine.unsqueeze(-1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
-        return self.group.all_reduce(hidden), self.rotary.cos_sin(positions, hidden.dtype)
+        hidden = vocab_parallel_lookup(input_ids, self.model.embed_tokens.weight, self.vocab_start, self.group)
+        return hidden, self.rotary.cos_sin(positions, hidden.dtype)
 
     def finish(self, layer_id: int, residual: torch.Tensor, p: GDNProjection | AttentionProjection,
                core: torch.Tensor) -> torch.Tensor:

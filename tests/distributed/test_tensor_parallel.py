@@ -1,10 +1,13 @@
 """Tensor parallelism (forkpoint/distributed/): tensor_parallel_size=2 on CPU (gloo, one worker process)
 gives one process's greedy tokens and logprobs (float32, within 1e-5), with checkpoints reused at the
-same positions; a killed worker ends the engine with a clear error in bounded time."""
+same positions, for the Qwen families and the Mamba2 hybrids (configs that split the B/C groups and
+one that shares a group between the ranks, so the gated norm's sum of squares is all-reduced); a
+killed worker ends the engine with a clear error in bounded time."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -21,12 +24,25 @@ from forkpoint.engine.engine import StepFailed
 from forkpoint.models.loader import build_model
 from forkpoint.server.worker import EngineFailure, EngineWorker, NewRequest, OutputSink
 from tests.helpers import assert_same_outputs
-from tests.tiny_models import words
+from tests.tiny_models import build_tiny_model, words
 
 MARK = "<|mamba_checkpoint|>"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
 ENGINE = {"num_kv_blocks": 128, "max_num_seqs": 16, "max_num_batched_tokens": 512, "auto_checkpoint_min_tokens": 16}
 FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+# Mamba2 hybrids, each a config that exercises a different part of the split (2 ranks)
+MAMBA2_VARIANTS = {
+    # 4 B/C and norm groups (2 whole groups per rank), LatentMoE, biases (row-parallel ones on rank 0),
+    # one KV head (replicated on both ranks)
+    "nemotron_h": ("nemotron_h", {"n_groups": 4, "moe_latent_size": 24, "use_bias": True, "mlp_bias": True,
+                                  "num_key_value_heads": 1}),
+    # one group: B/C replicated, each rank holds half of the norm group (sum of squares all-reduced);
+    # MoE + shared MLP, the multipliers, tied embeddings
+    "granitemoehybrid": ("granitemoehybrid", {"mamba_n_groups": 1, "tie_word_embeddings": True}),
+    # 2 groups (one per rank), the muP multipliers, norm before the gate, every bias
+    "falcon_h1": ("falcon_h1", {"mamba_norm_before_gate": True, "attention_bias": True, "mlp_bias": True,
+                                "mamba_proj_bias": True, "projectors_bias": True}),
+}
 
 
 def _prompts() -> tuple[list[str], int]:
@@ -47,10 +63,29 @@ def _run(llm: LLM) -> tuple[list, list, dict]:
     return first, second, llm.metrics()
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def family(request, tiny_model_factory):
+@pytest.fixture(scope="module")
+def mamba2_model_dirs(tmp_path_factory):
+    """variant -> directory of its tiny checkpoint, built on first use."""
+    built = {}
+
+    def get(variant: str):
+        if variant not in built:
+            model_type, overrides = MAMBA2_VARIANTS[variant]
+            built[variant] = tmp_path_factory.mktemp(f"tp_{variant}")
+            build_tiny_model(built[variant], model_type, **overrides)
+        return built[variant]
+
+    return get
+
+
+def _model_dir(model_type: str, tiny_model_factory, mamba2_model_dirs):
+    return mamba2_model_dirs(model_type) if model_type in MAMBA2_VARIANTS else tiny_model_factory(model_type)[0]
+
+
+@pytest.fixture(scope="module", params=FAMILIES + tuple(MAMBA2_VARIANTS))
+def family(request, tiny_model_factory, mamba2_model_dirs):
     """(model directory, TP=1 results, the TP=2 LLM) per family; the TP=2 engine is closed afterwards."""
-    directory, _ = tiny_model_factory(request.param)
+    directory = _model_dir(request.param, tiny_model_factory, mamba2_model_dirs)
     reference = _run(LLM(str(directory), **ENGINE))
     llm = LLM(str(directory), tensor_parallel_size=2, **ENGINE)
     yield directory, reference, llm
@@ -87,7 +122,8 @@ def _make_worker_raise(llm: LLM) -> None:
 
 # one fault per family: each ends its family's engine
 FAULTS = {"qwen3_5_text": _kill_idle_worker, "qwen3_5_moe_text": _make_worker_raise,
-          "qwen3_next": _kill_idle_worker}
+          "qwen3_next": _kill_idle_worker, "nemotron_h": _make_worker_raise, "granitemoehybrid": _kill_idle_worker,
+          "falcon_h1": _make_worker_raise}
 
 
 def test_failed_worker_ends_the_engine_with_an_error_in_bounded_time(family, request):
@@ -128,10 +164,11 @@ class _Device:
     device = torch.device("cpu")
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text", *MAMBA2_VARIANTS])
 @pytest.mark.parametrize("load_format", ["safetensors", "dummy"])
-def test_each_rank_loads_exactly_its_share_of_the_full_weights(tiny_model_factory, model_type, load_format):
-    directory, _ = tiny_model_factory(model_type)
+def test_each_rank_loads_exactly_its_share_of_the_full_weights(tiny_model_factory, mamba2_model_dirs, model_type,
+                                                               load_format):
+    directory = _model_dir(model_type, tiny_model_factory, mamba2_model_dirs)
     config = ModelConfig.from_hf_dir(directory)
     full = dict(build_model(config, directory, load_format, torch.device("cpu"), torch.float32, 3).named_parameters())
     for rank in range(2):
@@ -140,17 +177,24 @@ def test_each_rank_loads_exactly_its_share_of_the_full_weights(tiny_model_factor
         for name, param in shard.named_parameters():
             expected = layout.shard(name, full[name])
             assert torch.equal(param, expected), name
-            if layout.pieces(name, tuple(full[name].shape)) is not None and not name.endswith("bias"):
-                assert param.numel() < full[name].numel(), name
+            replicated = name.endswith(("k_proj.weight", "v_proj.weight")) and config.num_key_value_heads < 2
+            split = layout.pieces(name, tuple(full[name].shape)) is not None and not name.endswith("bias")
+            if split and not replicated:
+                assert param.numel() < full[name].numel(), name  # a split tensor: the rank holds less of it
 
 
 def test_unsplittable_models_are_refused_before_any_process_starts(tiny_model_factory):
     config = ModelConfig.from_hf_dir(tiny_model_factory("qwen3_5_text")[0])
     with pytest.raises(ValueError, match="does not divide the model's num_attention_heads"):
         check_shardable(config, 8)
-    mamba2 = ModelConfig.from_hf_dir(tiny_model_factory("nemotron_h")[0])
-    with pytest.raises(ValueError, match="runs with tensor_parallel_size=1 only"):
-        check_shardable(mamba2, 2)
+    nemotron = ModelConfig.from_hf_dir(tiny_model_factory("nemotron_h")[0])
+    check_shardable(nemotron, 2)
+    with pytest.raises(ValueError, match="does not divide the model's mamba num_heads"):
+        check_shardable(dataclasses.replace(nemotron, vocab_size=192), 3)
+    m = nemotron.mamba2.mamba
+    groups = dataclasses.replace(m, num_heads=6, n_groups=3, norm_groups=3)  # 3 heads per rank straddle groups
+    with pytest.raises(ValueError, match="Mamba2 mixer's 3 B/C groups"):
+        check_shardable(dataclasses.replace(nemotron, mamba2=dataclasses.replace(nemotron.mamba2, mamba=groups)), 2)
     with pytest.raises(ValueError, match="host tier"):
         LLM(None, tensor_parallel_size=2, checkpoint_host_bytes=1 << 20)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
