@@ -24,6 +24,7 @@ from forkpoint.engine.engine import StepFailed
 from forkpoint.models.loader import build_model
 from forkpoint.server.worker import EngineFailure, EngineWorker, NewRequest, OutputSink
 from tests.helpers import assert_same_outputs
+from tests.models.test_gpu_mamba2 import GPU_DIMS
 from tests.tiny_models import build_tiny_model, words
 
 MARK = "<|mamba_checkpoint|>"
@@ -205,7 +206,22 @@ def test_unsplittable_models_are_refused_before_any_process_starts(tiny_model_fa
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_gpu_two_ranks_equal_one_gpu_within_bf16_tolerance(tiny_model_factory, model_type):
-    directory, _ = tiny_model_factory(model_type)
+    _check_gpu_two_ranks(tiny_model_factory(model_type)[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("variant", sorted(MAMBA2_VARIANTS))
+def test_gpu_mamba2_two_ranks_equal_one_gpu_within_bf16_tolerance(tmp_path, variant):
+    """The Mamba2 variants at the head sizes the GPU kernels take (tests/models/test_gpu_mamba2.py)."""
+    model_type, overrides = MAMBA2_VARIANTS[variant]
+    build_tiny_model(tmp_path, model_type, **{**overrides, **GPU_DIMS[model_type]})
+    _check_gpu_two_ranks(tmp_path)
+
+
+def _check_gpu_two_ranks(directory) -> None:
+    """TP=2 over NCCL against one GPU, bfloat16: the same checkpoint reuse, greedy tokens but for one
+    near-tie, first-step logprobs within 0.1."""
     kwargs = dict(ENGINE, device="cuda", dtype="bfloat16", enforce_eager=True)
     ref_first, ref_second, _ = _run(LLM(str(directory), **kwargs))
     llm = LLM(str(directory), tensor_parallel_size=2, **kwargs)
