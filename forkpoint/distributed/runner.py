@@ -1,7 +1,8 @@
 """`TensorParallelRunner`: ModelRunner's interface on rank 0 of a tensor-parallel engine.
 
 Rank 0 is the engine process: it runs the scheduler, and each step sends the `StepPlan` (with the
-state-row copies made since the last step, distributed/pools.py) to every worker over its pipe, then
+pool operations made outside the forward since the last step: state-row copies, host-tier spills and
+restores, distributed/pools.py) to every worker over its pipe, then
 runs the same forward on its own shard; the logits come back gathered from all ranks' vocab shares,
 and the engine samples them as with one process. The workers (distributed/worker.py) are started
 with torch.multiprocessing (spawn), one per rank > 0; rank r runs on cuda:r on CUDA (NCCL), on the
@@ -31,7 +32,7 @@ from forkpoint.cache.state_pool import StatePool
 from forkpoint.config import EngineConfig, ModelConfig
 from forkpoint.distributed.collectives import TensorParallelGroup
 from forkpoint.distributed.loading import build_shard
-from forkpoint.distributed.pools import MirroredStatePool
+from forkpoint.distributed.pools import MirroredHostTier, MirroredStatePool
 from forkpoint.distributed.sharding import ShardLayout, check_shardable
 from forkpoint.distributed.worker import WorkerSpec, caches_of, run_worker
 from forkpoint.runner.model_runner import build_forward_batch
@@ -52,7 +53,8 @@ class TensorParallelRunner:
     """Rank 0's runner: `execute(plan) -> (logits [R, vocab] float32, segments)`, as `ModelRunner`.
 
     Built in two steps, as the engine builds its parts: `start` spawns the workers and loads rank 0's
-    shard (`model`); `make_pools` sizes the pools, builds rank 0's and has every worker build its own.
+    shard (`model`); `make_pools` sizes the pools, builds rank 0's and has every worker build its own
+    (and its host tier, which `host_tier` then returns rank 0's of).
     `close()` stops the workers (also run when the runner is garbage-collected or the process exits).
     """
 
@@ -72,6 +74,7 @@ class TensorParallelRunner:
         self.block_pool: BlockPool | None = None
         self.state_pool: MirroredStatePool | None = None
         self.caches = None
+        self.host_tier: MirroredHostTier | None = None
         self._finalizer = weakref.finalize(self, _stop_workers, processes, conns, store_dir)
 
     # ------------------------------------------------------------------ start-up
@@ -115,13 +118,18 @@ class TensorParallelRunner:
 
     def make_pools(self, config: EngineConfig, max_model_len: int) -> tuple[BlockPool, StatePool]:
         """Rank 0's pools (its heads), sized by `plan_pools`; every worker builds its own with the same
-        sizes. Returns once all ranks are ready (raises `TensorParallelError` when one fails)."""
+        sizes, and each rank a host tier of `checkpoint_host_bytes` for its shards when checkpoints
+        spill (`host_tier`: rank 0's). Returns once all ranks are ready (raises `TensorParallelError`
+        when one fails)."""
         shapes = self.model.pool_shapes(self._dtype)
         sizes = plan_pools(config, shapes, max_model_len, self.device)
         self.block_pool, self.state_pool = pools_of_sizes(sizes, config.block_size, shapes, self.device,
                                                           MirroredStatePool)
         self.caches = caches_of(self.block_pool, self.state_pool)
-        self._send(("pools", sizes))
+        host_bytes = config.checkpoint_host_bytes if config.enable_checkpoints else 0
+        if host_bytes > 0:
+            self.host_tier = MirroredHostTier(host_bytes, self.state_pool, self.block_pool)
+        self._send(("pools", sizes, host_bytes))
         deadline = time.monotonic() + START_TIMEOUT_S
         for rank, (process, conn) in enumerate(zip(self._processes, self._conns), start=1):
             while not conn.poll(0.05):
@@ -141,7 +149,7 @@ class TensorParallelRunner:
         the batch must then be passed to `forward`."""
         self._check_running()
         batch, sampled = build_forward_batch(plan, self.block_size, self.device)  # raises before any send
-        self._send(("step", plan, self.state_pool.take_copies()))
+        self._send(("step", plan, self.state_pool.take_ops()))
         return batch, sampled
 
     def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[Segment]]:

@@ -125,8 +125,10 @@ class LLMEngine:
             # sees the graphs' buffers and memory pool as used
             piecewise = self._capture_graphs(model)
             self.block_pool, self.state_pool = self._make_pools(model)
-        host = (HostTier(config.checkpoint_host_bytes, self.state_pool, self.block_pool)
-                if config.enable_checkpoints and config.checkpoint_host_bytes > 0 else None)
+        host = None  # the host tier; with tensor parallelism rank 0's, mirrored by every rank's
+        if config.enable_checkpoints and config.checkpoint_host_bytes > 0:
+            host = (parallel.host_tier if parallel is not None
+                    else HostTier(config.checkpoint_host_bytes, self.state_pool, self.block_pool))
         self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool, host)
                          if config.enable_checkpoints else None)
         self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry)

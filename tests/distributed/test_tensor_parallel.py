@@ -118,7 +118,7 @@ def _kill_idle_worker(llm: LLM) -> None:
 def _make_worker_raise(llm: LLM) -> None:
     """The next plan carries a state-row copy that only the worker applies, to a row it lacks: its
     forward raises while rank 0 waits in the first all-reduce."""
-    llm.engine.state_pool._pending.append((1, 10**6))
+    llm.engine.state_pool.record(("copy", 1, 10**6))
 
 
 # one fault per family: each ends its family's engine
@@ -159,6 +159,35 @@ def test_failed_worker_ends_the_engine_with_an_error_in_bounded_time(family, req
     assert not any(p.is_alive() for p in llm.engine.runner._processes)
 
 
+def _host_tier_run(llm: LLM) -> tuple[list, dict]:
+    """Three anchors through a device pool of one checkpoint slot: each anchor's checkpoint is
+    evicted by the next one, spills to the host tier and comes back on its next hit."""
+    generator = torch.Generator().manual_seed(8)
+    anchors = [words(*torch.randint(0, 150, (37,), generator=generator).tolist()) for _ in range(3)]
+    prompts = [f"{anchor} {MARK} {words(i)}" for i in (1, 2, 3) for anchor in anchors]
+    return [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts], llm.metrics()
+
+
+def test_host_tier_under_tensor_parallelism_spills_and_restores_as_one_process(mamba2_model_dirs):
+    """Every rank spills and restores its shards of the same checkpoints (Falcon-H1: KV blocks in
+    every layer and Mamba2 state rows): the outputs, the reuse and the tier's counts of one process."""
+    directory = str(mamba2_model_dirs("falcon_h1"))
+    settings = dict(ENGINE, checkpoint_pool_size=1, auto_checkpoints=False, checkpoint_host_bytes=64 << 20)
+    ref, ref_metrics = _host_tier_run(LLM(directory, **settings))
+    llm = LLM(directory, tensor_parallel_size=2, **settings)
+    try:
+        outs, metrics = _host_tier_run(llm)
+        llm.engine.check_integrity()
+    finally:
+        llm.engine.runner.close()
+    assert [o.num_cached_tokens for o in outs] == [0] * 3 + [37] * 6
+    assert [o.num_cached_tokens for o in outs] == [o.num_cached_tokens for o in ref]
+    assert_same_outputs(outs, ref)
+    assert metrics["checkpoints_spilled"] >= 3 and metrics["checkpoints_restored"] >= 3
+    for key in ("checkpoints_spilled", "checkpoints_restored", "host_tier_checkpoints", "prompt_tokens_computed"):
+        assert metrics[key] == ref_metrics[key], key
+
+
 class _Device:
     """The part of TensorParallelGroup that loading reads."""
 
@@ -196,8 +225,6 @@ def test_unsplittable_models_are_refused_before_any_process_starts(tiny_model_fa
     groups = dataclasses.replace(m, num_heads=6, n_groups=3, norm_groups=3)  # 3 heads per rank straddle groups
     with pytest.raises(ValueError, match="Mamba2 mixer's 3 B/C groups"):
         check_shardable(dataclasses.replace(nemotron, mamba2=dataclasses.replace(nemotron.mamba2, mamba=groups)), 2)
-    with pytest.raises(ValueError, match="host tier"):
-        LLM(None, tensor_parallel_size=2, checkpoint_host_bytes=1 << 20)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         LLM(None, tensor_parallel_size=0)
 
