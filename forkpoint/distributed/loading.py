@@ -27,12 +27,13 @@ from forkpoint.models.registry import model_class
 
 
 def build_shard(layout: ShardLayout, group: TensorParallelGroup, path: Path | None, load_format: str,
-                dtype: torch.dtype, seed: int) -> nn.Module:
-    """The rank's model in eval mode on `group.device`, every parameter loaded (or dummy-initialised)."""
+                dtype: torch.dtype, seed: int, *, with_vision: bool = False) -> nn.Module:
+    """The rank's model in eval mode on `group.device`, every parameter loaded (or dummy-initialised).
+    `with_vision` (a Qwen multimodal checkpoint, rank 0 only): the whole vision tower too."""
     local = layout.local_config()
     with torch.device("meta"):
         model = (parallel_mamba2_model(layout, group) if local.mamba2 is not None
-                 else ParallelHybridForCausalLM(local, group, layout.vocab_start))
+                 else ParallelHybridForCausalLM(local, group, layout.vocab_start, with_vision=with_vision))
     model = model.to(dtype=dtype)
     model.to_empty(device=group.device)
     model.init_buffers(group.device)
@@ -50,7 +51,8 @@ def build_shard(layout: ShardLayout, group: TensorParallelGroup, path: Path | No
 def _init_dummy_shard(model: nn.Module, layout: ShardLayout, dtype: torch.dtype, seed: int) -> None:
     config: ModelConfig = layout.config
     with torch.device("meta"):
-        full = model_class(config)(config)  # shapes only: the same parameters in the same order
+        # shapes only: the same parameters in the same order (the vision tower's last, and only on rank 0)
+        full = model_class(config)(config, with_vision=model.visual is not None)
     full_shapes = {name: tuple(p.shape) for name, p in full.named_parameters(remove_duplicate=False)}
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)

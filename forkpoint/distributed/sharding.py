@@ -100,6 +100,8 @@ class ShardLayout:
         """This rank's part of tensor `name` (the model's parameter name, or a checkpoint's per-expert /
         grouped name under `model.`) of full shape `shape`; None when it is replicated."""
         c = self.config
+        if name.startswith(("visual.", "model.visual.")):
+            return None  # the vision tower is whole (on rank 0)
         if c.mamba2 is not None:
             return mamba2_pieces(c, self.rank, self.world, name, shape)
         leaf, kind = name.split(".")[-2], name.split(".")[-1]

@@ -4,9 +4,11 @@ Protocol over the rank's pipe to rank 0 (the engine process)::
 
     rank 0 -> worker   ("pools", PoolSizes, host_bytes)       once, after both loaded their shards
     worker -> rank 0   ("ready",)                             pools (and host tier) built: steps may come
-    rank 0 -> worker   ("step", StepPlan, (op, ...))          each step: rank 0's pool operations since
-                                                              the last step (distributed/pools.py), then
-                                                              the plan
+    rank 0 -> worker   ("step", StepPlan, (op, ...), M)       each step: rank 0's pool operations since
+                                                              the last step (distributed/pools.py), the
+                                                              plan, and M: None for a text step, else the
+                                                              number of image rows rank 0 broadcasts
+                                                              (distributed/images.py)
     rank 0 -> worker   ("stop",)                              leave the loop
     worker -> rank 0   ("error", "Type: message", traceback)  anything raised; the process then exits
 
@@ -29,6 +31,7 @@ from forkpoint.cache.host_tier import HostTier
 from forkpoint.cache.sizing import pools_of_sizes
 from forkpoint.config import ModelConfig
 from forkpoint.distributed.collectives import TensorParallelGroup
+from forkpoint.distributed.images import receive_image_inputs
 from forkpoint.distributed.loading import build_shard
 from forkpoint.distributed.pools import apply_pool_ops
 from forkpoint.distributed.sharding import ShardLayout
@@ -95,7 +98,9 @@ def _serve(spec: WorkerSpec, conn) -> None:
         message = conn.recv()
         if message[0] == "stop":
             return
-        _, plan, ops = message
+        _, plan, ops, num_image_rows = message
         apply_pool_ops(ops, state_pool, host)
         batch, _ = build_forward_batch(plan, spec.block_size, device)
+        if num_image_rows is not None:
+            batch = receive_image_inputs(group, batch, num_image_rows, spec.model_config.hidden_size, spec.dtype)
         model(batch, caches)

@@ -137,6 +137,8 @@ class LLMEngine:
             max_kv_blocks=self.block_pool.num_blocks, max_checkpoints=config.max_checkpoints_per_request))
         multimodal = None if model.visual is None else MultimodalInputs(
             model.visual, self.images.processor, config.image_embedding_cache_bytes, self.device)
+        if parallel is not None:
+            parallel.serve_images(multimodal)
         self.runner = parallel or ModelRunner(model, self.block_pool, self.state_pool, self.device, multimodal,
                                               piecewise)
         self.sampler = Sampler(self.model_config.vocab_size, self.device)  # penalty counts across steps

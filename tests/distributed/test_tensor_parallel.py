@@ -23,6 +23,7 @@ from forkpoint.distributed.sharding import ShardLayout, check_shardable
 from forkpoint.engine.engine import StepFailed
 from forkpoint.models.loader import build_model
 from forkpoint.server.worker import EngineFailure, EngineWorker, NewRequest, OutputSink
+from tests.engine.test_multimodal_checkpoints import make_llm, suffix_prompt
 from tests.helpers import assert_same_outputs
 from tests.models.test_gpu_mamba2 import GPU_DIMS
 from tests.tiny_models import build_tiny_model, words
@@ -188,22 +189,52 @@ def test_host_tier_under_tensor_parallelism_spills_and_restores_as_one_process(m
         assert metrics[key] == ref_metrics[key], key
 
 
+def test_images_under_tensor_parallelism_equal_one_process(tiny_model_factory):
+    """Qwen3.5-MoE with its vision tower: rank 0 encodes (once per image, the anchor's inside the
+    checkpoint never again) and broadcasts rows and multi-axis positions; prefill with image tokens,
+    decodes after them (shifted positions) and the checkpoint past the anchor image equal one process."""
+    directory = tiny_model_factory("qwen3_5_moe")[0]
+    prompts = [suffix_prompt(i) for i in range(4)]
+    reference = make_llm(directory)
+    refs = reference.generate(prompts, GREEDY, use_tqdm=False)
+    llm = make_llm(directory, tensor_parallel_size=2)
+    try:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        metrics = llm.metrics()
+        llm.engine.check_integrity()
+    finally:
+        llm.engine.runner.close()
+    assert_same_outputs(outs, refs)
+    anchor = refs[1].num_cached_tokens
+    assert anchor > 0 and [o.num_cached_tokens for o in outs] == [o.num_cached_tokens for o in refs]
+    assert sorted(o.num_cached_tokens for o in outs) == [0] + [anchor] * 3
+    for key in ("images_encoded", "prompt_tokens_computed", "checkpoint_hits"):
+        assert metrics[key] == reference.metrics()[key], key
+
+
 class _Device:
     """The part of TensorParallelGroup that loading reads."""
 
     device = torch.device("cpu")
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text", *MAMBA2_VARIANTS])
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe", *MAMBA2_VARIANTS])
 @pytest.mark.parametrize("load_format", ["safetensors", "dummy"])
 def test_each_rank_loads_exactly_its_share_of_the_full_weights(tiny_model_factory, mamba2_model_dirs, model_type,
                                                                load_format):
+    """Every split tensor's share, the replicated ones whole, and a multimodal checkpoint's vision
+    tower whole on rank 0 (none on the workers), from safetensors and as dummy weights."""
     directory = _model_dir(model_type, tiny_model_factory, mamba2_model_dirs)
     config = ModelConfig.from_hf_dir(directory)
-    full = dict(build_model(config, directory, load_format, torch.device("cpu"), torch.float32, 3).named_parameters())
+    vision = config.vision is not None
+    full = dict(build_model(config, directory, load_format, torch.device("cpu"), torch.float32, 3,
+                            with_vision=vision).named_parameters())
     for rank in range(2):
         layout = ShardLayout(config, rank, 2)
-        shard = build_shard(layout, _Device(), directory, load_format, torch.float32, 3)
+        shard = build_shard(layout, _Device(), directory, load_format, torch.float32, 3,
+                            with_vision=vision and rank == 0)
+        visual = {name for name, _ in shard.named_parameters() if name.startswith("visual.")}
+        assert visual == ({name for name in full if name.startswith("visual.")} if rank == 0 else set())
         for name, param in shard.named_parameters():
             expected = layout.shard(name, full[name])
             assert torch.equal(param, expected), name
@@ -246,17 +277,25 @@ def test_gpu_mamba2_two_ranks_equal_one_gpu_within_bf16_tolerance(tmp_path, vari
     _check_gpu_two_ranks(tmp_path)
 
 
-def _check_gpu_two_ranks(directory) -> None:
-    """TP=2 over NCCL against one GPU, bfloat16: the same checkpoint reuse, greedy tokens but for one
-    near-tie, first-step logprobs within 0.1."""
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_gpu_images_two_ranks_equal_one_gpu_within_bf16_tolerance(tiny_model_factory):
+    prompts = [suffix_prompt(i) for i in range(4)]
+    _check_gpu_two_ranks(tiny_model_factory("qwen3_5_moe")[0],
+                         lambda llm: (llm.generate(prompts, GREEDY, use_tqdm=False),))
+
+
+def _check_gpu_two_ranks(directory, run=lambda llm: _run(llm)[:2]) -> None:
+    """TP=2 over NCCL against one GPU, bfloat16, on the output lists `run(llm)` returns: the same
+    checkpoint reuse, greedy tokens but for one near-tie, first-step logprobs within 0.1."""
     kwargs = dict(ENGINE, device="cuda", dtype="bfloat16", enforce_eager=True)
-    ref_first, ref_second, _ = _run(LLM(str(directory), **kwargs))
+    refs = run(LLM(str(directory), **kwargs))
     llm = LLM(str(directory), tensor_parallel_size=2, **kwargs)
     try:
-        first, second, _ = _run(llm)
+        outs = run(llm)
     finally:
         llm.engine.runner.close()
-    for ours, theirs in ((first, ref_first), (second, ref_second)):
+    for ours, theirs in zip(outs, refs, strict=True):
         assert [o.num_cached_tokens for o in ours] == [o.num_cached_tokens for o in theirs]
         agree = sum(o.outputs[0].token_ids == r.outputs[0].token_ids for o, r in zip(ours, theirs))
         assert agree >= len(ours) - 1  # bf16 reductions in another order may flip one near-tie
