@@ -370,8 +370,8 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
     # ranks the model is split over (forkpoint/distributed/): one process per rank, rank r on cuda:r
-    # (NCCL) or all on the CPU (gloo); every family, text only; with checkpoint_host_bytes each rank
-    # keeps a host tier of that size for its shards
+    # (NCCL) or all on the CPU (gloo); every family; images encoded on rank 0 (the vision tower is not
+    # split); with checkpoint_host_bytes each rank keeps a host tier of that size for its shards
     tensor_parallel_size: int = 1
     extra: dict = field(default_factory=dict)
 
