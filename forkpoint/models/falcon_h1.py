@@ -34,6 +34,9 @@ class FalconMLP(nn.Module):
 
 
 class FalconLayer(nn.Module):
+    """Attention and Mamba2 side by side, then the MLP; `reduce` sums each residual branch over the
+    tensor-parallel ranks (the identity in one process)."""
+
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         del layer_id  # every layer is "parallel"
@@ -45,14 +48,15 @@ class FalconLayer(nn.Module):
         self.feed_forward = FalconMLP(config)
         self.ssm_out, self.attn_in, self.attn_out = (hybrid.ssm_out_multiplier, hybrid.attention_in_multiplier,
                                                      hybrid.attention_out_multiplier)
+        self.reduce: nn.Module = nn.Identity()  # a tensor-parallel rank's all-reduce of the partial sums
 
     def forward(self, hidden, cos_sin, batch, state, kv) -> torch.Tensor:
         x = self.input_layernorm(hidden)
         p = self.mamba.project(x)
         mamba = self.mamba.finish(self.mamba.core(p, batch, *state), p.z) * self.ssm_out
         attn = self.self_attn(x * self.attn_in, cos_sin, batch, *kv) * self.attn_out
-        hidden = hidden + (mamba + attn)
-        return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
+        hidden = hidden + self.reduce(mamba + attn)
+        return hidden + self.reduce(self.feed_forward(self.pre_ff_layernorm(hidden)))
 
 
 class FalconH1Model(nn.Module):

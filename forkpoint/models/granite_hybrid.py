@@ -60,6 +60,9 @@ class SharedMLP(nn.Module):
 
 
 class GraniteLayer(nn.Module):
+    """Mixer, then MoE + shared MLP, each a residual branch; `reduce` sums each branch over the
+    tensor-parallel ranks before its multiplier (the identity in one process)."""
+
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.is_recurrent = config.layer_types[layer_id] == "mamba2"
@@ -72,6 +75,7 @@ class GraniteLayer(nn.Module):
         self.block_sparse_moe = GraniteMoE(config) if config.num_experts > 0 else None
         self.shared_mlp = SharedMLP(config.hidden_size, config.shared_expert_intermediate_size)
         self.residual_multiplier = config.mamba2.residual_multiplier
+        self.reduce: nn.Module = nn.Identity()  # a tensor-parallel rank's all-reduce of the partial sums
 
     def forward(self, hidden, cos_sin, batch, state, kv) -> torch.Tensor:
         x = self.input_layernorm(hidden)
@@ -80,12 +84,12 @@ class GraniteLayer(nn.Module):
             x = self.mamba.finish(self.mamba.core(p, batch, *state), p.z)
         else:
             x = self.self_attn(x, cos_sin, batch, *kv)
-        hidden = hidden + x * self.residual_multiplier
+        hidden = hidden + self.reduce(x) * self.residual_multiplier
         x = self.post_attention_layernorm(hidden)
         out = self.shared_mlp(x)
         if self.block_sparse_moe is not None:
             out = self.block_sparse_moe(x) + out
-        return hidden + out * self.residual_multiplier
+        return hidden + self.reduce(out) * self.residual_multiplier
 
 
 class GraniteHybridModel(nn.Module):

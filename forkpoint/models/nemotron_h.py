@@ -107,7 +107,8 @@ class NemotronMoE(nn.Module):
 
 
 class NemotronBlock(nn.Module):
-    """`hidden + mixer(norm(hidden))` for one of the four mixer kinds."""
+    """`hidden + mixer(norm(hidden))` for one of the four mixer kinds. `reduce` sums the mixer's
+    output over the tensor-parallel ranks (the identity in one process)."""
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -121,6 +122,7 @@ class NemotronBlock(nn.Module):
             self.mixer = NemotronMoE(config)
         else:
             self.mixer = ReluSquaredMLP(config.hidden_size, config.intermediate_size, config.mamba2.mlp_bias)
+        self.reduce: nn.Module = nn.Identity()  # a tensor-parallel rank's all-reduce of the partial sums
 
     def forward(self, hidden, cos_sin, batch, state, kv) -> torch.Tensor:
         x = self.norm(hidden)
@@ -131,7 +133,7 @@ class NemotronBlock(nn.Module):
             out = self.mixer(x, cos_sin, batch, *kv)
         else:
             out = self.mixer(x)
-        return hidden + out
+        return hidden + self.reduce(out)
 
 
 class NemotronHModel(nn.Module):
