@@ -11,6 +11,7 @@ import torch
 from forkpoint import LLM, SamplingParams
 from forkpoint.runner.decode_graphs import DecodeGraphs, decode_bucket_sizes
 from tests.runner.test_piecewise import ENGINE, MARK, TOL, words
+from tests.tiny_models import MAMBA2_MODEL_TYPES
 
 SIZES = (1, 2, 4, 8)
 
@@ -77,7 +78,7 @@ class BothPaths:
         return graphs
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "qwen3_5_text"])
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "qwen3_5_text", *MAMBA2_MODEL_TYPES])
 def test_decode_steps_through_static_buffers_match_plain_forward(tiny_model_factory, model_type):
     directory, _ = tiny_model_factory(model_type)
     llm = LLM(str(directory), **ENGINE)
