@@ -370,7 +370,8 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
     # ranks the model is split over (forkpoint/distributed/): one process per rank, rank r on cuda:r
-    # (NCCL) or all on the CPU (gloo); text only, Qwen3.5 / Qwen3-Next families, no host tier
+    # (NCCL) or all on the CPU (gloo); every family; images encoded on rank 0 (the vision tower is not
+    # split); with checkpoint_host_bytes each rank keeps a host tier of that size for its shards
     tensor_parallel_size: int = 1
     extra: dict = field(default_factory=dict)
 
@@ -394,9 +395,6 @@ class EngineConfig:
             raise ValueError(f"checkpoint_host_bytes must be >= 0, got {self.checkpoint_host_bytes}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.checkpoint_host_bytes > 0:
-            raise ValueError("checkpoint_host_bytes > 0 (the host tier) needs tensor_parallel_size=1: the tier "
-                             "would hold rank 0's shard of each checkpoint only")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
         if self.max_images_per_prompt < 0 or self.image_embedding_cache_bytes < 0:

@@ -63,11 +63,16 @@ class GroupedGatedRMSNorm(nn.Module):
         if not self.norm_before_gate:
             h = h * gate
         grouped = h.view(h.shape[0], self.groups, -1)
-        h = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)).view(h.shape)
+        h = (grouped * torch.rsqrt(self.mean_square(grouped) + self.eps)).view(h.shape)
         h = h * self.weight.float()
         if self.norm_before_gate:
             h = h * gate
         return h.to(y.dtype)
+
+    def mean_square(self, grouped: torch.Tensor) -> torch.Tensor:
+        """grouped: [T, groups, I / groups] fp32 -> the mean of squares per group, [T, groups, 1]
+        (a tensor-parallel rank holding part of a group sums over the ranks instead)."""
+        return grouped.pow(2).mean(-1, keepdim=True)
 
 
 class Mamba2Projection(NamedTuple):

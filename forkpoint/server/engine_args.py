@@ -49,7 +49,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
                             "config.json alone (default: auto)")
     group.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                        help="split the model over N ranks, one process each: GPUs 0..N-1 (NCCL) or the CPU "
-                            "(gloo); Qwen3.5 / Qwen3-Next text models (default: 1)")
+                            "(gloo); every model family, images included (default: 1)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="run every step eagerly: no CUDA graphs of the forward's token-wise parts "
                             "(faster start-up, slower small steps; CUDA only)")
