@@ -372,6 +372,9 @@ class EngineConfig:
     # ranks the model is split over (forkpoint/distributed/): one process per rank, rank r on cuda:r
     # (NCCL) or all on the CPU (gloo); text only, Qwen3.5 / Qwen3-Next families, no host tier
     tensor_parallel_size: int = 1
+    # vLLM's --async-scheduling: in steady decoding the host schedules and enqueues step t+1 while the
+    # device runs step t, and does step t's output work while step t+1 runs (engine/engine.py)
+    async_scheduling: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -397,6 +400,9 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.checkpoint_host_bytes > 0:
             raise ValueError("checkpoint_host_bytes > 0 (the host tier) needs tensor_parallel_size=1: the tier "
                              "would hold rank 0's shard of each checkpoint only")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling needs tensor_parallel_size=1: the tensor-parallel ranks run "
+                             "every step in lockstep; drop one of the two")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
         if self.max_images_per_prompt < 0 or self.image_embedding_cache_bytes < 0:

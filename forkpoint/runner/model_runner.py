@@ -69,10 +69,14 @@ class _Staging:
         return buffer[offset: offset + int(np.prod(shape, dtype=np.int64))].view(shape)
 
 
-def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -> tuple[ForwardBatch, list[Segment]]:
+def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device,
+                        feed: torch.Tensor | None = None) -> tuple[ForwardBatch, list[Segment]]:
     """Returns the batch and the segments whose sampled logits it yields (rows 0 .. len - 1, in that
     order); further rows hold the prompt-logit rows of the segments with `prompt_logit_rows`, in
-    packed order (`plan.ordered()`)."""
+    packed order (`plan.ordered()`).
+
+    feed: [R'] long on `device`, the token ids the step before sampled, for the segments with a
+    `fed_row` (asynchronous scheduling): copied into `input_ids` on the device, no host sync."""
     segments = plan.ordered()
     num_segments = len(segments)
     lengths = np.fromiter((s.end - s.start for s in segments), dtype=np.int64, count=num_segments)
@@ -84,11 +88,19 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
     slot_mapping = np.empty(num_tokens, dtype=np.int64)
     max_blocks = max(len(s.block_table) for s in segments)
     block_tables = np.zeros((num_segments, max_blocks), dtype=np.int64)
+    fed_to: list[int] = []  # packed token index -> row of `feed`
+    fed_from: list[int] = []
     for row, segment in enumerate(segments):
         lo, hi = int(cu_q[row]), int(cu_q[row + 1])
         start, end, blocks = segment.start, segment.end, segment.block_table
         block_tables[row, : len(blocks)] = blocks
-        if hi - lo == 1:  # decodes: scalar work beats numpy's per-call overhead
+        if segment.fed_row is not None:
+            fed_to.append(lo)
+            fed_from.append(segment.fed_row)
+            token_ids[lo] = 0  # overwritten on the device from `feed` below
+            positions[lo] = start
+            slot_mapping[lo] = blocks[start // block_size] * block_size + start % block_size
+        elif hi - lo == 1:  # decodes: scalar work beats numpy's per-call overhead
             token_ids[lo] = segment.token_ids[0]
             positions[lo] = start
             slot_mapping[lo] = blocks[start // block_size] * block_size + start % block_size
@@ -115,6 +127,10 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
     staged["cow_src"], staged["cow_dst"] = staging.add(src), staging.add(dst)
     num_decodes = sum(1 for s in segments if s.kind is SegmentKind.DECODE)
     staged["decode_slots"] = staging.add([s.initial_slot for s in segments[:num_decodes]])
+    if fed_to:
+        if feed is None:
+            raise ValueError("the plan has decodes fed from the step before (fed_row) but no feed tensor was given")
+        staged["fed_to"], staged["fed_from"] = staging.add(fed_to), staging.add(fed_from)
     phase_makers = []
     first = num_decodes
     while first < num_segments:
@@ -126,6 +142,8 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
 
     buffer = staging.upload(device)
     on_device = {name: _Staging.get(buffer, handle) for name, handle in staged.items()}
+    if fed_to:
+        on_device["input_ids"].index_copy_(0, on_device["fed_to"], feed.index_select(0, on_device["fed_from"]))
     attention = AttentionMetadata(
         slot_mapping=on_device["slot_mapping"],
         block_tables=on_device["block_tables"].to(torch.int32),
@@ -248,16 +266,19 @@ class ModelRunner:
                             scratch_state_slot=state_pool.scratch_slot, device=self.device, capture=True,
                             pool=piecewise.memory_pool, stream=piecewise.capture_stream)
 
-    def prepare(self, plan: StepPlan) -> tuple[ForwardBatch, list[Segment]]:
-        """The step's batch (images encoded and attached) and the segments its logits rows belong to."""
-        batch, sampled = build_forward_batch(plan, self.block_size, self.device)
+    def prepare(self, plan: StepPlan, feed: torch.Tensor | None = None) -> tuple[ForwardBatch, list[Segment]]:
+        """The step's batch (images encoded and attached) and the segments its logits rows belong to;
+        `feed` as in `build_forward_batch`."""
+        batch, sampled = build_forward_batch(plan, self.block_size, self.device, feed)
         if self.multimodal is not None:
             batch = self.multimodal.attach(plan.ordered(), batch)
         return batch, sampled
 
-    def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[Segment]]:
-        """Run one step. Returns logits [R, vocab] (float32) and the R segments they belong to."""
-        batch, sampled = self.prepare(plan)
+    def execute(self, plan: StepPlan, feed: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Segment]]:
+        """Run one step (enqueue it: nothing here waits for the device). Returns logits [R, vocab]
+        (float32) and the R segments they belong to. `feed`: the token ids the step before sampled,
+        on the device, for a plan scheduled while that step ran (see `build_forward_batch`)."""
+        batch, sampled = self.prepare(plan, feed)
         return self.forward(batch), sampled
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
