@@ -115,14 +115,14 @@ def workload(model_dir) -> list[Arrival]:
     prompts = [token_words(10 + i, 5 + 3 * i) for i in range(6)]
     greedy = [o.outputs[0] for o in probe.generate(prompts, dataclasses.replace(GREEDY, max_tokens=12),
                                                     use_tqdm=False)]
-    stop_token = greedy[1].token_ids[4]
-    stop_text = probe.get_tokenizer().decode([greedy[2].token_ids[5]])
+    stop_token = greedy[3].token_ids[5]  # not among its first five
+    stop_text = probe.get_tokenizer().decode(greedy[2].token_ids[2:4])  # two words, no earlier match
     return [
         Arrival(0, "greedy", prompts[0], GREEDY),
-        Arrival(0, "stop-token", prompts[1], dataclasses.replace(GREEDY, max_tokens=12, ignore_eos=False,
+        Arrival(0, "stop-token", prompts[3], dataclasses.replace(GREEDY, max_tokens=12, ignore_eos=False,
                                                                   stop_token_ids=[stop_token])),
         Arrival(0, "stop-string", prompts[2], dataclasses.replace(GREEDY, max_tokens=12, stop=[stop_text])),
-        Arrival(0, "seeded-n2", prompts[3], dataclasses.replace(SEEDED, n=2, max_tokens=11)),
+        Arrival(0, "seeded-n2", prompts[1], dataclasses.replace(SEEDED, n=2, max_tokens=11)),
         Arrival(1, "penalties", prompts[4], dataclasses.replace(
             SEEDED, seed=5, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, min_tokens=4,
             logit_bias={7: 2.0}, max_tokens=13)),
