@@ -527,6 +527,8 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Requests against the registry: pins, waiters and producers each match a live request."""
         held = {id(r) for step in self.in_flight for r in step.requests}
+        if any(r.slot is None for step in self.in_flight for r in step.requests):
+            raise AssertionError("a step in flight computes for a sequence whose state slot was freed")
         if any(id(request) not in held or not request.is_finished for request, _, _ in self.releasing):
             raise AssertionError("an ended sequence keeps its slot and blocks with no step in flight computing for it")
         if self.registry is None:

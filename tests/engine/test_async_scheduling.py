@@ -2,7 +2,8 @@
 
 The same workload, driven step by step on two engines built alike (float32 CPU, tiny model), must give
 identical tokens and logprobs (within 1e-5) for greedy and seeded sampling with stop tokens, stop
-strings, max_tokens, min_tokens, penalties, logit_bias, n = 2, checkpoints and aborts; every step
+strings, max_tokens, min_tokens, penalties, logit_bias, bad words (synchronous steps), n = 2,
+checkpoints and aborts; every step
 keeps the engine's integrity, steps do run ahead (fed from the device), and the pools drain. A fault
 injected at any step, overlapped ones included, ends that step's requests and leaves nothing behind.
 """
@@ -108,7 +109,8 @@ def assert_drained(llm: LLM) -> None:
     assert metrics["kv_blocks_used"] == 0 and metrics["state_slots_used"] == 0
 
 
-def workload(model_dir) -> list[Arrival]:
+@pytest.fixture(scope="module")
+def arrivals(model_dir) -> list[Arrival]:
     """Decodes of different lengths; stops by token and by string taken from a greedy run, so they
     fall in the middle of overlapped decoding; arrivals and an abort mid-decode."""
     probe = LLM(str(model_dir), enable_checkpoints=False)
@@ -126,7 +128,12 @@ def workload(model_dir) -> list[Arrival]:
         Arrival(1, "penalties", prompts[4], dataclasses.replace(
             SEEDED, seed=5, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, min_tokens=4,
             logit_bias={7: 2.0}, max_tokens=13)),
+        Arrival(0, "greedy-penalties", prompts[1], dataclasses.replace(GREEDY, frequency_penalty=1.5, max_tokens=12)),
+        Arrival(0, "min-tokens", prompts[4], dataclasses.replace(GREEDY, ignore_eos=False, max_tokens=12, min_tokens=6,
+                                                                 stop_token_ids=[greedy[4].token_ids[1]])),
         Arrival(0, "aborted", prompts[5], dataclasses.replace(GREEDY, max_tokens=30), abort_at=7),
+        Arrival(8, "bad-words", prompts[0], dataclasses.replace(  # its steps run synchronously
+            GREEDY, max_tokens=5, bad_words=[probe.get_tokenizer().decode(greedy[0].token_ids[1:2])])),
         Arrival(9, "late", f"{token_words(40, 20)} {MARK} {token_words(41, 4)}", dataclasses.replace(
             GREEDY, max_tokens=6)),
         Arrival(10, "late-reader", f"{token_words(40, 20)} {MARK} {token_words(42, 6)}", dataclasses.replace(
@@ -142,8 +149,7 @@ def model_dir(moe_model):
 @pytest.mark.parametrize("engine_kwargs", [dict(enable_checkpoints=False), dict(),
                                            dict(num_kv_blocks=40, block_size=4, max_num_seqs=4)],
                          ids=["plain", "checkpoints", "small_pools"])
-def test_async_scheduling_gives_the_outputs_of_synchronous_steps(model_dir, engine_kwargs):
-    arrivals = workload(model_dir)
+def test_async_scheduling_gives_the_outputs_of_synchronous_steps(model_dir, arrivals, engine_kwargs):
     sync = LLM(str(model_dir), **engine_kwargs)
     expected, none_failed = drive(sync.engine, arrivals)
     assert not none_failed and "aborted" not in expected and len(expected) == len(arrivals) - 1
@@ -165,8 +171,10 @@ def test_async_scheduling_gives_the_outputs_of_synchronous_steps(model_dir, engi
     assert_drained(llm)
 
 
-def test_a_fault_at_any_step_of_async_scheduling_leaves_nothing_behind(model_dir):
-    arrivals = [a for a in workload(model_dir) if a.step <= 1]
+def test_a_fault_at_any_step_of_async_scheduling_leaves_nothing_behind(model_dir, arrivals):
+    chosen = ("greedy", "stop-token", "seeded-n2", "penalties", "aborted")
+    arrivals = [dataclasses.replace(a, params=dataclasses.replace(a.params, max_tokens=min(a.params.max_tokens, 8)),
+                                    abort_at=a.abort_at and 4) for a in arrivals if a.request_id in chosen]
     fresh = LLM(str(model_dir), async_scheduling=True)
     expected, none_failed = drive(fresh.engine, arrivals)
     assert not none_failed
