@@ -162,7 +162,7 @@ def test_async_scheduling_gives_the_outputs_of_synchronous_steps(model_dir, arri
     got, none_failed = drive(llm.engine, arrivals)
     assert not none_failed
     assert_same(got, expected)
-    assert runner.fed > 10  # steps did run ahead of the step before
+    assert runner.fed > 5  # steps did run ahead of the step before
     assert_drained(llm)
     # the same workload again on the used engine (checkpoints and turn ends from the first round)
     again_sync, _ = drive(sync.engine, [dataclasses.replace(a, request_id=a.request_id + "'") for a in arrivals])
