@@ -539,8 +539,6 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         """Cross-check pools, registry and requests; raises AssertionError on any inconsistency."""
-        if [launched.step for launched in self._launched] != self.scheduler.in_flight:
-            raise AssertionError("the scheduler's steps in flight are not the engine's enqueued steps")
         live = {s.request_id for group in self._groups.values() for s in group.sequences}
         self.sampler.check_integrity(live)
         self.output_processor.check_integrity(live)
