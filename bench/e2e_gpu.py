@@ -15,6 +15,11 @@ Rows, in the order they run (each an on/off pair; a pair predicted to overrun th
 skipped and recorded with the reason, and later, cheaper pairs still run):
   1. main:   P in --p (4096, 624), S = --s (256), N in --n (1 ... 256), max_tokens 1 (scoring)
   2. decode: P in --decode-p, S = --s, N in --decode-n, max_tokens --decode-tokens (32): TPOT
+  1b. exact: the main rows at N in --exact-n with checkpoint_exact switched on (checkpoints on
+     only; set against the main row's off run; the cost of bf16 results that do not depend on the
+     checkpoint is this row's requests/s against the main row's on run)
+  1c. auto:  the main rows at N in --auto-n without the marker, automatic checkpoints on (set
+     against the main row's off run, in which automatic checkpoints are off)
   3. seed:   P = --seed-p (624), S drawn uniformly from --seed-s (350-650, seeded), N in --seed-n
   4. eager:  P = --eager-p, S = --s, N in --eager-n, max_tokens 1 and --decode-tokens, executed as
      an `enforce_eager=True` engine would (no CUDA graphs), on the same engine through a runtime
@@ -73,7 +78,7 @@ from e2e_gpu_report import plot, step_fit, table  # noqa: E402
 from host_info import code_version  # noqa: E402
 
 from forkpoint import LLM, SamplingParams  # noqa: E402
-from forkpoint.config import EngineConfig  # noqa: E402
+from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig  # noqa: E402
 from forkpoint.inputs.default_model import ensure_default_model  # noqa: E402
 
 PEAK_BF16 = 989e12        # H100/H200 SXM dense bf16, datasheet
@@ -237,6 +242,25 @@ def eager_switch(engine):
     return detach
 
 
+class CheckpointModes:
+    """Runtime switches of the scheduler for the exact and auto rows, on one engine (a second 70 GB
+    engine does not fit). Only the scheduler reads `checkpoint_exact` (where a checkpoint keeps
+    its state, where prefill chunks end) and owns the automatic-checkpoint planner, so switching
+    them there is what an engine built with those settings would do. The other rows run with
+    automatic checkpoints off: their off runs must compute every prompt whole."""
+
+    def __init__(self, engine) -> None:
+        self.scheduler = engine.scheduler
+        self.config = self.scheduler.config
+        self.planner = self.scheduler.auto
+
+    def set(self, spec: RowSpec) -> None:
+        exact = spec.engine == "checkpoint_exact"
+        if self.scheduler.config.checkpoint_exact != exact:
+            self.scheduler.config = dataclasses.replace(self.config, checkpoint_exact=exact)
+        self.scheduler.auto = self.planner if spec.engine == "auto_checkpoints" else None
+
+
 def build_engine(args, model_dir: Path, enforce_eager: bool) -> LLM:
     kwargs = dict(load_format="dummy", dtype=args.dtype, device=args.device,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
@@ -276,11 +300,13 @@ class Bench:
         self.predictor = Predictor(args.max_num_batched_tokens)
         self.timer = EnqueueTimer(self.engine.runner)
         self.timer.install()
+        self.modes = CheckpointModes(self.engine)
 
     def run(self, spec: RowSpec, on: bool, tag: str, record: bool = True) -> dict:
         engine, n = self.engine, spec.n
+        self.modes.set(spec)
         anchor = self.rng.integers(0, VOCAB_LIMIT, spec.p).tolist()
-        marker = [self.llm.checkpoint_token_id] if on else []
+        marker = [self.llm.checkpoint_token_id] if on and spec.engine != "auto_checkpoints" else []
         prompts = [anchor + marker + self.rng.integers(0, VOCAB_LIMIT, s).tolist() for s in spec.suffix_lengths]
         params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
         before = engine.metrics()
@@ -329,28 +355,46 @@ class Bench:
             self.predictor.observe(row)
         return row
 
+    def default_run(self, spec: RowSpec, mode: str) -> int | None:
+        """Index of the default engine's main `mode` run of `spec`'s shape and N, if it ran."""
+        key = ("main", spec.shape, spec.n, spec.max_tokens, "default", mode)
+        found = [i for i, r in enumerate(self.results["runs"])
+                 if (r["group"], r["shape"], r["N"], r["max_tokens"], r["engine"], r["checkpoints"]) == key]
+        return found[-1] if found else None
+
     def pair(self, spec: RowSpec, predicted: float) -> None:
         indices = {}
-        for on in (True, False):
+        if spec.on_only:
+            off = self.default_run(spec, "off")
+            if off is None:
+                skip(self.results, spec, "the main row's off run did not run")
+                return
+            indices["off"] = off
+        for on in ((True,) if spec.on_only else (True, False)):
             mode = "on" if on else "off"
             row = self.run(spec, on, f"{spec.group}-{mode}-{spec.p}-{spec.n}-{spec.max_tokens}")
             indices[mode] = len(self.results["runs"])
             self.results["runs"].append(row)
             tpot = f"  TPOT {row['tpot_ms']:6.1f} ms" if row["tpot_ms"] is not None else ""
             warn = "" if row["prompt_tokens_computed"] == row["prompt_tokens_expected"] else "  UNEXPECTED"
-            print(f"  {spec.shape:16s} N={spec.n:3d} mt={spec.max_tokens:2d} {self.label[:7]:7s} {mode:3s}: "
+            label = (spec.engine if spec.on_only else self.label)[:7]
+            print(f"  {spec.shape:16s} N={spec.n:3d} mt={spec.max_tokens:2d} {label:7s} {mode:3s}: "
                   f"{row['requests_per_s']:8.2f} req/s  TTFT p50 {row['ttft_p50_ms']:7.0f} "
                   f"p99 {row['ttft_p99_ms']:7.0f} ms  computed {row['prompt_tokens_computed']:8d} "
                   f"(expected {row['prompt_tokens_expected']}){warn}  {row['computed_tokens_per_s']:8.0f} tok/s  "
                   f"MFU {100 * row['mfu']:4.1f}%  steps {len(row['steps'])}{tpot}", flush=True)
         on, off = (self.results["runs"][indices[m]] for m in ("on", "off"))
         speedup = on["requests_per_s"] / off["requests_per_s"]
-        self.results["speedups"].append({
-            **spec.describe(), **indices, "speedup": speedup, "ideal": spec.ideal,
-            "fraction_of_ideal": speedup / spec.ideal, "predicted_s": predicted,
-            "measured_s": on["wall_s"] + off["wall_s"]})
-        print(f"  -> on/off {speedup:.2f}x, ideal {spec.ideal:.2f}x ({100 * speedup / spec.ideal:.0f}%); "
-              f"pair {on['wall_s'] + off['wall_s']:.1f} s (predicted {predicted:.1f} s)", flush=True)
+        entry = {**spec.describe(), **indices, "speedup": speedup, "ideal": spec.ideal,
+                 "fraction_of_ideal": speedup / spec.ideal, "predicted_s": predicted,
+                 "measured_s": on["wall_s"] + (0.0 if spec.on_only else off["wall_s"])}
+        default_on = self.default_run(spec, "on") if spec.on_only else None
+        if default_on is not None:
+            entry["vs_default_on"] = on["requests_per_s"] / self.results["runs"][default_on]["requests_per_s"]
+        self.results["speedups"].append(entry)
+        versus = f", {entry['vs_default_on']:.3f}x the default on run" if "vs_default_on" in entry else ""
+        print(f"  -> on/off {speedup:.2f}x, ideal {spec.ideal:.2f}x ({100 * speedup / spec.ideal:.0f}%){versus}; "
+              f"pair {entry['measured_s']:.1f} s (predicted {predicted:.1f} s)", flush=True)
         self.save()
 
     def run_rows(self, specs: list[RowSpec], end: float) -> None:
@@ -368,14 +412,16 @@ class Bench:
         the largest N to 1, so the kernels outside the CUDA graphs (captured at engine build) compile
         and autotune here rather than inside a timed row."""
         t0 = time.perf_counter()
-        by_shape: dict[str, RowSpec] = {}
+        by_shape: dict[tuple[str, str], RowSpec] = {}
         for spec in specs:
-            if spec.shape not in by_shape or spec.n > by_shape[spec.shape].n:
-                by_shape[spec.shape] = spec
+            key = (spec.shape, spec.engine)
+            if key not in by_shape or spec.n > by_shape[key].n:
+                by_shape[key] = spec
         for spec in by_shape.values():
             warm = dataclasses.replace(spec, suffix_lengths=spec.suffix_lengths[:4], max_tokens=2)
-            for on in (True, False):
-                self.run(warm, on, f"warm-{self.label}-{spec.shape}-{on}", record=False)
+            for on in ((True,) if spec.on_only else (True, False)):
+                self.run(warm, on, f"warm-{self.label}-{spec.shape}-{spec.engine}-{on}", record=False)
+        self.modes.set(specs[0])
         largest = max(spec.n for spec in specs)
         counts, remaining = [], largest
         while remaining > 1:
@@ -554,9 +600,10 @@ def tiny_parity(args) -> dict:
     return result
 
 
-SMOKE_ARGS = dict(tiny=True, p=[24, 16], s=8, n=[1, 3], decode_p=[16], decode_n=[3], decode_tokens=3, seed_p=16,
+SMOKE_ARGS = dict(tiny=True, p=[72, 16], s=8, n=[1, 3], exact_n=[3], auto_n=[3], decode_p=[16], decode_n=[3],
+                  decode_tokens=3, seed_p=16,
                   seed_s=(4, 12), seed_n=[3], eager_p=16, eager_n=[3], eager_rows=True, peer_p=[16], peer_n=[1, 3],
-                  peer_batch=2, profile=True, tiny_parity=True, profile_reserve=2.0, max_num_batched_tokens=48,
+                  peer_batch=2, profile=True, tiny_parity=True, profile_reserve=2.0, max_num_batched_tokens=96,
                   max_num_seqs=8, deadline=58.0, time_budget=48.0, peer_budget=5.0, name="e2e_gpu_smoke")
 
 
@@ -574,7 +621,7 @@ def check_smoke(results: dict) -> None:
     skipped = {tuple(s[k] for k in key) for s in results["skipped"] if s.get("reason")}
     missing = [p for p in results["plan"] if tuple(p[k] for k in key) not in done | skipped]
     assert not missing, f"planned pairs neither run nor skipped: {missing}"
-    uncovered = sorted({"main", "decode", "seed", "eager"} - {r["group"] for r in results["runs"]})
+    uncovered = sorted({"main", "exact", "auto", "decode", "seed", "eager"} - {r["group"] for r in results["runs"]})
     if not results.get("peer", {}).get("runs"):
         uncovered.append("peer")
     print(f"smoke: benchmark OK{'; not run (see skipped): ' + ', '.join(uncovered) if uncovered else ''}",
@@ -788,6 +835,10 @@ def main() -> None:
     parser.add_argument("--p", type=parse_ints, default=[4096, 624], help="anchors of the main rows")
     parser.add_argument("--s", type=int, default=256, help="suffix length of the main, decode and eager rows")
     parser.add_argument("--n", type=parse_ints, default=[1, 4, 16, 64, 256])
+    parser.add_argument("--exact-n", type=parse_ints, default=[16, 64, 256],
+                        help="main rows repeated with checkpoint_exact at these N (empty: none)")
+    parser.add_argument("--auto-n", type=parse_ints, default=[16, 256],
+                        help="main rows repeated without the marker, automatic checkpoints on, at these N")
     parser.add_argument("--decode-p", type=parse_ints, default=[624])
     parser.add_argument("--decode-n", type=parse_ints, default=[1, 16, 64, 256], help="TPOT at these batch sizes")
     parser.add_argument("--decode-tokens", type=int, default=32)
@@ -818,6 +869,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="result folder (default bench/results; --smoke: a temporary one)")
     parser.add_argument("--name", default="e2e_gpu_h200")
     args = parser.parse_args()
+    args.scan_chunk = SCAN_CHUNK_TOKENS
+    args.auto_min_tokens = EngineConfig.auto_checkpoint_min_tokens
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtype == "auto":

@@ -58,7 +58,9 @@ class RowSpec:
     s_label: str                     # "256" or "350-650"
     suffix_lengths: tuple[int, ...]  # one per request: N = len
     max_tokens: int
-    engine: str = "default"          # default | enforce_eager
+    engine: str = "default"          # default | enforce_eager | checkpoint_exact | auto_checkpoints
+    recompute: int = 0               # tokens each consumer recomputes before its suffix: with checkpoint_exact
+                                     # P mod the scan chunk; automatic checkpoints: P if shorter than their minimum
 
     @property
     def n(self) -> int:
@@ -68,9 +70,18 @@ class RowSpec:
     def shape(self) -> str:
         return f"P={self.p} S={self.s_label}"
 
+    @property
+    def on_only(self) -> bool:
+        """A variant of checkpoints on, run alone and set against the default engine's off run."""
+        return self.engine in ("checkpoint_exact", "auto_checkpoints")
+
     def tokens(self, on: bool) -> int:
-        """Prompt tokens the engine must compute: the anchor once with checkpoints, N times without."""
-        return (self.p if on else self.n * self.p) + sum(self.suffix_lengths)
+        """Prompt tokens the engine must compute: the anchor once with checkpoints (and, with
+        checkpoint_exact, the tokens from the scan-chunk boundary to the checkpoint once per
+        consumer), N times without."""
+        if not on:
+            return self.n * self.p + sum(self.suffix_lengths)
+        return self.p + sum(self.suffix_lengths) + (self.n - 1) * self.recompute
 
     @property
     def ideal(self) -> float:
@@ -89,6 +100,10 @@ def plan_rows(args) -> tuple[list[RowSpec], list[RowSpec]]:
         return (args.s,) * n
 
     rows = [RowSpec("main", p, str(args.s), fixed(n), 1) for n in args.n for p in args.p]
+    rows += [RowSpec("exact", p, str(args.s), fixed(n), 1, "checkpoint_exact", p % args.scan_chunk)
+             for n in args.exact_n for p in args.p if n in args.n]
+    rows += [RowSpec("auto", p, str(args.s), fixed(n), 1, "auto_checkpoints", p if p < args.auto_min_tokens else 0)
+             for n in args.auto_n for p in args.p if n in args.n]
     rows += [RowSpec("decode", p, str(args.s), fixed(n), args.decode_tokens)
              for n in args.decode_n for p in args.decode_p]
     lo, hi = args.seed_s
@@ -146,4 +161,5 @@ class Predictor:
                 + (max_tokens - 1) * (k["decode_fixed_s"] + n * k["decode_s_per_seq"]))
 
     def pair_seconds(self, spec: RowSpec) -> float:
-        return self.margin * sum(self.run_seconds(spec.tokens(on), spec.n, spec.max_tokens) for on in (True, False))
+        modes = (True,) if spec.on_only else (True, False)
+        return self.margin * sum(self.run_seconds(spec.tokens(on), spec.n, spec.max_tokens) for on in modes)

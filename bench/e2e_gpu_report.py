@@ -25,12 +25,14 @@ def table(results: dict) -> str:
              "prompt tokens computed | computed tok/s | MFU | TPOT p50 ms | on/off | ideal | of ideal |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for sp in results["speedups"]:
-        for mode in ("on", "off"):
+        for mode in ("on",) if sp["engine"] in ("checkpoint_exact", "auto_checkpoints") else ("on", "off"):
             r = runs[sp[mode]]
             cons = (f"{r['consumer_ttft_p50_ms']:.0f} / {r['consumer_ttft_p99_ms']:.0f}"
                     if r["consumer_ttft_p50_ms"] is not None else "-")
             ratio = (f"{sp['speedup']:.2f}x | {sp['ideal']:.2f}x | {100 * sp['fraction_of_ideal']:.0f}%"
                      if mode == "on" else " | | ")
+            if "vs_default_on" in sp:
+                ratio += f" ({sp['vs_default_on']:.3f}x the default on run)"
             lines.append(
                 f"| {r['shape']} | {r['N']} | {r['max_tokens']} | {r['engine']} | {mode} | {r['requests_per_s']:.2f} | "
                 f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {cons} | {r['prompt_tokens_computed']:,} | "

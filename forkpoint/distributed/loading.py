@@ -17,6 +17,7 @@ from forkpoint.config import ModelConfig
 from forkpoint.distributed.collectives import TensorParallelGroup
 from forkpoint.distributed.parallel_model import ParallelHybridForCausalLM
 from forkpoint.distributed.sharding import ShardLayout
+from forkpoint.models.layers import stack_all_projections
 from forkpoint.models.loader import fill_dummy, load_safetensors
 from forkpoint.models.qwen3_5 import HybridForCausalLM
 
@@ -38,6 +39,7 @@ def build_shard(layout: ShardLayout, group: TensorParallelGroup, path: Path | No
         load_safetensors(model, local, path, read=layout.read)
     if local.tie_word_embeddings:
         model.lm_head.weight = model.input_embeddings().weight
+    stack_all_projections(model)
     return model.eval()
 
 

@@ -86,19 +86,58 @@ def mrope_axes(half: int, mrope_section: tuple[int, int, int], device: torch.dev
     return axis
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, sin: [T, rotary_dim]. Rotates the first rotary_dim dims."""
-    rotary_dim = cos.shape[-1]
-    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    half = rotary_dim // 2
-    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-    x_rot = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
-    return torch.cat((x_rot, x_pass), dim=-1)
+class StackedProjections(nn.Module):
+    """A module whose projections of one input run as one GEMM.
+
+    `stack_projections()`, called once after the weights are loaded (`stack_all_projections`),
+    concatenates the weights (and biases) of the modules `stacked_linears()` names, in that order,
+    into one [sum N_i, K] tensor and turns each module's weight into a row view of it, so the
+    parameters, their names and the state dict stay as the checkpoint has them (moving the model
+    afterwards would break the views: stack on the final device and dtype). `project_stacked(x)`,
+    x [T, K], then returns the projections' outputs [T, N_i] as column views of one GEMM output
+    (row stride sum N_i; the kernels that read them take row strides)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._stack: tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]] | None = None
+
+    def stacked_linears(self) -> tuple[nn.Module, ...]:
+        """The modules (each with `weight` [N_i, K] and optionally `bias` [N_i]) whose outputs
+        `project_stacked` returns, in order."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def stack_projections(self) -> None:
+        linears = self.stacked_linears()
+        sizes = tuple(m.weight.shape[0] for m in linears)
+        weight = torch.cat([m.weight.detach() for m in linears])
+        biases = [getattr(m, "bias", None) for m in linears]
+        if any(b is None for b in biases) and not all(b is None for b in biases):
+            raise ValueError(f"{type(self).__name__}: the stacked projections must all have a bias or none")
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        for i, (m, w) in enumerate(zip(linears, weight.split(sizes))):
+            m.weight = nn.Parameter(w, requires_grad=False)
+            if bias is not None:
+                m.bias = nn.Parameter(bias.split(sizes)[i], requires_grad=False)
+        self._stack = (weight, bias, sizes)
+
+    def project_stacked(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self._stack is None:
+            raise RuntimeError(f"{type(self).__name__}.stack_projections() was not called after loading the weights")
+        weight, bias, sizes = self._stack
+        return F.linear(x, weight, bias).split(sizes, dim=-1)
 
 
-class DenseMLP(nn.Module):
-    """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`, the activation in fp32 with one rounding
-    (silu_and_mul: one kernel on CUDA)."""
+def stack_all_projections(model: nn.Module) -> None:
+    """`stack_projections()` on every `StackedProjections` module of `model` (once, after loading)."""
+    for module in model.modules():
+        if isinstance(module, StackedProjections):
+            module.stack_projections()
+
+
+class DenseMLP(StackedProjections):
+    """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`, gate and up as one GEMM, the activation
+    in fp32 with one rounding (silu_and_mul: one kernel on CUDA)."""
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
@@ -106,8 +145,12 @@ class DenseMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
+    def stacked_linears(self) -> tuple[nn.Module, ...]:
+        return self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.project_stacked(x)
+        return self.down_proj(silu_and_mul(gate, up))
 
 
 class TopKRouter(nn.Module):
@@ -120,9 +163,10 @@ class TopKRouter(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] -> (weights [T, k] in x.dtype, expert ids [T, k] long)."""
-        return topk_softmax(F.linear(x, self.weight), self.top_k, self.renormalize, x.dtype)
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [T, E] (the router's projection of x, rows may be strided) -> (weights [T, k] in
+        logits.dtype, expert ids [T, k] long)."""
+        return topk_softmax(logits, self.top_k, self.renormalize, logits.dtype)
 
 
 class Experts(nn.Module):
@@ -134,8 +178,9 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
 
-class SparseMoE(nn.Module):
-    """Routed experts plus a shared expert scaled by a sigmoid gate."""
+class SparseMoE(StackedProjections):
+    """Routed experts plus a shared expert scaled by a sigmoid gate; the router's and the shared
+    gate's projections as one GEMM."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -148,6 +193,10 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, hidden] -> routed + sigmoid(gate) * shared expert, plus `residual` [T, hidden] when
         given (the pre-norm residual add of the layer, fused into the routed combine on CUDA)."""
-        top_w, top_ids = self.gate(x)
+        logits, shared_gate = self.project_stacked(x)
+        top_w, top_ids = self.gate.select(logits)
         return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, top_w, top_ids,
-                         shared=self.shared_expert(x), shared_gate=self.shared_expert_gate(x), residual=residual)
+                         shared=self.shared_expert(x), shared_gate=shared_gate, residual=residual)
+
+    def stacked_linears(self) -> tuple[nn.Module, ...]:
+        return self.gate, self.shared_expert_gate

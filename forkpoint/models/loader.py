@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from forkpoint.config import ModelConfig
+from forkpoint.models.layers import stack_all_projections
 from forkpoint.models.registry import model_class
 
 _SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.vision_tower.")
@@ -65,6 +66,7 @@ def build_model(config: ModelConfig, path: Path | None, load_format: str, device
         load_safetensors(model, config, path)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.input_embeddings().weight
+    stack_all_projections(model)
     return model.eval()
 
 

@@ -25,9 +25,9 @@ from torch import nn
 from forkpoint.cache.state_pool import RecurrentStateSpec
 from forkpoint.config import ModelConfig
 from forkpoint.kernels.conv1d import causal_conv1d_step, causal_conv1d_varlen
+from forkpoint.kernels.rotary import apply_rotary
 from forkpoint.kernels.ssd import chunk_ssd, ssd_step_inplace
 from forkpoint.mamba2_config import Mamba2Config
-from forkpoint.models.layers import apply_rotary
 from forkpoint.models.qwen3_5 import AttentionProjection, GatedAttention
 from forkpoint.step.batch import ForwardBatch
 

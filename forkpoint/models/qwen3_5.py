@@ -29,16 +29,17 @@ from forkpoint.cache.sizing import PoolShapes
 from forkpoint.cache.state_pool import RecurrentStateSpec
 from forkpoint.config import ModelConfig
 from forkpoint.kernels.attention import copy_kv_slots, paged_attention, write_kv
-from forkpoint.kernels.conv1d import causal_conv1d_step, causal_conv1d_varlen
+from forkpoint.kernels.conv1d import causal_conv1d_step_inplace, causal_conv1d_varlen
 from forkpoint.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule_inplace
 from forkpoint.kernels.gating import gdn_gating
+from forkpoint.kernels.rotary import apply_rotary
 from forkpoint.models.layers import (
     DenseMLP,
     GatedRMSNorm,
     RMSNorm,
     RotaryEmbedding,
     SparseMoE,
-    apply_rotary,
+    StackedProjections,
     mrope_axes,
 )
 from forkpoint.models.vision import VisionTransformer
@@ -82,8 +83,9 @@ class AttentionProjection(NamedTuple):
     gate: torch.Tensor  # [T, HQ * Dh]: output gate, before the sigmoid
 
 
-class GatedDeltaNet(nn.Module):
-    """Gated DeltaNet token mixer with packed two-phase execution (see step/batch.py)."""
+class GatedDeltaNet(StackedProjections):
+    """Gated DeltaNet token mixer with packed two-phase execution (see step/batch.py). The four
+    input projections (qkv, z, b, a) run as one GEMM."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -122,13 +124,16 @@ class GatedDeltaNet(nn.Module):
             v.reshape(n, self.num_v_heads, self.head_v_dim),
         )
 
+    def stacked_linears(self) -> tuple[nn.Module, ...]:
+        return self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+
     def project(self, x: torch.Tensor) -> GDNProjection:
-        """x: [T, hidden] (after the input norm). Token-wise."""
+        """x: [T, hidden] (after the input norm). Token-wise. `mixed` and `z` are column views of
+        the stacked projection (row-strided)."""
         num_tokens = x.shape[0]
-        mixed = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).reshape(num_tokens, self.num_v_heads, self.head_v_dim)
-        g, beta = gdn_gating(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
-        return GDNProjection(mixed, z, g, beta)
+        mixed, z, b, a = self.project_stacked(x)
+        g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
+        return GDNProjection(mixed, z.reshape(num_tokens, self.num_v_heads, self.head_v_dim), g, beta)
 
     def core(self, p: GDNProjection, batch: ForwardBatch, conv_state: torch.Tensor, ssm_state: torch.Tensor,
              out: torch.Tensor | None = None, *, conv_weight: torch.Tensor | None = None,
@@ -157,11 +162,10 @@ class GatedDeltaNet(nn.Module):
         if decode is not None and decode.num_tokens:
             n = decode.num_tokens
             slots = rows(decode.slots)
-            conv_out, new_conv = causal_conv1d_step(mixed[:n], conv_weight, None, conv_state.index_select(0, slots))
+            # conv and ssm rows are updated in place (decode slots are distinct: one row per sequence)
+            conv_out = causal_conv1d_step_inplace(mixed[:n], conv_weight, None, conv_state, slots)
             q, k, v = self._split_qkv(conv_out)
-            # the ssm rows are updated in place (decode slots are distinct: one row per sequence)
-            out[:n] = recurrent_gated_delta_rule_inplace(q, k, v, g[:n], beta[:n], ssm_state, slots)
-            conv_state.index_copy_(0, slots, new_conv.to(conv_state.dtype))
+            recurrent_gated_delta_rule_inplace(q, k, v, g[:n], beta[:n], ssm_state, slots, out=out[:n])
 
         for phase in batch.phases:
             lo, hi = phase.token_start, phase.token_end
@@ -198,8 +202,9 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self.norm(core, z).reshape(num_tokens, self.value_dim))
 
 
-class GatedAttention(nn.Module):
-    """Full attention with an output gate, q/k RMSNorm, partial rotary embedding and GQA over paged KV."""
+class GatedAttention(StackedProjections):
+    """Full attention with an output gate, q/k RMSNorm, partial rotary embedding and GQA over paged KV;
+    the q (with its gate), k and v projections as one GEMM."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -216,15 +221,18 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.scale = self.head_dim**-0.5
 
+    def stacked_linears(self) -> tuple[nn.Module, ...]:
+        return self.q_proj, self.k_proj, self.v_proj
+
     def project(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> AttentionProjection:
         """x: [T, hidden] (after the input norm); cos, sin: [T, rotary_dim]. Token-wise."""
         num_tokens = x.shape[0]
-        q_gate = self.q_proj(x).reshape(num_tokens, self.num_heads, 2 * self.head_dim)
-        q, gate = q_gate.split(self.head_dim, dim=-1)
+        q_gate, k, v = self.project_stacked(x)
+        q, gate = q_gate.reshape(num_tokens, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
         gate = gate.reshape(num_tokens, self.num_heads * self.head_dim)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         cos, sin = cos_sin
         return AttentionProjection(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate)
 

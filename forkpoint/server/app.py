@@ -98,6 +98,26 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
     app.state.config = config
     app.state.max_request_bytes = max_request_bytes
 
+    install_request_guards(app, metrics, max_request_bytes)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while the engine thread runs, 503 otherwise."""
+        if worker.is_alive():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "engine not running"}, status_code=503)
+
+    add_openai_routes(app, serving=serving, prompts=prompts, tokenizer=tokenizer, metrics=metrics,
+                      model_root=str(engine.model_path), max_model_len=engine.max_model_len,
+                      served_model_name=config.served_model_name, created=created)
+    return app
+
+
+def install_request_guards(app: FastAPI, metrics: ServerMetrics, max_request_bytes: int) -> None:
+    """The error handlers (OpenAI-shaped error bodies, each counted under its endpoint's outcome)
+    and the request-size limit (413 before the body is read when Content-Length says so) that
+    every front end shares (one engine's app, the replicas' ingress)."""
+
     def on_error(request: Request, status: int) -> None:
         endpoint = GENERATION_ENDPOINTS.get(request.url.path)
         if endpoint is not None:
@@ -115,18 +135,6 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
 
     install_error_handlers(app, on_error)
     app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes, on_reject=on_too_large)
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        """200 while the engine thread runs, 503 otherwise."""
-        if worker.is_alive():
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "engine not running"}, status_code=503)
-
-    add_openai_routes(app, serving=serving, prompts=prompts, tokenizer=tokenizer, metrics=metrics,
-                      model_root=str(engine.model_path), max_model_len=engine.max_model_len,
-                      served_model_name=config.served_model_name, created=created)
-    return app
 
 
 def add_openai_routes(app: FastAPI, *, serving: OpenAIServing, prompts: PromptBuilder, tokenizer,

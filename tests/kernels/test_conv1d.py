@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forkpoint.kernels.conv1d import causal_conv1d_step, causal_conv1d_varlen
+from forkpoint.kernels.conv1d import causal_conv1d_step, causal_conv1d_step_inplace, causal_conv1d_varlen
 
 FP32_REL_RMS = 1e-6
 
@@ -100,6 +100,23 @@ def test_step_matches_definition_and_varlen_of_single_tokens():
     assert_matches_naive(inputs, lens, y, state)
     y_var, state_var = run_varlen(inputs, lens)
     assert rel_rms(y, y_var) <= FP32_REL_RMS and torch.equal(state, state_var)
+
+
+def test_inplace_step_on_pool_rows_equals_gather_step_scatter():
+    """Rows `slots` of the pool get the step's new state, every other row stays bit-identical; x may
+    be a column view of a wider projection (row-strided)."""
+    inputs = make_inputs([1] * 4, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    pool = torch.randn(9, 12, 3, generator=gen)
+    slots = torch.tensor([7, 2, 5, 0])
+    wide = torch.cat([inputs["x"], torch.randn(4, 5, generator=gen)], dim=1)
+    x = wide[:, :12]
+    y_ref, state_ref = causal_conv1d_step(x.contiguous(), inputs["weight"], inputs["bias"], pool[slots])
+    expected = pool.clone().index_copy_(0, slots, state_ref)
+    y = causal_conv1d_step_inplace(x, inputs["weight"], inputs["bias"], pool, slots)
+    assert torch.equal(y, y_ref) and torch.equal(pool, expected)
+    with pytest.raises(ValueError, match="slots"):
+        causal_conv1d_step_inplace(x, inputs["weight"], inputs["bias"], pool, slots[:2])
 
 
 def test_prefill_then_steps_equals_one_prefill():

@@ -259,6 +259,17 @@ def test_inplace_step_keeps_options_and_dtype():
     assert o.dtype == torch.bfloat16 and torch.equal(o, o_old) and torch.equal(pool[slots], new_state)
 
 
+def test_inplace_step_writes_into_out():
+    inputs, pool, slots = _pool_case(3, pool_rows=6, seed=32)
+    expected = recurrent_gated_delta_rule_inplace(**inputs, state_pool=pool.clone(), slots=slots)
+    buffer = torch.full((5, *expected.shape[1:]), float("nan"))
+    o = recurrent_gated_delta_rule_inplace(**inputs, state_pool=pool, slots=slots, out=buffer[1:4])
+    assert o.data_ptr() == buffer[1:4].data_ptr() and torch.equal(buffer[1:4], expected)
+    assert buffer[0].isnan().all() and buffer[4].isnan().all()
+    with pytest.raises(ValueError, match="contiguous"):
+        recurrent_gated_delta_rule_inplace(**inputs, state_pool=pool, slots=slots, out=buffer[:3].transpose(1, 2))
+
+
 @pytest.mark.parametrize(
     "change, match",
     [

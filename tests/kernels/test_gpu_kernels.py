@@ -172,6 +172,19 @@ def test_recurrent_inplace_matches_reference(poison, n, h, hv, dim):
     assert not pool[0].any(), "the zero row must stay zero"
 
 
+def test_recurrent_inplace_writes_into_out(poison):
+    """`out=` (a row range of a NaN-filled buffer) receives exactly what the returned tensor holds,
+    and the rows around it stay NaN."""
+    tri = pytest.importorskip("forkpoint.kernels.gated_delta.triton")
+    gen = torch.Generator(device=DEV).manual_seed(2100)
+    q, k, v, g, beta, pool, slots = _pool_case(gen, 4, 16, 32, 128, pool_rows=13)
+    expected = tri.recurrent_gated_delta_rule_inplace(q, k, v, g, beta, pool.clone(), slots)
+    buffer = torch.full((6, 32, 128), float("nan"), dtype=v.dtype, device=DEV)
+    o = tri.recurrent_gated_delta_rule_inplace(q, k, v, g, beta, pool, slots, out=buffer[1:5])
+    assert o.data_ptr() == buffer[1:5].data_ptr() and torch.equal(buffer[1:5], expected)
+    assert buffer[0].isnan().all() and buffer[5].isnan().all()
+
+
 def test_recurrent_inplace_matches_fla_path(poison):
     """The in-place kernel against the path it replaces (index_select, fla fused recurrent, index_copy_)."""
     tri = pytest.importorskip("forkpoint.kernels.gated_delta.triton")
@@ -242,6 +255,47 @@ def test_causal_conv1d_step_matches_reference(poison):
     y_ref, st_ref = reference.causal_conv1d_step(*_cpu(x, weight, bias, s0))
     check("conv_step_y", y, y_ref, 1e-2)
     assert not torch.isnan(st).any() and torch.equal(st.cpu(), st_ref), "conv step state must be an exact copy"
+
+
+@pytest.mark.parametrize("n", [1, 5, 64])
+def test_causal_conv1d_step_inplace_matches_reference(poison, n):
+    """In-place step on pool rows (x a column view of a wider projection, as the GDN decode reads
+    it) vs the reference: y (NaN-poisoned), the target rows exactly, every other row untouched."""
+    tri = pytest.importorskip("forkpoint.kernels.conv1d.triton")
+    from forkpoint.kernels.conv1d import reference
+
+    gen = torch.Generator(device=DEV).manual_seed(40 + n)
+    d, w, rows = 8192 + 64, 4, 2 * n + 5
+    wide = torch.randn(n, d + 4160, generator=gen, device=DEV).bfloat16()
+    x = wide[:, :d]
+    weight = (0.5 * torch.randn(d, w, generator=gen, device=DEV)).bfloat16()
+    pool = torch.randn(rows, d, w - 1, generator=gen, device=DEV).bfloat16()
+    slots = (torch.randperm(rows - 1, generator=gen, device=DEV)[:n] + 1).long()
+    before = pool.clone()
+    y = tri.causal_conv1d_step_inplace(x, weight, None, pool, slots)
+    torch.cuda.synchronize()
+    pool_ref = before.cpu()
+    y_ref = reference.causal_conv1d_step_inplace(*_cpu(x, weight), None, pool_ref, slots.cpu())
+    check(f"conv_step_inplace_y N={n}", y, y_ref, 1e-2)
+    assert torch.equal(pool.cpu(), pool_ref), "pool rows: the targets an exact shift, the others untouched"
+
+
+@pytest.mark.parametrize("t,h,d,r", [(1, 16, 256, 64), (300, 2, 256, 64), (37, 32, 128, 128), (5, 5, 96, 32)])
+def test_rotary_matches_reference(poison, t, h, d, r):
+    """Triton rotary vs the reference in fp32 on CPU copies (partial and full rotary, head counts
+    that do not fill a block, x a row-strided view): NaN-poisoned output, bf16 tolerance."""
+    tri = pytest.importorskip("forkpoint.kernels.rotary.triton")
+    from forkpoint.kernels.rotary import reference
+
+    gen = torch.Generator(device=DEV).manual_seed(60 + t + h)
+    x = torch.randn(t, h, d + 32, generator=gen, device=DEV).bfloat16()[..., :d]
+    angles = 40 * torch.rand(t, r // 2, generator=gen, device=DEV)
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    y = tri.apply_rotary(x, cos, sin)
+    y_ref = reference.apply_rotary(*(v.float() for v in _cpu(x, cos, sin)))
+    check(f"rotary T={t} H={h} D={d} R={r}", y, y_ref, 1e-2)
+    assert torch.equal(y[..., r:].cpu(), x[..., r:].cpu()), "the pass-through dims must be copied exactly"
 
 
 # ---------------------------------------------------------------- paged attention
@@ -368,6 +422,8 @@ def test_grouped_moe_matches_reference(poison, t, e, top_k, hidden, inter):
         ("gated_delta", "triton", "recurrent_gated_delta_rule_inplace", 7),
         ("conv1d", "triton", "causal_conv1d_varlen", 6),
         ("conv1d", "triton", "causal_conv1d_step", 4),
+        ("conv1d", "triton", "causal_conv1d_step_inplace", 5),
+        ("rotary", "triton", "apply_rotary", 3),
         ("attention", "triton", "paged_attention", 8),
         ("moe", "grouped", "fused_moe", 5),
         ("moe", "grouped", "topk_softmax", 4),
@@ -416,6 +472,8 @@ def test_prefill_ops_no_host_sync():
         pool = torch.zeros(6, 8, 128, 128, device=DEV)
         gdn.recurrent_gated_delta_rule_inplace(q[:4], k[:4], v[:4], g[:4], beta[:4], pool, slots)
         tri.causal_conv1d_step(x[:4], weight, None, c0[:1].expand(4, -1, -1))
+        tri.causal_conv1d_step_inplace(x[:4, :1000], weight[:1000], None, torch.zeros(6, 1000, 3, device=DEV,
+                                                                                    dtype=torch.bfloat16), slots)
 
     run([100, 100, 56])
     _no_sync(lambda: run([64, 1, 191]))
@@ -436,6 +494,9 @@ def test_paged_attention_and_moe_no_host_sync():
         tri.paged_attention(q, kc, vc, bt, cu_dev, cu, sl_dev, seq_lens, scale=0.0625)
         grouped.fused_moe(x, gate_up, down, weights, ids)
         grouped.topk_softmax(x[:, :8], 2, True, torch.bfloat16)
+        rotary.apply_rotary(q, cos, sin)
 
+    rotary = pytest.importorskip("forkpoint.kernels.rotary.triton")
+    cos, sin = (torch.rand(q.shape[0], 64, generator=gen, device=DEV).bfloat16() for _ in range(2))
     run()
     _no_sync(run)

@@ -62,5 +62,25 @@ def test_dense_mlp_equals_transformers_fp32():
     ours = DenseMLP(16, 40)
     theirs = Qwen3NextMLP(Qwen3NextConfig(hidden_size=16, intermediate_size=40, hidden_act="silu"))
     randomise(ours, theirs)
+    ours.stack_projections()
     x = torch.randn(9, 16, generator=torch.Generator().manual_seed(4))
-    assert torch.equal(ours(x), theirs(x))
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-6, atol=1e-6)
+
+
+def test_stacked_projections_are_views_of_one_weight_with_the_checkpoint_names():
+    mlp = DenseMLP(16, 40)
+    with torch.no_grad():
+        for param in mlp.parameters():
+            param.normal_(generator=torch.Generator().manual_seed(param.numel()))
+    before = {name: t.clone() for name, t in mlp.state_dict().items()}
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(6))
+    expected = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    with pytest.raises(RuntimeError, match="stack_projections"):
+        mlp(x)
+    mlp.stack_projections()
+    stacked = mlp._stack[0]
+    assert mlp.gate_proj.weight.data_ptr() == stacked.data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == stacked.data_ptr() + 40 * 16 * stacked.element_size()
+    after = mlp.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    torch.testing.assert_close(mlp(x), expected, rtol=1e-6, atol=1e-6)

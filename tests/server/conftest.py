@@ -84,15 +84,13 @@ class RunningServer:
 
 
 @contextmanager
-def serve(llm: LLM, config: ServerConfig, graceful_timeout_s: float = 5,
-          load_time_s: float | None = None) -> Iterator[RunningServer]:
-    """Run `build_app(llm, config)` on a free 127.0.0.1 port until the block ends (or until the
-    test sets `uvicorn_server.should_exit`); uvicorn waits `graceful_timeout_s` for open requests."""
+def uvicorn_thread(app, graceful_timeout_s: float = 5) -> Iterator[tuple[str, uvicorn.Server, threading.Thread]]:
+    """Serve `app` with uvicorn in a thread on a free 127.0.0.1 port until the block ends (or until
+    the test sets the server's `should_exit`); yields (base URL, server, thread). uvicorn waits
+    `graceful_timeout_s` for open requests when stopping."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    app = build_app(llm, config, load_time_s=load_time_s)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful_timeout_s))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn-test", daemon=True)
     thread.start()
@@ -102,12 +100,22 @@ def serve(llm: LLM, config: ServerConfig, graceful_timeout_s: float = 5,
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
     try:
-        yield RunningServer(f"http://127.0.0.1:{port}", app, llm, server, thread)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
     finally:
         server.should_exit = True
         thread.join(timeout=60)
         sock.close()
         assert not thread.is_alive(), "the test server did not stop"
+
+
+@contextmanager
+def serve(llm: LLM, config: ServerConfig, graceful_timeout_s: float = 5,
+          load_time_s: float | None = None) -> Iterator[RunningServer]:
+    """Run `build_app(llm, config)` on a free 127.0.0.1 port until the block ends (or until the
+    test sets `uvicorn_server.should_exit`); uvicorn waits `graceful_timeout_s` for open requests."""
+    app = build_app(llm, config, load_time_s=load_time_s)
+    with uvicorn_thread(app, graceful_timeout_s) as (url, server, thread):
+        yield RunningServer(url, app, llm, server, thread)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
-"""Short causal depthwise conv: ``causal_conv1d_varlen`` (packed prefill) and
-``causal_conv1d_step`` (decode). ``reference.py`` is the spec; the GPU variant, ``triton.py``,
-has the same signatures and is used for CUDA tensors when it imports."""
+"""Short causal depthwise conv: ``causal_conv1d_varlen`` (packed prefill), ``causal_conv1d_step``
+(decode) and ``causal_conv1d_step_inplace`` (decode on a pool's rows). ``reference.py`` is the spec;
+the GPU variant, ``triton.py``, has the same signatures and is used for CUDA tensors when it imports."""
 
 import functools
 
@@ -22,4 +22,9 @@ def causal_conv1d_step(x, *args, **kwargs):
     return _impl(x).causal_conv1d_step(x, *args, **kwargs)
 
 
-__all__ = ["causal_conv1d_step", "causal_conv1d_varlen"]
+@functools.wraps(reference.causal_conv1d_step_inplace)
+def causal_conv1d_step_inplace(x, *args, **kwargs):
+    return _impl(x).causal_conv1d_step_inplace(x, *args, **kwargs)
+
+
+__all__ = ["causal_conv1d_step", "causal_conv1d_step_inplace", "causal_conv1d_varlen"]

@@ -113,3 +113,28 @@ def causal_conv1d_step(
     if bias is not None:
         y = y + bias.float()
     return _activate(y, activation).to(x.dtype), window[:, :, 1:].to(state.dtype)
+
+
+def causal_conv1d_step_inplace(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """One decode token per sequence whose conv states live in a pool, updated in place.
+
+    x: [N, D] (rows may be strided); weight: [D, W]; bias: [D] or None; state_pool: [S, D, W-1],
+    rows ``slots`` ([N] long, distinct: not checked, that would sync the host) read and
+    overwritten with the state shifted left by one with x appended, every other row untouched.
+    Returns y [N, D] in x.dtype. Same math as ``causal_conv1d_step`` on ``state_pool[slots]``,
+    followed by the write-back.
+    """
+    if state_pool.dim() != 3 or slots.shape != x.shape[:1]:
+        raise ValueError(f"state_pool must be [S, D, W-1] and slots [N] for x [N, D]; got {tuple(state_pool.shape)}, "
+                         f"{tuple(slots.shape)}, {tuple(x.shape)}")
+    y, state = causal_conv1d_step(x, weight, bias, state_pool.index_select(0, slots), activation=activation)
+    state_pool.index_copy_(0, slots, state)
+    return y

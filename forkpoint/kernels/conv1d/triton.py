@@ -122,6 +122,30 @@ def _step_kernel(x, w, b, s0, y, sT, D, W: tl.constexpr, BD: tl.constexpr,
     tl.store(y + i_n * D + o_d, acc.to(y.dtype.element_ty), mask=m_d)
 
 
+@triton.jit
+def _step_inplace_kernel(x, w, b, pool, slots, y, D, stride_x, W: tl.constexpr, BD: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """`_step_kernel` on pool row slots[i_n], shifted in place: s_j is read before s_{j-1}'s
+    position is overwritten with it, and only this program touches these elements."""
+    i_n, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    row = pool + tl.load(slots + i_n).to(tl.int64) * D * (W - 1) + o_d * (W - 1)
+    x_n = tl.load(x + i_n * stride_x + o_d, mask=m_d, other=0.0).to(tl.float32)
+    acc = x_n * tl.load(w + o_d * W + (W - 1), mask=m_d, other=0.0).to(tl.float32)
+    for j in tl.static_range(W - 1):
+        s_j = tl.load(row + j, mask=m_d, other=0.0)
+        acc += s_j.to(tl.float32) * tl.load(w + o_d * W + j, mask=m_d, other=0.0).to(tl.float32)
+        if j > 0:
+            tl.store(row + (j - 1), s_j, mask=m_d)
+    tl.store(row + (W - 2), x_n.to(pool.dtype.element_ty), mask=m_d)
+    if HAS_BIAS:
+        acc += tl.load(b + o_d, mask=m_d, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(y + i_n * D + o_d, acc.to(y.dtype.element_ty), mask=m_d)
+
+
 def _check_activation(activation):
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation={activation!r} is not supported: use 'silu' or None")
@@ -172,3 +196,29 @@ def causal_conv1d_step(x, weight, bias, state, *, activation="silu"):
     _step_kernel[grid](x, weight, bias if bias is not None else weight, s0, y, new_state,
                        D, W=W, BD=_BD, HAS_BIAS=bias is not None, SILU=silu, num_warps=4)
     return y, new_state
+
+
+def causal_conv1d_step_inplace(x, weight, bias, state_pool, slots, *, activation="silu"):
+    """One decode token per sequence, its conv state updated in place in the pool; one launch, no
+    host sync (capturable). x: [N, D] (row-strided allowed, last dim contiguous); weight: [D, W];
+    bias: [D] or None; state_pool: [S, D, W-1], contiguous, rows ``slots`` ([N] long, distinct:
+    not checked) read and overwritten. Returns y [N, D] in x.dtype, a new tensor."""
+    silu = _check_activation(activation)
+    D, W = weight.shape
+    if W < 2:
+        raise ValueError(f"conv width W={W}: the state path needs W >= 2")
+    if state_pool.dim() != 3 or state_pool.shape[1:] != (D, W - 1) or slots.shape != x.shape[:1]:
+        raise ValueError(f"state_pool must be [S, {D}, {W - 1}] and slots [N] for x [N, {D}]; got "
+                         f"{tuple(state_pool.shape)}, {tuple(slots.shape)}, {tuple(x.shape)}")
+    if not state_pool.is_contiguous():
+        raise ValueError("state_pool must be contiguous: the kernel writes its rows in place")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    y = torch.empty((x.shape[0], D), dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return y
+    grid = (x.shape[0], _cdiv(D, _BD))
+    _step_inplace_kernel[grid](x, weight, bias if bias is not None else weight, state_pool, slots, y, D, x.stride(0),
+                               W=W, BD=_BD, HAS_BIAS=bias is not None, SILU=silu, num_warps=4)
+    return y

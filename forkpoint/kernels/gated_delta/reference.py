@@ -241,6 +241,7 @@ def recurrent_gated_delta_rule_inplace(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step of N sequences whose states live in a pool, updated in place.
 
@@ -248,16 +249,26 @@ def recurrent_gated_delta_rule_inplace(
     state_pool: [S, HV, K, V] fp32, rows ``slots`` read and overwritten, every other row untouched;
     slots: [N] long on the pool's device. Precondition (not checked: that would sync the host):
     ``slots`` are distinct, otherwise the rows' final contents are unspecified.
-    Returns o [N, HV, V] in v.dtype. Same math as ``recurrent_gated_delta_rule`` on
-    ``state_pool[slots]``, followed by the write-back.
+    Returns o [N, HV, V] in v.dtype, written into ``out`` (contiguous [N, HV, V] of v.dtype) when
+    given. Same math as ``recurrent_gated_delta_rule`` on ``state_pool[slots]``, followed by the
+    write-back.
     """
     _check_heads(q, k, v, g, beta)
     _check_pool(state_pool, slots, v.shape[1], q.shape[2], v.shape[2], v.shape[0])
+    _check_out(out, tuple(v.shape), v.dtype)
     o, state = recurrent_gated_delta_rule(
         q, k, v, g, beta, state_pool.index_select(0, slots), scale=scale, use_qk_l2norm=use_qk_l2norm
     )
     state_pool.index_copy_(0, slots, state)
-    return o
+    return o if out is None else out.copy_(o)
+
+
+def _check_out(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """`out` when it is a contiguous tensor of `shape` and `dtype` (or None); else ValueError."""
+    if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {list(shape)}, got {out.dtype} "
+                         f"{list(out.shape)} (contiguous: {out.is_contiguous()})")
+    return out
 
 
 def _check_pool(state_pool: torch.Tensor, slots: torch.Tensor, num_v_heads: int, head_k: int, head_v: int,

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from forkpoint.kernels.gated_delta.reference import L2NORM_EPS, _check_heads, _check_pool
+from forkpoint.kernels.gated_delta.reference import L2NORM_EPS, _check_heads, _check_out, _check_pool
 
 
 @triton.jit
@@ -77,14 +77,16 @@ def _block_v(num_heads: int, head_v: int) -> tuple[int, int]:
     return bv, (4 if bv >= 32 else 1)
 
 
-def recurrent_gated_delta_rule_inplace(q, k, v, g, beta, state_pool, slots, *, scale=None, use_qk_l2norm=True):
+def recurrent_gated_delta_rule_inplace(q, k, v, g, beta, state_pool, slots, *, scale=None, use_qk_l2norm=True,
+                                       out=None):
     """One decode step of N sequences, updating their rows of the state pool in place; one launch.
 
     q, k: [N, H, K] (last dim contiguous); v: [N, HV, V] (last dim contiguous), HV % H == 0;
     g: [N, HV] fp32 log-decay (<= 0); beta: [N, HV]; state_pool: [S, HV, K, V] fp32, contiguous,
     rows ``slots`` read and overwritten, every other row untouched; slots: [N] long on the device.
     Precondition (not checked: that would sync the host): ``slots`` are distinct.
-    Returns o [N, HV, V] in v.dtype. No host synchronisation (capturable in a CUDA graph).
+    Returns o [N, HV, V] in v.dtype, written into ``out`` (contiguous [N, HV, V] of v.dtype) when
+    given. No host synchronisation (capturable in a CUDA graph).
     """
     _check_heads(q, k, v, g, beta)
     n, h, head_k = q.shape
@@ -95,7 +97,9 @@ def recurrent_gated_delta_rule_inplace(q, k, v, g, beta, state_pool, slots, *, s
                          "work on a copy (pass the pool tensor itself)")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     g, beta = g.contiguous(), beta.contiguous()
-    o = torch.empty(n, num_v_heads, head_v, dtype=v.dtype, device=v.device)
+    o = _check_out(out, (n, num_v_heads, head_v), v.dtype)
+    if o is None:
+        o = torch.empty(n, num_v_heads, head_v, dtype=v.dtype, device=v.device)
     if n == 0:
         return o
     bv, num_warps = _block_v(n * num_v_heads, head_v)

@@ -24,18 +24,16 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from starlette.types import Scope
 from transformers import PreTrainedTokenizerBase
 
-from forkpoint.server.app import ERROR_OUTCOMES, GENERATION_ENDPOINTS, add_openai_routes
+from forkpoint.server.app import GENERATION_ENDPOINTS, add_openai_routes, install_request_guards
 from forkpoint.server.config import ServerConfig
-from forkpoint.server.errors import RequestTooLarge, install_error_handlers, log_error_response
 from forkpoint.server.generation import Admission
-from forkpoint.server.limits import RequestSizeLimit, default_max_request_bytes
+from forkpoint.server.limits import default_max_request_bytes
 from forkpoint.server.metrics import ENGINE_COUNTERS, ServerMetrics
 from forkpoint.server.prompts import PromptBuilder
 from forkpoint.server.replicas.cluster import ClusterWorker
@@ -136,21 +134,7 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
     app.state.metrics = metrics
     app.state.config = config
 
-    def on_error(request: Request, status: int) -> None:
-        endpoint = GENERATION_ENDPOINTS.get(request.url.path)
-        if endpoint is not None:
-            metrics.count(endpoint, ERROR_OUTCOMES.get(status, "error"))
-
-    def on_too_large(scope: Scope, message: str, answered_here: bool) -> None:
-        if not answered_here:  # raised into the app: the error handlers count and log it
-            return
-        endpoint = GENERATION_ENDPOINTS.get(scope["path"])
-        if endpoint is not None:
-            metrics.count(endpoint, "invalid_request")
-        log_error_response(scope["method"], scope["path"], 413, RequestTooLarge(message).body())
-
-    install_error_handlers(app, on_error)
-    app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes, on_reject=on_too_large)
+    install_request_guards(app, metrics, max_request_bytes)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -4,15 +4,13 @@ the OpenAI app of a replica cluster on a loopback port."""
 from __future__ import annotations
 
 import logging
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-import uvicorn
 from fastapi import FastAPI
+
+from tests.server.conftest import uvicorn_thread
 
 
 @pytest.fixture(scope="module")
@@ -36,21 +34,5 @@ def ray_instance() -> Iterator[None]:
 @contextmanager
 def running_app(app: FastAPI) -> Iterator[str]:
     """Serve `app` with uvicorn in a thread on a free 127.0.0.1 port; yields the base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn-replicas", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-        sock.close()
-        assert not thread.is_alive(), "the test server did not stop"
+    with uvicorn_thread(app) as (url, _, _):
+        yield url
