@@ -164,7 +164,7 @@ class LLMEngine:
         self.runner = parallel or ModelRunner(model, self.block_pool, self.state_pool, self.device, multimodal,
                                               piecewise)
         self.sampler = Sampler(self.model_config.vocab_size, self.device)  # penalty counts across steps
-        # a plain attribute (benchmarks may switch it between steps); TP engines always run in step
+        # a plain attribute: benchmarks may switch it between steps (EngineConfig rejects it under TP)
         self.async_scheduling = config.async_scheduling
         self._launched: list[_Launched] = []  # enqueued steps whose tokens are not processed; oldest first
         self._groups: dict[str, _PromptGroup] = {}

@@ -238,7 +238,8 @@ class Scheduler:
             return None
         if self.waiting and len(self.running) < self.config.max_num_seqs:
             return None
-        rows = {segment.request_id: row for row, segment in enumerate(plan.ordered())}  # the sampled rows
+        # the sampled rows: all decodes, so the packed order (`plan.ordered()`) is the plan's own
+        rows = {segment.request_id: row for row, segment in enumerate(plan.segments)}
         ends = {request.request_id: segment.end for segment, request in zip(plan.segments, previous.requests)}
         if any(r.request_id not in ends or r.checkpointing.producing for r in self.running):
             return None
