@@ -373,6 +373,9 @@ class EngineConfig:
     # (NCCL) or all on the CPU (gloo); every family; images encoded on rank 0 (the vision tower is not
     # split); with checkpoint_host_bytes each rank keeps a host tier of that size for its shards
     tensor_parallel_size: int = 1
+    # vLLM's --async-scheduling: in steady decoding the host schedules and enqueues step t+1 while the
+    # device runs step t, and does step t's output work while step t+1 runs (engine/engine.py)
+    async_scheduling: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -395,6 +398,9 @@ class EngineConfig:
             raise ValueError(f"checkpoint_host_bytes must be >= 0, got {self.checkpoint_host_bytes}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling needs tensor_parallel_size=1: the tensor-parallel ranks run "
+                             "every step in lockstep; drop one of the two")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
         if self.max_images_per_prompt < 0 or self.image_embedding_cache_bytes < 0:

@@ -27,7 +27,7 @@ from forkpoint.cache.checkpoints import CheckpointKind, CheckpointRegistry
 from forkpoint.cache.hashing import PrefixHasher
 from forkpoint.cache.prefix_index import PrefixIndex
 from forkpoint.cache.state_pool import StatePool
-from forkpoint.engine.request import Request, RequestStatus
+from forkpoint.engine.request import Request
 
 
 @dataclass(frozen=True)
@@ -70,14 +70,15 @@ class AutoCheckpointPlanner:
             p.producer.hasher.prefix_hash(p.position)) is None]
 
     def keep_turn_end(self, request: Request, now: float) -> None:
-        """`request` finished with its state after num_computed_tokens = prompt + all but the last
-        output token in its slot: copy it into a READY turn-end checkpoint (a miss when no slot can
-        be freed), and index the whole sequence so later prompts find the junction."""
+        """`request` finished with its state after num_computed_tokens in its slot (not yet freed):
+        prompt + all but the last output token, or with asynchronous scheduling, when a step ran
+        ahead of the one that ended it, all output tokens. Copy it into a READY turn-end checkpoint
+        (a miss when no slot can be freed), and index the sequence so later prompts find the junction."""
         tokens = request.tokens(0, request.num_computed_tokens)
         hasher = PrefixHasher(tokens, self.block_size, extra_keys=self._image_keys(request))
         self.index.add(request.request_id, tokens, hasher)
         length = len(tokens)
-        if length < self.min_tokens or request.slot is None or request.status is not RequestStatus.RUNNING:
+        if length < self.min_tokens or request.slot is None:
             return
         if self.state_position(length) != length:
             return  # checkpoint_exact: the slot's state is not at a scan-chunk boundary

@@ -2,6 +2,22 @@
 
 `LLMEngine` is single-threaded: one caller (the offline `LLM`, or the server's engine thread)
 drives `add_request` / `step` / `abort_request`.
+
+Asynchronous scheduling (`async_scheduling`, vLLM's `--async-scheduling`): in steady decoding the
+host plans and enqueues step t+1 while the device still runs step t, then waits for step t's
+tokens and does its output work (commit, stop rules, outputs) while step t+1 runs::
+
+    step() call k:   [schedule t+1 ahead | enqueue t+1, fed t's ids on the device] [wait t | outputs of t]
+    device:          ...... step t ............................|....... step t+1 ...............
+
+so each `step()` returns the outputs of the step before the one it leaves running. A step runs ahead
+only after a pure decode step whose sequences all sample without their output tokens on the host
+(no grammar, no bad words); anything else (a prefill, a checkpoint, an arrival that could be
+admitted, a sequence needing a KV block that is not free) first completes the step in flight and
+schedules normally. A sequence that ends with step t (stop token or string, abort) has its token of
+step t+1 dropped; its slot and blocks are freed when step t+1 completes. Outputs are the same as
+without: each token is sampled from the same logits with the same generator, penalty counts and
+masks.
 """
 
 from __future__ import annotations
@@ -36,8 +52,9 @@ from forkpoint.runner.model_runner import ModelRunner
 from forkpoint.runner.multimodal import MultimodalInputs
 from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_sizes, graph_blocker
 from forkpoint.runner.prompt_logprobs import PromptScores, score_tokens, truncate
-from forkpoint.runner.sampler import Sampler, SamplingRow
+from forkpoint.runner.sampler import PendingSample, Sampler, SamplingRow
 from forkpoint.sampling_params import SamplingParams
+from forkpoint.step.plan import SegmentKind
 from forkpoint.structured import GrammarCompiler
 
 logger = logging.getLogger("forkpoint")
@@ -60,6 +77,15 @@ class StepFailed(RuntimeError):
         self.cause = cause
         self.request_ids = request_ids
         self.outputs = outputs
+
+
+@dataclass
+class _Launched:
+    """A step whose forward and sampling are enqueued: `requests[i]` owns sampled row i."""
+
+    step: ScheduledStep
+    requests: list[Request]
+    sampled: PendingSample
 
 
 @dataclass
@@ -142,6 +168,9 @@ class LLMEngine:
         self.runner = parallel or ModelRunner(model, self.block_pool, self.state_pool, self.device, multimodal,
                                               piecewise)
         self.sampler = Sampler(self.model_config.vocab_size, self.device)  # penalty counts across steps
+        # a plain attribute: benchmarks may switch it between steps (EngineConfig rejects it under TP)
+        self.async_scheduling = config.async_scheduling
+        self._launched: list[_Launched] = []  # enqueued steps whose tokens are not processed; oldest first
         self._groups: dict[str, _PromptGroup] = {}
         self._seed_counter = config.seed
         self._counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished": 0,
@@ -236,6 +265,7 @@ class LLMEngine:
                 self.scheduler.finish(sequence, "abort")
         self._release(group)
         self._counters["requests_aborted"] += 1
+        self._complete_idle_steps()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -248,12 +278,15 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """One scheduling step and forward. Returns outputs of prompts that progressed.
+        """One scheduling step and forward. Returns outputs of prompts that progressed (with
+        asynchronous scheduling, those of the step completed in this call; see the module doc).
 
         If the forward or sampling raises, every prompt with a sequence in the step ends (its other
         sequences are aborted), everything the step took is released, and `StepFailed` is raised with
         the cause and the outputs of the other prompts that finished in the step; the engine stays
         usable for the requests that were not in the step."""
+        if self._launched:
+            return self._advance()
         step = self.scheduler.schedule()
         if step.empty:
             if step.finished:
@@ -262,6 +295,12 @@ class LLMEngine:
                 time.sleep(0.001)  # everything is deferred or waiting for memory
             return []
         self._counters["steps"] += 1
+        if self.async_scheduling and self._steady_decode(step):
+            try:
+                self._launched.append(self._launch(step))
+            except Exception as error:
+                raise self._fail_steps([step], error) from error
+            return self._advance()
         try:
             logits, sampled = self.runner.execute(step.plan)
             by_id = {request.request_id: request for request in step.requests}
@@ -271,15 +310,91 @@ class LLMEngine:
                 for r in requests])
             self._score_prompts(step, logits[len(sampled):], by_id)
         except Exception as error:
-            raise self._fail_step(step, error) from error
+            raise self._fail_steps([step], error) from error
         self.scheduler.commit(step)
+        return self._record(step, requests, tokens)
+
+    def _record(self, step: ScheduledStep, requests: list[Request], tokens: list) -> list[RequestOutput]:
+        """A committed step's sampled tokens onto its sequences (a sequence that has ended since it
+        was scheduled drops its token); the outputs of the prompts it touched."""
         touched: dict[str, _PromptGroup] = {}
         for request in step.requests + step.finished:
-            touched[request.parent_id] = self._groups[request.parent_id]
+            group = self._groups.get(request.parent_id)
+            if group is not None:
+                touched[request.parent_id] = group
         now = time.monotonic()
         for request, token in zip(requests, tokens):
-            self._append_token(request, token.token_id, token.logprobs, now)
+            if not request.is_finished:
+                self._append_token(request, token.token_id, token.logprobs, now)
         return self._collect(touched)
+
+    # ------------------------------------------------------------------ asynchronous scheduling
+    def _steady_decode(self, step: ScheduledStep) -> bool:
+        """A step after which one may run ahead: single-token decodes that all sample, no prompt
+        scores, no copy-on-write, sequences that sample without their tokens on the host."""
+        return (not step.plan.kv_copies and self._decodes_on_device(step.requests) and all(
+            s.kind is SegmentKind.DECODE and s.samples and not s.prompt_logit_rows for s in step.plan.segments))
+
+    def _decodes_on_device(self, requests: list[Request]) -> bool:
+        """Whether these sequences can be sampled while their last token is still on the device."""
+        return not any(r.processors is not None and r.processors.needs_output_tokens for r in requests)
+
+    def _launch(self, step: ScheduledStep, feed: torch.Tensor | None = None) -> _Launched:
+        """Enqueue a decode step's forward and sampling; `feed`: the token ids the step before sampled
+        (on the device), the inputs of a step scheduled ahead."""
+        logits, sampled = (self.runner.execute(step.plan) if feed is None
+                           else self.runner.execute(step.plan, feed=feed))
+        by_id = {request.request_id: request for request in step.requests}
+        requests = [by_id[segment.request_id] for segment in sampled]
+        unseen = 0 if feed is None else 1
+        pending = self.sampler.sample_async(logits[: len(sampled)], [
+            SamplingRow(r.request_id, r.params, r.generator, r.prompt_token_ids, r.output_token_ids, r.processors,
+                        unseen) for r in requests])
+        return _Launched(step, requests, pending)
+
+    def _advance(self) -> list[RequestOutput]:
+        """Schedule and enqueue the next decode step ahead if steady decoding allows, then complete
+        the oldest enqueued step (wait for its tokens, commit, outputs)."""
+        current = self._launched[0]
+        ahead = None
+        if self.async_scheduling and self._decodes_on_device(self.scheduler.running):
+            ahead = self.scheduler.schedule_ahead(lambda r: self.output_processor.ends_by_length(r, 1))
+        launch_error = None
+        if ahead is not None:
+            self._counters["steps"] += 1
+            try:
+                self._launched.append(self._launch(ahead, current.sampled.token_ids))
+            except Exception as error:
+                launch_error = error
+        try:
+            tokens = current.sampled.result()
+        except Exception as error:
+            failed = [launched.step for launched in self._launched]
+            self._launched.clear()
+            raise self._fail_steps(failed + ([ahead] if launch_error is not None else []), error) from error
+        self._launched.pop(0)
+        self.scheduler.commit(current.step)
+        outputs = self._record(current.step, current.requests, tokens)
+        if launch_error is not None:
+            raise self._fail_steps([ahead], launch_error, outputs) from launch_error
+        self._complete_idle_steps()
+        return outputs
+
+    def _complete_idle_steps(self) -> None:
+        """Complete (wait for, commit) the enqueued steps once every sequence in them has ended:
+        nothing would call `step()` for them, and their slots and blocks must come back. A failure
+        here ends no live request: it is logged, and the steps are released."""
+        while self._launched and all(r.is_finished for launched in self._launched for r in launched.step.requests):
+            launched = self._launched[0]
+            try:
+                launched.sampled.result()
+            except Exception as error:
+                failed = [item.step for item in self._launched]
+                self._launched.clear()
+                self._fail_steps(failed, error)
+                return
+            self._launched.pop(0)
+            self.scheduler.commit(launched.step)
 
     def _score_prompts(self, step: ScheduledStep, rows: torch.Tensor, by_id: dict[str, Request]) -> None:
         """Prompt logprobs of the step's segments, in packed order: each scored segment's logits rows
@@ -319,20 +434,27 @@ class LLMEngine:
             target = torch.tensor([tokens[start]], device=scores.boundary_logits.device)
             request.prompt_logprobs[start] = score_tokens(scores.boundary_logits[None], target, k)[0]
 
-    def _fail_step(self, step: ScheduledStep, error: Exception) -> StepFailed:
-        ended = self.scheduler.fail(step)
-        failed_ids = list(dict.fromkeys(r.parent_id for r in ended))
-        for request_id in failed_ids:
-            group = self._groups.pop(request_id)
-            for sequence in group.sequences:
-                if not sequence.is_finished:
-                    self.scheduler.finish(sequence, "error")
-            self._release(group)
+    def _fail_steps(self, steps: list[ScheduledStep], error: Exception,
+                    outputs: list[RequestOutput] | None = None) -> StepFailed:
+        """Fail `steps` (the oldest in flight first): end every prompt with a sequence in them.
+        `outputs`: those already collected in this call, reported with the failure."""
+        failed_ids: list[str] = []
+        finished: dict[str, _PromptGroup] = {}
+        for step in steps:
+            ended = self.scheduler.fail(step)
+            for request_id in dict.fromkeys(r.parent_id for r in ended):
+                group = self._groups.pop(request_id)
+                for sequence in group.sequences:
+                    if not sequence.is_finished:
+                        self.scheduler.finish(sequence, "error")
+                self._release(group)
+                failed_ids.append(request_id)
+            finished.update({r.parent_id: self._groups[r.parent_id] for r in step.finished
+                             if r.parent_id in self._groups})
         self._counters["requests_failed"] += len(failed_ids)
         logger.error("step failed (%s: %s): ended %d request(s): %s", type(error).__name__, error,
                      len(failed_ids), ", ".join(failed_ids))
-        finished = {r.parent_id: self._groups[r.parent_id] for r in step.finished if r.parent_id in self._groups}
-        return StepFailed(error, failed_ids, self._collect(finished))
+        return StepFailed(error, failed_ids, (outputs or []) + self._collect(finished))
 
     def _collect(self, touched: dict[str, _PromptGroup]) -> list[RequestOutput]:
         """Outputs of the prompts that progressed; finished prompts leave the engine."""
@@ -425,20 +547,21 @@ class LLMEngine:
         self.sampler.check_integrity(live)
         self.output_processor.check_integrity(live)
         self.state_pool.check_integrity()
+        self.scheduler.check_integrity()
         expected: dict[int, int] = {}
-        for request in self.scheduler.running:
+        holders = self.scheduler.running + [r for r, _, _ in self.scheduler.releasing]
+        for request in holders:
             for block in request.blocks:
                 expected[block] = expected.get(block, 0) + 1
             if request.slot is None:
                 raise AssertionError(f"running request {request.request_id} has no state slot")
         if self.registry is not None:
-            self.scheduler.check_integrity()
             if self.registry.host is not None:
                 self.registry.host.check_integrity()
             for block, count in self.registry.block_refs().items():
                 expected[block] = expected.get(block, 0) + count
         self.block_pool.check_integrity(expected)
-        slots = [r.slot for r in self.scheduler.running]
+        slots = [r.slot for r in holders]
         if self.state_pool.requests.num_used != len(slots) or len(set(slots)) != len(slots):
             raise AssertionError("request state slots leaked or shared")
         for request in self.scheduler.waiting:

@@ -69,6 +69,15 @@ class OutputProcessor:
             return "length"
         return None
 
+    def ends_by_length(self, request: Request, num_new: int) -> bool:
+        """Whether `request` certainly ends ("length") once `num_new` more tokens are appended,
+        whatever they are (the rules of `append_token`)."""
+        num_output = len(request.output_token_ids) + num_new
+        if request.num_tokens + num_new >= self.max_model_len:
+            return True
+        max_tokens = request.params.max_tokens
+        return num_output >= request.params.min_tokens and max_tokens is not None and num_output >= max_tokens
+
     def make_output(self, request_id: str, prompt: str | None, prompt_token_ids: Sequence[int],
                     checkpoint_positions: Sequence[int], sequences: Sequence[Request]) -> RequestOutput:
         """The cumulative output of one prompt's sequences (prompt logprobs from the first sequence,

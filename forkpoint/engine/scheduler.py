@@ -2,7 +2,12 @@
 
 One step is `schedule()` -> the runner executes `step.plan` -> `commit(step)` (or `fail(step)`
 when anything between raised). Every pin, slot and block a step takes is released by exactly one of
-the two; only one step is in flight at a time.
+the two. Steps are committed or failed in the order they were scheduled; `schedule()` needs no step
+in flight, while `schedule_ahead()` (asynchronous scheduling) plans the next decode step while one
+decode step is still in flight: each of its sequences then decodes the token that step samples
+(fed to the runner on the device). A sequence that ends while a step in flight still computes for
+it (it stopped, or was aborted) leaves the running list at once but keeps its slot and blocks
+(`releasing`) until the last such step is committed or failed.
 
 `schedule()` plans running requests first (decodes and prefill chunks, in order), then waiting
 requests in arrival order under the token and sequence budgets. A waiting request whose longest
@@ -91,7 +96,10 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.block_size = block_pool.block_size
         self.chunk_cap = config.long_prefill_token_threshold or config.max_num_batched_tokens
-        self.in_flight: ScheduledStep | None = None
+        self.in_flight: list[ScheduledStep] = []  # scheduled, not yet committed or failed; oldest first
+        # ended sequences whose slot and blocks a step in flight still computes on, with whether their
+        # turn-end checkpoint is kept (the sequence ended normally) and when they ended
+        self.releasing: list[tuple[Request, bool, float]] = []
         self.auto = (AutoCheckpointPlanner(registry, state_pool, self.block_size, config.auto_checkpoint_min_tokens,
                                            self.state_position)
                      if registry is not None and config.auto_checkpoints else None)
@@ -129,17 +137,26 @@ class Scheduler:
 
     def finish(self, request: Request, reason: str, *, keep_turn_end: bool = False, now: float | None = None) -> None:
         """Leave the engine: free the slot and blocks, hand unwritten checkpoints on. With
-        `keep_turn_end` (a sequence that ended normally), automatic checkpoints keep its state first."""
-        if keep_turn_end and self.auto is not None:
-            self.auto.keep_turn_end(request, time.monotonic() if now is None else now)
+        `keep_turn_end` (a sequence that ended normally), automatic checkpoints keep its state first.
+        While a step in flight computes for it, the slot and blocks are freed (and the turn end kept)
+        only once the last such step is committed (failed: nothing is kept)."""
+        now = time.monotonic() if now is None else now
         self._live.pop(request.request_id, None)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
-        self._release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        if any(request in step.requests for step in self.in_flight):
+            self.releasing.append((request, keep_turn_end, now))
+            return
+        self._leave(request, keep_turn_end, now)
+
+    def _leave(self, request: Request, keep_turn_end: bool, now: float) -> None:
+        if keep_turn_end and self.auto is not None:
+            self.auto.keep_turn_end(request, now)
+        self._release(request)
 
     def _release(self, request: Request) -> None:
         if request.slot is not None:
@@ -167,7 +184,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self, now: float | None = None) -> ScheduledStep:
-        if self.in_flight is not None:
+        if self.in_flight:
             raise RuntimeError("a step is still in flight: commit or fail it before scheduling the next")
         now = time.monotonic() if now is None else now
         planning = _Planning()
@@ -200,11 +217,56 @@ class Scheduler:
         step = ScheduledStep(StepPlan(tuple(planning.segments), tuple(planning.kv_copies)), planning.requests,
                              planning.written, planning.consumed, planning.finished)
         if not step.empty:
-            self.in_flight = step
+            self.in_flight.append(step)
+        return step
+
+    def schedule_ahead(self, leave_out: Callable[[Request], bool]) -> ScheduledStep | None:
+        """The next decode step, planned while the one decode step in flight runs: every running
+        sequence decodes one token, the one that step samples for it (`Segment.fed_row`: its row
+        there). `leave_out(request)`: sequences certain to end with the step in flight (no step
+        follows for them). None, and nothing changed, unless this is steady decoding: exactly one
+        step in flight, a pure decode step (no checkpoint written or read, no copy-on-write) with
+        every running sequence in it; no waiting request that could be admitted; no sequence that
+        produces a checkpoint; and a free KV block for every sequence that needs one (no eviction,
+        no preemption: those wait for a normal `schedule()`)."""
+        if len(self.in_flight) != 1:
+            return None
+        previous = self.in_flight[0]
+        plan = previous.plan
+        if (previous.written or previous.consumed or previous.finished or plan.kv_copies
+                or any(s.kind is not SegmentKind.DECODE or not s.samples for s in plan.segments)):
+            return None
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            return None
+        # the sampled rows: all decodes, so the packed order (`plan.ordered()`) is the plan's own
+        rows = {segment.request_id: row for row, segment in enumerate(plan.segments)}
+        ends = {request.request_id: segment.end for segment, request in zip(plan.segments, previous.requests)}
+        if any(r.request_id not in ends or r.checkpointing.producing for r in self.running):
+            return None
+        decoding = [r for r in self.running if not leave_out(r)]
+        if not decoding:
+            return None
+        growth = [-(-(ends[r.request_id] + 1) // self.block_size) - len(r.blocks) for r in decoding]
+        if sum(growth) > self.blocks.num_free:
+            return None
+        planning = _Planning()
+        for request, need in zip(decoding, growth):
+            if need > 0:
+                request.blocks.extend(self.blocks.allocate(need))
+            start = ends[request.request_id]
+            planning.segments.append(Segment(
+                request_id=request.request_id, start=start, end=start + 1, token_ids=(),
+                block_table=request.blocks, initial_slot=request.slot, dest_slots=(request.slot,),
+                kind=SegmentKind.DECODE, phase=0, samples=True, multimodal=request.multimodal,
+                fed_row=rows[request.request_id]))
+            planning.requests.append(request)
+        step = ScheduledStep(StepPlan(tuple(planning.segments)), planning.requests, [], [], [])
+        self.in_flight.append(step)
         return step
 
     def commit(self, step: ScheduledStep) -> None:
-        """The forward ran: advance the requests, mark written checkpoints ready, release the pins."""
+        """The forward ran: advance the requests, mark written checkpoints ready, release the pins
+        and the ended sequences no step in flight computes for any more."""
         self._settle(step)
         for segment, request in zip(step.plan.segments, step.requests):
             prompt_len = len(request.prompt_token_ids)
@@ -215,6 +277,7 @@ class Scheduler:
             producer.checkpointing.producing.remove(checkpoint)
         for checkpoint in step.consumed:
             self.registry.unpin(checkpoint)
+        self._release_ended(step, computed=True)
 
     def fail(self, step: ScheduledStep) -> list[Request]:
         """Something between schedule and commit raised: release the step's pins and end every
@@ -224,6 +287,7 @@ class Scheduler:
         self.stats.failed_steps += 1
         for checkpoint in step.consumed:
             self.registry.unpin(checkpoint)
+        self._release_ended(step, computed=False)
         ended = []
         for request in dict.fromkeys(step.requests):  # a request may own several segments
             if not request.is_finished:
@@ -232,9 +296,24 @@ class Scheduler:
         return ended
 
     def _settle(self, step: ScheduledStep) -> None:
-        if self.in_flight is not step:
-            raise RuntimeError("this step is not the one in flight")
-        self.in_flight = None
+        if not self.in_flight or self.in_flight[0] is not step:
+            raise RuntimeError("this step is not the oldest one in flight")
+        self.in_flight.pop(0)
+
+    def _release_ended(self, step: ScheduledStep, computed: bool) -> None:
+        """Free the ended sequences that no step in flight computes for any more (`step`, just
+        settled, was the last that did); their turn-end checkpoints only if `step` computed (its
+        state is in their slots)."""
+        if not self.releasing:
+            return
+        held = {id(r) for later in self.in_flight for r in later.requests}
+        kept = []
+        for request, keep_turn_end, now in self.releasing:
+            if id(request) in held:
+                kept.append((request, keep_turn_end, now))
+            else:
+                self._leave(request, keep_turn_end and computed, now)
+        self.releasing = kept
 
     def state_position(self, position: int) -> int:
         """Where a checkpoint at `position` keeps its state: the position itself, or with
@@ -448,11 +527,16 @@ class Scheduler:
     # ------------------------------------------------------------------ integrity
     def check_integrity(self) -> None:
         """Requests against the registry: pins, waiters and producers each match a live request."""
+        held = {id(r) for step in self.in_flight for r in step.requests}
+        if any(r.slot is None for step in self.in_flight for r in step.requests):
+            raise AssertionError("a step in flight computes for a sequence whose state slot was freed")
+        if any(id(request) not in held or not request.is_finished for request, _, _ in self.releasing):
+            raise AssertionError("an ended sequence keeps its slot and blocks with no step in flight computing for it")
         if self.registry is None:
             return
         readers: Counter[bytes] = Counter()
-        if self.in_flight is not None:
-            readers.update(c.key for c in self.in_flight.consumed)
+        for step in self.in_flight:
+            readers.update(c.key for c in step.consumed)
         waiters: Counter[bytes] = Counter()
         producers: dict[bytes, str] = {}
         for request in list(self.waiting) + self.running:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -51,6 +52,12 @@ class RequestProcessors:
     stop_ids: tuple[int, ...]
     matcher: GrammarMatcher | None
 
+    @property
+    def needs_output_tokens(self) -> bool:
+        """Whether a step's masks depend on the values of the tokens output so far (the grammar, bad
+        words), not only on their number: then the step before must have reached the host."""
+        return self.matcher is not None or bool(self.bad_words)
+
     def accept(self, token_id: int) -> None:
         """Advance the grammar by the sampled token (no-op without a grammar)."""
         if self.matcher is not None:
@@ -60,7 +67,14 @@ class RequestProcessors:
         self.matcher = None
 
 
-ProcessorRow = tuple[RequestProcessors, Sequence[int]]  # (state, output token ids so far)
+class ProcessorRow(NamedTuple):
+    """One logits row's processors: its state, the output token ids so far on the host, and how many
+    further output tokens are sampled but still on the device (asynchronous scheduling; only rows
+    whose state does not `needs_output_tokens` may have any)."""
+
+    state: RequestProcessors
+    output: Sequence[int]
+    num_unseen: int = 0
 
 
 def build_request_processors(params: SamplingParams, *, tokenizer: PreTrainedTokenizerBase, vocab_size: int,
@@ -98,18 +112,23 @@ def bad_words_token_ids(words: Sequence[str], tokenizer: PreTrainedTokenizerBase
     return tuple(r for r in result if r)
 
 
-def apply_logits_processors(logits: torch.Tensor, rows: Sequence[ProcessorRow | None]) -> None:
+def apply_logits_processors(logits: torch.Tensor, rows: Sequence[ProcessorRow | tuple | None]) -> None:
     """Edit logits [R, V] float32 in place for the rows that have processors (see the module doc).
-    rows[r]: (state, output ids) of row r, or None for an unconstrained row."""
+    rows[r]: `ProcessorRow` (or a plain (state, output ids) tuple) of row r, or None for an
+    unconstrained row."""
     if len(rows) != logits.shape[0]:
         raise ValueError(f"{len(rows)} processor rows for {logits.shape[0]} logits rows")
-    active = [(r, row) for r, row in enumerate(rows) if row is not None]
+    active = [(r, ProcessorRow(*row)) for r, row in enumerate(rows) if row is not None]
     if not active:
         return
+    for _, row in active:
+        if row.num_unseen and row.state.needs_output_tokens:
+            raise ValueError("a grammar or bad_words row needs its output tokens on the host: sample it "
+                             "after the step before has reached the host")
     device, vocab = logits.device, logits.shape[1]
     bias_rows, bias_ids, bias_values = [], [], []
     grammar_rows, matchers = [], []
-    for r, (state, _) in active:
+    for r, (state, _, _) in active:
         for token, value in state.bias.items():
             bias_rows.append(r)
             bias_ids.append(token)
@@ -132,11 +151,11 @@ def _apply_soft_masks(logits: torch.Tensor, active: list[tuple[int, ProcessorRow
     """allowed_token_ids, then bad_words and min_tokens, each undone in the rows it would leave empty."""
     device = logits.device
     allow_rows, allow_ids, ban_rows, ban_ids = [], [], [], []
-    for r, (state, output) in active:
+    for r, (state, output, unseen) in active:
         if state.allowed is not None:
             allow_rows.extend([r] * len(state.allowed))
             allow_ids.extend(state.allowed)
-        banned = _banned_ids(state, output)
+        banned = _banned_ids(state, output, len(output) + unseen)
         ban_rows.extend([r] * len(banned))
         ban_ids.extend(banned)
     if allow_rows:
@@ -161,10 +180,10 @@ def _replace_unless_empty(logits: torch.Tensor, rows: torch.Tensor, masked: torc
     logits.index_copy_(0, rows, torch.where(empty, logits.index_select(0, rows), masked))
 
 
-def _banned_ids(state: RequestProcessors, output: Sequence[int]) -> list[int]:
-    """Ids banned for the next token of this row: bad words' completions and, below min_tokens,
-    the stop ids."""
-    banned = list(state.stop_ids) if len(output) < state.min_tokens else []
+def _banned_ids(state: RequestProcessors, output: Sequence[int], num_output: int) -> list[int]:
+    """Ids banned for the next token of this row (`num_output` tokens out, the last of them
+    `output`): bad words' completions and, below min_tokens, the stop ids."""
+    banned = list(state.stop_ids) if num_output < state.min_tokens else []
     for word in state.bad_words:
         prefix = word[:-1]
         if len(output) >= len(prefix) and (not prefix or tuple(output[len(output) - len(prefix):]) == prefix):

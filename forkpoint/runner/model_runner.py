@@ -8,6 +8,7 @@ only index with them.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -48,12 +49,13 @@ class _Staging:
         self._parts: list[tuple[int, np.ndarray]] = []
         self._size = 0
 
-    def add(self, values) -> tuple[int, tuple[int, ...]]:
+    def add(self, values) -> tuple[int, int, tuple[int, ...]]:
+        """Stage `values`; returns the handle (offset, size, shape) that `get` reads back."""
         array = np.asarray(values, dtype=np.int64)
-        offset = self._size
+        offset, size = self._size, array.size
         self._parts.append((offset, array.reshape(-1)))
-        self._size += -(-max(array.size, 1) // self.ALIGN) * self.ALIGN
-        return offset, array.shape
+        self._size += -(-max(size, 1) // self.ALIGN) * self.ALIGN
+        return offset, size, array.shape
 
     def upload(self, device: torch.device) -> torch.Tensor:
         pinned = device.type == "cuda"
@@ -64,15 +66,20 @@ class _Staging:
         return host.to(device, non_blocking=True) if device.type != "cpu" else host
 
     @staticmethod
-    def get(buffer: torch.Tensor, handle: tuple[int, tuple[int, ...]]) -> torch.Tensor:
-        offset, shape = handle
-        return buffer[offset: offset + int(np.prod(shape, dtype=np.int64))].view(shape)
+    def get(buffer: torch.Tensor, handle: tuple[int, int, tuple[int, ...]]) -> torch.Tensor:
+        offset, size, shape = handle
+        flat = buffer.narrow(0, offset, size)
+        return flat if len(shape) == 1 else flat.view(shape)
 
 
-def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -> tuple[ForwardBatch, list[Segment]]:
+def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device,
+                        feed: torch.Tensor | None = None) -> tuple[ForwardBatch, list[Segment]]:
     """Returns the batch and the segments whose sampled logits it yields (rows 0 .. len - 1, in that
     order); further rows hold the prompt-logit rows of the segments with `prompt_logit_rows`, in
-    packed order (`plan.ordered()`)."""
+    packed order (`plan.ordered()`).
+
+    feed: [R'] long on `device`, the token ids the step before sampled, for the segments with a
+    `fed_row` (asynchronous scheduling): copied into `input_ids` on the device, no host sync."""
     segments = plan.ordered()
     num_segments = len(segments)
     lengths = np.fromiter((s.end - s.start for s in segments), dtype=np.int64, count=num_segments)
@@ -82,21 +89,31 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
     token_ids = np.empty(num_tokens, dtype=np.int64)
     positions = np.empty(num_tokens, dtype=np.int64)
     slot_mapping = np.empty(num_tokens, dtype=np.int64)
-    max_blocks = max(len(s.block_table) for s in segments)
-    block_tables = np.zeros((num_segments, max_blocks), dtype=np.int64)
-    for row, segment in enumerate(segments):
+    # block tables: every row's list in one pass, laid into the padded table with one mask
+    table_lens = np.fromiter((len(s.block_table) for s in segments), dtype=np.int64, count=num_segments)
+    block_tables = np.zeros((num_segments, int(table_lens.max())), dtype=np.int64)
+    block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(s.block_table for s in segments), dtype=np.int64, count=int(table_lens.sum()))
+    # single-token segments (the decodes, and fed ones): vectorised over the rows
+    single = np.flatnonzero(lengths == 1)
+    if single.size:
+        ones = [segments[row] for row in single.tolist()]
+        lo = cu_q[single]
+        starts = np.fromiter((s.start for s in ones), dtype=np.int64, count=len(ones))
+        token_ids[lo] = np.fromiter((0 if s.fed_row is not None else s.token_ids[0] for s in ones), dtype=np.int64,
+                                    count=len(ones))  # fed ones: overwritten on the device from `feed` below
+        positions[lo] = starts
+        slot_mapping[lo] = block_tables[single, starts // block_size] * block_size + starts % block_size
+    fed = [(int(cu_q[row]), s.fed_row) for row, s in enumerate(segments) if s.fed_row is not None]
+    if any(s.num_tokens != 1 for s in segments if s.fed_row is not None):
+        raise ValueError("a segment fed from the step before (fed_row) must be a single token")
+    for row in np.flatnonzero(lengths > 1).tolist():
+        segment = segments[row]
         lo, hi = int(cu_q[row]), int(cu_q[row + 1])
-        start, end, blocks = segment.start, segment.end, segment.block_table
-        block_tables[row, : len(blocks)] = blocks
-        if hi - lo == 1:  # decodes: scalar work beats numpy's per-call overhead
-            token_ids[lo] = segment.token_ids[0]
-            positions[lo] = start
-            slot_mapping[lo] = blocks[start // block_size] * block_size + start % block_size
-        else:
-            token_ids[lo:hi] = segment.token_ids
-            span = np.arange(start, end, dtype=np.int64)
-            positions[lo:hi] = span
-            slot_mapping[lo:hi] = block_tables[row, span // block_size] * block_size + span % block_size
+        token_ids[lo:hi] = segment.token_ids
+        span = np.arange(segment.start, segment.end, dtype=np.int64)
+        positions[lo:hi] = span
+        slot_mapping[lo:hi] = block_tables[row, span // block_size] * block_size + span % block_size
     samples = np.fromiter((s.samples for s in segments), dtype=bool, count=num_segments)
     logits_indices = cu_q[1:][samples] - 1
     sampled = [s for s in segments if s.samples]
@@ -115,6 +132,10 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
     staged["cow_src"], staged["cow_dst"] = staging.add(src), staging.add(dst)
     num_decodes = sum(1 for s in segments if s.kind is SegmentKind.DECODE)
     staged["decode_slots"] = staging.add([s.initial_slot for s in segments[:num_decodes]])
+    if fed:
+        if feed is None:
+            raise ValueError("the plan has decodes fed from the step before (fed_row) but no feed tensor was given")
+        staged["fed_to"], staged["fed_from"] = staging.add([t for t, _ in fed]), staging.add([r for _, r in fed])
     phase_makers = []
     first = num_decodes
     while first < num_segments:
@@ -126,6 +147,8 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
 
     buffer = staging.upload(device)
     on_device = {name: _Staging.get(buffer, handle) for name, handle in staged.items()}
+    if fed:
+        on_device["input_ids"].index_copy_(0, on_device["fed_to"], feed.index_select(0, on_device["fed_from"]))
     attention = AttentionMetadata(
         slot_mapping=on_device["slot_mapping"],
         block_tables=on_device["block_tables"].to(torch.int32),
@@ -248,16 +271,19 @@ class ModelRunner:
                             scratch_state_slot=state_pool.scratch_slot, device=self.device, capture=True,
                             pool=piecewise.memory_pool, stream=piecewise.capture_stream)
 
-    def prepare(self, plan: StepPlan) -> tuple[ForwardBatch, list[Segment]]:
-        """The step's batch (images encoded and attached) and the segments its logits rows belong to."""
-        batch, sampled = build_forward_batch(plan, self.block_size, self.device)
+    def prepare(self, plan: StepPlan, feed: torch.Tensor | None = None) -> tuple[ForwardBatch, list[Segment]]:
+        """The step's batch (images encoded and attached) and the segments its logits rows belong to;
+        `feed` as in `build_forward_batch`."""
+        batch, sampled = build_forward_batch(plan, self.block_size, self.device, feed)
         if self.multimodal is not None:
             batch = self.multimodal.attach(plan.ordered(), batch)
         return batch, sampled
 
-    def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[Segment]]:
-        """Run one step. Returns logits [R, vocab] (float32) and the R segments they belong to."""
-        batch, sampled = self.prepare(plan)
+    def execute(self, plan: StepPlan, feed: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Segment]]:
+        """Run one step (enqueue it: nothing here waits for the device). Returns logits [R, vocab]
+        (float32) and the R segments they belong to. `feed`: the token ids the step before sampled,
+        on the device, for a plan scheduled while that step ran (see `build_forward_batch`)."""
+        batch, sampled = self.prepare(plan, feed)
         return self.forward(batch), sampled
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -15,7 +15,9 @@ vLLM's semantics throughout:
 Log-probabilities are those of the model's unmodified distribution (vLLM's default "raw" mode):
 the sampled token's and the top-k alternatives'. Everything the host needs (chosen ids, and for
 rows that ask, their logprobs, ranks and top-k) is packed into one float64 tensor (ids are exact
-below 2**53, float32 values exact in float64) and copied once.
+below 2**53, float32 values exact in float64) and copied once. `Sampler.sample_async` only enqueues
+that copy: its `PendingSample` holds the chosen ids on the device (the next step's inputs under
+asynchronous scheduling) until `result()` waits for the host copy.
 
 `Sampler` owns the per-request penalty state across steps (`PenaltyCounts`); `reference_sample`
 is the plain per-row spec the tests compare it with.
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from forkpoint.outputs import Logprob
-from forkpoint.runner.logits_processors import RequestProcessors, apply_logits_processors
+from forkpoint.runner.logits_processors import ProcessorRow, RequestProcessors, apply_logits_processors
 from forkpoint.sampling_params import SamplingParams
 
 
@@ -51,7 +53,9 @@ class SamplingRow:
 
     key: the sequence's request id (keys its penalty state across steps); prompt_token_ids /
     output_token_ids: its tokens so far (read only to build penalty state, once per request);
-    processors: its logits-processor state (runner/logits_processors.py), None without any.
+    processors: its logits-processor state (runner/logits_processors.py), None without any;
+    num_unseen: output tokens already sampled on the device that `output_token_ids` lacks (a step
+    scheduled while the step before was running: asynchronous scheduling).
     """
 
     key: str
@@ -60,6 +64,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     processors: RequestProcessors | None = None
+    num_unseen: int = 0
 
 
 class PenaltyCounts:
@@ -69,7 +74,8 @@ class PenaltyCounts:
     of the prompt. A request gets a row the first time it is sampled with penalties (built from its
     history: one host-to-device copy per request), then each sampled token is added on the device.
     Invariant: `rows` keys are live requests (the owner calls `free` when one ends), and
-    `counted[key] == len(output_token_ids)` between steps (else the row is rebuilt).
+    `counted[key] == len(output_token_ids) + num_unseen` when a row is sampled (else the row is
+    rebuilt from the host's tokens, which needs num_unseen == 0).
     """
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
@@ -89,10 +95,13 @@ class PenaltyCounts:
         indices = []
         for row in rows:
             index = self.rows.get(row.key)
+            stale = index is None or self.counted[row.key] != len(row.output_token_ids) + row.num_unseen
+            if stale and row.num_unseen:
+                raise RuntimeError(f"penalty counts of {row.key} are stale and {row.num_unseen} of its output "
+                                   "tokens are still on the device: sample it synchronously")
             if index is None:
                 index = self._allocate(row.key)
-                self._build(index, row)
-            elif self.counted[row.key] != len(row.output_token_ids):
+            if stale:
                 self._build(index, row)
             indices.append(index)
         return _on(self.device, indices, torch.long)
@@ -161,16 +170,22 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         """logits: [R, V] float32 (one row per entry of `rows`) -> one token per row."""
+        return self.sample_async(logits, rows).result()
+
+    def sample_async(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> PendingSample:
+        """As `sample`, but returns once the work is enqueued: the chosen ids stay on the device and
+        the copy to the host is in flight (`PendingSample.result()` waits for it)."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
+        params = [row.params for row in rows]
         if not rows:
-            return []
+            empty = torch.zeros(0, dtype=torch.long, device=logits.device)
+            return PendingSample(empty, empty, params, 0)
         raw = logits
         if any(row.processors is not None for row in rows):  # logit_bias ... grammar bitmasks, on a copy
             logits = logits.clone()
-            apply_logits_processors(logits, [(r.processors, r.output_token_ids) if r.processors is not None else None
-                                             for r in rows])
-        params = [row.params for row in rows]
+            apply_logits_processors(logits, [ProcessorRow(r.processors, r.output_token_ids, r.num_unseen)
+                                             if r.processors is not None else None for r in rows])
         device = logits.device
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         counted: tuple[list[str], torch.Tensor, torch.Tensor] | None = None
@@ -193,7 +208,33 @@ class Sampler:
         if counted is not None:
             keys, index, state_rows = counted
             self.penalties.record(keys, state_rows, chosen.index_select(0, index))
-        return _to_host(raw, chosen, params)
+        packed, k = _pack(raw, chosen, params)
+        return PendingSample(chosen, packed, params, k)
+
+
+class PendingSample:
+    """A step's sampled tokens on their way to the host.
+
+    token_ids: [R] long on the device (usable at once by later device work); packed: `_pack`'s
+    tensor, whose copy to the host starts here (CUDA: into pinned memory, an event recorded after
+    it, so work queued later on the stream does not delay `result()`)."""
+
+    def __init__(self, token_ids: torch.Tensor, packed: torch.Tensor, params: Sequence[SamplingParams], k: int):
+        self.token_ids = token_ids
+        self._params, self._k = params, k
+        self._event = None
+        if packed.device.type == "cuda":
+            self._host = packed.to("cpu", non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = packed
+
+    def result(self) -> list[SampledToken]:
+        """One token per row; waits for this step's copy only."""
+        if self._event is not None:
+            self._event.synchronize()
+        return _unpack(self._host.tolist(), self._params, self._k)
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -256,20 +297,27 @@ def _sample_random(logits: torch.Tensor, params: Sequence[SamplingParams],
     return probs.div_(race).argmax(dim=-1)
 
 
-def _to_host(raw: torch.Tensor, chosen: torch.Tensor, params: Sequence[SamplingParams]) -> list[SampledToken]:
-    """Chosen ids and the raw distribution's logprobs, through one device-to-host copy."""
+def _pack(raw: torch.Tensor, chosen: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, int]:
+    """Chosen ids (long) alone, or with the raw distribution's logprobs of the rows that ask (then
+    float64: ids, then per such row chosen logprob, rank, top-k values, top-k ids); and that k."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
-        return [SampledToken(token_id, None) for token_id in chosen.tolist()]
+        return chosen, 0
     index = _on(raw.device, rows, torch.long)
     logprobs = torch.log_softmax(raw.index_select(0, index), dim=-1)
     k = max(params[i].logprobs for i in rows)
     top_values, top_ids = torch.topk(logprobs, k, dim=-1)
     chosen_values = logprobs.gather(1, chosen.index_select(0, index)[:, None])
     ranks = (logprobs > chosen_values).sum(dim=-1, keepdim=True) + 1
-    packed = torch.cat([chosen.double(), torch.cat(
-        [chosen_values.double(), ranks.double(), top_values.double(), top_ids.double()], dim=1).flatten()])
-    host = packed.tolist()
+    return torch.cat([chosen.double(), torch.cat(
+        [chosen_values.double(), ranks.double(), top_values.double(), top_ids.double()], dim=1).flatten()]), k
+
+
+def _unpack(host: list, params: Sequence[SamplingParams], k: int) -> list[SampledToken]:
+    """The host copy of `_pack`'s tensor -> one SampledToken per row."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return [SampledToken(token_id, None) for token_id in host]
     num_rows = len(params)
     chosen_host = [int(t) for t in host[:num_rows]]
     width = 2 + 2 * k

@@ -50,6 +50,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
     group.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                        help="split the model over N ranks, one process each: GPUs 0..N-1 (NCCL) or the CPU "
                             "(gloo); every model family, images included (default: 1)")
+    group.add_argument("--async-scheduling", action="store_true",
+                       help="in steady decoding, schedule and enqueue the next step while the device runs the "
+                            "current one, overlapping the engine's host work with the forward (default: off)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="run every step eagerly: no CUDA graphs of the forward's token-wise parts "
                             "(faster start-up, slower small steps; CUDA only)")
@@ -65,5 +68,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_checkpoints_per_request=args.max_checkpoints_per_request, load_format=args.load_format,
         enforce_eager=args.enforce_eager, auto_checkpoints=args.auto_checkpoints,
         checkpoint_host_bytes=args.checkpoint_host_bytes, checkpoint_exact=args.checkpoint_exact,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
     )

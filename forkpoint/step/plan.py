@@ -37,13 +37,16 @@ class Segment:
     """Tokens [start, end) of request `request_id`, run from state row `initial_slot`.
 
     token_ids: the tokens [start, end); block_table: the request's KV blocks, covering `end`
-    (the scheduler does not change the list until the step is committed or failed);
+    (the scheduler does not change the list until the runner has built the step's batch: a decode
+    scheduled ahead, while this step runs, may extend it);
     dest_slots: the state rows the final state is written to (the request's own row, a checkpoint
     row, or both); phase: the packed call a PREFILL segment runs in (0 for DECODE);
     samples: the logits of the last token are sampled (the segment ends the sequence's tokens);
     multimodal: the request's image placement, or None for text; prompt_logit_rows: the logits of
     the first that many tokens are returned too (they score prompt tokens start + 1 .. start + rows,
-    for prompt logprobs).
+    for prompt logprobs); fed_row: set on a decode scheduled while the step before was still running
+    (asynchronous scheduling): its one token is then not in `token_ids` (empty) but on the device,
+    row `fed_row` of the token ids that step sampled (the runner's `feed`).
     """
 
     request_id: str
@@ -58,6 +61,7 @@ class Segment:
     samples: bool
     multimodal: MultimodalPrompt | None = None
     prompt_logit_rows: int = 0
+    fed_row: int | None = None
 
     @property
     def num_tokens(self) -> int:
