@@ -21,6 +21,8 @@ skipped and recorded with the reason, and later, cheaper pairs still run):
      checkpoint is this row's requests/s against the main row's on run)
   1c. auto:  the main rows at N in --auto-n without the marker, automatic checkpoints on (set
      against the main row's off run, in which automatic checkpoints are off)
+  2b. decode_async: the decode rows at N in --async-n with asynchronous scheduling (checkpoints
+     on; TPOT set against the decode row's synchronous on run)
   3. seed:   P = --seed-p (624), S drawn uniformly from --seed-s (350-650, seeded), N in --seed-n
   4. eager:  P = --eager-p, S = --s, N in --eager-n, max_tokens 1 and --decode-tokens, executed as
      an `enforce_eager=True` engine would (no CUDA graphs), on the same engine through a runtime
@@ -274,19 +276,22 @@ def eager_switch(engine):
     return detach
 
 
-class CheckpointModes:
-    """Runtime switches of the scheduler for the exact and auto rows, on one engine (a second 70 GB
-    engine does not fit). Only the scheduler reads `checkpoint_exact` (where a checkpoint keeps
-    its state, where prefill chunks end) and owns the automatic-checkpoint planner, so switching
-    them there is what an engine built with those settings would do. The other rows run with
-    automatic checkpoints off: their off runs must compute every prompt whole."""
+class RowModes:
+    """Runtime switches for the exact, auto and async rows, on one engine (a second 70 GB engine
+    does not fit). Only the scheduler reads `checkpoint_exact` (where a checkpoint keeps its state,
+    where prefill chunks end) and owns the automatic-checkpoint planner, and the engine reads its
+    `async_scheduling` at every step, so switching them there is what an engine built with those
+    settings would do. The other rows run with automatic checkpoints off (their off runs must
+    compute every prompt whole) and synchronous scheduling."""
 
     def __init__(self, engine) -> None:
+        self.engine = engine
         self.scheduler = engine.scheduler
         self.config = self.scheduler.config
         self.planner = self.scheduler.auto
 
     def set(self, spec: RowSpec) -> None:
+        self.engine.async_scheduling = spec.engine == "async_scheduling"
         exact = spec.engine == "checkpoint_exact"
         if self.scheduler.config.checkpoint_exact != exact:
             self.scheduler.config = dataclasses.replace(self.config, checkpoint_exact=exact)
@@ -332,7 +337,7 @@ class Bench:
         self.predictor = Predictor(args.max_num_batched_tokens)
         self.timer = EnqueueTimer(self.engine.runner)
         self.timer.install()
-        self.modes = CheckpointModes(self.engine)
+        self.modes = RowModes(self.engine)
 
     def run(self, spec: RowSpec, on: bool, tag: str, record: bool = True) -> dict:
         engine, n = self.engine, spec.n
@@ -389,8 +394,8 @@ class Bench:
         return row
 
     def default_run(self, spec: RowSpec, mode: str) -> int | None:
-        """Index of the default engine's main `mode` run of `spec`'s shape and N, if it ran."""
-        key = ("main", spec.shape, spec.n, spec.max_tokens, "default", mode)
+        """Index of the default engine's `mode` run (main or decode rows) of `spec`'s shape and N, if it ran."""
+        key = (spec.base_group, spec.shape, spec.n, spec.max_tokens, "default", mode)
         found = [i for i, r in enumerate(self.results["runs"])
                  if (r["group"], r["shape"], r["N"], r["max_tokens"], r["engine"], r["checkpoints"]) == key]
         return found[-1] if found else None
@@ -400,7 +405,7 @@ class Bench:
         if spec.on_only:
             off = self.default_run(spec, "off")
             if off is None:
-                skip(self.results, spec, "the main row's off run did not run")
+                skip(self.results, spec, f"the {spec.base_group} row's off run did not run")
                 return
             indices["off"] = off
         for on in ((True,) if spec.on_only else (True, False)):
@@ -634,7 +639,8 @@ def tiny_parity(args) -> dict:
     return result
 
 
-SMOKE_ARGS = dict(tiny=True, p=[72, 16], s=8, n=[1, 3], exact_n=[3], auto_n=[3], decode_p=[16], decode_n=[3],
+SMOKE_ARGS = dict(tiny=True, p=[72, 16], s=8, n=[1, 3], exact_n=[3], auto_n=[3], async_n=[3], decode_p=[16],
+                  decode_n=[3],
                   decode_tokens=3, seed_p=16,
                   seed_s=(4, 12), seed_n=[3], eager_p=16, eager_n=[3], eager_rows=True, peer_p=[16], peer_n=[1, 3],
                   peer_batch=2, profile=True, tiny_parity=True, profile_reserve=2.0, max_num_batched_tokens=96,
@@ -655,7 +661,8 @@ def check_smoke(results: dict) -> None:
     skipped = {tuple(s[k] for k in key) for s in results["skipped"] if s.get("reason")}
     missing = [p for p in results["plan"] if tuple(p[k] for k in key) not in done | skipped]
     assert not missing, f"planned pairs neither run nor skipped: {missing}"
-    uncovered = sorted({"main", "exact", "auto", "decode", "seed", "eager"} - {r["group"] for r in results["runs"]})
+    groups = {"main", "exact", "auto", "decode", "decode_async", "seed", "eager"}
+    uncovered = sorted(groups - {r["group"] for r in results["runs"]})
     if not results.get("peer", {}).get("runs"):
         uncovered.append("peer")
     print(f"smoke: benchmark OK{'; not run (see skipped): ' + ', '.join(uncovered) if uncovered else ''}",
@@ -875,6 +882,8 @@ def main() -> None:
                         help="main rows repeated with checkpoint_exact at these N (empty: none)")
     parser.add_argument("--auto-n", type=parse_ints, default=[16, 256],
                         help="main rows repeated without the marker, automatic checkpoints on, at these N")
+    parser.add_argument("--async-n", type=parse_ints, default=[1, 16, 64, 256],
+                        help="decode rows repeated with asynchronous scheduling at these N (empty: none)")
     parser.add_argument("--decode-p", type=parse_ints, default=[624])
     parser.add_argument("--decode-n", type=parse_ints, default=[1, 16, 64, 256], help="TPOT at these batch sizes")
     parser.add_argument("--decode-tokens", type=int, default=32)

@@ -58,7 +58,7 @@ class RowSpec:
     s_label: str                     # "256" or "350-650"
     suffix_lengths: tuple[int, ...]  # one per request: N = len
     max_tokens: int
-    engine: str = "default"          # default | enforce_eager | checkpoint_exact | auto_checkpoints
+    engine: str = "default"          # default | enforce_eager | checkpoint_exact | auto_checkpoints | async_scheduling
     recompute: int = 0               # tokens each consumer recomputes before its suffix: with checkpoint_exact
                                      # P mod the scan chunk; automatic checkpoints: P if shorter than their minimum
 
@@ -73,7 +73,12 @@ class RowSpec:
     @property
     def on_only(self) -> bool:
         """A variant of checkpoints on, run alone and set against the default engine's off run."""
-        return self.engine in ("checkpoint_exact", "auto_checkpoints")
+        return self.engine in ("checkpoint_exact", "auto_checkpoints", "async_scheduling")
+
+    @property
+    def base_group(self) -> str:
+        """The default engine's rows this variant is set against: decode rows for max_tokens > 1."""
+        return "decode" if self.max_tokens > 1 else "main"
 
     def tokens(self, on: bool) -> int:
         """Prompt tokens the engine must compute: the anchor once with checkpoints (and, with
@@ -106,6 +111,8 @@ def plan_rows(args) -> tuple[list[RowSpec], list[RowSpec]]:
              for n in args.auto_n for p in args.p if n in args.n]
     rows += [RowSpec("decode", p, str(args.s), fixed(n), args.decode_tokens)
              for n in args.decode_n for p in args.decode_p]
+    rows += [RowSpec("decode_async", p, str(args.s), fixed(n), args.decode_tokens, "async_scheduling")
+             for n in args.async_n for p in args.decode_p if n in args.decode_n]
     lo, hi = args.seed_s
     rows += [RowSpec("seed", args.seed_p, f"{lo}-{hi}", tuple(int(v) for v in rng.integers(lo, hi + 1, n)), 1)
              for n in args.seed_n]
