@@ -86,6 +86,7 @@ class Checkpoint:
     producer_blocks: list[int] = field(default_factory=list)
     pins: int = 0
     waiters: int = 0
+    reserved: int = 0  # queued requests that will read it (scheduler: reserve / unreserve)
     hits: int = 0
     last_used: int = 0
     registered_at: float = 0.0
@@ -148,18 +149,21 @@ class CheckpointRegistry:
         return sorted(self._lengths, reverse=True)
 
     def lookup(self, prefix_hash: Callable[[int], bytes], max_length: int,
-               accept: Callable[[Checkpoint], bool] | None = None) -> tuple[Checkpoint | None, Checkpoint | None]:
+               accept: Callable[[Checkpoint], bool] | None = None, *,
+               restore: bool = True) -> tuple[Checkpoint | None, Checkpoint | None]:
         """(longest registered checkpoint of length < max_length whose key is prefix_hash(length),
         longest READY one), among those `accept` takes (default: all). `prefix_hash(n)` is the chained
-        hash of a prompt's first n tokens."""
+        hash of a prompt's first n tokens. With `restore`, spilled checkpoints count too (the one
+        found is brought back from the host tier); without, only those on the device."""
         longest = ready = None
-        lengths = set(self._lengths) | (self.host.lengths() if self.host is not None else set())
+        host = self.host if restore else None
+        lengths = set(self._lengths) | (host.lengths() if host is not None else set())
         for length in sorted(lengths, reverse=True):
             if length >= max_length:
                 continue
             key = prefix_hash(length)
             checkpoint = self._by_key.get(key)
-            if checkpoint is None and self.host is not None and key in self.host:
+            if checkpoint is None and host is not None and key in host:
                 checkpoint = self._restore(key)
             if checkpoint is None or (accept is not None and not accept(checkpoint)):
                 continue
@@ -281,6 +285,18 @@ class CheckpointRegistry:
             raise RuntimeError("a request is deferred only on an unready checkpoint")
         checkpoint.waiters += 1
 
+    def reserve(self, checkpoint: Checkpoint) -> None:
+        """A queued request (waiting for its admission, not for the checkpoint) will read it: no
+        registration evicts it while reserved, so a burst larger than one step keeps its prefix."""
+        if not checkpoint.ready:
+            raise RuntimeError("only a READY checkpoint is reserved (unready ones are never evicted)")
+        checkpoint.reserved += 1
+
+    def unreserve(self, checkpoint: Checkpoint) -> None:
+        if checkpoint.reserved <= 0:
+            raise RuntimeError("checkpoint reservation count would go negative")
+        checkpoint.reserved -= 1
+
     def drop_waiter(self, checkpoint: Checkpoint) -> None:
         """A deferred request stops waiting; an orphan nobody waits for any more is removed."""
         if checkpoint.waiters <= 0:
@@ -307,7 +323,7 @@ class CheckpointRegistry:
 
     def evict_one(self, *, markers_too: bool = True) -> bool:
         """Evict one idle READY checkpoint by the policy in the module docstring. False when none is."""
-        idle = [c for c in self._by_key.values() if c.ready and c.pins == 0 and c.waiters == 0
+        idle = [c for c in self._by_key.values() if c.ready and c.pins == 0 and c.waiters == 0 and c.reserved == 0
                 and (markers_too or c.kind.automatic)]
         if not idle:
             return False
@@ -346,10 +362,11 @@ class CheckpointRegistry:
 
     # ------------------------------------------------------------------ integrity
     def check_integrity(self, *, readers: Mapping[bytes, int], waiters: Mapping[bytes, int],
-                        producers: Mapping[bytes, str]) -> None:
+                        producers: Mapping[bytes, str], reserved: Mapping[bytes, int]) -> None:
         """Cross-check against the engine's view: `readers` (key -> segments of the step in flight
         reading it), `waiters` (key -> requests deferred on it), `producers` (key -> id of the live
-        request that will write it). Raises AssertionError on any difference."""
+        request that will write it), `reserved` (key -> queued requests that will read it). Raises
+        AssertionError on any difference."""
         slots = [c.slot for c in self._by_key.values()]
         if len(set(slots)) != len(slots) or len(slots) != self._slots.num_used:
             raise AssertionError("checkpoint slots and registry disagree")
@@ -361,6 +378,9 @@ class CheckpointRegistry:
                 raise AssertionError(f"{name} has {checkpoint.pins} pins but {readers.get(key, 0)} live readers")
             if checkpoint.waiters != waiters.get(key, 0):
                 raise AssertionError(f"{name} counts {checkpoint.waiters} waiters, {waiters.get(key, 0)} wait")
+            if checkpoint.reserved != reserved.get(key, 0):
+                raise AssertionError(f"{name} counts {checkpoint.reserved} reservations, "
+                                     f"{reserved.get(key, 0)} hold one")
             if checkpoint.producer != producers.get(key):
                 raise AssertionError(f"{name}: producer {checkpoint.producer!r}, live {producers.get(key)!r}")
             if checkpoint.state is CheckpointState.READY:
@@ -372,6 +392,6 @@ class CheckpointRegistry:
                 raise AssertionError(f"{name} with no waiter was not dropped")
             if checkpoint.state is CheckpointState.EVICTED:
                 raise AssertionError(f"{name} is still registered")
-        for key in set(readers) | set(waiters) | set(producers):
+        for key in set(readers) | set(waiters) | set(producers) | set(reserved):
             if key not in self._by_key:
                 raise AssertionError("a request refers to a checkpoint the registry does not hold")

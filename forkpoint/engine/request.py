@@ -32,14 +32,16 @@ class CheckpointProgress:
 
     producing: PENDING checkpoints this request writes, by position; auto_positions: positions the
     engine placed automatic checkpoints at for this request (engine/auto_checkpoints.py); waiting_on: the unready
-    checkpoint it is deferred on; deferred_since: start of the current wait (the wait bound counts
-    from here); was_deferred: counted once in requests_deferred; gave_up_waiting: the wait bound was
-    hit, it never waits for an unready checkpoint again.
+    checkpoint it is deferred on; reserved: the checkpoint it will read, held while it is queued for
+    admission (so that no registration evicts it first); deferred_since: start of the current wait
+    (the wait bound counts from here); was_deferred: counted once in requests_deferred;
+    gave_up_waiting: the wait bound was hit, it never waits for an unready checkpoint again.
     """
 
     producing: list[Checkpoint] = field(default_factory=list)
     auto_positions: dict[int, CheckpointKind] = field(default_factory=dict)
     waiting_on: Checkpoint | None = None
+    reserved: Checkpoint | None = None
     read_from: Checkpoint | None = None  # the checkpoint its current computation started from
     deferred_since: float | None = None
     was_deferred: bool = False

@@ -172,6 +172,7 @@ class Scheduler:
         progress.read_from = None
         if progress.waiting_on is not None:
             self._stop_waiting(request)
+        self._unreserve(request)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -213,6 +214,7 @@ class Scheduler:
                 if admitted is None:
                     break  # out of memory: keep FCFS order
                 budget -= admitted
+        self._reserve_for_queued()
 
         step = ScheduledStep(StepPlan(tuple(planning.segments), tuple(planning.kv_copies)), planning.requests,
                              planning.written, planning.consumed, planning.finished)
@@ -277,6 +279,7 @@ class Scheduler:
             producer.checkpointing.producing.remove(checkpoint)
         for checkpoint in step.consumed:
             self.registry.unpin(checkpoint)
+        self._reserve_for_queued()  # before the turn-end registrations of the requests this step ended
         self._release_ended(step, computed=True)
 
     def fail(self, step: ScheduledStep) -> list[Request]:
@@ -335,7 +338,7 @@ class Scheduler:
         preempting later requests. False when `request` itself had to be preempted."""
         need = -(-num_tokens // self.block_size) - len(request.blocks)
         while need > self.blocks.num_free:
-            if self.registry is not None and self.registry.evict_one():
+            if self.registry is not None and self._evict_for_memory():
                 continue
             if self.running == [request]:
                 # alone with every evictable block freed: recomputing could never fit, so stop here
@@ -351,8 +354,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
     def _try_admit(self, planning: _Planning, request: Request, budget: int, now: float) -> int | None:
-        """Admit `request` into this step. Returns tokens scheduled, 0 when deferred, None when out of memory."""
+        """Admit `request` into this step. Returns tokens scheduled, 0 when deferred, None when out of memory.
+        Its reservation, if any, is given up (it looks up its checkpoint afresh)."""
         progress = request.checkpointing
+        self._unreserve(request)
         longest = ready = None
         if self.registry is not None:
             longest, ready = self.registry.lookup(request.hasher.prefix_hash, len(request.prompt_token_ids),
@@ -387,7 +392,7 @@ class Scheduler:
             self.registry.pin(source, start)  # protects it from the evictions below
             planning.consumed.append(source)
         while own_needed > self.blocks.num_free:
-            if self.registry is None or not self.registry.evict_one():
+            if self.registry is None or not self._evict_for_memory():
                 if source is not None:
                     planning.consumed.pop()
                     self.registry.unpin(source)
@@ -412,6 +417,41 @@ class Scheduler:
             self._stop_waiting(request, now)
         self._plan_chunk(planning, request, start, count, source)
         return count
+
+    def _reserve_for_queued(self) -> None:
+        """Every queued request (not admitted this step: token budget, sequence limit or memory)
+        reserves the longest READY device checkpoint of its prompt (unready ones are never evicted),
+        so that the registrations before its admission cannot evict it (a burst of more requests
+        than one step admits, sharing a prefix, would otherwise lose it to the newer automatic
+        checkpoints of the requests admitted first). Called after each step's admissions and at
+        each commit, before the turn-end registrations of the requests the step ended."""
+        if self.registry is None or not len(self.registry):
+            return
+        for request in self.waiting:
+            progress = request.checkpointing
+            if progress.reserved is not None or progress.waiting_on is not None:
+                continue
+            _, ready = self.registry.lookup(request.hasher.prefix_hash, len(request.prompt_token_ids),
+                                            self._readable_by(request), restore=False)
+            if ready is not None:
+                progress.reserved = ready
+                self.registry.reserve(ready)
+
+    def _unreserve(self, request: Request) -> None:
+        progress = request.checkpointing
+        if progress.reserved is not None:
+            self.registry.unreserve(progress.reserved)
+            progress.reserved = None
+
+    def _evict_for_memory(self) -> bool:
+        """Free one checkpoint's blocks for a running or admitted request: an idle one, else (memory
+        comes first) after every queued request has given up its reservation."""
+        if self.registry.evict_one():
+            return True
+        reserving = [r for r in self.waiting if r.checkpointing.reserved is not None]
+        for request in reserving:
+            self._unreserve(request)
+        return bool(reserving) and self.registry.evict_one()
 
     @staticmethod
     def _readable_by(request: Request) -> Callable[[Checkpoint], bool] | None:
@@ -538,13 +578,18 @@ class Scheduler:
         for step in self.in_flight:
             readers.update(c.key for c in step.consumed)
         waiters: Counter[bytes] = Counter()
+        reserved: Counter[bytes] = Counter()
         producers: dict[bytes, str] = {}
         for request in list(self.waiting) + self.running:
             progress = request.checkpointing
             if progress.waiting_on is not None:
                 waiters[progress.waiting_on.key] += 1
+            if progress.reserved is not None:
+                if request.status is not RequestStatus.WAITING:
+                    raise AssertionError(f"{request.request_id} holds a reservation while {request.status.value}")
+                reserved[progress.reserved.key] += 1
             for checkpoint in progress.producing:
                 if checkpoint.key in producers:
                     raise AssertionError(f"two producers of the {checkpoint.num_tokens}-token checkpoint")
                 producers[checkpoint.key] = request.request_id
-        self.registry.check_integrity(readers=readers, waiters=waiters, producers=producers)
+        self.registry.check_integrity(readers=readers, waiters=waiters, producers=producers, reserved=reserved)

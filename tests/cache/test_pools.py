@@ -97,9 +97,9 @@ def test_registry_lru_eviction_skips_pinned_and_unready():
     registry.mark_ready(second, owned)
     registry.pin(second, 6)
     assert registry.register(b"d", 8, "p", 0.0) is None  # b pinned, c unready: nothing to evict
-    registry.check_integrity(readers={b"b": 1}, waiters={}, producers={b"c": "p"})
+    registry.check_integrity(readers={b"b": 1}, waiters={}, producers={b"c": "p"}, reserved={})
     with pytest.raises(AssertionError, match="pins but 0 live readers"):
-        registry.check_integrity(readers={}, waiters={}, producers={b"c": "p"})
+        registry.check_integrity(readers={}, waiters={}, producers={b"c": "p"}, reserved={})
     registry.unpin(second)
     blocks.release(owned)
     blocks.check_integrity({b: c for b, c in registry.block_refs().items()})

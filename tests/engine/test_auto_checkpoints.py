@@ -59,6 +59,24 @@ def test_cold_batch_reuses_exactly_the_common_prefix(model_dir, plain):
     llm.engine.check_integrity()
 
 
+def test_a_burst_larger_than_one_step_keeps_its_shared_prefix_with_few_checkpoint_slots(model_dir, plain):
+    """40 requests sharing a 100-token prefix, 24 admitted by the first step's budget, 8 checkpoint
+    slots: the prompt-end and turn-end checkpoints of the first ones must not evict the shared
+    prefix the queued ones will read (they reserve it), so every later request computes only its
+    suffix (before the reservations: 2,140 tokens computed instead of 740)."""
+    generator = torch.Generator().manual_seed(8)
+    prefix = random_ids(generator, 100)
+    # suffixes start with distinct ids: the common prefix is exactly the 100 tokens
+    prompts = [{"prompt_token_ids": prefix + [100 + i] + random_ids(generator, 15)} for i in range(40)]
+    llm = LLM(str(model_dir), num_kv_blocks=1024, checkpoint_pool_size=8, max_num_batched_tokens=512)
+    outs, cost = computed(llm, lambda: llm.generate(prompts, SamplingParams(max_tokens=1, logprobs=2), use_tqdm=False))
+    assert cost == 100 + 40 * 16
+    assert [o.num_cached_tokens for o in outs] == [0] + [100] * 39
+    refs = plain.generate(prompts, SamplingParams(max_tokens=1, logprobs=2), use_tqdm=False)
+    assert_same_outputs(outs, refs)
+    llm.engine.check_integrity()
+
+
 def test_one_at_a_time_family_reuses_the_shared_prefix_from_the_third_on(model_dir, plain):
     generator = torch.Generator().manual_seed(2)
     prefix = random_ids(generator, 90)
