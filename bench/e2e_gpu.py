@@ -1,4 +1,5 @@
-"""End-to-end 1-to-N on one GPU at Qwen3.5-35B-A3B shapes, seeded random bf16 weights.
+"""End-to-end 1-to-N on one GPU at Qwen3.5-35B-A3B shapes (or, with --shape nemotron3-nano, at
+NVIDIA-Nemotron-3-Nano-30B-A3B shapes: e2e_gpu_shapes.py), seeded random bf16 weights.
 
 Workload (DESIGN.md section 2): an anchor of P random token ids, the checkpoint marker, then N
 suffixes of random ids, greedy, all N requests added at once. Every run draws a fresh anchor, so
@@ -47,6 +48,7 @@ last eager H200 run: 85 ms + 23.5 us/token, decode 96 ms at 16 sequences) times 
 Usage (on the GPU machine; fla-core on the path; bench/run_gpu_e2e.sh is the one-call wrapper):
     python bench/e2e_gpu.py --out bench/results --deadline 400 --profile   # e2e_gpu_h200.{json,png}
     python bench/e2e_gpu.py --smoke                  # tiny model, every row kind, CPU or GPU, < 60 s
+    python bench/e2e_gpu.py --shape nemotron3-nano --name e2e_gpu_h200_nemotron3_nano --peer-layers 7 ...
 """
 
 from __future__ import annotations
@@ -72,9 +74,15 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from e2e_gpu_peer import VOCAB_LIMIT, build_peer, run_peer  # noqa: E402
+from e2e_gpu_peer import build_peer, run_peer, vocab_limit  # noqa: E402
 from e2e_gpu_plan import Alarm, OutOfTime, Predictor, RowSpec, plan_rows  # noqa: E402
 from e2e_gpu_report import plot, step_fit, table  # noqa: E402
+from e2e_gpu_shapes import (  # noqa: E402
+    nemotron3_nano_config,
+    nemotron3_nano_tiny_config,
+    nemotron_param_counts,
+    save_word_tokenizer,
+)
 from host_info import code_version  # noqa: E402
 
 from forkpoint import LLM, SamplingParams  # noqa: E402
@@ -134,10 +142,34 @@ def tiny_config() -> dict:
     return cfg
 
 
+SHAPES = ("qwen3.5-35b-a3b", "nemotron3-nano")
+
+
+def model_config(args, tiny: bool) -> dict:
+    """config.json of the --shape, full or tiny."""
+    if args.shape == "nemotron3-nano":
+        return nemotron3_nano_tiny_config() if tiny else nemotron3_nano_config()
+    return tiny_config() if tiny else full_config()
+
+
+def model_label(args) -> str:
+    if args.shape == "nemotron3-nano":
+        return "tiny Nemotron-H" if args.tiny else "NVIDIA-Nemotron-3-Nano-30B-A3B shapes (random bf16 weights)"
+    return "tiny Qwen3.5-MoE" if args.tiny else "Qwen3.5-35B-A3B shapes (random bf16 weights)"
+
+
+def count_params(cfg: dict) -> dict:
+    return nemotron_param_counts(cfg) if cfg["model_type"] == "nemotron_h" else param_counts(cfg)
+
+
 def make_model_dir(cfg: dict, directory: Path) -> Path:
-    """config.json plus the Qwen3.5 tokenizer files of the embedded default model (no weights)."""
+    """config.json plus the Qwen3.5 tokenizer files of the embedded default model (no weights); for
+    Nemotron shapes a word-level tokenizer of its vocabulary size (e2e_gpu_shapes.py)."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if cfg["model_type"] == "nemotron_h":
+        save_word_tokenizer(directory, cfg["vocab_size"])
+        return directory
     source = ensure_default_model()
     for name in TOKENIZER_FILES:
         shutil.copy(source / name, directory / name)
@@ -305,9 +337,10 @@ class Bench:
     def run(self, spec: RowSpec, on: bool, tag: str, record: bool = True) -> dict:
         engine, n = self.engine, spec.n
         self.modes.set(spec)
-        anchor = self.rng.integers(0, VOCAB_LIMIT, spec.p).tolist()
+        anchor = self.rng.integers(0, self.args.vocab_limit, spec.p).tolist()
         marker = [self.llm.checkpoint_token_id] if on and spec.engine != "auto_checkpoints" else []
-        prompts = [anchor + marker + self.rng.integers(0, VOCAB_LIMIT, s).tolist() for s in spec.suffix_lengths]
+        prompts = [anchor + marker + self.rng.integers(0, self.args.vocab_limit, s).tolist()
+                   for s in spec.suffix_lengths]
         params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
         before = engine.metrics()
         sync(engine.device)
@@ -429,7 +462,8 @@ class Bench:
             remaining -= remaining // 2
         counts.append(remaining)
         params = [SamplingParams(temperature=0.0, max_tokens=2 + i, ignore_eos=True) for i in range(len(counts))]
-        prompts = [{"prompt_token_ids": self.rng.integers(0, VOCAB_LIMIT, 16).tolist()} for _ in range(largest)]
+        prompts = [{"prompt_token_ids": self.rng.integers(0, self.args.vocab_limit, 16).tolist()}
+                   for _ in range(largest)]
         self.llm.generate(prompts, [p for p, c in zip(params, counts) for _ in range(c)], use_tqdm=False)
         sync(self.engine.device)
         return time.perf_counter() - t0
@@ -473,15 +507,15 @@ def skip(results: dict, spec: RowSpec, reason: str) -> None:
     results["skipped"].append({**spec.describe(), "reason": reason})
 
 
-def probes(llm: LLM, rng: np.random.Generator, results: dict) -> None:
+def probes(llm: LLM, rng: np.random.Generator, results: dict, limit: int) -> None:
     """Top-20 logprobs of one prompt (the peer's parity probe), and the same prompt read through a
     200-token checkpoint: how far bf16 results move with the execution path alone."""
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
-    probe_ids = rng.integers(0, VOCAB_LIMIT, 256).tolist()
+    probe_ids = rng.integers(0, limit, 256).tolist()
     reference = llm.generate([{"prompt_token_ids": probe_ids}], params, use_tqdm=False)[0].outputs[0].logprobs[0]
     results["parity_probe"] = {"token_ids": probe_ids, "logprobs": reference}
     marker = llm.checkpoint_token_id
-    pair = llm.generate([{"prompt_token_ids": probe_ids[:200] + [marker] + rng.integers(0, VOCAB_LIMIT, 56).tolist()},
+    pair = llm.generate([{"prompt_token_ids": probe_ids[:200] + [marker] + rng.integers(0, limit, 56).tolist()},
                          {"prompt_token_ids": probe_ids[:200] + [marker] + probe_ids[200:]}], params, use_tqdm=False)
     consumer = pair[1].outputs[0].logprobs[0]
     results["path_dependence"] = {
@@ -521,17 +555,17 @@ def profile_steps(bench: Bench, args, end: float) -> dict:
     engine, rng, marker = bench.engine, bench.rng, bench.llm.checkpoint_token_id
     half, p = args.max_num_batched_tokens // 2, min(args.p)
     cases = {
-        f"prefill_{2 * half}_plain": ([rng.integers(0, VOCAB_LIMIT, half).tolist() for _ in range(2)], 1, 0),
-        f"prefill_{p + args.s}_plain": ([rng.integers(0, VOCAB_LIMIT, p + args.s).tolist()], 1, 0),
-        f"prefill_{p + args.s}_checkpoint": ([rng.integers(0, VOCAB_LIMIT, p).tolist() + [marker]
-                                              + rng.integers(0, VOCAB_LIMIT, args.s).tolist()], 1, 0),
+        f"prefill_{2 * half}_plain": ([rng.integers(0, args.vocab_limit, half).tolist() for _ in range(2)], 1, 0),
+        f"prefill_{p + args.s}_plain": ([rng.integers(0, args.vocab_limit, p + args.s).tolist()], 1, 0),
+        f"prefill_{p + args.s}_checkpoint": ([rng.integers(0, args.vocab_limit, p).tolist() + [marker]
+                                              + rng.integers(0, args.vocab_limit, args.s).tolist()], 1, 0),
     }
     decode_graphs = getattr(engine.runner, "decode_graphs", None)
     for n in sorted({1, min(16, max(args.decode_n)), min(64, max(args.decode_n)), max(args.decode_n)}):
-        cases[f"decode_{n}"] = ([rng.integers(0, VOCAB_LIMIT, 64).tolist() for _ in range(n)], 3, -1)
+        cases[f"decode_{n}"] = ([rng.integers(0, args.vocab_limit, 64).tolist() for _ in range(n)], 3, -1)
         if decode_graphs is not None and n in (1, min(16, max(args.decode_n)), max(args.decode_n)):
             # the same step without the whole-step decode graph (piecewise graphs + eager cores): before/after
-            cases[f"decode_{n}_piecewise"] = ([rng.integers(0, VOCAB_LIMIT, 64).tolist() for _ in range(n)], 3, -1)
+            cases[f"decode_{n}_piecewise"] = ([rng.integers(0, args.vocab_limit, 64).tolist() for _ in range(n)], 3, -1)
     report = {}
     for name, (prompts, max_tokens, profiled_step) in cases.items():
         if time.perf_counter() > end:
@@ -579,12 +613,12 @@ def profile_steps(bench: Bench, args, end: float) -> dict:
 def tiny_parity(args) -> dict:
     """forkpoint vs transformers on a 4-layer model with the same kernels and dtype: top-20
     logprobs of one 256-token prompt (implementation parity, apart from bf16 rounding)."""
-    cfg = tiny_config()
+    cfg = model_config(args, tiny=True)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(cfg, Path(tmp) / "tiny")
         llm = LLM(str(model_dir), load_format="dummy", dtype=args.dtype, device=args.device, num_kv_blocks=64,
                   num_state_slots=4, max_num_seqs=4)
-        ids = np.random.default_rng(args.seed + 2).integers(0, VOCAB_LIMIT, 256).tolist()
+        ids = np.random.default_rng(args.seed + 2).integers(0, args.vocab_limit, 256).tolist()
         ours = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=1, logprobs=20),
                             use_tqdm=False)[0].outputs[0].logprobs[0]
         model = unwrap_model(llm.engine.runner.model)
@@ -704,16 +738,16 @@ def run_eager_rows(args, bench: Bench, specs: list[RowSpec], model_dir: Path, en
 
 def run_benchmark(args) -> dict:
     device = torch.device(args.device)
-    cfg = tiny_config() if args.tiny else full_config()
+    cfg = model_config(args, args.tiny)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    counts = param_counts(cfg)
+    counts = count_params(cfg)
     deadline = PROCESS_START + args.deadline if args.deadline else None
     time_budget = args.time_budget or (args.deadline - args.peer_budget - FINALIZE_S if args.deadline else 240.0)
     rows_end = PROCESS_START + time_budget
     specs, eager_specs = plan_rows(args)
     results = {
-        "model": "tiny Qwen3.5-MoE" if args.tiny else "Qwen3.5-35B-A3B shapes (random bf16 weights)",
+        "model": model_label(args), "shape": args.shape,
         "config": cfg, "params": counts, "machine": machine_info(device), "code": code_version(),
         "command": " ".join(sys.argv), "S": args.s, "runs": [], "speedups": [], "skipped": [],
         "budget": {"deadline_s": args.deadline, "time_budget_s": time_budget, "peer_budget_s": args.peer_budget},
@@ -750,7 +784,7 @@ def run_benchmark(args) -> dict:
             del llm
             results["warmup_s"] = bench.warm_up(specs)
             print(f"warm-up {results['warmup_s']:.1f} s (at {elapsed():.0f} s)", flush=True)
-            probes(bench.llm, bench.rng, results)
+            probes(bench.llm, bench.rng, results, args.vocab_limit)
             bench.run_rows(specs, rows_end - (args.profile_reserve if args.profile else 0.0))
             results["predictor"] = bench.predictor.coefficients()
             if args.profile:
@@ -829,6 +863,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--shape", choices=SHAPES, default=SHAPES[0],
+                        help="model shapes: Qwen3.5-35B-A3B (default) or NVIDIA-Nemotron-3-Nano-30B-A3B")
     parser.add_argument("--tiny", action="store_true", help="tiny model (dry run)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny engine checks, then every row kind with a tiny model and tiny N (< 60 s)")
@@ -870,6 +906,7 @@ def main() -> None:
     parser.add_argument("--name", default="e2e_gpu_h200")
     args = parser.parse_args()
     args.scan_chunk = SCAN_CHUNK_TOKENS
+    args.vocab_limit = vocab_limit(model_config(args, tiny=False))
     args.auto_min_tokens = EngineConfig.auto_checkpoint_min_tokens
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"

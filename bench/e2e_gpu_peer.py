@@ -1,11 +1,15 @@
 """The peer of `e2e_gpu.py`: Hugging Face transformers on the same device and the same weights.
 
-`Qwen3_5MoeForCausalLM` is built on the meta device from the benchmark's config and given
-forkpoint's parameter tensors (`load_state_dict(assign=True)`: no second copy of the 70 GB). It is
+`Qwen3_5MoeForCausalLM` (or `NemotronHForCausalLM` for --shape nemotron3-nano: its pure-torch
+Mamba2 path, mamba-ssm not installed) is built on the meta device from the benchmark's config and
+given forkpoint's parameter tensors (`load_state_dict(assign=True)`: no second copy of the 70 GB;
+forkpoint keeps transformers' in-memory names, Nemotron's stacked experts included). It is
 timed on the same 1-to-N requests: N sequences of P + S tokens in forwards of `--peer-batch`
 sequences, `use_cache=False`, logits of the last position only (scoring); with `--peer-layers K` only the
-first K of the 40 layers run and the wall is scaled by 40 / K (ANCHORS.md: per-layer cost is
-uniform; the parity probe runs before the cut, on all layers). Used by `e2e_gpu.py`
+first K of the L layers run and the wall is scaled by L / K (Qwen: per-layer cost is uniform,
+ANCHORS.md; Nemotron-3-Nano's blocks differ, so its prefix of K = 7, "MEMEM*E", has about the
+whole model's mix: 3/3/1 Mamba2/MoE/attention against 23/23/6 of 52; the kinds of the timed and
+the whole stack are recorded; the parity probe runs before the cut, on all layers). Used by `e2e_gpu.py`
 (run as a script, so this folder is on `sys.path`).
 """
 
@@ -20,15 +24,33 @@ import torch
 VOCAB_LIMIT = 248000  # random ids below the special tokens of the Qwen3.5 vocabulary
 
 
+def vocab_limit(cfg: dict) -> int:
+    """Random prompt ids are drawn below this: the Qwen3.5 limit, or the model's vocabulary less a margin."""
+    return min(VOCAB_LIMIT, int(cfg["vocab_size"]) - 72)
+
+
+def _peer_classes(cfg: dict):
+    import transformers
+
+    if cfg["model_type"] == "nemotron_h":
+        return transformers.NemotronHConfig, transformers.NemotronHForCausalLM
+    return transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM
+
+
+def _block_kinds(config) -> list[str]:
+    return list(getattr(config, "layers_block_type", None) or getattr(config, "layer_types", None) or [])
+
+
 def build_peer(cfg: dict, model: torch.nn.Module, device: torch.device):
     """transformers' model on the meta device, given forkpoint's parameter tensors (no copy).
     Raises RuntimeError when a weight is missing or its shape differs."""
     import transformers
 
     hf_cfg = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures")}
-    config = transformers.Qwen3_5MoeTextConfig(**hf_cfg)
+    config_class, model_class = _peer_classes(cfg)
+    config = config_class(**hf_cfg)
     with torch.device("meta"):
-        peer = transformers.Qwen3_5MoeForCausalLM(config)
+        peer = model_class(config)
     ours = model.state_dict()
     theirs = set(peer.state_dict())
     info = {"missing_in_forkpoint": sorted(theirs - set(ours))[:8],
@@ -36,11 +58,12 @@ def build_peer(cfg: dict, model: torch.nn.Module, device: torch.device):
     shapes = [n for n, t in peer.state_dict().items() if n in ours and tuple(t.shape) != tuple(ours[n].shape)]
     info["shape_mismatches"] = shapes[:8]
     peer.load_state_dict({k: v for k, v in ours.items() if k in theirs}, strict=False, assign=True)
-    rotary = peer.model.rotary_emb
-    try:
-        peer.model.rotary_emb = type(rotary)(config=config, device=device)
-    except TypeError:
-        peer.model.rotary_emb = type(rotary)(config).to(device)
+    rotary = getattr(peer.model, "rotary_emb", None)  # Nemotron-H has none
+    if rotary is not None:
+        try:
+            peer.model.rotary_emb = type(rotary)(config=config, device=device)
+        except TypeError:
+            peer.model.rotary_emb = type(rotary)(config).to(device)
     leftover = [n for n, t in list(peer.named_parameters()) + list(peer.named_buffers()) if t.is_meta]
     info["meta_leftovers"] = leftover[:8]
     if leftover or shapes:
@@ -53,6 +76,8 @@ def build_peer(cfg: dict, model: torch.nn.Module, device: torch.device):
 
 def gdn_kernels_of_peer(peer, device: torch.device, ids: torch.Tensor) -> dict:
     """Which GDN functions transformers resolved, and the GPU kernels one short forward launches."""
+    if not hasattr(peer.model.layers[0], "linear_attn"):  # Nemotron-H: the torch path (mamba-ssm absent)
+        return {"mamba_ssm_imported": "mamba_ssm" in sys.modules}
     module = sys.modules[type(peer.model.layers[0].linear_attn).__module__]
     found = {}
     for name in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d_fn",
@@ -110,11 +135,16 @@ def run_peer(args, cfg: dict, model: torch.nn.Module, results: dict, save) -> No
     layers = len(peer.model.layers)
     kept = args.peer_layers if 0 < args.peer_layers < layers else layers
     scale = layers / kept
-    if kept < layers:  # per-layer cost is uniform (same shapes, every 4th layer attention in both)
+    kinds = _block_kinds(peer.config)
+    if kept < layers:  # Qwen: uniform per-layer cost; Nemotron: a prefix with the whole mix (docstring)
         peer.model.layers = peer.model.layers[:kept]
         peer.config.num_hidden_layers = kept
-        peer.config.layer_types = peer.config.layer_types[:kept]
-    info.update(layers_timed=kept, layers_total=layers, wall_scale=scale)
+        for field in ("layer_types", "layers_block_type"):  # Nemotron-H: hybrid_override_pattern follows
+            if getattr(peer.config, field, None) is not None:
+                setattr(peer.config, field, list(getattr(peer.config, field))[:kept])
+    info.update(layers_timed=kept, layers_total=layers, wall_scale=scale,
+                kinds_timed={k: kinds[:kept].count(k) for k in sorted(set(kinds))},
+                kinds_total={k: kinds.count(k) for k in sorted(set(kinds))})
     results["peer"]["scaled"] = {"layers_timed": kept, "layers_total": layers, "wall_scale": scale}
     print(f"peer: {info}", flush=True)
     save()
@@ -127,12 +157,12 @@ def run_peer(args, cfg: dict, model: torch.nn.Module, results: dict, save) -> No
         length = p + args.s
         t0 = time.perf_counter()
         for batch_size in sorted({min(n, args.peer_batch) for n in args.peer_n}):  # every timed shape, untimed
-            forward(torch.tensor(rng.integers(0, VOCAB_LIMIT, (batch_size, length)), device=device))
+            forward(torch.tensor(rng.integers(0, args.vocab_limit, (batch_size, length)), device=device))
         _sync(device)
         results["peer"].setdefault("warmup_s", {})[str(p)] = time.perf_counter() - t0
         for n in args.peer_n:
-            anchor = rng.integers(0, VOCAB_LIMIT, p)
-            seqs = np.stack([np.concatenate([anchor, rng.integers(0, VOCAB_LIMIT, args.s)]) for _ in range(n)])
+            anchor = rng.integers(0, args.vocab_limit, p)
+            seqs = np.stack([np.concatenate([anchor, rng.integers(0, args.vocab_limit, args.s)]) for _ in range(n)])
             _sync(device)
             start = time.perf_counter()
             try:

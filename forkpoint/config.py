@@ -370,7 +370,8 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
     # ranks the model is split over (forkpoint/distributed/): one process per rank, rank r on cuda:r
-    # (NCCL) or all on the CPU (gloo); text only, Qwen3.5 / Qwen3-Next families, no host tier
+    # (NCCL) or all on the CPU (gloo); every family; images encoded on rank 0 (the vision tower is not
+    # split); with checkpoint_host_bytes each rank keeps a host tier of that size for its shards
     tensor_parallel_size: int = 1
     # vLLM's --async-scheduling: in steady decoding the host schedules and enqueues step t+1 while the
     # device runs step t, and does step t's output work while step t+1 runs (engine/engine.py)
@@ -397,9 +398,6 @@ class EngineConfig:
             raise ValueError(f"checkpoint_host_bytes must be >= 0, got {self.checkpoint_host_bytes}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.checkpoint_host_bytes > 0:
-            raise ValueError("checkpoint_host_bytes > 0 (the host tier) needs tensor_parallel_size=1: the tier "
-                             "would hold rank 0's shard of each checkpoint only")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size=1: the tensor-parallel ranks run "
                              "every step in lockstep; drop one of the two")

@@ -1,4 +1,4 @@
-"""The process group of one tensor-parallel engine and the two collectives the forward needs.
+"""The process group of one tensor-parallel engine and the collectives the forward needs.
 
 The group is built directly on a `FileStore` (`ProcessGroupGloo` on CPU, `ProcessGroupNCCL` on CUDA),
 never through `torch.distributed.init_process_group`: no process-wide default group, so one process may
@@ -40,6 +40,11 @@ class TensorParallelGroup:
         parts = [torch.empty_like(tensor) for _ in range(self.world)]
         self._group.allgather([parts], [tensor]).wait()
         return torch.cat(parts, dim=-1)
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `tensor` into every rank's `tensor` (same shape and dtype on every rank), in place."""
+        self._group.broadcast(tensor, 0).wait()
+        return tensor
 
     def barrier(self) -> None:
         """Wait until every rank got here (an all-reduce of one element: works on both backends)."""

@@ -5,6 +5,9 @@ with the rank's ranges (`ShardLayout.read`), so a rank reads only its part of ev
 the replicated ones whole). Dummy weights: every rank draws each full tensor from the one seeded
 generator in the single-process order (`forkpoint.models.loader.fill_dummy`) and keeps its part, so
 TP=N holds exactly TP=1's weights; at most one full tensor exists beside the shard at a time.
+The rank's model is `ParallelHybridForCausalLM` for the Qwen families and the family's own class with
+swapped-in parallel modules for the Mamba2 hybrids (distributed/parallel_mamba2.py); both keep the
+single-process parameter names and order.
 """
 
 from __future__ import annotations
@@ -12,22 +15,26 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from forkpoint.config import ModelConfig
 from forkpoint.distributed.collectives import TensorParallelGroup
+from forkpoint.distributed.parallel_mamba2 import parallel_mamba2_model
 from forkpoint.distributed.parallel_model import ParallelHybridForCausalLM
 from forkpoint.distributed.sharding import ShardLayout
 from forkpoint.models.layers import stack_all_projections
 from forkpoint.models.loader import fill_dummy, load_safetensors
-from forkpoint.models.qwen3_5 import HybridForCausalLM
+from forkpoint.models.registry import model_class
 
 
 def build_shard(layout: ShardLayout, group: TensorParallelGroup, path: Path | None, load_format: str,
-                dtype: torch.dtype, seed: int) -> ParallelHybridForCausalLM:
-    """The rank's model in eval mode on `group.device`, every parameter loaded (or dummy-initialised)."""
+                dtype: torch.dtype, seed: int, *, with_vision: bool = False) -> nn.Module:
+    """The rank's model in eval mode on `group.device`, every parameter loaded (or dummy-initialised).
+    `with_vision` (a Qwen multimodal checkpoint, rank 0 only): the whole vision tower too."""
     local = layout.local_config()
     with torch.device("meta"):
-        model = ParallelHybridForCausalLM(local, group, layout.vocab_start)
+        model = (parallel_mamba2_model(layout, group) if local.mamba2 is not None
+                 else ParallelHybridForCausalLM(local, group, layout.vocab_start, with_vision=with_vision))
     model = model.to(dtype=dtype)
     model.to_empty(device=group.device)
     model.init_buffers(group.device)
@@ -43,15 +50,16 @@ def build_shard(layout: ShardLayout, group: TensorParallelGroup, path: Path | No
     return model.eval()
 
 
-def _init_dummy_shard(model: ParallelHybridForCausalLM, layout: ShardLayout, dtype: torch.dtype, seed: int) -> None:
+def _init_dummy_shard(model: nn.Module, layout: ShardLayout, dtype: torch.dtype, seed: int) -> None:
     config: ModelConfig = layout.config
     with torch.device("meta"):
-        full = HybridForCausalLM(config)  # shapes only: the same parameters in the same order
+        # shapes only: the same parameters in the same order (the vision tower's last, and only on rank 0)
+        full = model_class(config)(config, with_vision=model.visual is not None)
     full_shapes = {name: tuple(p.shape) for name, p in full.named_parameters(remove_duplicate=False)}
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             tensor = torch.empty(full_shapes[name], dtype=dtype, device=device)
-            fill_dummy(name, tensor, generator, centred_norms=True)
+            fill_dummy(name, tensor, generator, centred_norms=config.mamba2 is None)
             param.copy_(layout.shard(name, tensor))

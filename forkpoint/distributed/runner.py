@@ -1,9 +1,12 @@
 """`TensorParallelRunner`: ModelRunner's interface on rank 0 of a tensor-parallel engine.
 
 Rank 0 is the engine process: it runs the scheduler, and each step sends the `StepPlan` (with the
-state-row copies made since the last step, distributed/pools.py) to every worker over its pipe, then
+pool operations made outside the forward since the last step: state-row copies, host-tier spills and
+restores, distributed/pools.py) to every worker over its pipe, then
 runs the same forward on its own shard; the logits come back gathered from all ranks' vocab shares,
-and the engine samples them as with one process. The workers (distributed/worker.py) are started
+and the engine samples them as with one process. Images: rank 0 holds the whole vision tower, encodes
+a step's images and broadcasts the rows and positions (distributed/images.py). The workers
+(distributed/worker.py) are started
 with torch.multiprocessing (spawn), one per rank > 0; rank r runs on cuda:r on CUDA (NCCL), on the
 CPU otherwise (gloo).
 
@@ -15,12 +18,14 @@ later step (the group's ranks are out of step: the engine must be restarted).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import tempfile
 import time
 import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.multiprocessing as mp
@@ -30,13 +35,17 @@ from forkpoint.cache.sizing import plan_pools, pools_of_sizes
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.config import EngineConfig, ModelConfig
 from forkpoint.distributed.collectives import TensorParallelGroup
+from forkpoint.distributed.images import image_rows, send_image_inputs
 from forkpoint.distributed.loading import build_shard
-from forkpoint.distributed.pools import MirroredStatePool
+from forkpoint.distributed.pools import MirroredHostTier, MirroredStatePool
 from forkpoint.distributed.sharding import ShardLayout, check_shardable
 from forkpoint.distributed.worker import WorkerSpec, caches_of, run_worker
 from forkpoint.runner.model_runner import build_forward_batch
 from forkpoint.step.batch import ForwardBatch
 from forkpoint.step.plan import Segment, StepPlan
+
+if TYPE_CHECKING:
+    from forkpoint.runner.multimodal import MultimodalInputs
 
 logger = logging.getLogger("forkpoint")
 
@@ -52,11 +61,11 @@ class TensorParallelRunner:
     """Rank 0's runner: `execute(plan) -> (logits [R, vocab] float32, segments)`, as `ModelRunner`.
 
     Built in two steps, as the engine builds its parts: `start` spawns the workers and loads rank 0's
-    shard (`model`); `make_pools` sizes the pools, builds rank 0's and has every worker build its own.
+    shard (`model`); `make_pools` sizes the pools, builds rank 0's and has every worker build its own
+    (and its host tier, which `host_tier` then returns rank 0's of).
     `close()` stops the workers (also run when the runner is garbage-collected or the process exits).
     """
 
-    multimodal = None  # text only: image steps are refused before the workers start
     piecewise = None  # no CUDA graphs: each step runs eagerly on every rank
 
     def __init__(self, model, group: TensorParallelGroup, processes: list, conns: list, store_dir: str,
@@ -72,6 +81,8 @@ class TensorParallelRunner:
         self.block_pool: BlockPool | None = None
         self.state_pool: MirroredStatePool | None = None
         self.caches = None
+        self.host_tier: MirroredHostTier | None = None
+        self.multimodal: MultimodalInputs | None = None  # rank 0's image inputs (`serve_images`)
         self._finalizer = weakref.finalize(self, _stop_workers, processes, conns, store_dir)
 
     # ------------------------------------------------------------------ start-up
@@ -79,13 +90,10 @@ class TensorParallelRunner:
     def start(cls, config: EngineConfig, model_config: ModelConfig, model_path: Path | None, device: torch.device,
               dtype: torch.dtype, *, with_vision: bool = False,
               timeout_s: float = COLLECTIVE_TIMEOUT_S) -> TensorParallelRunner:
-        """Spawn ranks 1 .. N-1, join the group and load rank 0's shard. ValueError (before any process
-        starts) when the model cannot be split N ways or asks for what the tensor-parallel engine lacks."""
+        """Spawn ranks 1 .. N-1, join the group and load rank 0's shard (with the whole vision tower when
+        `with_vision`). ValueError (before any process starts) when the model cannot be split N ways."""
         world = config.tensor_parallel_size
         check_shardable(model_config, world)
-        if with_vision:
-            raise ValueError("tensor_parallel_size > 1 serves text only: pass max_images_per_prompt=0 for this "
-                             "multimodal checkpoint")
         devices = _rank_devices(device, world)
         store_dir = tempfile.mkdtemp(prefix="forkpoint-tp-")
         context = mp.get_context("spawn")
@@ -103,7 +111,7 @@ class TensorParallelRunner:
                 conns.append(parent)
             group = TensorParallelGroup(f"{store_dir}/store", 0, world, devices[0], timeout_s)
             model = build_shard(ShardLayout(model_config, 0, world), group, model_path, config.load_format, dtype,
-                                config.seed)
+                                config.seed, with_vision=with_vision)
         except BaseException as error:
             # rank 0's own ValueError (a bad checkpoint) is the clearest error; else what the workers said
             reported = "" if isinstance(error, ValueError) else _worker_errors(processes, conns)
@@ -115,13 +123,20 @@ class TensorParallelRunner:
 
     def make_pools(self, config: EngineConfig, max_model_len: int) -> tuple[BlockPool, StatePool]:
         """Rank 0's pools (its heads), sized by `plan_pools`; every worker builds its own with the same
-        sizes. Returns once all ranks are ready (raises `TensorParallelError` when one fails)."""
+        sizes, and each rank a host tier of `checkpoint_host_bytes` for its shards when checkpoints
+        spill (`host_tier`: rank 0's). Returns once all ranks are ready (raises `TensorParallelError`
+        when one fails)."""
         shapes = self.model.pool_shapes(self._dtype)
-        sizes = plan_pools(config, shapes, max_model_len, self.device)
+        # the image embedding cache fills later on rank 0's device: set it aside there (CUDA)
+        reserved = config.image_embedding_cache_bytes if self.model.visual is not None else 0
+        sizes = plan_pools(config, shapes, max_model_len, self.device, reserved if self.device.type == "cuda" else 0)
         self.block_pool, self.state_pool = pools_of_sizes(sizes, config.block_size, shapes, self.device,
                                                           MirroredStatePool)
         self.caches = caches_of(self.block_pool, self.state_pool)
-        self._send(("pools", sizes))
+        host_bytes = config.checkpoint_host_bytes if config.enable_checkpoints else 0
+        if host_bytes > 0:
+            self.host_tier = MirroredHostTier(host_bytes, self.state_pool, self.block_pool)
+        self._send(("pools", sizes, host_bytes))
         deadline = time.monotonic() + START_TIMEOUT_S
         for rank, (process, conn) in enumerate(zip(self._processes, self._conns), start=1):
             while not conn.poll(0.05):
@@ -135,13 +150,29 @@ class TensorParallelRunner:
                 raise self._fail(RuntimeError(f"rank {rank} failed while loading"), {rank: message})
         return self.block_pool, self.state_pool
 
+    def serve_images(self, multimodal: MultimodalInputs | None) -> None:
+        """Rank 0's image inputs over its vision tower (built by the engine, as for `ModelRunner`);
+        None: text only."""
+        self.multimodal = multimodal
+
     # ------------------------------------------------------------------ steps
     def prepare(self, plan: StepPlan) -> tuple[ForwardBatch, list[Segment]]:
-        """Rank 0's batch, after the plan went to every worker (they start their forward at once):
-        the batch must then be passed to `forward`."""
+        """Rank 0's batch (images encoded and attached), after the plan went to every worker (they start
+        their forward at once): the batch must then be passed to `forward`."""
         self._check_running()
         batch, sampled = build_forward_batch(plan, self.block_size, self.device)  # raises before any send
-        self._send(("step", plan, self.state_pool.take_copies()))
+        images = self.multimodal is not None and any(s.multimodal is not None for s in plan.segments)
+        if images:  # the tower runs here, before any send: its errors leave the ranks in step
+            batch = self.multimodal.attach(plan.ordered(), batch)
+            # the workers take the rows and positions from the broadcast, not the pixels from the plan
+            plan = dataclasses.replace(plan, segments=tuple(dataclasses.replace(s, multimodal=None)
+                                                            for s in plan.segments))
+        self._send(("step", plan, self.state_pool.take_ops(), image_rows(batch) if images else None))
+        if images:
+            try:
+                send_image_inputs(self.group, batch, self._dtype)
+            except Exception as error:
+                raise self._fail(error) from error
         return batch, sampled
 
     def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[Segment]]:

@@ -21,6 +21,7 @@ the same `fused_moe` on a narrower intermediate size, and the routed and shared 
 sums share the MLP block's single all-reduce. Expert parallelism would need a token exchange (or a
 masked sum over all experts) per MoE layer; on CPU and for correctness the inside split is the
 simpler exact one (whether expert parallelism measures faster on GPUs is for the multi-GPU issue).
+The Mamba2 hybrids (`config.mamba2` set) have their own layout: distributed/mamba2_sharding.py.
 
 Because GDN value head j reads key head j // (HV / H) and attention query head i reads KV head
 i // (HQ / HKV), contiguous shares keep each rank's heads self-contained: the local model is the
@@ -35,17 +36,8 @@ from dataclasses import dataclass
 import torch
 
 from forkpoint.config import ModelConfig
-
-
-@dataclass(frozen=True)
-class Pieces:
-    """The ranges [start, stop) along `dim` of the full tensor that a rank holds, concatenated in order.
-    `first_rank_only`: the tensor is whole on rank 0 and zero elsewhere (a row-parallel layer's bias,
-    added once by the all-reduce)."""
-
-    dim: int = 0
-    ranges: tuple[tuple[int, int], ...] = ()
-    first_rank_only: bool = False
+from forkpoint.distributed.mamba2_sharding import check_mamba2_shardable, mamba2_local_config, mamba2_pieces
+from forkpoint.distributed.shares import Pieces, kv_rows, share
 
 
 def check_shardable(config: ModelConfig, world: int) -> None:
@@ -55,8 +47,8 @@ def check_shardable(config: ModelConfig, world: int) -> None:
     if world == 1:
         return
     if config.mamba2 is not None:
-        raise ValueError(f"tensor_parallel_size > 1 runs the Qwen3.5 and Qwen3-Next families; model_type "
-                         f"{config.model_type!r} (a Mamba2 hybrid) runs with tensor_parallel_size=1 only")
+        check_mamba2_shardable(config, world)
+        return
     sizes = {"vocab_size": config.vocab_size, "num_attention_heads": config.num_attention_heads,
              "linear_num_key_heads": config.linear_num_key_heads, "intermediate_size": config.intermediate_size,
              "moe_intermediate_size": config.moe_intermediate_size,
@@ -87,6 +79,8 @@ class ShardLayout:
     def local_config(self) -> ModelConfig:
         """The config of this rank's model: its heads, intermediate sizes and vocab share."""
         c, n = self.config, self.world
+        if c.mamba2 is not None:
+            return mamba2_local_config(c, n)
         return dataclasses.replace(
             c, vocab_size=c.vocab_size // n, num_attention_heads=c.num_attention_heads // n,
             num_key_value_heads=max(1, c.num_key_value_heads // n), linear_num_key_heads=c.linear_num_key_heads // n,
@@ -100,19 +94,16 @@ class ShardLayout:
         return self.rank * (self.config.vocab_size // self.world)
 
     def _part(self, total: int, offset: int = 0) -> tuple[int, int]:
-        return offset + self.rank * total // self.world, offset + (self.rank + 1) * total // self.world
-
-    def _kv_rows(self) -> tuple[int, int]:
-        c = self.config
-        if c.num_key_value_heads >= self.world:
-            return self._part(c.num_key_value_heads * c.head_dim)
-        head = self.rank * (c.num_attention_heads // self.world) // (c.num_attention_heads // c.num_key_value_heads)
-        return head * c.head_dim, (head + 1) * c.head_dim
+        return share(total, self.rank, self.world, offset)
 
     def pieces(self, name: str, shape: tuple[int, ...]) -> Pieces | None:
         """This rank's part of tensor `name` (the model's parameter name, or a checkpoint's per-expert /
         grouped name under `model.`) of full shape `shape`; None when it is replicated."""
         c = self.config
+        if name.startswith(("visual.", "model.visual.")):
+            return None  # the vision tower is whole (on rank 0)
+        if c.mamba2 is not None:
+            return mamba2_pieces(c, self.rank, self.world, name, shape)
         leaf, kind = name.split(".")[-2], name.split(".")[-1]
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return Pieces(0, (self._part(c.vocab_size),))
@@ -133,7 +124,7 @@ class ShardLayout:
             if leaf == "q_proj":
                 return Pieces(0, (self._part(shape[0]),))
             if leaf in ("k_proj", "v_proj"):
-                return Pieces(0, (self._kv_rows(),))
+                return Pieces(0, (kv_rows(c, self.rank, self.world),))
             if leaf == "o_proj":
                 return Pieces(first_rank_only=True) if kind == "bias" else Pieces(1, (self._part(shape[1]),))
             return None

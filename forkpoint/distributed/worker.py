@@ -2,9 +2,13 @@
 
 Protocol over the rank's pipe to rank 0 (the engine process)::
 
-    rank 0 -> worker   ("pools", PoolSizes)                   once, after both loaded their shards
-    worker -> rank 0   ("ready",)                             pools built: steps may come
-    rank 0 -> worker   ("step", StepPlan, ((src, dst), ...))  each step: state-row copies, then the plan
+    rank 0 -> worker   ("pools", PoolSizes, host_bytes)       once, after both loaded their shards
+    worker -> rank 0   ("ready",)                             pools (and host tier) built: steps may come
+    rank 0 -> worker   ("step", StepPlan, (op, ...), M)       each step: rank 0's pool operations since
+                                                              the last step (distributed/pools.py), the
+                                                              plan, and M: None for a text step, else the
+                                                              number of image rows rank 0 broadcasts
+                                                              (distributed/images.py)
     rank 0 -> worker   ("stop",)                              leave the loop
     worker -> rank 0   ("error", "Type: message", traceback)  anything raised; the process then exits
 
@@ -23,10 +27,13 @@ from pathlib import Path
 
 import torch
 
+from forkpoint.cache.host_tier import HostTier
 from forkpoint.cache.sizing import pools_of_sizes
 from forkpoint.config import ModelConfig
 from forkpoint.distributed.collectives import TensorParallelGroup
+from forkpoint.distributed.images import receive_image_inputs
 from forkpoint.distributed.loading import build_shard
+from forkpoint.distributed.pools import apply_pool_ops
 from forkpoint.distributed.sharding import ShardLayout
 from forkpoint.models.qwen3_5 import LayerCaches
 from forkpoint.runner.model_runner import build_forward_batch
@@ -80,18 +87,20 @@ def _serve(spec: WorkerSpec, conn) -> None:
     layout = ShardLayout(spec.model_config, spec.rank, spec.world)
     torch.manual_seed(spec.seed)
     model = build_shard(layout, group, spec.model_path, spec.load_format, spec.dtype, spec.seed)
-    kind, sizes = conn.recv()
+    kind, sizes, host_bytes = conn.recv()
     if kind != "pools":
         raise RuntimeError(f"expected the pool sizes from rank 0, got {kind!r}")
     block_pool, state_pool = pools_of_sizes(sizes, spec.block_size, model.pool_shapes(spec.dtype), device)
+    host = HostTier(host_bytes, state_pool, block_pool) if host_bytes > 0 else None
     caches = caches_of(block_pool, state_pool)
     conn.send(("ready",))
     while True:
         message = conn.recv()
         if message[0] == "stop":
             return
-        _, plan, copies = message
-        for src, dst in copies:
-            state_pool.copy_slot(src, dst)
+        _, plan, ops, num_image_rows = message
+        apply_pool_ops(ops, state_pool, host)
         batch, _ = build_forward_batch(plan, spec.block_size, device)
+        if num_image_rows is not None:
+            batch = receive_image_inputs(group, batch, num_image_rows, spec.model_config.hidden_size, spec.dtype)
         model(batch, caches)

@@ -151,8 +151,10 @@ class LLMEngine:
             # sees the graphs' buffers and memory pool as used
             piecewise = self._capture_graphs(model)
             self.block_pool, self.state_pool = self._make_pools(model)
-        host = (HostTier(config.checkpoint_host_bytes, self.state_pool, self.block_pool)
-                if config.enable_checkpoints and config.checkpoint_host_bytes > 0 else None)
+        host = None  # the host tier; with tensor parallelism rank 0's, mirrored by every rank's
+        if config.enable_checkpoints and config.checkpoint_host_bytes > 0:
+            host = (parallel.host_tier if parallel is not None
+                    else HostTier(config.checkpoint_host_bytes, self.state_pool, self.block_pool))
         self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool, host)
                          if config.enable_checkpoints else None)
         self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry)
@@ -161,6 +163,8 @@ class LLMEngine:
             max_kv_blocks=self.block_pool.num_blocks, max_checkpoints=config.max_checkpoints_per_request))
         multimodal = None if model.visual is None else MultimodalInputs(
             model.visual, self.images.processor, config.image_embedding_cache_bytes, self.device)
+        if parallel is not None:
+            parallel.serve_images(multimodal)
         self.runner = parallel or ModelRunner(model, self.block_pool, self.state_pool, self.device, multimodal,
                                               piecewise)
         self.sampler = Sampler(self.model_config.vocab_size, self.device)  # penalty counts across steps

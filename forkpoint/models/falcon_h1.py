@@ -7,13 +7,22 @@ them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from forkpoint.config import ModelConfig
 from forkpoint.kernels.activation import silu_and_mul
-from forkpoint.models.mamba2 import Attention, Mamba2Mixer, PlainRMSNorm
+from forkpoint.models.mamba2 import Attention, Mamba2Mixer, Mamba2Projection, PlainRMSNorm, QKVProjection
 from forkpoint.models.mamba2_lm import Mamba2HybridLM
+
+
+class ParallelProjection(NamedTuple):
+    """Token-wise outputs of a Falcon-H1 layer's projections: both mixers read the same normed input."""
+
+    mamba: Mamba2Projection
+    attention: QKVProjection
 
 
 class FalconMLP(nn.Module):
@@ -34,6 +43,9 @@ class FalconMLP(nn.Module):
 
 
 class FalconLayer(nn.Module):
+    """Attention and Mamba2 side by side, then the MLP; `reduce` sums each residual branch over the
+    tensor-parallel ranks (the identity in one process)."""
+
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         del layer_id  # every layer is "parallel"
@@ -45,14 +57,51 @@ class FalconLayer(nn.Module):
         self.feed_forward = FalconMLP(config)
         self.ssm_out, self.attn_in, self.attn_out = (hybrid.ssm_out_multiplier, hybrid.attention_in_multiplier,
                                                      hybrid.attention_out_multiplier)
+        self.reduce: nn.Module = nn.Identity()  # a tensor-parallel rank's all-reduce of the partial sums
 
-    def forward(self, hidden, cos_sin, batch, state, kv) -> torch.Tensor:
+    core_kind = "parallel"
+
+    def mamba_mixer(self) -> Mamba2Mixer:
+        return self.mamba
+
+    def _widths(self) -> tuple[int, int]:
+        return self.mamba.num_heads * self.mamba.head_dim, self.self_attn.num_heads * self.self_attn.head_dim
+
+    def core_shape(self) -> tuple[int]:
+        """One flat row per token: the Mamba2 output [H * P], then the attention output [HQ * Dh]."""
+        return (sum(self._widths()),)
+
+    def mamba_part(self, p: ParallelProjection, out: torch.Tensor) -> tuple[Mamba2Projection, torch.Tensor]:
+        """p's Mamba2 projection and the [T, H, P] view of its columns of out [T, H*P + HQ*Dh]."""
+        width, _ = self._widths()
+        return p.mamba, out[:, :width].view(out.shape[0], self.mamba.num_heads, self.mamba.head_dim)
+
+    def _attention_out(self, out: torch.Tensor) -> torch.Tensor:
+        width, _ = self._widths()
+        return out[:, width:].view(out.shape[0], self.self_attn.num_heads, self.self_attn.head_dim)
+
+    def project(self, hidden, cos_sin) -> ParallelProjection:
         x = self.input_layernorm(hidden)
-        p = self.mamba.project(x)
-        mamba = self.mamba.finish(self.mamba.core(p, batch, *state), p.z) * self.ssm_out
-        attn = self.self_attn(x * self.attn_in, cos_sin, batch, *kv) * self.attn_out
-        hidden = hidden + (mamba + attn)
-        return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
+        attention_in = x * self.attn_in if self.attn_in != 1.0 else x
+        return ParallelProjection(self.mamba.project(x), self.self_attn.project(attention_in, cos_sin))
+
+    def attention_core(self, p: ParallelProjection, batch, kv, out: torch.Tensor) -> None:
+        self.self_attn.core(p.attention, batch, *kv, self._attention_out(out))
+
+    def core(self, p: ParallelProjection, batch, state, kv, out=None) -> torch.Tensor:
+        if out is None:
+            out = p.mamba.xbc.new_empty(p.mamba.xbc.shape[0], *self.core_shape())
+        mamba_p, mamba_out = self.mamba_part(p, out)
+        self.mamba.core(mamba_p, batch, *state, mamba_out)
+        self.attention_core(p, batch, kv, out)
+        return out
+
+    def finish(self, hidden, p: ParallelProjection, core) -> torch.Tensor:
+        _, mamba_out = self.mamba_part(p, core)
+        mamba = self.mamba.finish(mamba_out, p.mamba.z) * self.ssm_out
+        attn = self.self_attn.finish(self._attention_out(core)) * self.attn_out
+        hidden = hidden + self.reduce(mamba + attn)
+        return hidden + self.reduce(self.feed_forward(self.pre_ff_layernorm(hidden)))
 
 
 class FalconH1Model(nn.Module):

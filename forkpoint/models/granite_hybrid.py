@@ -15,7 +15,7 @@ from torch import nn
 from forkpoint.config import ModelConfig
 from forkpoint.kernels.activation import silu_and_mul
 from forkpoint.kernels.moe import fused_moe
-from forkpoint.models.mamba2 import Attention, Mamba2Mixer, PlainRMSNorm
+from forkpoint.models.mamba2 import Attention, Mamba2Mixer, Mamba2Projection, PlainRMSNorm
 from forkpoint.models.mamba2_lm import Mamba2HybridLM
 
 
@@ -60,6 +60,9 @@ class SharedMLP(nn.Module):
 
 
 class GraniteLayer(nn.Module):
+    """Mixer, then MoE + shared MLP, each a residual branch; `reduce` sums each branch over the
+    tensor-parallel ranks before its multiplier (the identity in one process)."""
+
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.is_recurrent = config.layer_types[layer_id] == "mamba2"
@@ -72,20 +75,39 @@ class GraniteLayer(nn.Module):
         self.block_sparse_moe = GraniteMoE(config) if config.num_experts > 0 else None
         self.shared_mlp = SharedMLP(config.hidden_size, config.shared_expert_intermediate_size)
         self.residual_multiplier = config.mamba2.residual_multiplier
+        self.reduce: nn.Module = nn.Identity()  # a tensor-parallel rank's all-reduce of the partial sums
 
-    def forward(self, hidden, cos_sin, batch, state, kv) -> torch.Tensor:
+    @property
+    def core_kind(self) -> str:
+        return "recurrent" if self.is_recurrent else "attention"
+
+    def mamba_mixer(self) -> Mamba2Mixer:
+        return self.mamba
+
+    def mamba_part(self, p: Mamba2Projection, out: torch.Tensor) -> tuple[Mamba2Projection, torch.Tensor]:
+        return p, out
+
+    def core_shape(self) -> tuple[int, int]:
+        mixer = self.mamba if self.is_recurrent else self.self_attn
+        return mixer.num_heads, mixer.head_dim
+
+    def project(self, hidden, cos_sin):
         x = self.input_layernorm(hidden)
+        return self.mamba.project(x) if self.is_recurrent else self.self_attn.project(x, cos_sin)
+
+    def core(self, p, batch, state, kv, out=None) -> torch.Tensor:
         if self.is_recurrent:
-            p = self.mamba.project(x)
-            x = self.mamba.finish(self.mamba.core(p, batch, *state), p.z)
-        else:
-            x = self.self_attn(x, cos_sin, batch, *kv)
-        hidden = hidden + x * self.residual_multiplier
+            return self.mamba.core(p, batch, *state, out)
+        return self.self_attn.core(p, batch, *kv, out)
+
+    def finish(self, hidden, p, core) -> torch.Tensor:
+        x = self.mamba.finish(core, p.z) if self.is_recurrent else self.self_attn.finish(core)
+        hidden = hidden + self.reduce(x) * self.residual_multiplier
         x = self.post_attention_layernorm(hidden)
         out = self.shared_mlp(x)
         if self.block_sparse_moe is not None:
             out = self.block_sparse_moe(x) + out
-        return hidden + out * self.residual_multiplier
+        return hidden + self.reduce(out) * self.residual_multiplier
 
 
 class GraniteHybridModel(nn.Module):

@@ -28,7 +28,7 @@ from forkpoint.kernels.conv1d import causal_conv1d_step, causal_conv1d_varlen
 from forkpoint.kernels.rotary import apply_rotary
 from forkpoint.kernels.ssd import chunk_ssd, ssd_step_inplace
 from forkpoint.mamba2_config import Mamba2Config
-from forkpoint.models.qwen3_5 import AttentionProjection, GatedAttention
+from forkpoint.models.qwen3_5 import GatedAttention
 from forkpoint.step.batch import ForwardBatch
 
 
@@ -63,11 +63,16 @@ class GroupedGatedRMSNorm(nn.Module):
         if not self.norm_before_gate:
             h = h * gate
         grouped = h.view(h.shape[0], self.groups, -1)
-        h = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)).view(h.shape)
+        h = (grouped * torch.rsqrt(self.mean_square(grouped) + self.eps)).view(h.shape)
         h = h * self.weight.float()
         if self.norm_before_gate:
             h = h * gate
         return h.to(y.dtype)
+
+    def mean_square(self, grouped: torch.Tensor) -> torch.Tensor:
+        """grouped: [T, groups, I / groups] fp32 -> the mean of squares per group, [T, groups, 1]
+        (a tensor-parallel rank holding part of a group sums over the ranks instead)."""
+        return grouped.pow(2).mean(-1, keepdim=True)
 
 
 class Mamba2Projection(NamedTuple):
@@ -76,6 +81,23 @@ class Mamba2Projection(NamedTuple):
     xbc: torch.Tensor  # [T, conv_dim]: x, B, C channels before the causal convolution
     z: torch.Tensor  # [T, I]: output gate
     dt: torch.Tensor  # [T, H] float32: step sizes, softplus'd and clamped
+
+
+class Mamba2CoreParams(NamedTuple):
+    """The per-layer parameters a Mamba2 core reads (all else is per token, from the projection)."""
+
+    conv_weight: torch.Tensor  # [conv_dim, W]
+    conv_bias: torch.Tensor | None  # [conv_dim]
+    A_log: torch.Tensor  # [H]
+    D: torch.Tensor  # [H]
+
+
+class QKVProjection(NamedTuple):
+    """Token-wise outputs of a plain attention layer's projections (T rows each)."""
+
+    q: torch.Tensor  # [T, HQ, Dh]: rotated (when the model has rotary)
+    k: torch.Tensor  # [T, HKV, Dh]: rotated, times key_multiplier
+    v: torch.Tensor  # [T, HKV, Dh]
 
 
 class Mamba2Mixer(nn.Module):
@@ -128,34 +150,50 @@ class Mamba2Mixer(nn.Module):
         return (x.reshape(n, self.num_heads, self.head_dim), b.reshape(n, self.n_groups, self.state_size),
                 c.reshape(n, self.n_groups, self.state_size))
 
+    def core_params(self) -> Mamba2CoreParams:
+        """This layer's parameters that `core` reads (views, no copies)."""
+        return Mamba2CoreParams(self.conv1d.weight.squeeze(1), self.conv1d.bias, self.A_log, self.D)
+
     def core(self, p: Mamba2Projection, batch: ForwardBatch, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, *, params: Mamba2CoreParams | None = None,
+             row_offset: torch.Tensor | None = None) -> torch.Tensor:
         """Causal conv and SSD scan of the decode group and every phase: reads `batch`, reads and
         writes rows of conv_state [S, conv_dim, W-1] / ssm_state [S, H, P, N] fp32 in place.
-        Returns out [T, H, P] (every row written: decodes and phases cover all T tokens)."""
+        Returns out [T, H, P] (every row written: decodes and phases cover all T tokens; `out` may
+        be a strided view).
+
+        With `row_offset` (a 0-dim long tensor on the device) the states are those of all L Mamba2
+        layers flattened ([L * S, ...]), of which rows row_offset + slot are this layer's, and
+        `params` (this layer's own when None) are read instead of the module's: then the layer is
+        chosen by device data only, so one CUDA graph of this call serves every Mamba2 layer
+        (runner/piecewise.py), as `GatedDeltaNet.core` does for GDN. No host sync."""
         xbc, dt = p.xbc, p.dt
         if out is None:
             out = xbc.new_empty(xbc.shape[0], self.num_heads, self.head_dim)
-        weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias
-        A = -torch.exp(self.A_log.float())
+        weight, bias, A_log, D = params if params is not None else self.core_params()
+        A = -torch.exp(A_log.float())
+
+        def rows(slots: torch.Tensor) -> torch.Tensor:  # no launch on the per-layer path
+            return slots if row_offset is None else slots + row_offset
+
         decode = batch.decode
         if decode is not None and decode.num_tokens:
-            n, slots = decode.num_tokens, decode.slots
+            n, slots = decode.num_tokens, rows(decode.slots)
             conv_out, new_conv = causal_conv1d_step(xbc[:n], weight, bias, conv_state.index_select(0, slots))
             x, b, c = self._split(conv_out)
-            out[:n] = ssd_step_inplace(x, dt[:n], A, b, c, ssm_state, slots, D=self.D)
+            out[:n] = ssd_step_inplace(x, dt[:n], A, b, c, ssm_state, slots, D=D)
             conv_state.index_copy_(0, slots, new_conv.to(conv_state.dtype))
         for phase in batch.phases:
             lo, hi = phase.token_start, phase.token_end
-            conv_out, final_conv = causal_conv1d_varlen(xbc[lo:hi], weight, bias,
-                                                        conv_state.index_select(0, phase.initial_slots),
+            initial = rows(phase.initial_slots)
+            conv_out, final_conv = causal_conv1d_varlen(xbc[lo:hi], weight, bias, conv_state.index_select(0, initial),
                                                         phase.cu_seqlens, phase.cu_seqlens_host)
             x, b, c = self._split(conv_out)
-            y, final_ssm = chunk_ssd(x, dt[lo:hi], A, b, c, ssm_state.index_select(0, phase.initial_slots),
-                                     phase.cu_seqlens, phase.cu_seqlens_host, D=self.D)
+            y, final_ssm = chunk_ssd(x, dt[lo:hi], A, b, c, ssm_state.index_select(0, initial),
+                                     phase.cu_seqlens, phase.cu_seqlens_host, D=D)
             out[lo:hi] = y
             if phase.dest_slots.numel():
-                dest = phase.dest_slots
+                dest = rows(phase.dest_slots)
                 conv_state.index_copy_(0, dest, final_conv.index_select(0, phase.dest_rows).to(conv_state.dtype))
                 ssm_state.index_copy_(0, dest, final_ssm.index_select(0, phase.dest_rows))
         return out
@@ -185,25 +223,27 @@ class Attention(nn.Module):
         self.scale = hybrid.attention_scale if hybrid.attention_scale is not None else self.head_dim**-0.5
         self.key_multiplier = hybrid.key_multiplier
 
-    def project(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] -> q [T, HQ, Dh], k and v [T, HKV, Dh]. Token-wise."""
+    def project(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> QKVProjection:
+        """x: [T, hidden]; cos, sin: [T, rotary_dim] (rotary_dim 0: no rotary) -> q [T, HQ, Dh], k and
+        v [T, HKV, Dh]. Token-wise."""
         t = x.shape[0]
         q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
         if self.key_multiplier != 1.0:
             k = k * self.key_multiplier
         v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
-        if cos_sin is not None:
-            cos, sin = cos_sin
+        cos, sin = cos_sin
+        if cos.shape[-1]:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return q, k, v
+        return QKVProjection(q, k, v)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None, batch: ForwardBatch,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """Writes this step's K/V, copies shared partial blocks (copy-on-write), attends, o_proj.
-        x: [T, hidden] -> [T, hidden]. The varlen part is Qwen's gated-attention core (it reads only
-        q, k, v and `self.scale`; no output gate here)."""
-        q, k, v = self.project(x, cos_sin)
-        o = GatedAttention.core(self, AttentionProjection(q, k, v, None), batch, k_cache, v_cache)
-        return self.o_proj(o.reshape(o.shape[0], -1))
+    def core(self, p: QKVProjection, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """Writes this step's K/V, copies shared partial blocks (copy-on-write), attends -> [T, HQ, Dh]
+        (copied into `out` when given). Qwen's gated-attention core: it reads only q, k, v and
+        `self.scale`."""
+        return GatedAttention.core(self, p, batch, k_cache, v_cache, out)
+
+    def finish(self, core: torch.Tensor) -> torch.Tensor:
+        """core: [T, HQ, Dh] -> o_proj [T, hidden]. Token-wise."""
+        return self.o_proj(core.reshape(core.shape[0], -1))

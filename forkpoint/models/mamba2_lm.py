@@ -1,14 +1,27 @@
 """The causal-LM shell shared by the Mamba2 hybrids: embedding (with its multiplier), the decoder
 layers of the family, final norm and lm_head (with the family's logits multipliers).
 
-A family's decoder layer is called as `layer(hidden, cos_sin, batch, state, kv) -> hidden` with
-`state = (conv [S, conv_dim, W-1], ssm [S, H, P, N])` its rows of the state pool (None for layers
-without a recurrent mixer) and `kv = (k, v)` its paged KV cache (None without attention); the
-shell hands each layer its tensors from `LayerCaches` (recurrent layers in `recurrent_layer_ids`
-order, attention layers in `attention_layer_ids` order), as `HybridForCausalLM` does.
+It has the part-wise interface of `HybridForCausalLM` (models/qwen3_5.py), so the piecewise CUDA
+graphs and the whole-step decode graphs (runner/piecewise.py, runner/decode_graphs.py) run these
+models as they run Qwen's: `forward` is exactly embed, then project / core / finish per layer, then
+`compute_logits`. A family's decoder layer provides
+
+    core_kind        "recurrent" (Mamba2), "attention", "parallel" (Falcon-H1: both on one input)
+                     or None (token-wise only: Nemotron-H's MLP and MoE blocks; no project / core)
+    project(hidden, cos_sin) -> NamedTuple          token-wise, the mixer's projections
+    core_shape() -> tuple                           trailing shape of its core output
+    core(p, batch, state, kv, out) -> [T, ...]      varlen: conv + SSD and/or KV write + attention
+    finish(residual, p, core) -> [T, hidden]        token-wise, mixer output, residual, MLP / MoE
+
+with `state = (conv [S, conv_dim, W-1], ssm [S, H, P, N])` its rows of the state pool and
+`kv = (k, v)` its paged KV cache; recurrent and parallel layers also give `mamba_part(p, out)`
+(their Mamba2 projection and core-output view), so that one CUDA graph of a Mamba2 core serves
+every Mamba2 layer of a step (`recurrent_core`).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -16,7 +29,7 @@ from torch import nn
 from forkpoint.cache.sizing import PoolShapes
 from forkpoint.config import ModelConfig
 from forkpoint.models.layers import RotaryEmbedding, mrope_axes
-from forkpoint.models.mamba2 import Mamba2Mixer
+from forkpoint.models.mamba2 import Mamba2CoreParams, Mamba2Mixer
 from forkpoint.models.qwen3_5 import LayerCaches
 from forkpoint.step.batch import ForwardBatch
 
@@ -62,6 +75,72 @@ class Mamba2HybridLM(nn.Module):
         self.rotary.inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
         self.rotary.mrope_axis = mrope_axes(dim // 2, self.config.mrope_section, device)
 
+    # ------------------------------------------------------------------ parts (runner/piecewise.py)
+    def core_kind(self, layer_id: int) -> str | None:
+        """"recurrent", "attention", "parallel", or None for a token-wise-only layer."""
+        return self.model.layers[layer_id].core_kind
+
+    def core_shape(self, layer_id: int) -> tuple[int, ...]:
+        return self.model.layers[layer_id].core_shape()
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor,
+              embedding_overrides: tuple[torch.Tensor, torch.Tensor] | None = None,
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """input_ids, positions: [T] long -> hidden [T, hidden] (times the embedding multiplier) and
+        the rotary tables (cos, sin) [T, rotary_dim] in the model dtype ([T, 0] without rotary)."""
+        if embedding_overrides is not None:
+            raise ValueError(f"{self.config.model_type} is a text-only model: a batch with image rows cannot run")
+        hidden = self.input_embeddings()(input_ids)
+        if self.config.mamba2.embedding_multiplier != 1.0:
+            hidden = hidden * self.config.mamba2.embedding_multiplier
+        if self.rotary is None:
+            empty = hidden.new_zeros(hidden.shape[0], 0)
+            return hidden, (empty, empty)
+        return hidden, self.rotary.cos_sin(positions, hidden.dtype)
+
+    def project(self, layer_id: int, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> NamedTuple:
+        """hidden: [T, hidden], the stream entering the layer -> its mixer projections. Token-wise."""
+        return self.model.layers[layer_id].project(hidden, cos_sin)
+
+    def _state(self, layer_id: int, caches: LayerCaches):
+        s, j = self._state_index.get(layer_id), self._kv_index.get(layer_id)
+        state = None if s is None else (caches.conv[s], caches.ssm[s])
+        kv = None if j is None else (caches.k[j], caches.v[j])
+        return state, kv
+
+    def core(self, layer_id: int, p: NamedTuple, batch: ForwardBatch, caches: LayerCaches,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's varlen part on the step's T tokens (reads `batch`, reads and writes the pools'
+        rows) -> [T, *core_shape], written into `out` when given."""
+        state, kv = self._state(layer_id, caches)
+        return self.model.layers[layer_id].core(p, batch, state, kv, out)
+
+    def attention_core(self, layer_id: int, p: NamedTuple, batch: ForwardBatch, caches: LayerCaches,
+                       out: torch.Tensor) -> None:
+        """The attention half of a parallel layer's core (its Mamba2 half ran through `recurrent_core`)."""
+        _, kv = self._state(layer_id, caches)
+        self.model.layers[layer_id].attention_core(p, batch, kv, out)
+
+    def recurrent_core_params(self, layer_id: int) -> Mamba2CoreParams:
+        """The parameters that Mamba2 layer `layer_id`'s core reads (views of the parameters)."""
+        return self.model.layers[layer_id].mamba_mixer().core_params()
+
+    def recurrent_core(self, p: NamedTuple, batch: ForwardBatch, conv_states: torch.Tensor, ssm_states: torch.Tensor,
+                       params: Mamba2CoreParams, row_offset: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The Mamba2 core of the layer that the device data selects: conv_states / ssm_states are
+        the flattened `LayerCaches.conv_stack / ssm_stack` [L * S, ...], row_offset (0-dim long) =
+        j * S and `params` those of the j-th recurrent layer. Equal to that layer's Mamba2 core (all
+        recurrent layers share their shapes and kind); writes its rows of `out`."""
+        layer = self.model.layers[self.config.recurrent_layer_ids[0]]
+        mamba_p, mamba_out = layer.mamba_part(p, out)
+        return layer.mamba_mixer().core(mamba_p, batch, conv_states, ssm_states, mamba_out, params=params,
+                                        row_offset=row_offset)
+
+    def finish(self, layer_id: int, residual: torch.Tensor, p: NamedTuple | None,
+               core: torch.Tensor | None) -> torch.Tensor:
+        """residual: [T, hidden] (the stream entering the layer) -> the stream leaving it. Token-wise."""
+        return self.model.layers[layer_id].finish(residual, p, core)
+
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """hidden: [T, hidden] leaving the last layer; logits_indices: [R] -> [R, vocab] float32."""
         hybrid = self.config.mamba2
@@ -74,13 +153,11 @@ class Mamba2HybridLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
-        hidden = self.input_embeddings()(batch.input_ids)
-        if self.config.mamba2.embedding_multiplier != 1.0:
-            hidden = hidden * self.config.mamba2.embedding_multiplier
-        cos_sin = None if self.rotary is None else self.rotary.cos_sin(batch.positions, hidden.dtype)
-        for layer_id, layer in enumerate(self.model.layers):
-            s, j = self._state_index.get(layer_id), self._kv_index.get(layer_id)
-            state = None if s is None else (caches.conv[s], caches.ssm[s])
-            kv = None if j is None else (caches.k[j], caches.v[j])
-            hidden = layer(hidden, cos_sin, batch, state, kv)
+        hidden, cos_sin = self.embed(batch.input_ids, batch.positions, batch.embedding_overrides)
+        for layer_id in range(len(self.model.layers)):
+            p = core = None
+            if self.core_kind(layer_id) is not None:
+                p = self.project(layer_id, hidden, cos_sin)
+                core = self.core(layer_id, p, batch, caches)
+            hidden = self.finish(layer_id, hidden, p, core)
         return self.compute_logits(hidden, batch.logits_indices)

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from forkpoint.config import ModelConfig
-from forkpoint.models.mamba2 import Attention, Mamba2Mixer, PlainRMSNorm
+from forkpoint.kernels.moe import fused_moe_relu2
+from forkpoint.models.mamba2 import Attention, Mamba2Mixer, Mamba2Projection, PlainRMSNorm
 from forkpoint.models.mamba2_lm import Mamba2HybridLM
 
 
@@ -71,15 +72,12 @@ class StackedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x: [T, H]; weights, ids: [T, k] -> sum_j w_j down[e_j] relu(up[e_j] x)^2, [T, H] in x.dtype
-        (accumulated in fp32; each expert that was hit runs once on all its tokens)."""
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in torch.unique(ids).tolist():
-            token, slot = torch.nonzero(ids == e, as_tuple=True)
-            y = F.linear(relu2(F.linear(x[token], self.up_proj[e])), self.down_proj[e])
-            out.index_add_(0, token, y.float() * weights[token, slot, None])
-        return out.to(x.dtype)
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, H]; weights, ids: [T, k] -> sum_j w_j down[e_j] relu(up[e_j] x)^2 (+ residual [T, H]),
+        [T, H] in x.dtype (kernels/moe `fused_moe_relu2`: the reference on the CPU, grouped GEMMs
+        without a host sync on CUDA in bf16)."""
+        return fused_moe_relu2(x, self.up_proj, self.down_proj, weights, ids, residual=residual)
 
 
 class NemotronMoE(nn.Module):
@@ -101,17 +99,21 @@ class NemotronMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         if not self.latent:
-            return self.experts(x, weights, ids) + self.shared_experts(x)
+            return self.experts(x, weights, ids, residual=self.shared_experts(x))
         routed = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), weights, ids))
         return routed + self.shared_experts(x)
 
 
 class NemotronBlock(nn.Module):
-    """`hidden + mixer(norm(hidden))` for one of the four mixer kinds."""
+    """`hidden + mixer(norm(hidden))` for one of the four mixer kinds, in the parts of
+    models/mamba2_lm.py: Mamba2 and attention blocks project / core / finish; MLP and MoE blocks
+    are token-wise only (`finish`). `reduce` sums the mixer's output over the tensor-parallel ranks
+    (the identity in one process)."""
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.kind = config.layer_types[layer_id]
+        self.core_kind = {"mamba2": "recurrent", "full_attention": "attention"}.get(self.kind)
         self.norm = PlainRMSNorm(config.hidden_size, config.rms_norm_eps)
         if self.kind == "mamba2":
             self.mixer: nn.Module = Mamba2Mixer(config)
@@ -121,17 +123,32 @@ class NemotronBlock(nn.Module):
             self.mixer = NemotronMoE(config)
         else:
             self.mixer = ReluSquaredMLP(config.hidden_size, config.intermediate_size, config.mamba2.mlp_bias)
+        self.reduce: nn.Module = nn.Identity()  # a tensor-parallel rank's all-reduce of the partial sums
 
-    def forward(self, hidden, cos_sin, batch, state, kv) -> torch.Tensor:
+    def mamba_mixer(self) -> Mamba2Mixer:
+        return self.mixer
+
+    def mamba_part(self, p: Mamba2Projection, out: torch.Tensor) -> tuple[Mamba2Projection, torch.Tensor]:
+        return p, out
+
+    def core_shape(self) -> tuple[int, int]:
+        return self.mixer.num_heads, self.mixer.head_dim  # Mamba2: (H, P); attention: (HQ, Dh)
+
+    def project(self, hidden, cos_sin):
         x = self.norm(hidden)
+        return self.mixer.project(x) if self.kind == "mamba2" else self.mixer.project(x, cos_sin)
+
+    def core(self, p, batch, state, kv, out=None) -> torch.Tensor:
+        return self.mixer.core(p, batch, *(state if self.kind == "mamba2" else kv), out)
+
+    def finish(self, hidden, p, core) -> torch.Tensor:
         if self.kind == "mamba2":
-            p = self.mixer.project(x)
-            out = self.mixer.finish(self.mixer.core(p, batch, *state), p.z)
+            out = self.mixer.finish(core, p.z)
         elif self.kind == "full_attention":
-            out = self.mixer(x, cos_sin, batch, *kv)
+            out = self.mixer.finish(core)
         else:
-            out = self.mixer(x)
-        return hidden + out
+            out = self.mixer(self.norm(hidden))
+        return hidden + self.reduce(out)
 
 
 class NemotronHModel(nn.Module):

@@ -83,6 +83,12 @@ class AttentionProjection(NamedTuple):
     gate: torch.Tensor  # [T, HQ * Dh]: output gate, before the sigmoid
 
 
+class GDNCoreParams(NamedTuple):
+    """The per-layer parameters a GDN core reads (all else is per token, from the projection)."""
+
+    conv_weight: torch.Tensor  # [conv_dim, W]
+
+
 class GatedDeltaNet(StackedProjections):
     """Gated DeltaNet token mixer with packed two-phase execution (see step/batch.py). The four
     input projections (qkv, z, b, a) run as one GEMM."""
@@ -334,9 +340,9 @@ class HybridForCausalLM(nn.Module):
             torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
         self.rotary.mrope_axis = mrope_axes(dim // 2, config.mrope_section, device)
 
-    def is_recurrent(self, layer_id: int) -> bool:
-        """Whether layer `layer_id` is a Gated DeltaNet layer (else gated attention)."""
-        return self.model.layers[layer_id].is_recurrent
+    def core_kind(self, layer_id: int) -> str:
+        """"recurrent" for a Gated DeltaNet layer, "attention" for gated attention."""
+        return "recurrent" if self.model.layers[layer_id].is_recurrent else "attention"
 
     def core_shape(self, layer_id: int) -> tuple[int, int]:
         """(heads, dim) of the core output of layer `layer_id`: (HV, V) for GDN, (HQ, Dh) for attention."""
@@ -375,18 +381,20 @@ class HybridForCausalLM(nn.Module):
             return layer.linear_attn.core(p, batch, caches.conv[j], caches.ssm[j], out)
         return layer.self_attn.core(p, batch, caches.k[j], caches.v[j], out)
 
-    def gdn_conv_weight(self, layer_id: int) -> torch.Tensor:
-        """GDN layer `layer_id`'s causal conv weight [conv_dim, W] (a view of the parameter)."""
-        return self.model.layers[layer_id].linear_attn.conv1d.weight.squeeze(1)
+    def recurrent_core_params(self, layer_id: int) -> GDNCoreParams:
+        """GDN layer `layer_id`'s parameters that its core reads: the causal conv weight [conv_dim, W]
+        (a view of the parameter)."""
+        return GDNCoreParams(self.model.layers[layer_id].linear_attn.conv1d.weight.squeeze(1))
 
-    def gdn_core(self, p: GDNProjection, batch: ForwardBatch, conv_states: torch.Tensor, ssm_states: torch.Tensor,
-                 conv_weight: torch.Tensor, row_offset: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def recurrent_core(self, p: GDNProjection, batch: ForwardBatch, conv_states: torch.Tensor,
+                       ssm_states: torch.Tensor, params: GDNCoreParams, row_offset: torch.Tensor,
+                       out: torch.Tensor) -> torch.Tensor:
         """The core of the GDN layer that the device data selects: conv_states [L * S, conv_dim, W-1] and
         ssm_states [L * S, HV, K, V] are the flattened `LayerCaches.conv_stack / ssm_stack`; row_offset
-        (0-dim long) = j * S and conv_weight = `gdn_conv_weight` of the j-th GDN layer. Equal to
+        (0-dim long) = j * S and params = `recurrent_core_params` of the j-th GDN layer. Equal to
         `core` of that layer (same function, GDN layers share their shapes); writes `out` [T, HV, V]."""
         gdn = self.model.layers[self.config.gdn_layer_ids[0]].linear_attn
-        return gdn.core(p, batch, conv_states, ssm_states, out, conv_weight=conv_weight, row_offset=row_offset)
+        return gdn.core(p, batch, conv_states, ssm_states, out, conv_weight=params.conv_weight, row_offset=row_offset)
 
     def finish(self, layer_id: int, residual: torch.Tensor, p: GDNProjection | AttentionProjection,
                core: torch.Tensor) -> torch.Tensor:

@@ -1,18 +1,20 @@
 """Piecewise forward: the token-wise parts over static buffers, replayed as CUDA graphs per bucket.
 
-A forward of L decoder layers splits into an eager prologue, L + 1 token-wise *pieces* and L varlen
-*cores* (`HybridForCausalLM.embed / project / core / finish / compute_logits`)::
+A forward of L decoder layers, C of which have a varlen *core* (all of Qwen's; Nemotron-H's MLP and
+MoE blocks have none), splits into an eager prologue, C + 1 token-wise *pieces* and C cores
+(`embed / project / core / finish / compute_logits` of `HybridForCausalLM` or `Mamba2HybridLM`)::
 
     embed       token embeddings (+ image rows), rotary cos/sin, on the first T rows   eager
-    piece 0     input norm + projections of layer 0                                   graph
+    piece 0     layers before the first core layer (finish only), project core layer 0  graph
     core 0      layer 0's mixer core on the first T rows (reads the ForwardBatch)       eager
-    piece 1     finish of layer 0 (mixer out, residual, MLP/MoE), project layer 1       graph
+    piece 1     finish of layer 0 (mixer out, residual, MLP/MoE) and of the core-less
+                layers after it, project the next core layer                          graph
     ...
-    piece L     finish of layer L-1: the stream leaving the last layer                  graph
+    piece C     finish of the last core layer and all after it: the stream leaving      graph
     logits      final norm + lm_head on the logits_indices rows                         eager
 
 Pieces depend on the number of rows only through shapes, so one CUDA graph per piece and bucket
-(a padded token count Tb >= T) replays them: L + 1 replays and L eager cores per step instead of
+(a padded token count Tb >= T) replays them: C + 1 replays and C eager cores per step instead of
 ~100 launches per layer. The embedding runs eagerly (a handful of launches) because what it reads
 differs per step in ways a graph cannot hold: image steps replace rows with vision-tower outputs
 (`embedding_overrides`, M rows) and rotate by [3, T] multi-axis positions. So text and image steps
@@ -25,25 +27,29 @@ Static buffers, allocated once with Tmax = the largest bucket rows and shared by
     residual [Tmax, hidden]                   embed writes rows [:T] (rows T..Tb-1 zeroed); piece i > 0:
                                               the stream entering layer i; piece L: the final one
     cos, sin [Tmax, rotary_dim]               embed writes rows [:T]
-    projection[kind]: GDNProjection or        piece i writes layer i's projections; core i reads rows [:T];
-      AttentionProjection of [Tmax, ...]      piece i+1 reads z / gate
-    core_out[kind] [Tmax, heads, dim]         core i writes rows [:T]; piece i+1 reads
+    projection[kind]: the kind's projection   piece i writes layer i's projections; core i reads rows [:T];
+      NamedTuple of [Tmax, ...] tensors       piece i+1 reads z / gate
+    core_out[kind] [Tmax, *core_shape]        core i writes rows [:T]; piece i+1 reads
 
-One set of projection / core buffers per mixer kind (GDN, attention), shared by the layers of that
-kind: piece i+1 reads layer i's buffers before it writes layer i+1's (its outputs are `copy_`-ed
+One set of projection / core buffers per core kind (`model.core_kind`: "recurrent" for GDN or
+Mamba2, "attention", "parallel" for Falcon-H1's attention + Mamba2 layers), shared by the layers
+of that kind: piece i+1 reads layer i's buffers before it writes layer i+1's (its outputs are `copy_`-ed
 in at its end), and stream order, captured or not, keeps that order. Because every piece copies its
 outputs into static buffers, nothing allocated inside a graph outlives its capture, so all graphs
 share one memory pool (captured largest bucket first; at replay they never run concurrently).
 
-GDN cores: within one step every GDN layer's core runs the same metadata on the same projection /
-core buffers and differs only in its states and conv weight. The pool stacks the states of all L
-GDN layers (`LayerCaches.conv_stack / ssm_stack`, flattened to [L * S, ...]), so the core of GDN
-layer j is `gdn_core` with two static inputs, `gdn_row_offset` = j * S (a device scalar) and
-`gdn_conv_weight` (layer j's conv weight copied in). With graphs, each step runs its first GDN
-core eagerly (Triton / fla compile and autotune, chunk indices upload, outside any capture),
-captures one graph of it on the step's metadata into the shared pool, and for every later GDN
-layer copies the offset and weight in and replays: 2 small copies and a replay instead of ~20
-eager launches per phase. The graph is dropped at the end of the step. Everything it allocates is
+Recurrent cores (GDN or Mamba2): within one step every recurrent layer's core runs the same
+metadata on the same projection / core buffers and differs only in its states and a few
+parameters (GDN: the conv weight; Mamba2: conv weight and bias, A_log, D). The pool stacks the
+states of all L recurrent layers (`LayerCaches.conv_stack / ssm_stack`, flattened to [L * S, ...]),
+so the core of recurrent layer j is `model.recurrent_core` with static inputs,
+`recurrent_row_offset` = j * S (a device scalar) and `core_params` (layer j's
+`recurrent_core_params` copied in). With graphs, each step runs its first recurrent core eagerly
+(Triton / fla compile and autotune, chunk indices upload, outside any capture), captures one graph
+of it on the step's metadata into the shared pool, and for every later recurrent layer copies the
+offset and parameters in and replays: a few small copies and a replay instead of ~20 eager
+launches per phase. A parallel layer's attention half (`model.attention_core`) runs eagerly after
+its Mamba2 half. The graph is dropped at the end of the step. Everything it allocates is
 transient (its output goes into core_out, final states into the pool by `index_copy_`), so sharing
 the pieces' memory pool is safe; a step whose capture fails runs its cores eagerly (warned once).
 
@@ -52,9 +58,9 @@ zeros, cos/sin rows only ever hold cos/sin values, core rows hold an earlier ste
 zeros); no core, pool or logits row ever reads them. Steps above the largest bucket take the
 model's plain forward.
 
-`capture=False` runs the same pieces eagerly on the same buffers, and every GDN core through
-`gdn_core` with the static offset and weight set per layer, as the replays do (the CPU tests of this
-plumbing).
+`capture=False` runs the same pieces eagerly on the same buffers, and every recurrent core through
+`recurrent_core` with the static offset and parameters set per layer, as the replays do (the CPU
+tests of this plumbing).
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ import torch
 
 from forkpoint.config import ModelConfig
 from forkpoint.kernels import select_variant
-from forkpoint.models.qwen3_5 import AttentionProjection, GDNProjection, HybridForCausalLM, LayerCaches
+from forkpoint.models.qwen3_5 import HybridForCausalLM, LayerCaches
 from forkpoint.step.batch import ForwardBatch
 
 logger = logging.getLogger("forkpoint")
@@ -78,6 +84,35 @@ logger = logging.getLogger("forkpoint")
 # docs/e2e_h200.md) the GPU work hides the launches and graphs gain a few percent, while the static
 # buffers and the graph pool grow with the largest bucket.
 MAX_DEFAULT_GRAPH_TOKENS = 8192
+# core kinds whose core runs through the stacked states and the per-step core graph
+RECURRENT_KINDS = ("recurrent", "parallel")
+
+
+def _zeros_rows(probe: tuple, rows: int) -> tuple:
+    """A NamedTuple like `probe` (fields: tensors, NamedTuples of tensors, or None) of zero tensors
+    with `rows` rows and the probe's trailing shapes and dtypes."""
+    return type(probe)(*(None if t is None else t.new_zeros(rows, *t.shape[1:]) if isinstance(t, torch.Tensor)
+                         else _zeros_rows(t, rows) for t in probe))
+
+
+def _first_rows(buffers: tuple, rows: int) -> tuple:
+    """Views of the first `rows` rows of every tensor in `buffers` (a NamedTuple, nested allowed)."""
+    return type(buffers)(*(None if t is None else t[:rows] if isinstance(t, torch.Tensor) else _first_rows(t, rows)
+                           for t in buffers))
+
+
+def _copy_into(dst: tuple, src: tuple) -> None:
+    """dst.copy_(src) field by field (NamedTuples of the same structure, nested allowed)."""
+    for d, s in zip(dst, src):
+        if isinstance(d, torch.Tensor):
+            d.copy_(s)
+        elif d is not None:
+            _copy_into(d, s)
+
+
+def _tensors(tree: tuple) -> list[torch.Tensor]:
+    return [t for item in tree for t in ([item] if isinstance(item, torch.Tensor) else
+                                         [] if item is None else _tensors(item))]
 
 
 def default_cuda_graph_sizes(max_num_batched_tokens: int) -> tuple[int, ...]:
@@ -98,13 +133,10 @@ def default_cuda_graph_sizes(max_num_batched_tokens: int) -> tuple[int, ...]:
 def graph_blocker(config: ModelConfig, dtype: torch.dtype) -> str | None:
     """Why the token-wise pieces of this model cannot be captured on CUDA, or None if they can.
 
-    A captured piece must not synchronise with the host. The routed experts' GPU variant
-    (kernels/moe/grouped.py) is sync-free but takes bfloat16 only; other dtypes fall back to the
-    reference, which reads per-expert counts on the host. The pieces exist for the Qwen families
-    only; the Mamba2 hybrids run eagerly.
+    A captured piece must not synchronise with the host. The routed experts' GPU variants
+    (kernels/moe/grouped.py: SwiGLU experts, and Nemotron's ReLU^2 experts) are sync-free but take
+    bfloat16 only; other dtypes fall back to the reference, which reads per-expert counts on the host.
     """
-    if config.mamba2 is not None:
-        return f"piecewise CUDA graphs cover the Qwen families only, not {config.model_type!r}"
     if any(config.moe_layers):
         grouped = select_variant("moe", "grouped", True).__name__.endswith(".grouped")
         if not grouped:
@@ -135,11 +167,13 @@ class PiecewiseForward:
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}: use capture=False")
         self.device = device
         self.num_layers = model.config.num_layers
-        self._recurrent = [model.is_recurrent(i) for i in range(self.num_layers)]  # buffer set of each layer
+        self._kinds = [model.core_kind(i) for i in range(self.num_layers)]  # buffer set of each layer
+        self._core_layers = [i for i, kind in enumerate(self._kinds) if kind is not None]
+        self.num_pieces = len(self._core_layers) + 1
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self._gdn_index = {layer_id: j for j, layer_id in enumerate(model.config.gdn_layer_ids)}
+        self._recurrent_index = {layer_id: j for j, layer_id in enumerate(model.config.recurrent_layer_ids)}
         self.capture_cores = capture_cores
-        self.core_graph_steps = 0  # steps whose later GDN cores replayed a captured core
+        self.core_graph_steps = 0  # steps whose later recurrent cores replayed a captured core
         self.core_capture_failures = 0
         self._pool = None  # the graphs' shared memory pool, and the capture stream (CUDA only)
         self._stream: torch.cuda.Stream | None = None
@@ -156,7 +190,7 @@ class PiecewiseForward:
             free_after, _ = torch.cuda.mem_get_info(device)
             logger.info("CUDA graphs: %d buckets (%d..%d tokens) x %d pieces captured in %.1f s, %.0f MiB of GPU "
                         "memory (static buffers %.0f MiB; the rest is the shared graph pool and the graphs)",
-                        len(self.sizes), self.sizes[0], self.sizes[-1], self.num_layers + 1,
+                        len(self.sizes), self.sizes[0], self.sizes[-1], self.num_pieces,
                         time.perf_counter() - start, (free_before - free_after) / 2**20, self.num_bytes / 2**20)
 
     # ------------------------------------------------------------------ buffers
@@ -169,48 +203,54 @@ class PiecewiseForward:
         self.residual = hidden.new_zeros(rows, *hidden.shape[1:])
         self.cos = cos.new_zeros(rows, *cos.shape[1:])
         self.sin = sin.new_zeros(rows, *sin.shape[1:])
-        self.projection: dict[bool, GDNProjection | AttentionProjection] = {}
-        self.core_out: dict[bool, torch.Tensor] = {}
-        for layer_id, kind in enumerate(self._recurrent):
+        self.projection: dict[str, tuple] = {}
+        self.core_out: dict[str, torch.Tensor] = {}
+        for layer_id in self._core_layers:
+            kind = self._kinds[layer_id]
             if kind not in self.projection:
-                probe = model.project(layer_id, hidden, (cos, sin))
-                self.projection[kind] = type(probe)(*(t.new_zeros(rows, *t.shape[1:]) for t in probe))
+                self.projection[kind] = _zeros_rows(model.project(layer_id, hidden, (cos, sin)), rows)
                 self.core_out[kind] = hidden.new_zeros(rows, *model.core_shape(layer_id))
-        # the static inputs that select the GDN layer of `_gdn_core` (module docstring)
-        self.gdn_row_offset = torch.zeros((), dtype=torch.long, device=device)
-        if self._gdn_index:
-            self.gdn_conv_weight = torch.zeros_like(model.gdn_conv_weight(next(iter(self._gdn_index))))
+        # the static inputs that select the recurrent layer of `_recurrent_core` (module docstring)
+        self.recurrent_row_offset = torch.zeros((), dtype=torch.long, device=device)
+        self._recurrent_kind = next((k for k in self._kinds if k in RECURRENT_KINDS), None)
+        self.core_params: tuple | None = None
+        if self._recurrent_kind is not None:
+            params = model.recurrent_core_params(next(iter(self._recurrent_index)))
+            self.core_params = type(params)(*(None if t is None else torch.zeros_like(t) for t in params))
 
-    def _projection_rows(self, layer_id: int, rows: int) -> GDNProjection | AttentionProjection:
-        buffers = self.projection[self._recurrent[layer_id]]
-        return type(buffers)(*(t[:rows] for t in buffers))
+    def _projection_rows(self, layer_id: int, rows: int) -> tuple:
+        return _first_rows(self.projection[self._kinds[layer_id]], rows)
 
     def _core_rows(self, layer_id: int, rows: int) -> torch.Tensor:
-        return self.core_out[self._recurrent[layer_id]][:rows]
+        return self.core_out[self._kinds[layer_id]][:rows]
 
     @property
     def num_bytes(self) -> int:
         """Bytes of the static buffers."""
         tensors = [self.residual, self.cos, self.sin, *self.core_out.values()]
-        tensors += [self.gdn_conv_weight] if self._gdn_index else []
-        tensors += [t for buffers in self.projection.values() for t in buffers]
+        tensors += _tensors(self.core_params) if self.core_params is not None else []
+        tensors += [t for buffers in self.projection.values() for t in _tensors(buffers)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ------------------------------------------------------------------ pieces
     def _piece(self, index: int, rows: int) -> None:
-        """Piece `index` (0..L) on the first `rows` rows of the static buffers; what it records in a
-        graph. Reads only static buffers and weights, writes only static buffers (copy_ at the end)."""
-        model = self.model
+        """Piece `index` (0..C) on the first `rows` rows of the static buffers; what it records in a
+        graph: the finish of core layer index-1 and of the core-less layers up to core layer `index`,
+        whose projections it computes. Reads only static buffers and weights, writes only static
+        buffers (copy_ at the end)."""
+        model, cores = self.model, self._core_layers
         hidden = self.residual[:rows]
-        if index > 0:
-            layer_id = index - 1
-            hidden = model.finish(layer_id, hidden, self._projection_rows(layer_id, rows),
-                                  self._core_rows(layer_id, rows))
-        if index < self.num_layers:
-            projection = model.project(index, hidden, (self.cos[:rows], self.sin[:rows]))
-            for dst, src in zip(self._projection_rows(index, rows), projection):
-                dst.copy_(src)
-        if index > 0:
+        start = cores[index - 1] if index > 0 else 0
+        end = cores[index] if index < len(cores) else self.num_layers
+        for layer_id in range(start, end):
+            if self._kinds[layer_id] is None:
+                hidden = model.finish(layer_id, hidden, None, None)
+            else:
+                hidden = model.finish(layer_id, hidden, self._projection_rows(layer_id, rows),
+                                      self._core_rows(layer_id, rows))
+        if index < len(cores):
+            _copy_into(self._projection_rows(end, rows), model.project(end, hidden, (self.cos[:rows], self.sin[:rows])))
+        if end > start:
             self.residual[:rows].copy_(hidden)
 
     def _embed(self, batch: ForwardBatch, rows: int) -> None:
@@ -234,12 +274,12 @@ class PiecewiseForward:
         else:
             graphs[index].replay()
 
-    # ------------------------------------------------------------------ GDN cores
+    # ------------------------------------------------------------------ recurrent cores
     def _stacked_states(self, caches: LayerCaches) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """(conv [L * S, conv_dim, W-1], ssm [L * S, HV, K, V], S) of the pools' stacked states, or None
-        when the caches do not stack them (the GDN cores then run per layer)."""
+        """(conv [L * S, conv_dim, W-1], ssm [L * S, ...], S) of the pools' stacked states, or None
+        when the caches do not stack them (the recurrent cores then run per layer)."""
         conv, ssm = caches.conv_stack, caches.ssm_stack
-        if conv is None or ssm is None or not self._gdn_index:
+        if conv is None or ssm is None or self._recurrent_kind is None:
             return None
         conv_row, ssm_row = conv.stride(0) * conv.element_size(), ssm.stride(0) * ssm.element_size()
         for j, (layer_conv, layer_ssm) in enumerate(zip(caches.conv, caches.ssm)):
@@ -249,36 +289,38 @@ class PiecewiseForward:
                                  f"ssm_stack[{j}]: build the caches from one StatePool")
         return conv.flatten(0, 1), ssm.flatten(0, 1), conv.shape[1]
 
-    def _select_gdn_layer(self, layer_id: int, rows_per_layer: int) -> None:
-        """Point the static inputs at GDN layer `layer_id` (two device writes, no host sync)."""
-        self.gdn_row_offset.fill_(self._gdn_index[layer_id] * rows_per_layer)
-        self.gdn_conv_weight.copy_(self.model.gdn_conv_weight(layer_id))
+    def _select_recurrent_layer(self, layer_id: int, rows_per_layer: int) -> None:
+        """Point the static inputs at recurrent layer `layer_id` (a few device writes, no host sync)."""
+        self.recurrent_row_offset.fill_(self._recurrent_index[layer_id] * rows_per_layer)
+        _copy_into(self.core_params, self.model.recurrent_core_params(layer_id))
 
-    def _gdn_core(self, batch: ForwardBatch, num_tokens: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
-        """The core of the GDN layer that the static inputs select, on the GDN buffers' first
-        `num_tokens` rows; what the core graph records. Writes core_out and the pools' rows only."""
-        projection = self.projection[True]
-        self.model.gdn_core(type(projection)(*(t[:num_tokens] for t in projection)), batch, conv, ssm,
-                            self.gdn_conv_weight, self.gdn_row_offset, out=self.core_out[True][:num_tokens])
+    def _recurrent_core(self, batch: ForwardBatch, num_tokens: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """The recurrent core of the layer that the static inputs select, on the recurrent kind's
+        buffers' first `num_tokens` rows; what the core graph records. Writes core_out and the pools'
+        rows only."""
+        kind = self._recurrent_kind
+        self.model.recurrent_core(_first_rows(self.projection[kind], num_tokens), batch, conv, ssm, self.core_params,
+                                  self.recurrent_row_offset, out=self.core_out[kind][:num_tokens])
 
-    def _capture_gdn_core(self, batch: ForwardBatch, num_tokens: int, conv: torch.Tensor,
-                          ssm: torch.Tensor) -> torch.cuda.CUDAGraph | None:
-        """One graph of `_gdn_core` on this step's metadata, or None (warned once) if capture fails.
-        Called right after the step's first, eager GDN core, so nothing compiles, autotunes or uploads
-        inside the capture. Not `torch.cuda.graph`: that synchronises and empties the caches."""
+    def _capture_recurrent_core(self, batch: ForwardBatch, num_tokens: int, conv: torch.Tensor,
+                                ssm: torch.Tensor) -> torch.cuda.CUDAGraph | None:
+        """One graph of `_recurrent_core` on this step's metadata, or None (warned once) if capture
+        fails. Called right after the step's first, eager recurrent core, so nothing compiles,
+        autotunes or uploads inside the capture. Not `torch.cuda.graph`: that synchronises and
+        empties the caches."""
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.stream(self._stream):
                 # thread_local: a server's other threads may use CUDA while a step captures
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
-                    self._gdn_core(batch, num_tokens, conv, ssm)
+                    self._recurrent_core(batch, num_tokens, conv, ssm)
                 finally:
                     graph.capture_end()
         except RuntimeError as err:
             if not self.core_capture_failures:
-                logger.warning("CUDA graph capture of the GDN core failed (%s); steps whose capture fails run "
-                               "their GDN cores eagerly", err)
+                logger.warning("CUDA graph capture of the recurrent core failed (%s); steps whose capture fails "
+                               "run their recurrent cores eagerly", err)
             self.core_capture_failures += 1
             return None
         return graph
@@ -321,24 +363,29 @@ class PiecewiseForward:
         capture_core = self.capture_cores and rows in self.graphs
         core_graph: torch.cuda.CUDAGraph | None = None
         self._embed(batch, rows)
-        for index in range(self.num_layers + 1):
+        for index in range(self.num_pieces):
             self._run_piece(index, rows)
-            if index == self.num_layers:
+            if index == self.num_pieces - 1:
                 break
-            if stacked is None or not self._recurrent[index]:
-                self.model.core(index, self._projection_rows(index, num_tokens), batch, caches,
-                                out=self._core_rows(index, num_tokens))
+            layer_id = self._core_layers[index]
+            kind = self._kinds[layer_id]
+            if stacked is None or kind not in RECURRENT_KINDS:
+                self.model.core(layer_id, self._projection_rows(layer_id, num_tokens), batch, caches,
+                                out=self._core_rows(layer_id, num_tokens))
                 continue
             conv, ssm, rows_per_layer = stacked
-            self._select_gdn_layer(index, rows_per_layer)
+            self._select_recurrent_layer(layer_id, rows_per_layer)
             if core_graph is not None:
                 core_graph.replay()
-                continue
-            self._gdn_core(batch, num_tokens, conv, ssm)
-            if capture_core:
-                capture_core = False  # one attempt per step
-                core_graph = self._capture_gdn_core(batch, num_tokens, conv, ssm)
-                self.core_graph_steps += core_graph is not None
+            else:
+                self._recurrent_core(batch, num_tokens, conv, ssm)
+                if capture_core:
+                    capture_core = False  # one attempt per step
+                    core_graph = self._capture_recurrent_core(batch, num_tokens, conv, ssm)
+                    self.core_graph_steps += core_graph is not None
+            if kind == "parallel":  # its attention half, eagerly after the Mamba2 half
+                self.model.attention_core(layer_id, self._projection_rows(layer_id, num_tokens), batch, caches,
+                                          out=self._core_rows(layer_id, num_tokens))
         return self.model.compute_logits(self.residual[:num_tokens], batch.logits_indices)
 
     def __call__(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
@@ -352,15 +399,15 @@ class PiecewiseForward:
         device = self.device
         stream = torch.cuda.Stream(device)
         pool = torch.cuda.graph_pool_handle()
-        self._stream, self._pool = stream, pool  # the per-step GDN core graphs use them too
+        self._stream, self._pool = stream, pool  # the per-step recurrent core graphs use them too
         stream.wait_stream(torch.cuda.current_stream(device))
         for rows in reversed(self.sizes):
             with torch.cuda.stream(stream):
-                for index in range(self.num_layers + 1):
+                for index in range(self.num_pieces):
                     self._piece(index, rows)
             stream.synchronize()
             graphs = []
-            for index in range(self.num_layers + 1):
+            for index in range(self.num_pieces):
                 graph = torch.cuda.CUDAGraph()
                 try:
                     with torch.cuda.graph(graph, pool=pool, stream=stream):

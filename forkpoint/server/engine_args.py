@@ -49,7 +49,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
                             "config.json alone (default: auto)")
     group.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                        help="split the model over N ranks, one process each: GPUs 0..N-1 (NCCL) or the CPU "
-                            "(gloo); Qwen3.5 / Qwen3-Next text models (default: 1)")
+                            "(gloo); every model family, images included (default: 1)")
     group.add_argument("--async-scheduling", action="store_true",
                        help="in steady decoding, schedule and enqueue the next step while the device runs the "
                             "current one, overlapping the engine's host work with the forward (default: off)")

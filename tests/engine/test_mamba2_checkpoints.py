@@ -34,6 +34,12 @@ def test_nested_markers_token_ids_positions_and_chat(nemotron):
     scenarios.test_nested_markers_token_ids_positions_and_chat(nemotron[0])
 
 
+def test_exact_checkpoints_keep_states_on_scan_chunk_boundaries(nemotron):
+    """checkpoint_exact over Mamba2 layers: states at the 64-token boundary before the marker (150 ->
+    128), every scan starting on a boundary; greedy tokens and logprobs equal the plain run's."""
+    scenarios.test_exact_checkpoints_keep_states_on_scan_chunk_boundaries(nemotron[0])
+
+
 def test_same_step_pairing(nemotron):
     """Producer prefix in phase 0, its tail and the consumers in phase 1 of one forward."""
     scenarios.test_same_step_pairing(nemotron[0])

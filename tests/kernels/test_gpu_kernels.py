@@ -412,6 +412,28 @@ def test_grouped_moe_matches_reference(poison, t, e, top_k, hidden, inter):
     check(f"moe_grouped+shared+residual T={t} E={e} k={top_k}", y, y_ref, 1e-2)
 
 
+@pytest.mark.parametrize("t,e,top_k,hidden,inter", [(100, 16, 4, 256, 128), (7, 64, 6, 2688, 1856 // 8)])
+def test_grouped_relu2_moe_matches_reference(poison, t, e, top_k, hidden, inter):
+    """Nemotron's non-gated ReLU^2 experts (second case: Nemotron-3-Nano's hidden size, k = 6)."""
+    grouped = pytest.importorskip("forkpoint.kernels.moe.grouped")
+    from forkpoint.kernels.moe import reference
+
+    gen = torch.Generator(device=DEV).manual_seed(t + e)
+    x = torch.randn(t, hidden, generator=gen, device=DEV).bfloat16()
+    up = (torch.randn(e, inter, hidden, generator=gen, device=DEV) / math.sqrt(hidden)).bfloat16()
+    down = (torch.randn(e, hidden, inter, generator=gen, device=DEV) / math.sqrt(inter)).bfloat16()
+    logits = torch.randn(t, e, generator=gen, device=DEV)
+    logits[:, : e // 2] -= 100.0  # half the experts get no tokens: empty groups
+    weights, ids = logits.sigmoid().topk(top_k)
+    y = grouped.fused_moe_relu2(x, up, down, weights, ids)
+    y_ref = reference.fused_moe_relu2(*_cpu(x, up, down, weights, ids))
+    check(f"moe_grouped_relu2 T={t} E={e} k={top_k}", y, y_ref, 1e-2)
+    residual = torch.randn(t, hidden, generator=gen, device=DEV).bfloat16()
+    y = grouped.fused_moe_relu2(x, up, down, weights, ids, residual=residual)
+    check(f"moe_grouped_relu2+residual T={t} E={e} k={top_k}", y,
+          reference.fused_moe_relu2(*_cpu(x, up, down, weights, ids), residual=residual.cpu()), 1e-2)
+
+
 # ---------------------------------------------------------------- dispatch and host syncs
 
 @pytest.mark.parametrize(
@@ -488,11 +510,13 @@ def test_paged_attention_and_moe_no_host_sync():
     x = torch.randn(64, 256, generator=gen, device=DEV).bfloat16()
     gate_up = torch.randn(8, 256, 256, generator=gen, device=DEV).bfloat16()
     down = torch.randn(8, 256, 128, generator=gen, device=DEV).bfloat16()
+    up = torch.randn(8, 128, 256, generator=gen, device=DEV).bfloat16()
     weights, ids = torch.randn(64, 8, generator=gen, device=DEV).softmax(-1).topk(2)
 
     def run():
         tri.paged_attention(q, kc, vc, bt, cu_dev, cu, sl_dev, seq_lens, scale=0.0625)
         grouped.fused_moe(x, gate_up, down, weights, ids)
+        grouped.fused_moe_relu2(x, up, down, weights, ids)
         grouped.topk_softmax(x[:, :8], 2, True, torch.bfloat16)
         rotary.apply_rotary(q, cos, sin)
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forkpoint.kernels.moe import fused_moe
+from forkpoint.kernels.moe import fused_moe, fused_moe_relu2
 
 FP32_REL_RMS = 1e-6
 
@@ -106,3 +106,20 @@ def test_topk_softmax_is_the_routers_softmax_top_k():
         assert torch.allclose(weights, expected, rtol=1e-6)
     with pytest.raises(ValueError, match="top_k"):
         topk_softmax(logits, 17, True, torch.float32)
+
+
+def test_relu2_experts_match_dense_definition():
+    """Nemotron's non-gated experts: sum_j w_j down_e relu(up_e x)^2, token by token in float64;
+    experts that no token picks, and the residual added after the sum."""
+    inputs = make_inputs(23, experts=8, top_k=3, hit=[0, 2, 3, 6])
+    x, up, down = inputs["x"], inputs["gate_up"][:, :12], inputs["down"]
+    weights, ids = inputs["topk_weights"], inputs["topk_ids"]
+    expected = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t].double(), ids[t].tolist()):
+            expected[t] += w * (down[e].double() @ F.relu(up[e].double() @ x[t].double()).square())
+    assert rel_rms(fused_moe_relu2(x, up, down, weights, ids), expected) < FP32_REL_RMS
+    residual = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    assert rel_rms(fused_moe_relu2(x, up, down, weights, ids, residual=residual), expected + residual) < FP32_REL_RMS
+    with pytest.raises(ValueError, match=r"up \[E, I, Hd\]"):
+        fused_moe_relu2(x, inputs["gate_up"], down, weights, ids)

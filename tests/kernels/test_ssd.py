@@ -118,3 +118,35 @@ def test_gpu_inplace_step_matches_reference(poison, dtype):
     assert not y.isnan().any() and err_y < tol and err_state < 1e-5
     others = [0, 4, 6, 7]
     assert pool[others].isnan().all()  # untouched rows keep their poison
+
+
+@pytest.mark.gpu
+def test_gpu_chunk_is_sync_free_and_replays_in_a_cuda_graph():
+    """Once an offsets layout is warm (fla autotuned, chunk lists uploaded), chunk_ssd makes no host
+    sync and a CUDA graph of it, replayed on new inputs copied into the same buffers, equals the
+    eager call (runner/piecewise.py replays one such graph per step for every Mamba2 layer)."""
+    from forkpoint.kernels.ssd import fla
+
+    lengths = [130, 0, 1, 64, 57]
+    x, dt, A, B, C, h0, cu, cu_host, D = inputs(lengths, heads=8, groups=2, head_dim=64, state_dim=128, seed=4,
+                                                device="cuda", dtype=torch.bfloat16)
+    fla.chunk_ssd(x, dt, A, B, C, h0, cu, cu_host, D=D)  # warm: autotune, uploads
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y_eager, final_eager = fla.chunk_ssd(x, dt, A, B, C, h0, cu, cu_host, D=D)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=stream):
+        y_graph, final_graph = fla.chunk_ssd(x, dt, A, B, C, h0, cu, cu_host, D=D)
+    fresh = inputs(lengths, heads=8, groups=2, head_dim=64, state_dim=128, seed=5, device="cuda",
+                   dtype=torch.bfloat16)
+    for dst, src in zip((x, dt, A, B, C, h0, D), fresh[:6] + fresh[8:]):
+        dst.copy_(src)
+    y_new, final_new = fla.chunk_ssd(x, dt, A, B, C, h0, cu, cu_host, D=D)
+    graph.replay()
+    assert torch.equal(y_graph, y_new) and torch.equal(final_graph, final_new)
+    assert not torch.equal(y_graph, y_eager)  # the replay read the new inputs

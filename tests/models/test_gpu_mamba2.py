@@ -1,7 +1,8 @@
 """The Mamba2 hybrids on CUDA (skipped without CUDA): forkpoint in bfloat16 with the GPU kernels
-(fla-core's chunk_simple_gla for the SSD prefill, the Triton in-place SSD decode, Triton conv and
-attention, grouped MoE for Granite) against forkpoint on CPU in float32 (the reference kernels,
-which match transformers to 1e-4), on tiny random checkpoints at head sizes the GPU kernels take.
+(fla-core's simple-GLA kernels for the SSD prefill, the Triton in-place SSD decode, Triton conv and
+attention, grouped MoE for Granite's SwiGLU and Nemotron's ReLU^2 experts, CUDA graphs) against
+forkpoint on CPU in float32 (the reference kernels, which match transformers to 1e-4), on tiny
+random checkpoints at head sizes the GPU kernels take.
 The checks and their near-tie rule are those of tests/models/test_gpu_model.py; measured values are
 printed (`pytest -s`, lines starting with GPU_MODEL) and recorded in docs/models.md.
 """
@@ -26,7 +27,8 @@ pytestmark = [
 ]
 
 GPU_DIMS = {
-    "nemotron_h": {"hidden_size": 128, "mamba_head_dim": 64, "ssm_state_size": 64, "head_dim": 64},
+    "nemotron_h": {"hidden_size": 128, "mamba_num_heads": 4, "mamba_head_dim": 64, "ssm_state_size": 64,
+                   "head_dim": 64},
     "granitemoehybrid": {"hidden_size": 128, "mamba_n_heads": 4, "mamba_d_head": 64, "mamba_d_state": 64,
                          "num_attention_heads": 2, "num_key_value_heads": 2},
     "falcon_h1": {"hidden_size": 128, "mamba_d_ssm": 256, "mamba_n_heads": 4, "mamba_d_head": 64,
@@ -80,3 +82,26 @@ def test_checkpoint_path_matches_plain_path_on_cuda(model_dir):
     print(f"GPU_MODEL {model_dir.name} checkpoint vs plain (cuda bf16): max |logprob diff| {diff:.3e}")
     assert diff <= CHECKPOINT_LOGPROB_TOL
     on.engine.check_integrity()
+
+
+def test_exact_checkpoints_are_bit_identical_to_the_plain_path_on_cuda(model_dir):
+    """checkpoint_exact over Mamba2 layers: consumers resume from the 64-token boundary at or before
+    the marker (150 -> 128), so their SSD and conv scans run over the plain run's 64-token chunks
+    (fla's chunks start at each segment's first token); the bf16 logprobs are identical, bit for bit."""
+    exact = LLM(str(model_dir), device="cuda", dtype="bfloat16", checkpoint_exact=True, **ENGINE)
+    off = LLM(str(model_dir), device="cuda", dtype="bfloat16", enable_checkpoints=False, **ENGINE)
+    generator = torch.Generator().manual_seed(5)
+    anchor = random_ids(generator, 150)
+    suffixes = [random_ids(generator, n) for n in (5, 17, 40, 1, 64, 23)]
+    marker = exact.checkpoint_token_id
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5)
+    with_marker = [{"prompt_token_ids": anchor + [marker] + s} for s in suffixes]
+    outs = exact.generate(with_marker[:4], params, use_tqdm=False) + exact.generate(with_marker[4:], params,
+                                                                                  use_tqdm=False)
+    refs = off.generate([{"prompt_token_ids": anchor + s} for s in suffixes], params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0] + [128] * (len(suffixes) - 1)
+    diff = max(max_logprob_diff(a, b) for a, b in zip(outs, refs))
+    print(f"GPU_MODEL {model_dir.name} exact checkpoint vs plain (cuda bf16): max |logprob diff| {diff:.3e}")
+    assert diff == 0.0
+    assert all(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs, refs))
+    exact.engine.check_integrity()

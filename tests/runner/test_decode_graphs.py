@@ -77,7 +77,9 @@ class BothPaths:
         return graphs
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "qwen3_5_text"])
+# Mamba2: Nemotron-H (core-less MLP / MoE blocks, ReLU^2 experts) and Falcon-H1 (parallel layers);
+# Granite-4.0-H's layers are of kinds these cover (its stacked core: test_piecewise)
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "qwen3_5_text", "nemotron_h", "falcon_h1"])
 def test_decode_steps_through_static_buffers_match_plain_forward(tiny_model_factory, model_type):
     directory, _ = tiny_model_factory(model_type)
     llm = LLM(str(directory), **ENGINE)

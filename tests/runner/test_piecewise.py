@@ -13,7 +13,7 @@ from forkpoint import LLM, SamplingParams
 from forkpoint.config import EngineConfig
 from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_sizes
 from tests.helpers import assert_same_outputs
-from tests.tiny_models import IMAGE, random_image
+from tests.tiny_models import IMAGE, MAMBA2_MODEL_TYPES, random_image
 
 MARK = "<|mamba_checkpoint|>"
 SIZES = (1, 2, 4, 8, 16, 32, 64)  # every step below fits; most are padded
@@ -49,8 +49,8 @@ class BothPaths:
             torch.testing.assert_close(tensor, expected, **TOL)  # incl. rows no real token touches
         rows = self.piecewise.bucket(batch.num_tokens)
         assert torch.isfinite(self.piecewise.residual[:rows]).all()  # padding rows included
-        # the GDN cores ran through the stacked states: the offset selects the last GDN layer's rows
-        assert self.piecewise.gdn_row_offset.item() == (len(caches.conv) - 1) * caches.conv_stack.shape[1]
+        # the recurrent cores ran through the stacked states: the offset selects the last one's rows
+        assert self.piecewise.recurrent_row_offset.item() == (len(caches.conv) - 1) * caches.conv_stack.shape[1]
         has_decode = batch.decode is not None
         self.kinds.add("decode only" if has_decode and not batch.phases else
                        "prefill only" if not has_decode else "mixed")
@@ -65,7 +65,9 @@ def words(start: int, count: int) -> str:
     return " ".join(f"w{i}" for i in range(start, start + count))
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "qwen3_5_text"])
+# Mamba2: Nemotron-H (core-less MLP / MoE blocks, ReLU^2 experts) and Falcon-H1 (parallel layers);
+# Granite-4.0-H's layers are of kinds these cover (its stacked core: test_piecewise)
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "qwen3_5_text", "nemotron_h", "falcon_h1"])
 def test_piecewise_steps_match_plain_forward(tiny_model_factory, model_type):
     directory, _ = tiny_model_factory(model_type)
     llm = LLM(str(directory), **ENGINE)
@@ -111,10 +113,11 @@ def test_image_steps_through_piecewise_path_match_plain_forward(tiny_model_facto
 
 
 class StackedCoreCheck:
-    """Stands in for `ModelRunner.forward`: before each step runs, checks that every GDN layer's core
-    through the stacked states (`gdn_core`: flattened pools, row offset j * S, the layer's conv
-    weight in a separate buffer, the one function the piecewise forward replays) equals the layer's
-    own `core`, output and both whole stacks bit-identical, on the step's metadata and pools."""
+    """Stands in for `ModelRunner.forward`: before each step runs, checks that every recurrent layer's
+    core through the stacked states (`recurrent_core`: flattened pools, row offset j * S, the layer's
+    core parameters in separate buffers, the one function the piecewise forward replays; then a
+    parallel layer's `attention_core`) equals the layer's own `core`, output and both whole stacks
+    bit-identical, on the step's metadata and pools."""
 
     def __init__(self, runner) -> None:
         self.runner, self.steps, self.phases = runner, 0, 0
@@ -127,7 +130,7 @@ class StackedCoreCheck:
         hidden, cos_sin = model.embed(batch.input_ids, batch.positions)
         hidden = hidden + torch.randn(hidden.shape, generator=generator)  # layers see distinct inputs
         saved = conv.clone(), ssm.clone()
-        for j, layer_id in enumerate(model.config.gdn_layer_ids):
+        for j, layer_id in enumerate(model.config.recurrent_layer_ids):
             p = model.project(layer_id, hidden, cos_sin)
             plain = model.core(layer_id, p, batch, caches)
             expected = conv.clone(), ssm.clone()
@@ -135,8 +138,11 @@ class StackedCoreCheck:
             ssm.copy_(saved[1])
             out = torch.full_like(plain, float("nan"))
             offset = torch.tensor(j * rows_per_layer)
-            weight = model.gdn_conv_weight(layer_id).clone()
-            model.gdn_core(p, batch, conv.flatten(0, 1), ssm.flatten(0, 1), weight, offset, out)
+            params = model.recurrent_core_params(layer_id)
+            params = type(params)(*(None if t is None else t.clone() for t in params))
+            model.recurrent_core(p, batch, conv.flatten(0, 1), ssm.flatten(0, 1), params, offset, out)
+            if model.core_kind(layer_id) == "parallel":
+                model.attention_core(layer_id, p, batch, caches, out)
             assert torch.equal(out, plain)
             assert torch.equal(conv, expected[0]) and torch.equal(ssm, expected[1])
             conv.copy_(saved[0])
@@ -146,15 +152,16 @@ class StackedCoreCheck:
         return model(batch, caches)
 
 
-def test_stacked_state_core_equals_each_layers_core(moe_model):
-    llm = LLM(str(moe_model[0]), **ENGINE)
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", *MAMBA2_MODEL_TYPES])
+def test_stacked_state_core_equals_each_layers_core(tiny_model_factory, model_type):
+    llm = LLM(str(tiny_model_factory(model_type)[0]), **ENGINE)
     runner = llm.engine.runner
     check = StackedCoreCheck(runner)
     runner.forward = check
     anchor = words(0, 13)
     prompts = [f"{anchor} {MARK} w20 w21", f"{anchor} {MARK} w22", words(30, 20)]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
-    assert len(llm.engine.model_config.gdn_layer_ids) >= 2 and check.phases >= 2 and check.steps >= 3
+    assert len(llm.engine.model_config.recurrent_layer_ids) >= 2 and check.phases >= 2 and check.steps >= 3
     assert llm.engine.state_pool.ssm_stack[:, 1:].abs().sum() > 0  # the checks ran on non-trivial states
     llm.engine.check_integrity()
 

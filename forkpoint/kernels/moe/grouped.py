@@ -13,6 +13,10 @@ per-expert row counts stay on the device and reach the GEMM as cumulative offset
     pos   = inverse of order                   [T*k]          route r sits at row pos[r] of ys
     y[t]  = sum_j w[t, j] * ys[pos[t*k + j]]   fp32, one Triton kernel (gather, no atomics)
 
+`fused_moe_relu2` (Nemotron's non-gated experts) is the same pipeline with one first GEMM into
+[T*k, I] and relu(h)^2 in place (relu is exact in bf16, so squaring the bf16 value rounds once, as
+the fp32 math rounded once would).
+
 bf16 only (what the grouped GEMM takes); other dtypes go to the reference. Imports Triton at its
 top: without Triton the dispatch falls back to the reference.
 """
@@ -141,6 +145,23 @@ def moe_combine(ys: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tenso
     return y
 
 
+def _sorted_routes(x, topk_ids, num_experts):
+    """(order [T*k]: routes grouped by expert, offs [E] int32: end row of each expert's group,
+    xs [T*k, Hd]: the routes' token rows in that order), all on the device, no host sync."""
+    top_k = topk_ids.shape[1]
+    sorted_ids, order = torch.sort(topk_ids.flatten(), stable=True)
+    # [E] end row of each expert = routes with an id <= e (no bincount: its CUDA version syncs)
+    experts = torch.arange(num_experts, dtype=sorted_ids.dtype, device=x.device)
+    offs = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
+    return order, offs, x.index_select(0, order // top_k)
+
+
+def _check_grouped_sizes(hidden: int, inter: int) -> None:
+    if hidden % 8 or inter % 8:
+        raise ValueError(f"hidden size {hidden} and expert size {inter} must be multiples of 8 "
+                         "for torch._grouped_mm (16-byte rows)")
+
+
 def fused_moe(x, gate_up, down, topk_weights, topk_ids, *, shared=None, shared_gate=None, residual=None):
     """x: [T, Hd] bf16; gate_up: [E, 2I, Hd] bf16; down: [E, Hd, I] bf16; topk_weights: [T, k] float;
     topk_ids: [T, k] long in [0, E). Returns y [T, Hd] in x.dtype (summed over experts in fp32), plus
@@ -151,19 +172,28 @@ def fused_moe(x, gate_up, down, topk_weights, topk_ids, *, shared=None, shared_g
         return reference.fused_moe(x, gate_up, down, topk_weights, topk_ids, shared=shared, shared_gate=shared_gate,
                                    residual=residual)
     num_experts, two_inter, hidden = reference.check_shapes(x, gate_up, down, topk_weights, topk_ids)
-    if hidden % 8 or (two_inter // 2) % 8:
-        raise ValueError(f"hidden size {hidden} and expert size {two_inter // 2} must be multiples of 8 "
-                         "for torch._grouped_mm (16-byte rows)")
-    num_tokens, top_k = topk_ids.shape
-    if num_tokens == 0:
+    _check_grouped_sizes(hidden, two_inter // 2)
+    if topk_ids.shape[0] == 0:
         return x.new_zeros(x.shape)  # shared and residual have no rows either
-    flat_ids = topk_ids.flatten()
-    sorted_ids, order = torch.sort(flat_ids, stable=True)         # [T*k] routes grouped by expert
-    # [E] end row of each expert = routes with an id <= e (no bincount: its CUDA version syncs)
-    experts = torch.arange(num_experts, dtype=sorted_ids.dtype, device=x.device)
-    offs = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
-    xs = x.index_select(0, order // top_k)                        # [T*k, Hd]
+    order, offs, xs = _sorted_routes(x, topk_ids, num_experts)
     h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
     a = silu_and_mul(*h.chunk(2, dim=-1))                         # [T*k, I] bf16
     ys = torch._grouped_mm(a, down.transpose(1, 2), offs=offs)     # [T*k, Hd], sorted routes
     return moe_combine(ys, order, topk_weights, shared=shared, shared_gate=shared_gate, residual=residual).to(x.dtype)
+
+
+def fused_moe_relu2(x, up, down, topk_weights, topk_ids, *, residual=None):
+    """x: [T, Hd] bf16; up: [E, I, Hd] bf16; down: [E, Hd, I] bf16; topk_weights: [T, k] float;
+    topk_ids: [T, k] long in [0, E). Returns sum_j w_j down[e_j] relu(up[e_j] x)^2 [T, Hd] in x.dtype
+    (summed in fp32), plus `residual` [T, Hd] in the same fp32 sum (reference.fused_moe_relu2).
+    Hd and I must be multiples of 8. No host sync (capturable in a CUDA graph)."""
+    if not (x.dtype == up.dtype == down.dtype == torch.bfloat16):
+        return reference.fused_moe_relu2(x, up, down, topk_weights, topk_ids, residual=residual)
+    num_experts, inter, hidden = reference.check_shapes(x, up, down, topk_weights, topk_ids, gated=False)
+    _check_grouped_sizes(hidden, inter)
+    if topk_ids.shape[0] == 0:
+        return x.new_zeros(x.shape)
+    order, offs, xs = _sorted_routes(x, topk_ids, num_experts)
+    a = torch._grouped_mm(xs, up.transpose(1, 2), offs=offs).relu_().square_()  # [T*k, I] bf16
+    ys = torch._grouped_mm(a, down.transpose(1, 2), offs=offs)                  # [T*k, Hd], sorted routes
+    return moe_combine(ys, order, topk_weights, residual=residual).to(x.dtype)

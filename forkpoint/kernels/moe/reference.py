@@ -1,9 +1,15 @@
-"""Routed-expert MLP (SwiGLU experts), plain PyTorch: the spec and the CPU path.
+"""Routed-expert MLP, plain PyTorch: the spec and the CPU path.
 
-Weights use transformers' ``Qwen3NextExperts`` layout: ``gate_up[e]`` is ``[gate; up]`` stacked
-along rows, ``down[e]`` maps back to the hidden size. For token t with routes (e_j, w_j):
+SwiGLU experts (``fused_moe``) use transformers' ``Qwen3NextExperts`` layout: ``gate_up[e]`` is
+``[gate; up]`` stacked along rows, ``down[e]`` maps back to the hidden size. For token t with
+routes (e_j, w_j):
 
     y_t = sum_j w_j * down[e_j] @ (silu(gate[e_j] @ x_t) * (up[e_j] @ x_t))
+
+Non-gated ReLU^2 experts (``fused_moe_relu2``, Nemotron-H / Nemotron-3: ``up[e]`` [I, Hd],
+``down[e]`` [Hd, I]):
+
+    y_t = sum_j w_j * down[e_j] @ relu(up[e_j] @ x_t)^2
 """
 
 import itertools
@@ -27,13 +33,16 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype:
     return top_w.to(out_dtype), top_ids
 
 
-def check_shapes(x, gate_up, down, topk_weights, topk_ids) -> tuple[int, int, int]:
-    """Raise ValueError unless x [T, Hd], gate_up [E, 2I, Hd], down [E, Hd, I] and topk_weights,
-    topk_ids [T, k] fit together; returns (E, 2I, Hd). Shapes only: no device work, no host sync."""
-    num_experts, two_inter, hidden = gate_up.shape
-    if x.dim() != 2 or x.shape[1] != hidden or down.shape != (num_experts, hidden, two_inter // 2):
+def check_shapes(x, gate_up, down, topk_weights, topk_ids, *, gated: bool = True) -> tuple[int, int, int]:
+    """Raise ValueError unless x [T, Hd], gate_up [E, 2I, Hd] (`gated`; else up [E, I, Hd]), down
+    [E, Hd, I] and topk_weights, topk_ids [T, k] fit together; returns (E, rows of gate_up / up, Hd).
+    Shapes only: no device work, no host sync."""
+    num_experts, rows, hidden = gate_up.shape
+    inter = rows // 2 if gated else rows
+    if x.dim() != 2 or x.shape[1] != hidden or down.shape != (num_experts, hidden, inter):
+        first = "gate_up [E, 2I, Hd]" if gated else "up [E, I, Hd]"
         raise ValueError(
-            f"expected x [T, Hd], gate_up [E, 2I, Hd], down [E, Hd, I]; got {tuple(x.shape)}, "
+            f"expected x [T, Hd], {first}, down [E, Hd, I]; got {tuple(x.shape)}, "
             f"{tuple(gate_up.shape)}, {tuple(down.shape)}"
         )
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[:1] != x.shape[:1]:
@@ -41,7 +50,7 @@ def check_shapes(x, gate_up, down, topk_weights, topk_ids) -> tuple[int, int, in
             f"topk_ids and topk_weights must both be [T, k] with T = {x.shape[0]}, "
             f"got {tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}"
         )
-    return num_experts, two_inter, hidden
+    return num_experts, rows, hidden
 
 
 def fused_moe(
@@ -66,15 +75,35 @@ def fused_moe(
     each op rounded to x.dtype as written (the GPU variant fuses them into its combine: one
     rounding).
     """
-    out = _routed(x, gate_up, down, topk_weights, topk_ids)
+    out = _routed(x, gate_up, down, topk_weights, topk_ids, _swiglu, gated=True)
     if shared is not None:
         out = out + torch.sigmoid(shared_gate) * shared
     return out if residual is None else residual + out
 
 
-def _routed(x, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
-    """`fused_moe` without the shared expert and the residual."""
-    num_experts, _, _ = check_shapes(x, gate_up, down, topk_weights, topk_ids)
+def fused_moe_relu2(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, *, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Non-gated ReLU^2 experts (Nemotron-H's): y_t = sum_j w_j down[e_j] relu(up[e_j] x_t)^2.
+
+    x: [T, Hd]; up: [E, I, Hd]; down: [E, Hd, I]; topk_weights: [T, k] (float); topk_ids: [T, k]
+    long in [0, E). Returns y [T, Hd] in x.dtype (computed and summed in fp32), plus `residual`
+    [T, Hd] (x.dtype, added after the rounding; the GPU variant adds it in its fp32 sum) when given."""
+    out = _routed(x, up, down, topk_weights, topk_ids, _relu2, gated=False)
+    return out if residual is None else residual + out
+
+
+def _swiglu(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _relu2(h: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(h))
+
+
+def _routed(x, w1, down, topk_weights, topk_ids, activation, *, gated: bool) -> torch.Tensor:
+    """The routed experts' sum: y_t = sum_j w_j down[e_j] @ activation(w1[e_j] @ x_t), in fp32."""
+    num_experts, _, _ = check_shapes(x, w1, down, topk_weights, topk_ids, gated=gated)
     flat_ids = topk_ids.flatten()
     counts = torch.bincount(flat_ids, minlength=num_experts)
     if counts.numel() > num_experts:
@@ -88,7 +117,6 @@ def _routed(x, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
     for e in counts.nonzero().flatten().tolist():
         routes = slice(starts[e], starts[e] + counts_host[e])
         tok = tokens[routes]
-        gate, up = (x[tok].float() @ gate_up[e].float().T).chunk(2, dim=-1)
-        y = (F.silu(gate) * up) @ down[e].float().T
+        y = activation(x[tok].float() @ w1[e].float().T) @ down[e].float().T
         out.index_add_(0, tok, y * weights[routes, None])
     return out.to(x.dtype)
