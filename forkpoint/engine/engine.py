@@ -12,8 +12,8 @@ tokens and does its output work (commit, stop rules, outputs) while step t+1 run
 
 so each `step()` returns the outputs of the step before the one it leaves running. A step runs ahead
 only after a pure decode step whose sequences all sample without their output tokens on the host
-(no grammar, no bad words); anything else (a prefill, a checkpoint, an arrival that could be
-admitted, a sequence needing a KV block that is not free) first completes the step in flight and
+(no grammar, no bad words); anything else (a prefill, a checkpoint, a waiting request while fewer
+than max_num_seqs run, a sequence needing a KV block that is not free) first completes the step in flight and
 schedules normally. A sequence that ends with step t (stop token or string, abort) has its token of
 step t+1 dropped; its slot and blocks are freed when step t+1 completes. Outputs are the same as
 without: each token is sampled from the same logits with the same generator, penalty counts and

@@ -228,9 +228,9 @@ class Scheduler:
         there). `leave_out(request)`: sequences certain to end with the step in flight (no step
         follows for them). None, and nothing changed, unless this is steady decoding: exactly one
         step in flight, a pure decode step (no checkpoint written or read, no copy-on-write) with
-        every running sequence in it; no waiting request that could be admitted; no sequence that
-        produces a checkpoint; and a free KV block for every sequence that needs one (no eviction,
-        no preemption: those wait for a normal `schedule()`)."""
+        every running sequence in it; no waiting request while fewer than max_num_seqs run; no
+        sequence that produces a checkpoint; and a free KV block for every sequence that needs one
+        (no eviction, no preemption: those wait for a normal `schedule()`)."""
         if len(self.in_flight) != 1:
             return None
         previous = self.in_flight[0]

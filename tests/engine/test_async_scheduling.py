@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from forkpoint import LLM, SamplingParams
+from forkpoint.config import EngineConfig
 from forkpoint.engine.engine import LLMEngine, StepFailed
 from tests.tiny_models import words
 
@@ -193,3 +194,8 @@ def test_a_fault_at_any_step_of_async_scheduling_leaves_nothing_behind(model_dir
         assert_same(finished, {request_id: expected[request_id] for request_id in finished})
         assert_drained(llm)
     assert overlapped_faults > 3
+
+
+def test_async_scheduling_is_refused_with_tensor_parallelism():
+    with pytest.raises(ValueError, match="async_scheduling needs tensor_parallel_size=1"):
+        EngineConfig(async_scheduling=True, tensor_parallel_size=2)

@@ -229,3 +229,24 @@ def test_pixel_limits_are_engine_settings(model_dir):
     assert counts == {(): 12, ("image_max_pixels",): 2, ("image_min_pixels", "image_max_pixels"): 48}
     with pytest.raises(ValueError, match="image_min_pixels 4096 exceeds image_max_pixels 1024"):
         make_llm(model_dir, image_min_pixels=4096, image_max_pixels=1024)
+
+
+def test_async_scheduling_decodes_image_prompts_as_synchronous_steps(model_dir):
+    """Image prompts decode through steps run ahead (rotary positions of their text after the images)
+    with the outputs of synchronous steps."""
+    prompts = [suffix_prompt(i) for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    expected = make_llm(model_dir).generate(prompts, params, use_tqdm=False)
+    llm = make_llm(model_dir, async_scheduling=True)
+    fed = []
+    execute = llm.engine.runner.execute
+
+    def counting(plan, **kwargs):
+        fed.append(kwargs.get("feed") is not None)
+        return execute(plan, **kwargs)
+
+    llm.engine.runner.execute = counting
+    assert_same_outputs(llm.generate(prompts, params, use_tqdm=False), expected)
+    assert sum(fed) >= 4
+    llm.engine.check_integrity()
+    assert llm.metrics()["state_slots_used"] == 0

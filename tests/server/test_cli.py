@@ -18,7 +18,7 @@ from forkpoint.server.cli import build_parser, main
 
 ENGINE_OPTIONS = ["--dtype", "--device", "--seed", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
                   "--block-size", "--checkpoint-token", "--no-checkpoints", "--max-checkpoints-per-request",
-                  "--load-format", "--enforce-eager", "--tensor-parallel-size"]
+                  "--load-format", "--enforce-eager", "--tensor-parallel-size", "--async-scheduling"]
 SERVE_OPTIONS = ["--host", "--port", "--served-model-name", "--max-waiting-requests", "--marker-in-user-content"]
 BENCH_OPTIONS = ["--url", "--anchor-tokens", "--suffix-tokens", "--n", "--max-tokens", "--concurrency", "--out"]
 
