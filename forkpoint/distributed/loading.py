@@ -23,7 +23,7 @@ from forkpoint.distributed.parallel_mamba2 import parallel_mamba2_model
 from forkpoint.distributed.parallel_model import ParallelHybridForCausalLM
 from forkpoint.distributed.sharding import ShardLayout
 from forkpoint.models.layers import stack_all_projections
-from forkpoint.models.loader import fill_dummy, load_safetensors
+from forkpoint.models.loader import fill_dummy, load_safetensors, to_model_dtype
 from forkpoint.models.registry import model_class
 
 
@@ -35,11 +35,11 @@ def build_shard(layout: ShardLayout, group: TensorParallelGroup, path: Path | No
     with torch.device("meta"):
         model = (parallel_mamba2_model(layout, group) if local.mamba2 is not None
                  else ParallelHybridForCausalLM(local, group, layout.vocab_start, with_vision=with_vision))
-    model = model.to(dtype=dtype)
+    model = to_model_dtype(model, dtype)
     model.to_empty(device=group.device)
     model.init_buffers(group.device)
     if load_format == "dummy":
-        _init_dummy_shard(model, layout, dtype, seed)
+        _init_dummy_shard(model, layout, seed)
     else:
         if path is None:
             raise ValueError("a model path is needed unless load_format='dummy'")
@@ -50,7 +50,7 @@ def build_shard(layout: ShardLayout, group: TensorParallelGroup, path: Path | No
     return model.eval()
 
 
-def _init_dummy_shard(model: nn.Module, layout: ShardLayout, dtype: torch.dtype, seed: int) -> None:
+def _init_dummy_shard(model: nn.Module, layout: ShardLayout, seed: int) -> None:
     config: ModelConfig = layout.config
     with torch.device("meta"):
         # shapes only: the same parameters in the same order (the vision tower's last, and only on rank 0)
@@ -60,6 +60,6 @@ def _init_dummy_shard(model: nn.Module, layout: ShardLayout, dtype: torch.dtype,
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            tensor = torch.empty(full_shapes[name], dtype=dtype, device=device)
+            tensor = torch.empty(full_shapes[name], dtype=param.dtype, device=device)
             fill_dummy(name, tensor, generator, centred_norms=config.mamba2 is None)
             param.copy_(layout.shard(name, tensor))

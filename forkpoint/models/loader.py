@@ -55,7 +55,7 @@ def build_model(config: ModelConfig, path: Path | None, load_format: str, device
     `with_vision` also builds and loads the vision tower (when the config has one)."""
     with torch.device("meta"):
         model = model_class(config)(config, with_vision=with_vision)
-    model = model.to(dtype=dtype)
+    model = to_model_dtype(model, dtype)
     model.to_empty(device=device)
     model.init_buffers(device)
     if load_format == "dummy":
@@ -68,6 +68,18 @@ def build_model(config: ModelConfig, path: Path | None, load_format: str, device
         model.lm_head.weight = model.input_embeddings().weight
     stack_all_projections(model)
     return model.eval()
+
+
+def to_model_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model.to(dtype)`, except the parameters a module names in its `float32_parameters` (a tuple of
+    attribute names), which stay float32 (transformers' `_keep_in_fp32_modules_strict`: e.g.
+    Nemotron-H's router weight and score-correction bias, which decide the expert routing)."""
+    model = model.to(dtype=dtype)
+    for module in model.modules():
+        for name in getattr(module, "float32_parameters", ()):
+            param = getattr(module, name)
+            param.data = param.data.float()
+    return model
 
 
 def _init_dummy(model: nn.Module, seed: int) -> None:

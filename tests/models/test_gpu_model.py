@@ -10,7 +10,8 @@
 
 bf16 cannot reproduce float32 argmaxes at near ties, so greedy sequences must agree up to their
 first difference, and that difference must sit at a near tie of the reference: the reference's
-log-probability of its own token exceeds that of the other token by at most `NEAR_TIE`.
+log-probability of its own token exceeds that of the other token by at most `NEAR_TIE` (the other
+token may be the reference's second or a lower one: a tie can join three tokens).
 Measured values are printed (`pytest -s`, lines starting with GPU_MODEL) and recorded in
 docs/gpu_test_log.md; the bounds below are those measurements with headroom.
 """
@@ -39,6 +40,7 @@ ENGINE = dict(num_kv_blocks=512, num_state_slots=16, max_num_seqs=16, checkpoint
 # plain 6.2e-2 (one greedy difference, at a reference margin of 6.3e-2).
 LOGITS_REL_TOL = 1.5e-2    # bf16 CUDA vs fp32 CPU, ||out - ref|| / ||ref|| over all positions
 NEAR_TIE = 0.2             # log-probability margin under which greedy tokens may differ
+REFERENCE_TOP = 20         # top log-probabilities the greedy reference returns (the most SamplingParams allows)
 CHECKPOINT_LOGPROB_TOL = 0.15  # checkpoint vs plain path on CUDA, max |logprob difference|
 
 
@@ -78,15 +80,21 @@ def all_position_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
 
 
 def greedy_agreement(ref, out) -> int:
-    """Number of leading greedy tokens on which `out` agrees with `ref` (RequestOutputs with
-    logprobs >= 2); asserts that the first difference, if any, is at a near tie of `ref`."""
+    """Number of leading greedy tokens on which `out` agrees with `ref` (RequestOutputs; `ref` with
+    `logprobs=REFERENCE_TOP`); asserts that the first difference, if any, is at a near tie of `ref`.
+    A near tie may be between more than two tokens (bf16 can pick the reference's third), so `ref`
+    carries its top REFERENCE_TOP; a token outside them is at least as far below as the last of them
+    (the margin printed with '>='), so the assertion fails on it as it should."""
     ref_ids, out_ids = ref.outputs[0].token_ids, out.outputs[0].token_ids
     for j, (a, b) in enumerate(zip(ref_ids, out_ids)):
         if a != b:
             logprobs = ref.outputs[0].logprobs[j]
-            margin = logprobs[a] - logprobs.get(b, float("-inf"))
-            print(f"GPU_MODEL greedy difference at token {j}: reference margin {margin:.3e}")
-            assert margin <= NEAR_TIE, f"token {j}: {b} instead of {a}, reference margin {margin:.3f} > {NEAR_TIE}"
+            margin = logprobs[a] - logprobs.get(b, min(logprobs.values()))
+            rank = sorted(logprobs, key=logprobs.get, reverse=True).index(b) + 1 if b in logprobs else None
+            where = f"rank {rank}, reference margin" if rank else f"not in the top {len(logprobs)}, reference margin >="
+            print(f"GPU_MODEL greedy difference at token {j}: {b} instead of {a}, {where} {margin:.3e}")
+            assert b in logprobs and margin <= NEAR_TIE, (
+                f"token {j}: {b} instead of {a} ({where} {margin:.3f}), not a near tie (<= {NEAR_TIE})")
             return j
     return len(ref_ids)
 
@@ -127,7 +135,7 @@ def test_bf16_cuda_greedy_tokens_match_float32_cpu(model_dir):
     gpu = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_num_batched_tokens=48, **ENGINE)
     generator = torch.Generator().manual_seed(4)
     prompts = [{"prompt_token_ids": random_ids(generator, n)} for n in (40, 7, 130, 19, 66, 3)]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=REFERENCE_TOP)
     refs = cpu.generate(prompts, params, use_tqdm=False)
     outs = gpu.generate(prompts, params, use_tqdm=False)
     agreed = [greedy_agreement(ref, out) for ref, out in zip(refs, outs)]

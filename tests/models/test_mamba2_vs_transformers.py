@@ -123,3 +123,25 @@ def test_config_variants_match_transformers(tmp_path, variant):
     token_ids = torch.randint(5, 150, (70,), generator=torch.Generator().manual_seed(4)).tolist()
     ours, ref = qwen_tests.full_logits(llm, token_ids), qwen_tests.hf_logits(hf_model, token_ids)
     assert (ours - ref).norm() / ref.norm() <= 1e-4
+
+
+def test_nemotron_router_stays_float32_in_a_bf16_model_as_in_transformers(tiny_model_factory):
+    """transformers keeps Nemotron-H's router weight and score-correction bias in float32 whatever the
+    model dtype (`_keep_in_fp32_modules_strict`): the routing of a bf16 model must be transformers'
+    bf16 routing, the same experts and (fp32) weights, not that of router parameters rounded to bf16."""
+    from transformers import NemotronHForCausalLM
+
+    directory, _ = tiny_model_factory("nemotron_h")
+    ours = LLM(str(directory), device="cpu", dtype="bfloat16", num_kv_blocks=8, max_num_seqs=1).engine.runner.model
+    theirs = NemotronHForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).eval()
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for layer in (1, 5):  # the MoE blocks
+        gate = ours.model.layers[layer].mixer.gate
+        assert ours.model.layers[layer].mixer.experts.up_proj.dtype == torch.bfloat16
+        assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+        weights, ids = gate(x)
+        _, ref_weights, ref_ids = theirs.model.layers[layer].mixer.gate(x)
+        ids, order = ids.sort(dim=-1)
+        ref_ids, ref_order = ref_ids.sort(dim=-1)
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order), rtol=1e-6, atol=1e-7)
