@@ -597,12 +597,14 @@ def profile_steps(bench: Bench, args, end: float) -> dict:
                 groups: dict[str, float] = {}
                 for e in kernels:
                     groups[kernel_group(e.key)] = groups.get(kernel_group(e.key), 0.0) + e.self_device_time_total / 1e3
-                top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]
+                ranked = sorted(kernels, key=lambda e: -e.self_device_time_total)
                 report[name] = {
                     "wall_ms": 1e3 * wall, "enqueue_ms": 1e3 * (bench.timer.last or 0.0),
                     "gpu_kernel_ms": sum(groups.values()), "kernel_launches": sum(e.count for e in kernels),
                     "by_group_ms": groups, "top": [(e.key[:90], e.count, round(e.self_device_time_total / 1e3, 3))
-                                                   for e in top],
+                                                   for e in ranked[:12]],
+                    # every kernel of the step (name, launches, ms): where the launches of a step come from
+                    "kernels": [(e.key[:160], e.count, round(e.self_device_time_total / 1e3, 4)) for e in ranked],
                 }
                 print(f"profile {name}: wall {1e3 * wall:.1f} ms, enqueue {report[name]['enqueue_ms']:.1f} ms, kernels "
                       f"{report[name]['gpu_kernel_ms']:.1f} ms in {report[name]['kernel_launches']} launches, "

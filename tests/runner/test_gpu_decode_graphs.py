@@ -137,3 +137,41 @@ def test_nothing_compiles_after_the_warm_up(model_dir, monkeypatch):  # noqa: F8
     assert not counter.autotuned
     assert counter.captures == core_captures
     llm.engine.check_integrity()
+
+
+def test_a_burst_of_many_consumers_compiles_nothing_after_the_warm_up(model_dir, monkeypatch):  # noqa: F811
+    # The 35B run's only slow step (docs/e2e_h200.md, session 4): the first full 8,192-token step of
+    # a 256-consumer burst behind one checkpoint ran at 3.99x its fitted time. The same layout here:
+    # one producer, then full steps of many short consumer suffixes read from it (phase 2 with
+    # hundreds of segments), two bursts with their steps timed (the first against the second).
+    llm = make_llm(model_dir, num_kv_blocks=4096, num_state_slots=256, max_num_seqs=256)
+    runner = llm.engine.runner
+    piecewise = runner.piecewise
+    core_steps = piecewise.core_graph_steps + piecewise.core_capture_failures
+    counter = CompileCounter(monkeypatch)
+    generator = torch.Generator().manual_seed(5)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times = []  # per burst, the wall time of each step: the first burst's against the second's
+    for burst in range(2):
+        anchor = random_ids(generator, 624) + [llm.checkpoint_token_id]
+        for i in range(256):
+            suffix = random_ids(generator, int(torch.randint(24, 40, (1,), generator=generator)))
+            engine.add_request(f"burst-{burst}-{i}", {"prompt_token_ids": anchor + suffix}, params, stream=False)
+        times.append([])
+        while engine.has_unfinished_requests():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            engine.step()
+            torch.cuda.synchronize()
+            times[-1].append(round(1e3 * (time.perf_counter() - start), 1))
+    core_captures = piecewise.core_graph_steps + piecewise.core_capture_failures - core_steps
+    print(f"GPU_DECODE two bursts of 256 consumers after warm-up: step ms {times}; "
+          f"Triton cache misses {len(counter.compiled)}, autotunes {len(counter.autotuned)}, "
+          f"graph captures {counter.captures} (per-step core graphs {core_captures}); "
+          f"compiled: {sorted(set(counter.compiled))[:12]}")
+    assert engine.metrics()["prompt_tokens_cached"] == 2 * 255 * 624  # every consumer read its checkpoint
+    assert not counter.compiled
+    assert not counter.autotuned
+    assert counter.captures == core_captures
+    engine.check_integrity()
