@@ -24,9 +24,9 @@ from torch import nn
 
 from forkpoint.cache.state_pool import RecurrentStateSpec
 from forkpoint.config import ModelConfig
-from forkpoint.kernels.conv1d import causal_conv1d_step, causal_conv1d_varlen
+from forkpoint.kernels.conv1d import causal_conv1d_step_inplace, causal_conv1d_varlen
 from forkpoint.kernels.rotary import apply_rotary
-from forkpoint.kernels.ssd import chunk_ssd, ssd_step_inplace
+from forkpoint.kernels.ssd import chunk_ssd, softplus_dt, ssd_step_inplace
 from forkpoint.mamba2_config import Mamba2Config
 from forkpoint.models.qwen3_5 import GatedAttention
 from forkpoint.step.batch import ForwardBatch
@@ -139,8 +139,7 @@ class Mamba2Mixer(nn.Module):
             zxbcdt = torch.cat([part * mult for part, mult in zip(zxbcdt.split(sizes, dim=-1), m.proj_multipliers)],
                                dim=-1)
         z, xbc, dt = zxbcdt.split([self.intermediate, m.conv_dim, m.num_heads], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(m.dt_min, m.dt_max)
-        return Mamba2Projection(xbc, z, dt)
+        return Mamba2Projection(xbc, z, softplus_dt(dt, self.dt_bias, m.dt_min, m.dt_max))
 
     def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """xbc: [n, conv_dim] (after the conv) -> x [n, H, P], B and C [n, G, N]."""
@@ -179,19 +178,17 @@ class Mamba2Mixer(nn.Module):
         decode = batch.decode
         if decode is not None and decode.num_tokens:
             n, slots = decode.num_tokens, rows(decode.slots)
-            conv_out, new_conv = causal_conv1d_step(xbc[:n], weight, bias, conv_state.index_select(0, slots))
-            x, b, c = self._split(conv_out)
-            out[:n] = ssd_step_inplace(x, dt[:n], A, b, c, ssm_state, slots, D=D)
-            conv_state.index_copy_(0, slots, new_conv.to(conv_state.dtype))
+            # conv and ssm rows are updated in place (decode slots are distinct: one row per sequence)
+            x, b, c = self._split(causal_conv1d_step_inplace(xbc[:n], weight, bias, conv_state, slots))
+            ssd_step_inplace(x, dt[:n], A, b, c, ssm_state, slots, D=D, out=out[:n])
         for phase in batch.phases:
             lo, hi = phase.token_start, phase.token_end
             initial = rows(phase.initial_slots)
             conv_out, final_conv = causal_conv1d_varlen(xbc[lo:hi], weight, bias, conv_state.index_select(0, initial),
                                                         phase.cu_seqlens, phase.cu_seqlens_host)
             x, b, c = self._split(conv_out)
-            y, final_ssm = chunk_ssd(x, dt[lo:hi], A, b, c, ssm_state.index_select(0, initial),
-                                     phase.cu_seqlens, phase.cu_seqlens_host, D=D)
-            out[lo:hi] = y
+            _, final_ssm = chunk_ssd(x, dt[lo:hi], A, b, c, ssm_state.index_select(0, initial),
+                                     phase.cu_seqlens, phase.cu_seqlens_host, D=D, out=out[lo:hi])
             if phase.dest_slots.numel():
                 dest = rows(phase.dest_slots)
                 conv_state.index_copy_(0, dest, final_conv.index_select(0, phase.dest_rows).to(conv_state.dtype))

@@ -7,15 +7,18 @@ scalar log-decay g_t, which is the SSD recurrence with
     q = C,  k = B,  v = x * dt,  g = A * dt,  scale = 1,
 
 the state stored V-first (``state_v_first=True``: ``[H, V, K] = [H, P, N]``, the pool layout).
-fla has no grouped keys here, so B and C are expanded from G groups to H heads (a gather of
-T * H * N elements, small beside the scan). D's skip term is added outside the kernel.
+fla's output kernel reads grouped q and k (G key heads for H value heads), its chunk-state kernel
+does not, so B is expanded from G groups to H heads for that one (T * H * N elements). The
+elementwise work around fla's kernels is one launch each side (``triton.ssd_prologue``: q, k,
+k per head, v = x dt and the in-chunk cumulative decay g in one pass over the chunk list;
+``triton.ssd_epilogue``: D's skip term, written in x.dtype into the caller's ``out`` view).
 
 No host synchronisation, so the call can be captured in a CUDA graph once warm (runner/piecewise.py
 replays one graph of a step's first Mamba2 core for every other Mamba2 layer): instead of
 ``chunk_simple_gla`` (which uploads ``cu_seqlens_cpu`` with a blocking copy per call and reads the
-chunk count back with ``.item()``), this module runs its three stages itself -- the in-chunk
-cumulative decay (``chunk_local_cumsum``), the chunk states (``chunk_fwd_kernel_h``) and the
-outputs (``chunk_fwd_o``) -- with the chunk list and the per-segment chunk offsets built on the
+chunk count back with ``.item()``), this module runs its stages itself -- the prologue (which
+also does fla's ``chunk_local_cumsum``), the chunk states (``chunk_fwd_kernel_h``), the outputs
+(``chunk_fwd_o``) and the epilogue -- with the chunk list and the per-segment chunk offsets built on the
 host from ``cu_seqlens_host`` and uploaded without a sync, cached per offsets (shared with the
 conv and the other layers of the step: ``conv1d.triton.chunk_indices``).
 """
@@ -29,12 +32,12 @@ import torch
 import triton
 from fla.ops.common.chunk_h import chunk_fwd_kernel_h
 from fla.ops.common.chunk_o import chunk_fwd_o
-from fla.ops.utils import chunk_local_cumsum
 from fla.ops.utils.constant import RCP_LN2
 
 from forkpoint.kernels import check_cu_seqlens
 from forkpoint.kernels.conv1d.triton import chunk_indices
-from forkpoint.kernels.ssd.reference import _check, _check_states, _heads
+from forkpoint.kernels.ssd.reference import _check, _check_states, check_out
+from forkpoint.kernels.ssd.triton import ssd_epilogue, ssd_prologue
 
 
 @functools.lru_cache(maxsize=64)
@@ -71,27 +74,24 @@ def _chunk_states(k, v, g, h0, cu_seqlens, offsets, num_chunks, chunk_size):
     return h, ht
 
 
-def chunk_ssd(x, dt, A, B, C, initial_state, cu_seqlens, cu_seqlens_host, *, D=None, chunk_size=64):
+def chunk_ssd(x, dt, A, B, C, initial_state, cu_seqlens, cu_seqlens_host, *, D=None, chunk_size=64, out=None):
     """See ``forkpoint.kernels.ssd.reference.chunk_ssd``: x [T, H, P] (bf16/fp16/fp32), dt [T, H],
-    A [H] fp32, B/C [T, G, N], initial_state [Nseq, H, P, N] fp32. Returns (y [T, H, P] in x.dtype,
-    final_state [Nseq, H, P, N] fp32). No host sync once the offsets' uploads are cached."""
+    A [H] fp32, B/C [T, G, N] (last dims contiguous, e.g. views of the conv output),
+    initial_state [Nseq, H, P, N] fp32, out [T, H, P] in x.dtype (strided view allowed) or None.
+    Returns (y [T, H, P] in x.dtype, `out` when given; final_state [Nseq, H, P, N] fp32). Four
+    launches (prologue, chunk states, outputs, epilogue), no host sync once the offsets' uploads are cached."""
     _check(x, dt, A, B, C, D)
+    check_out(out, x)
     num_segments = check_cu_seqlens(cu_seqlens_host, x.shape[0])
     _check_states(initial_state, num_segments, x, B, "initial_state")
-    heads = x.shape[1]
-    dtf = dt.float()
-    q = _heads(C, heads).to(x.dtype).contiguous().unsqueeze(0)
-    k = _heads(B, heads).to(x.dtype).contiguous().unsqueeze(0)
-    v = (x.float() * dtf[..., None]).to(x.dtype).unsqueeze(0)
     idx = chunk_indices(cu_seqlens_host, chunk_size, x.device)
     offsets, num_chunks = chunk_offsets(cu_seqlens_host, chunk_size, x.device)
-    # cumulative decay within each chunk, pre-scaled by 1/ln 2: the kernels use exp2
-    g = chunk_local_cumsum((dtf * A.float()[None, :]).unsqueeze(0), chunk_size=chunk_size, scale=RCP_LN2,
-                           cu_seqlens=cu_seqlens, chunk_indices=idx)
-    h, final = _chunk_states(k, v, g, initial_state.contiguous(), cu_seqlens, offsets, num_chunks, chunk_size)
+    # g: cumulative decay within each chunk, pre-scaled by 1/ln 2 (the kernels use exp2)
+    q, k, k_heads, v, g = (t.unsqueeze(0) for t in ssd_prologue(x, dt, A, B, C, cu_seqlens, idx,
+                                                                chunk_size=chunk_size, scale=RCP_LN2))
+    h, final = _chunk_states(k_heads, v, g, initial_state.contiguous(), cu_seqlens, offsets, num_chunks, chunk_size)
     o = chunk_fwd_o(q=q, k=k, v=v, h=h, g=g, scale=1.0, state_v_first=True, cu_seqlens=cu_seqlens,
                     chunk_size=chunk_size, chunk_indices=idx)
-    y = o[0].float()
-    if D is not None:
-        y = y + D.float()[None, :, None] * x.float()
-    return y.to(x.dtype), final
+    if out is None:
+        out = torch.empty_like(v[0])
+    return ssd_epilogue(o[0], x, D, out), final

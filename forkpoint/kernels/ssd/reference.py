@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from forkpoint.kernels import check_cu_seqlens
 
@@ -57,6 +58,28 @@ def _check_states(states: torch.Tensor, rows: int | None, x: torch.Tensor, B: to
         raise ValueError(f"{name} must be float32, got {states.dtype}: the SSM state is kept in fp32")
 
 
+def check_out(out: torch.Tensor | None, x: torch.Tensor) -> None:
+    """``out`` (when given) must have x's shape and dtype [T, H, P] and a contiguous last dim."""
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1):
+        raise ValueError(f"out must be {x.dtype} {tuple(x.shape)} with a contiguous last dim (a strided view is "
+                         f"fine), got {out.dtype} {tuple(out.shape)} with strides {out.stride()}")
+
+
+def _written(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """y (already in the output dtype), or `out` with y copied into it when given."""
+    return y if out is None else out.copy_(y)
+
+
+def softplus_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, dt_max: float) -> torch.Tensor:
+    """Mamba2's step sizes from the raw projection: ``clamp(softplus(dt + dt_bias), dt_min, dt_max)``
+    in fp32 (torch's softplus: beta 1, identity above 20). dt: [T, H] (any float dtype, row
+    strides allowed); dt_bias: [H]; 0 <= dt_min <= dt_max (dt_max may be inf). Returns [T, H] fp32,
+    a new tensor."""
+    if dt.dim() != 2 or dt_bias.shape != (dt.shape[1],):
+        raise ValueError(f"dt must be [T, H] and dt_bias [H], got {tuple(dt.shape)} and {tuple(dt_bias.shape)}")
+    return F.softplus(dt.float() + dt_bias.float()).clamp(dt_min, dt_max)
+
+
 def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     """[..., G, N] -> [..., H, N]: each head reads its group's row."""
     return t.repeat_interleave(heads // t.shape[-2], dim=-2)
@@ -64,17 +87,20 @@ def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 def chunk_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
               initial_state: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_host: Sequence[int], *,
-              D: torch.Tensor | None = None, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+              D: torch.Tensor | None = None, chunk_size: int = 64,
+              out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed varlen SSD scan (prefill).
 
     x: [T, H, P]; dt: [T, H] (positive, used in fp32); A: [H] fp32 (negative); B, C: [T, G, N];
     initial_state: [Nseq, H, P, N] fp32 (read only); cu_seqlens [Nseq+1] long (device) and
-    cu_seqlens_host (the same offsets on the host); D: [H] or None.
-    Returns (y [T, H, P] in x.dtype, final_state [Nseq, H, P, N] fp32, a new tensor). A segment of
-    length 0 returns its initial state.
+    cu_seqlens_host (the same offsets on the host); D: [H] or None; out: [T, H, P] in x.dtype (may
+    be a strided view, last dim contiguous) or None.
+    Returns (y [T, H, P] in x.dtype: `out` itself when given, every row written; final_state
+    [Nseq, H, P, N] fp32, a new tensor). A segment of length 0 returns its initial state.
     """
     del cu_seqlens  # the reference walks the host offsets
     _check(x, dt, A, B, C, D)
+    check_out(out, x)
     num_segments = check_cu_seqlens(cu_seqlens_host, x.shape[0])
     _check_states(initial_state, num_segments, x, B, "initial_state")
     tokens, heads, head_dim = x.shape
@@ -86,7 +112,7 @@ def chunk_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     final = initial_state.clone()
     y = torch.zeros(tokens, heads, head_dim, dtype=torch.float32, device=device)
     if total == 0:
-        return y.to(x.dtype), final
+        return _written(y.to(x.dtype), out), final
 
     # step-major chunk layout: chunk c of the segments that have one, in `order`
     index = torch.full((total, chunk_size), tokens, dtype=torch.long)  # `tokens` = the zero padding row
@@ -138,7 +164,7 @@ def chunk_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     y[flat_index[flat_valid]] = y_chunk.flatten(0, 1)[flat_valid]
     if D is not None:
         y = y + D.float()[None, :, None] * x.float()
-    return y.to(x.dtype), final
+    return _written(y.to(x.dtype), out), final
 
 
 def ssd_recurrence(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -191,11 +217,13 @@ def check_pool(state_pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, B
 
 def ssd_step_inplace(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                      state_pool: torch.Tensor, slots: torch.Tensor, *,
-                     D: torch.Tensor | None = None) -> torch.Tensor:
+                     D: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``ssd_step`` on rows ``slots`` [N] (distinct, never row 0) of state_pool [S, H, P, N] fp32,
-    written back in place; other rows are untouched. Returns y [N, H, P] in x.dtype."""
+    written back in place; other rows are untouched. Returns y [N, H, P] in x.dtype: `out` itself
+    when given ([N, H, P] in x.dtype, may be a strided view with a contiguous last dim)."""
     _check(x, dt, A, B, C, D)
     check_pool(state_pool, slots, x, B)
+    check_out(out, x)
     y, new_state = _step(x, dt, A, B, C, state_pool.index_select(0, slots), D)
     state_pool.index_copy_(0, slots, new_state)
-    return y.to(x.dtype)
+    return _written(y.to(x.dtype), out)
