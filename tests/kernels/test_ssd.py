@@ -238,8 +238,9 @@ def test_gpu_chunk_is_sync_free_and_replays_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
+    core_out = torch.zeros(x.shape[0] + 1, 8, 64, device="cuda", dtype=torch.bfloat16)  # the runner's buffer
     with torch.cuda.graph(graph, stream=stream):
-        y_graph, final_graph = fla.chunk_ssd(x, dt, A, B, C, h0, cu, cu_host, D=D)
+        y_graph, final_graph = fla.chunk_ssd(x, dt, A, B, C, h0, cu, cu_host, D=D, out=core_out[:-1])
     fresh = inputs(lengths, heads=8, groups=2, head_dim=64, state_dim=128, seed=5, device="cuda",
                    dtype=torch.bfloat16)
     for dst, src in zip((x, dt, A, B, C, h0, D), fresh[:6] + fresh[8:]):
@@ -248,3 +249,4 @@ def test_gpu_chunk_is_sync_free_and_replays_in_a_cuda_graph():
     graph.replay()
     assert torch.equal(y_graph, y_new) and torch.equal(final_graph, final_new)
     assert not torch.equal(y_graph, y_eager)  # the replay read the new inputs
+    assert y_graph.data_ptr() == core_out.data_ptr() and not core_out[-1].any()
