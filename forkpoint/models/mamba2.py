@@ -127,17 +127,33 @@ class Mamba2Mixer(nn.Module):
         m = config.mamba2.mamba
         return RecurrentStateSpec((m.conv_dim, m.conv_kernel - 1), dtype, (m.num_heads, m.head_dim, m.state_size))
 
-    def project(self, x: torch.Tensor) -> Mamba2Projection:
-        """x: [T, hidden] (after the block's input norm). Token-wise."""
+    def projection_width(self) -> int:
+        """Columns of the in_proj GEMM output [z | xBC | dt] (the `stacked_out` of `project`)."""
+        return self.in_proj.out_features
+
+    def project(self, x: torch.Tensor, stacked_out: torch.Tensor | None = None) -> Mamba2Projection:
+        """x: [T, hidden] (after the block's input norm). Token-wise. xbc and z are column views of
+        the in_proj output (row-strided): a new tensor, or `stacked_out` [T, projection_width()]
+        (contiguous; the piecewise forward's static buffer) when given, the same GEMM either way."""
         m = self.m
         if m.in_multiplier != 1.0:
             x = x * m.in_multiplier
-        zxbcdt = self.in_proj(x)
-        if any(mult != 1.0 for mult in m.proj_multipliers):  # Falcon-H1's per-part muP multipliers
+        if stacked_out is None:
+            zxbcdt = self.in_proj(x)
+        elif stacked_out.shape != (x.shape[0], self.projection_width()) or not stacked_out.is_contiguous():
+            raise ValueError(f"stacked_out must be a contiguous [{x.shape[0]}, {self.projection_width()}] tensor, "
+                             f"got {list(stacked_out.shape)} with strides {stacked_out.stride()}")
+        elif self.in_proj.bias is None:
+            zxbcdt = torch.mm(x, self.in_proj.weight.t(), out=stacked_out)
+        else:
+            zxbcdt = torch.addmm(self.in_proj.bias, x, self.in_proj.weight.t(), out=stacked_out)
+        if any(mult != 1.0 for mult in m.proj_multipliers):  # Falcon-H1's per-part muP multipliers, in place
             gn = m.n_groups * m.state_size
-            sizes = (self.intermediate, self.intermediate, gn, gn, m.num_heads)
-            zxbcdt = torch.cat([part * mult for part, mult in zip(zxbcdt.split(sizes, dim=-1), m.proj_multipliers)],
-                               dim=-1)
+            start = 0
+            for size, mult in zip((self.intermediate, self.intermediate, gn, gn, m.num_heads), m.proj_multipliers):
+                if mult != 1.0:
+                    zxbcdt.narrow(-1, start, size).mul_(mult)
+                start += size
         z, xbc, dt = zxbcdt.split([self.intermediate, m.conv_dim, m.num_heads], dim=-1)
         return Mamba2Projection(xbc, z, softplus_dt(dt, self.dt_bias, m.dt_min, m.dt_max))
 

@@ -145,3 +145,36 @@ def test_nemotron_router_stays_float32_in_a_bf16_model_as_in_transformers(tiny_m
         ref_ids, ref_order = ref_ids.sort(dim=-1)
         assert torch.equal(ids, ref_ids)
         torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("model_type", ["nemotron_h", "falcon_h1"])
+def test_mixer_projection_into_a_static_buffer_is_the_same_gemm(tiny_model_factory, model_type):
+    """Mamba2Mixer.project(x, stacked_out=buf) writes the in_proj GEMM into buf, xbc and z being
+    views of it (what lets the piecewise forward skip their copies), with results equal to the plain
+    call and to the multipliers applied as transformers does (Falcon-H1: a torch.cat of scaled parts)."""
+    from forkpoint.kernels.ssd import reference as ssd_ref
+    from forkpoint.models.mamba2 import Mamba2Mixer
+
+    directory, _ = tiny_model_factory(model_type)
+    config = ModelConfig.from_hf_dir(directory)
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(config)
+    torch.nn.init.normal_(mixer.dt_bias)
+    x = torch.randn(7, config.hidden_size)
+    m = mixer.m
+    parts = mixer.in_proj(x * m.in_multiplier).split((m.intermediate_size, m.intermediate_size,
+                                                      m.n_groups * m.state_size, m.n_groups * m.state_size,
+                                                      m.num_heads), dim=-1)
+    z, xbc, dt = torch.cat([p * mult for p, mult in zip(parts, m.proj_multipliers)], dim=-1).split(
+        [m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
+    expected = (xbc, z, ssd_ref.softplus_dt(dt, mixer.dt_bias, m.dt_min, m.dt_max))
+    buf = torch.full((7, mixer.projection_width()), float("nan"))
+    with torch.inference_mode():  # as the engine runs it (mm(out=) takes no autograd)
+        for got in (mixer.project(x), mixer.project(x, stacked_out=buf)):
+            assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        static = mixer.project(x, stacked_out=buf)
+        with pytest.raises(ValueError, match="stacked_out must be a contiguous"):
+            mixer.project(x, stacked_out=buf[:, 1:])
+    assert all(torch.equal(a, b) for a, b in zip(mixer.project(x), expected))  # grad mode: no in-place error
+    assert {t.untyped_storage().data_ptr() for t in (static.xbc, static.z)} == {buf.untyped_storage().data_ptr()}
+    assert (model_type == "falcon_h1") == any(mult != 1.0 for mult in m.proj_multipliers)
