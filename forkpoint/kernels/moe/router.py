@@ -57,7 +57,7 @@ def _sigmoid_grouped_topk_kernel(logits, bias, w_out, ids_out, stride_l, S, scal
         best = tl.max(tl.max(c, 1), 0)
         index = tl.min(tl.min(tl.where(avail & (c == best), e, BLOCK_G * BLOCK_S), 1), 0)
         index = tl.minimum(index, N_GROUP * S - 1)  # in range even for NaN rows
-        w_j = tl.sum(tl.sum(tl.where(e == index, score, 0.0), 1), 0)
+        w_j = tl.sum(tl.sum(tl.where(valid & (e == index), score, 0.0), 1), 0)  # padding aliases e
         top_w = tl.where(slots == j, w_j, top_w)
         top_i = tl.where(slots == j, index, top_i)
         avail = avail & (e != index)
