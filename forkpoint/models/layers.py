@@ -95,7 +95,8 @@ class StackedProjections(nn.Module):
     parameters, their names and the state dict stay as the checkpoint has them (moving the model
     afterwards would break the views: stack on the final device and dtype). `project_stacked(x)`,
     x [T, K], then returns the projections' outputs [T, N_i] as column views of one GEMM output
-    (row stride sum N_i; the kernels that read them take row strides)."""
+    (row stride sum N_i; the kernels that read them take row strides), written into `out` [T,
+    stacked_width()] when given (the piecewise forward's static buffer: runner/piecewise.py)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -121,11 +122,30 @@ class StackedProjections(nn.Module):
                 m.bias = nn.Parameter(bias.split(sizes)[i], requires_grad=False)
         self._stack = (weight, bias, sizes)
 
-    def project_stacked(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def stacked_width(self) -> int:
+        """Columns of the stacked GEMM output: sum N_i."""
+        return sum(self._stacked()[2])
+
+    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
         if self._stack is None:
             raise RuntimeError(f"{type(self).__name__}.stack_projections() was not called after loading the weights")
-        weight, bias, sizes = self._stack
-        return F.linear(x, weight, bias).split(sizes, dim=-1)
+        return self._stack
+
+    def project_stacked(self, x: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """x: [T, K] -> the projections' outputs [T, N_i], column views of one GEMM output: a new
+        tensor, or `out` [T, sum N_i] (contiguous) when given. The same GEMM either way (F.linear is
+        addmm / mm for 2-D inputs)."""
+        weight, bias, sizes = self._stacked()
+        if out is None:
+            y = F.linear(x, weight, bias)
+        elif out.shape != (x.shape[0], weight.shape[0]) or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous [{x.shape[0]}, {weight.shape[0]}] tensor, "
+                             f"got {list(out.shape)} with strides {out.stride()}")
+        elif bias is None:
+            y = torch.mm(x, weight.t(), out=out)
+        else:
+            y = torch.addmm(bias, x, weight.t(), out=out)
+        return y.split(sizes, dim=-1)
 
 
 def stack_all_projections(model: nn.Module) -> None:

@@ -98,6 +98,11 @@ class Mamba2HybridLM(nn.Module):
             return hidden, (empty, empty)
         return hidden, self.rotary.cos_sin(positions, hidden.dtype)
 
+    def projection_width(self, layer_id: int) -> None:
+        """None: these projections take no output buffer (`HybridForCausalLM.projection_width`), so
+        the piecewise forward copies them into its static buffers."""
+        del layer_id
+
     def project(self, layer_id: int, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> NamedTuple:
         """hidden: [T, hidden], the stream entering the layer -> its mixer projections. Token-wise."""
         return self.model.layers[layer_id].project(hidden, cos_sin)

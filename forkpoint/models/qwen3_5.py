@@ -133,11 +133,11 @@ class GatedDeltaNet(StackedProjections):
     def stacked_linears(self) -> tuple[nn.Module, ...]:
         return self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
 
-    def project(self, x: torch.Tensor) -> GDNProjection:
+    def project(self, x: torch.Tensor, stacked_out: torch.Tensor | None = None) -> GDNProjection:
         """x: [T, hidden] (after the input norm). Token-wise. `mixed` and `z` are column views of
-        the stacked projection (row-strided)."""
+        the stacked projection (row-strided), of `stacked_out` [T, stacked_width()] when given."""
         num_tokens = x.shape[0]
-        mixed, z, b, a = self.project_stacked(x)
+        mixed, z, b, a = self.project_stacked(x, stacked_out)
         g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
         return GDNProjection(mixed, z.reshape(num_tokens, self.num_v_heads, self.head_v_dim), g, beta)
 
@@ -230,10 +230,12 @@ class GatedAttention(StackedProjections):
     def stacked_linears(self) -> tuple[nn.Module, ...]:
         return self.q_proj, self.k_proj, self.v_proj
 
-    def project(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> AttentionProjection:
-        """x: [T, hidden] (after the input norm); cos, sin: [T, rotary_dim]. Token-wise."""
+    def project(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                stacked_out: torch.Tensor | None = None) -> AttentionProjection:
+        """x: [T, hidden] (after the input norm); cos, sin: [T, rotary_dim]. Token-wise. `v` is a
+        column view of the stacked projection, of `stacked_out` [T, stacked_width()] when given."""
         num_tokens = x.shape[0]
-        q_gate, k, v = self.project_stacked(x)
+        q_gate, k, v = self.project_stacked(x, stacked_out)
         q, gate = q_gate.reshape(num_tokens, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
         gate = gate.reshape(num_tokens, self.num_heads * self.head_dim)
         q = self.q_norm(q)
@@ -362,15 +364,22 @@ class HybridForCausalLM(nn.Module):
             hidden = hidden.index_copy(0, index, embeds.to(hidden.dtype))
         return hidden, self.rotary.cos_sin(positions, hidden.dtype)
 
-    def project(self, layer_id: int, hidden: torch.Tensor,
-                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> GDNProjection | AttentionProjection:
+    def projection_width(self, layer_id: int) -> int:
+        """Columns of layer `layer_id`'s stacked projection GEMM (the `stacked_out` of `project`)."""
+        layer = self.model.layers[layer_id]
+        return (layer.linear_attn if layer.is_recurrent else layer.self_attn).stacked_width()
+
+    def project(self, layer_id: int, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                stacked_out: torch.Tensor | None = None) -> GDNProjection | AttentionProjection:
         """hidden: [T, hidden], the residual stream entering the layer -> its input norm and mixer
-        projections. Token-wise."""
+        projections. Token-wise. With `stacked_out` [T, projection_width(layer_id)] the projection
+        GEMM writes there and the fields that are its column views (GDN: mixed, z; attention: v)
+        are views of it (runner/piecewise.py: no copy into its static buffers)."""
         layer = self.model.layers[layer_id]
         x = layer.input_layernorm(hidden)
         if layer.is_recurrent:
-            return layer.linear_attn.project(x)
-        return layer.self_attn.project(x, cos_sin)
+            return layer.linear_attn.project(x, stacked_out)
+        return layer.self_attn.project(x, cos_sin, stacked_out)
 
     def core(self, layer_id: int, p: GDNProjection | AttentionProjection, batch: ForwardBatch, caches: LayerCaches,
              out: torch.Tensor | None = None) -> torch.Tensor:

@@ -29,6 +29,11 @@ Static buffers, allocated once with Tmax = the largest bucket rows and shared by
     cos, sin [Tmax, rotary_dim]               embed writes rows [:T]
     projection[kind]: the kind's projection   piece i writes layer i's projections; core i reads rows [:T];
       NamedTuple of [Tmax, ...] tensors       piece i+1 reads z / gate
+    stacked[kind] [Tmax, width]               models whose `projection_width(layer)` is not None (Qwen):
+                                              the projection GEMM's output, written by `project(...,
+                                              stacked_out=stacked[kind][:Tb])`; the projection fields
+                                              that are its column views (GDN mixed and z, attention v)
+                                              are views of it, so the piece copies only the others
     core_out[kind] [Tmax, *core_shape]        core i writes rows [:T]; piece i+1 reads
 
 One set of projection / core buffers per core kind (`model.core_kind`: "recurrent" for GDN or
@@ -101,13 +106,36 @@ def _first_rows(buffers: tuple, rows: int) -> tuple:
                            for t in buffers))
 
 
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b are the same elements (strides of size-1 dims do not matter)."""
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+            and all(n == 1 or x == y for n, x, y in zip(a.shape, a.stride(), b.stride())))
+
+
 def _copy_into(dst: tuple, src: tuple) -> None:
-    """dst.copy_(src) field by field (NamedTuples of the same structure, nested allowed)."""
+    """dst.copy_(src) field by field (NamedTuples of the same structure, nested allowed); a field
+    that already is its destination (a view of the static stacked projection) is not copied."""
     for d, s in zip(dst, src):
         if isinstance(d, torch.Tensor):
-            d.copy_(s)
+            if not _same_view(d, s):
+                d.copy_(s)
         elif d is not None:
             _copy_into(d, s)
+
+
+def _static_like(probe: tuple, stacked: torch.Tensor, rows: int) -> tuple:
+    """`_zeros_rows(probe, rows)`, except that the probe's fields that are views of `stacked` (the
+    static stacked projection the probe wrote into) stay those views."""
+    base = stacked.untyped_storage().data_ptr()
+
+    def static(t):
+        if t is None:
+            return None
+        if not isinstance(t, torch.Tensor):
+            return _static_like(t, stacked, rows)
+        return t if t.untyped_storage().data_ptr() == base else t.new_zeros(rows, *t.shape[1:])
+
+    return type(probe)(*(static(t) for t in probe))
 
 
 def _tensors(tree: tuple) -> list[torch.Tensor]:
@@ -204,12 +232,23 @@ class PiecewiseForward:
         self.cos = cos.new_zeros(rows, *cos.shape[1:])
         self.sin = sin.new_zeros(rows, *sin.shape[1:])
         self.projection: dict[str, tuple] = {}
+        self.stacked: dict[str, torch.Tensor] = {}
         self.core_out: dict[str, torch.Tensor] = {}
         for layer_id in self._core_layers:
             kind = self._kinds[layer_id]
-            if kind not in self.projection:
+            if kind in self.projection:
+                continue
+            width = model.projection_width(layer_id)
+            if width is None:
                 self.projection[kind] = _zeros_rows(model.project(layer_id, hidden, (cos, sin)), rows)
-                self.core_out[kind] = hidden.new_zeros(rows, *model.core_shape(layer_id))
+            else:  # a probe of all rows, its GEMM writing into the static stacked buffer (module docstring)
+                stacked = hidden.new_zeros(rows, width)
+                probe = model.project(layer_id, hidden.new_zeros(rows, *hidden.shape[1:]),
+                                      (cos.new_zeros(rows, *cos.shape[1:]), sin.new_zeros(rows, *sin.shape[1:])),
+                                      stacked_out=stacked)
+                self.projection[kind] = _static_like(probe, stacked, rows)
+                self.stacked[kind] = stacked
+            self.core_out[kind] = hidden.new_zeros(rows, *model.core_shape(layer_id))
         # the static inputs that select the recurrent layer of `_recurrent_core` (module docstring)
         self.recurrent_row_offset = torch.zeros((), dtype=torch.long, device=device)
         self._recurrent_kind = next((k for k in self._kinds if k in RECURRENT_KINDS), None)
@@ -227,9 +266,11 @@ class PiecewiseForward:
     @property
     def num_bytes(self) -> int:
         """Bytes of the static buffers."""
-        tensors = [self.residual, self.cos, self.sin, *self.core_out.values()]
+        tensors = [self.residual, self.cos, self.sin, *self.core_out.values(), *self.stacked.values()]
         tensors += _tensors(self.core_params) if self.core_params is not None else []
-        tensors += [t for buffers in self.projection.values() for t in _tensors(buffers)]
+        stacked = {t.untyped_storage().data_ptr() for t in self.stacked.values()}
+        tensors += [t for buffers in self.projection.values() for t in _tensors(buffers)
+                    if t.untyped_storage().data_ptr() not in stacked]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ------------------------------------------------------------------ pieces
@@ -249,7 +290,11 @@ class PiecewiseForward:
                 hidden = model.finish(layer_id, hidden, self._projection_rows(layer_id, rows),
                                       self._core_rows(layer_id, rows))
         if index < len(cores):
-            _copy_into(self._projection_rows(end, rows), model.project(end, hidden, (self.cos[:rows], self.sin[:rows])))
+            cos_sin = (self.cos[:rows], self.sin[:rows])
+            stacked = self.stacked.get(self._kinds[end])
+            projection = (model.project(end, hidden, cos_sin) if stacked is None
+                          else model.project(end, hidden, cos_sin, stacked_out=stacked[:rows]))
+            _copy_into(self._projection_rows(end, rows), projection)
         if end > start:
             self.residual[:rows].copy_(hidden)
 

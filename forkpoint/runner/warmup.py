@@ -119,6 +119,16 @@ def warmup_layouts(max_tokens: int, max_seqs: int, max_context: int, block_size:
         [SyntheticSegment(1, max_context, -1) for _ in range(min(max_seqs - 1, 32, max(max_tokens - 16, 0)))]
         + [SyntheticSegment(min(16, max_tokens), max_context, 0)],
     ]
+    # the widest two-phase step: a producer's prefix, then as many consumer segments after it as the
+    # step takes, splitting the rest of the tokens. Its per-segment buffers (gathered initial states
+    # and final states of every recurrent layer, [segments, H, K, V] fp32 each) are the largest a
+    # step allocates: first met while serving, growing the allocator's and the core graph's pools
+    # took one such step 3.99x its fitted time (35B-A3B, 256 consumers of 32 tokens; docs/e2e_h200.md)
+    if max_seqs > 2 and max_tokens > max_seqs:
+        producer = min(64, max_tokens - (max_seqs - 1))
+        share = (max_tokens - producer) // (max_seqs - 1)
+        layouts.append([SyntheticSegment(producer, 0, 0)]
+                       + [SyntheticSegment(share, min(max_context, producer), 1) for _ in range(max_seqs - 1)])
     # single segments of lengths around the integer specialisations (1, odd, multiples of 16), up to
     # the largest step; short ones below and above the attention's short/long autotune split (16)
     for q_len in sorted({1, 2, 3, 7, 16, 17, 63, 64, 65, 200, 256, max_tokens // 2 + 1, max_tokens}):

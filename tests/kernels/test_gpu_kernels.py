@@ -388,7 +388,33 @@ def test_paged_attention_autotune_key_is_stable_across_steps():
 
 # ---------------------------------------------------------------- MoE
 
-@pytest.mark.parametrize("t,e,top_k,hidden,inter", [(100, 16, 4, 256, 128), (7, 64, 8, 512, 64)])
+@pytest.mark.parametrize("t,e,top_k", [(1, 256, 8), (64, 256, 8), (512, 256, 8), (3, 5, 2), (100, 128, 6)])
+def test_one_program_route_sort_equals_torch_sort(monkeypatch, t, e, top_k):
+    # the routes of decode steps (<= MAX_ONE_PROGRAM_ROUTES) are sorted by one Triton program;
+    # larger steps by torch.sort + searchsorted: both must give the same grouping, exactly
+    grouped = pytest.importorskip("forkpoint.kernels.moe.grouped")
+    gen = torch.Generator().manual_seed(t * e + top_k)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(t)])
+    if t > 1:
+        ids[-1] = ids[0]  # two tokens on the same experts: ties resolved in route order
+    ids, x = ids.to(DEV), torch.randn(t, 40, generator=gen).to(DEV).bfloat16()
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):  # integer outputs too: an unwritten element shows as -7
+        return empty(*args, **kwargs).fill_(-7)
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: poisoned(t.shape, dtype=kw.get("dtype", t.dtype),
+                                                                      device=t.device))
+    one = grouped._sorted_routes(x, ids, e)
+    monkeypatch.setattr(grouped, "MAX_ONE_PROGRAM_ROUTES", 0)
+    ref = grouped._sorted_routes(x, ids, e)
+    assert torch.equal(one.pos, ref.pos) and torch.equal(one.offs, ref.offs) and torch.equal(one.xs, ref.xs)
+    assert sorted(one.pos.tolist()) == list(range(t * top_k))
+
+
+# (600, 64, 8): 4,800 routes, sorted by torch.sort; the others by the one-program sort
+@pytest.mark.parametrize("t,e,top_k,hidden,inter", [(100, 16, 4, 256, 128), (7, 64, 8, 512, 64), (600, 64, 8, 256, 64)])
 def test_grouped_moe_matches_reference(poison, t, e, top_k, hidden, inter):
     grouped = pytest.importorskip("forkpoint.kernels.moe.grouped")
     from forkpoint.kernels.moe import reference

@@ -254,3 +254,28 @@ def test_default_sizes_and_config():
         EngineConfig(cuda_graph_sizes=[0, 4])
     with pytest.raises(ValueError, match="exceeds max_num_batched_tokens"):
         EngineConfig(cuda_graph_sizes=[1, 4096], max_num_batched_tokens=2048)
+
+
+def test_projection_views_live_in_the_static_stacked_buffer(moe_model, monkeypatch):
+    # Qwen's projection GEMM writes into the piecewise forward's static stacked buffer, so the fields
+    # that are its column views (GDN mixed and z, attention v) are not copied by the pieces
+    llm = LLM(str(moe_model[0]), **ENGINE)
+    model = llm.engine.runner.model
+    piecewise = PiecewiseForward(model, (8,), llm.engine.device, capture=False)
+    recurrent, attention = piecewise.projection["recurrent"], piecewise.projection["attention"]
+    stacked = {kind: piecewise.stacked[kind].untyped_storage().data_ptr() for kind in ("recurrent", "attention")}
+
+    def in_stacked(kind, t):
+        return t.untyped_storage().data_ptr() == stacked[kind]
+
+    assert in_stacked("recurrent", recurrent.mixed) and in_stacked("recurrent", recurrent.z)
+    assert not in_stacked("recurrent", recurrent.g) and in_stacked("attention", attention.v)
+    assert piecewise.stacked["recurrent"].shape == (8, model.projection_width(model.config.gdn_layer_ids[0]))
+    copied = []
+    copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda dst, src, *a, **k: copied.append(tuple(dst.shape))
+                        or copy(dst, src, *a, **k))
+    with torch.inference_mode():
+        piecewise._piece(0, 8)  # projects the first core layer (GDN): copies g and beta only
+    assert tuple(recurrent.mixed.shape) not in copied and tuple(recurrent.z.shape) not in copied
+    assert tuple(recurrent.g.shape) in copied

@@ -27,6 +27,8 @@ def test_layouts_cover_phases_decodes_and_limits():
     assert min(s.q_len for s in first) > 16
     assert max(s.q_len for s in second) == 16 and any(s.phase == -1 for s in second)
     assert [s.q_len for s in warmup_layouts(64, 1, 0, 8)[0]] == [64]  # one sequence at most
+    # the widest step: a producer and max_seqs - 1 consumers after it, in the second phase
+    assert any(len(layout) == 8 and sum(s.phase == 1 for s in layout) == 7 for layout in layouts)
 
 
 def test_synthetic_batch_reads_and_writes_only_scratch_rows():

@@ -6,6 +6,7 @@ for all experts at once (CUTLASS on Hopper), no Python loop over experts and no 
 per-expert row counts stay on the device and reach the GEMM as cumulative offsets.
 
     routes r = t * k + j (token t, its j-th expert), sorted by expert (order[p] = route at row p):
+    order, pos, offs                                          one Triton launch up to 4,096 routes
     xs    = x[token of route]                  [T*k, Hd]      rows grouped by expert
     h     = grouped_mm(xs, gate_up^T, offs)    [T*k, 2I]      expert e's rows times gate_up[e]^T
     a     = silu(gate) * up                    [T*k, I]       fp32 math, bf16 out (silu_and_mul)
@@ -22,6 +23,8 @@ top: without Triton the dispatch falls back to the reference.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -99,6 +102,28 @@ def _combine_kernel(ys, pos, w, y, shared, gate, residual, Hd, stride_w, stride_
     tl.store(y + t * Hd + cols, acc.to(y.dtype.element_ty), mask=m)
 
 
+# Routes sorted by one program (`_route_sort_kernel`) up to this many; above, torch's sort (a prefill
+# step's 65k routes: its launches do not matter there, a decode step's ~7 per MoE layer do).
+MAX_ONE_PROGRAM_ROUTES = 4096
+
+
+@triton.jit
+def _route_sort_kernel(ids, pos, tokens, offs, R, E, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One program: the R routes (expert ids[r] of route r = t * K + j) sorted by expert, ties in
+    route order (a stable sort); with route = the route at row p: pos[route] = p, tokens[p] =
+    route // K, and offs[e] = routes with an expert <= e (int32), for e < E. Padding lanes carry
+    expert E, which sorts last and falls in a histogram bin that is not stored (BLOCK_E > E)."""
+    lanes = tl.arange(0, BLOCK_R)
+    live = lanes < R
+    expert = tl.load(ids + lanes, mask=live, other=E).to(tl.int32)
+    ranked = tl.sort(expert * BLOCK_R + lanes)  # unique keys: expert-major, then route
+    route = ranked % BLOCK_R
+    tl.store(tokens + lanes, (route // K).to(tl.int64), mask=live)
+    tl.store(pos + route, lanes.to(tl.int64), mask=live)
+    bins = tl.arange(0, BLOCK_E)
+    tl.store(offs + bins, tl.cumsum(tl.histogram(expert, BLOCK_E), 0).to(tl.int32), mask=bins < E)
+
+
 def _rows(tensor: torch.Tensor | None, shape: tuple[int, int], name: str) -> torch.Tensor | None:
     """`tensor` with contiguous rows of `shape` (None stays None); ValueError on another shape."""
     if tensor is None:
@@ -121,16 +146,31 @@ def moe_combine(ys: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tenso
     if ys.shape[0] != num_tokens * top_k or order.shape != (num_tokens * top_k,):
         raise ValueError(f"ys [T*k, Hd] and order [T*k] must match topk_weights [T, k] = {tuple(topk_weights.shape)}; "
                          f"got ys {tuple(ys.shape)} and order {tuple(order.shape)}")
+    shared, shared_gate, residual = _extras(num_tokens, hidden, shared, shared_gate, residual)
+    if num_tokens * hidden == 0:
+        return torch.empty((num_tokens, hidden), dtype=ys.dtype, device=ys.device)
+    routes = torch.arange(order.numel(), dtype=order.dtype, device=order.device)
+    pos = torch.empty_like(order).scatter_(0, order, routes)  # inverse permutation, no host sync
+    return _combine(ys, pos, topk_weights, shared, shared_gate, residual)
+
+
+def _extras(num_tokens: int, hidden: int, shared, shared_gate, residual) -> tuple:
+    """The combine's optional inputs with contiguous rows, checked: shared [T, Hd] and shared_gate
+    [T, 1] come together, residual [T, Hd]."""
     if (shared is None) != (shared_gate is None):
         raise ValueError("shared and shared_gate come together (the shared expert's output and its gate logit)")
-    shared = _rows(shared, (num_tokens, hidden), "shared")
-    shared_gate = _rows(shared_gate, (num_tokens, 1), "shared_gate")
-    residual = _rows(residual, (num_tokens, hidden), "residual")
+    return (_rows(shared, (num_tokens, hidden), "shared"), _rows(shared_gate, (num_tokens, 1), "shared_gate"),
+            _rows(residual, (num_tokens, hidden), "residual"))
+
+
+def _combine(ys, pos, topk_weights, shared, shared_gate, residual):
+    """`moe_combine` with the inverse permutation given (pos [T*k]: route r's row of ys) and the
+    optional inputs already checked."""
+    num_tokens, top_k = topk_weights.shape
+    hidden = ys.shape[1]
     y = torch.empty((num_tokens, hidden), dtype=ys.dtype, device=ys.device)
     if y.numel() == 0:
         return y
-    routes = torch.arange(order.numel(), dtype=order.dtype, device=order.device)
-    pos = torch.empty_like(order).scatter_(0, order, routes)  # inverse permutation, no host sync
     ys = ys.contiguous()
     if topk_weights.stride(-1) != 1:
         topk_weights = topk_weights.contiguous()
@@ -145,15 +185,35 @@ def moe_combine(ys: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tenso
     return y
 
 
-def _sorted_routes(x, topk_ids, num_experts):
-    """(order [T*k]: routes grouped by expert, offs [E] int32: end row of each expert's group,
-    xs [T*k, Hd]: the routes' token rows in that order), all on the device, no host sync."""
-    top_k = topk_ids.shape[1]
+class SortedRoutes(NamedTuple):
+    """The T*k routes (r = t * k + j: token t's j-th expert) grouped by expert, ties in route order."""
+
+    pos: torch.Tensor  # [T*k] long: the row of route r in the grouped order (inverse of the sort)
+    offs: torch.Tensor  # [E] int32: end row of each expert's group (what torch._grouped_mm takes)
+    xs: torch.Tensor  # [T*k, Hd]: the routes' token rows of x, grouped
+
+
+def _sorted_routes(x, topk_ids, num_experts) -> SortedRoutes:
+    """Sorts the routes of topk_ids [T, k] by expert on the device, no host sync: one Triton
+    program up to MAX_ONE_PROGRAM_ROUTES routes (decode steps), else torch's stable sort and
+    searchsorted (the end row of expert e = routes with an id <= e; no bincount, whose CUDA version
+    syncs). Both give the same order."""
+    num_routes, top_k = topk_ids.numel(), topk_ids.shape[1]
+    if num_routes <= MAX_ONE_PROGRAM_ROUTES:
+        pos = torch.empty(num_routes, dtype=torch.long, device=x.device)
+        tokens = torch.empty_like(pos)
+        offs = torch.empty(num_experts, dtype=torch.int32, device=x.device)
+        _route_sort_kernel[(1,)](topk_ids.contiguous(), pos, tokens, offs, num_routes, num_experts, K=top_k,
+                                 BLOCK_R=triton.next_power_of_2(num_routes),
+                                 BLOCK_E=triton.next_power_of_2(num_experts + 1),
+                                 num_warps=4 if num_routes <= 1024 else 8)
+        return SortedRoutes(pos, offs, x.index_select(0, tokens))
     sorted_ids, order = torch.sort(topk_ids.flatten(), stable=True)
-    # [E] end row of each expert = routes with an id <= e (no bincount: its CUDA version syncs)
     experts = torch.arange(num_experts, dtype=sorted_ids.dtype, device=x.device)
     offs = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
-    return order, offs, x.index_select(0, order // top_k)
+    routes = torch.arange(num_routes, dtype=order.dtype, device=order.device)
+    pos = torch.empty_like(order).scatter_(0, order, routes)
+    return SortedRoutes(pos, offs, x.index_select(0, order // top_k))
 
 
 def _check_grouped_sizes(hidden: int, inter: int) -> None:
@@ -175,11 +235,12 @@ def fused_moe(x, gate_up, down, topk_weights, topk_ids, *, shared=None, shared_g
     _check_grouped_sizes(hidden, two_inter // 2)
     if topk_ids.shape[0] == 0:
         return x.new_zeros(x.shape)  # shared and residual have no rows either
-    order, offs, xs = _sorted_routes(x, topk_ids, num_experts)
-    h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
-    a = silu_and_mul(*h.chunk(2, dim=-1))                         # [T*k, I] bf16
-    ys = torch._grouped_mm(a, down.transpose(1, 2), offs=offs)     # [T*k, Hd], sorted routes
-    return moe_combine(ys, order, topk_weights, shared=shared, shared_gate=shared_gate, residual=residual).to(x.dtype)
+    routes = _sorted_routes(x, topk_ids, num_experts)
+    h = torch._grouped_mm(routes.xs, gate_up.transpose(1, 2), offs=routes.offs)  # [T*k, 2I]
+    a = silu_and_mul(*h.chunk(2, dim=-1))                                       # [T*k, I] bf16
+    ys = torch._grouped_mm(a, down.transpose(1, 2), offs=routes.offs)            # [T*k, Hd], sorted routes
+    extras = _extras(x.shape[0], hidden, shared, shared_gate, residual)
+    return _combine(ys, routes.pos, topk_weights, *extras).to(x.dtype)
 
 
 def fused_moe_relu2(x, up, down, topk_weights, topk_ids, *, residual=None):
@@ -193,7 +254,7 @@ def fused_moe_relu2(x, up, down, topk_weights, topk_ids, *, residual=None):
     _check_grouped_sizes(hidden, inter)
     if topk_ids.shape[0] == 0:
         return x.new_zeros(x.shape)
-    order, offs, xs = _sorted_routes(x, topk_ids, num_experts)
-    a = torch._grouped_mm(xs, up.transpose(1, 2), offs=offs).relu_().square_()  # [T*k, I] bf16
-    ys = torch._grouped_mm(a, down.transpose(1, 2), offs=offs)                  # [T*k, Hd], sorted routes
-    return moe_combine(ys, order, topk_weights, residual=residual).to(x.dtype)
+    routes = _sorted_routes(x, topk_ids, num_experts)
+    a = torch._grouped_mm(routes.xs, up.transpose(1, 2), offs=routes.offs).relu_().square_()  # [T*k, I] bf16
+    ys = torch._grouped_mm(a, down.transpose(1, 2), offs=routes.offs)                         # [T*k, Hd]
+    return _combine(ys, routes.pos, topk_weights, *_extras(x.shape[0], hidden, None, None, residual)).to(x.dtype)
