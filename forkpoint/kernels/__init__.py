@@ -21,7 +21,7 @@ logger = logging.getLogger("forkpoint.kernels")
 # (op, GPU variant) pairs that the ops' dispatch functions select between, for `kernel_variants`
 GPU_VARIANTS = (
     ("gated_delta", "fla"), ("gated_delta", "triton"), ("conv1d", "triton"), ("attention", "triton"),
-    ("moe", "grouped"), ("norms", "triton"), ("activation", "triton"), ("gating", "triton"),
+    ("moe", "grouped"), ("moe", "router"), ("norms", "triton"), ("activation", "triton"), ("gating", "triton"),
 )
 
 

@@ -100,8 +100,8 @@ class FalconLayer(nn.Module):
         _, mamba_out = self.mamba_part(p, core)
         mamba = self.mamba.finish(mamba_out, p.mamba.z) * self.ssm_out
         attn = self.self_attn.finish(self._attention_out(core)) * self.attn_out
-        hidden = hidden + self.reduce(mamba + attn)
-        return hidden + self.reduce(self.feed_forward(self.pre_ff_layernorm(hidden)))
+        x, hidden = self.pre_ff_layernorm(self.reduce(mamba + attn), hidden)  # the residual add fused in
+        return hidden + self.reduce(self.feed_forward(x))
 
 
 class FalconH1Model(nn.Module):

@@ -102,8 +102,7 @@ class GraniteLayer(nn.Module):
 
     def finish(self, hidden, p, core) -> torch.Tensor:
         x = self.mamba.finish(core, p.z) if self.is_recurrent else self.self_attn.finish(core)
-        hidden = hidden + self.reduce(x) * self.residual_multiplier
-        x = self.post_attention_layernorm(hidden)
+        x, hidden = self.post_attention_layernorm(self.reduce(x) * self.residual_multiplier, hidden)  # fused add
         out = self.shared_mlp(x)
         if self.block_sparse_moe is not None:
             out = self.block_sparse_moe(x) + out

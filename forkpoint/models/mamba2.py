@@ -25,6 +25,7 @@ from torch import nn
 from forkpoint.cache.state_pool import RecurrentStateSpec
 from forkpoint.config import ModelConfig
 from forkpoint.kernels.conv1d import causal_conv1d_step_inplace, causal_conv1d_varlen
+from forkpoint.kernels.norms import group_mean_square, grouped_gated_rms_norm, rms_norm
 from forkpoint.kernels.rotary import apply_rotary
 from forkpoint.kernels.ssd import chunk_ssd, softplus_dt, ssd_step_inplace
 from forkpoint.mamba2_config import Mamba2Config
@@ -34,23 +35,27 @@ from forkpoint.step.batch import ForwardBatch
 
 class PlainRMSNorm(nn.Module):
     """RMSNorm `w * x / rms(x)` (weight not centred), fp32 math, result in x.dtype.
-    x: [..., dim] -> [..., dim]."""
+
+    `forward(x)`: [..., dim] -> [..., dim]. `forward(x, residual)` fuses the pre-norm residual add:
+    with `s = residual + x` (in x.dtype, exactly the unfused `hidden = residual + x`) it returns
+    `(norm(s), s)`. One kernel on CUDA (kernels/norms `rms_norm(centred=False)`)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * h).to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, self.weight, self.eps, residual, centred=False)
 
 
 class GroupedGatedRMSNorm(nn.Module):
     """Mamba2's gated RMSNorm over `groups` groups of the I channels (weight [I], not centred):
     `w * norm_g(y * silu(z))`, or `w * norm_g(y) * silu(z)` when `norm_before_gate` (Falcon-H1's
-    option). y, z: [T, I] -> [T, I] in y.dtype, fp32 math."""
+    option). y, z: [T, I] -> [T, I] in y.dtype, fp32 math; one kernel on CUDA (kernels/norms
+    `grouped_gated_rms_norm`) unless a subclass overrides `mean_square`."""
 
     def __init__(self, dim: int, groups: int, eps: float, norm_before_gate: bool) -> None:
         super().__init__()
@@ -58,21 +63,14 @@ class GroupedGatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        h = y.float()
-        gate = F.silu(z.float())
-        if not self.norm_before_gate:
-            h = h * gate
-        grouped = h.view(h.shape[0], self.groups, -1)
-        h = (grouped * torch.rsqrt(self.mean_square(grouped) + self.eps)).view(h.shape)
-        h = h * self.weight.float()
-        if self.norm_before_gate:
-            h = h * gate
-        return h.to(y.dtype)
+        plain = type(self).mean_square is GroupedGatedRMSNorm.mean_square
+        return grouped_gated_rms_norm(y, z, self.weight, self.groups, self.eps, self.norm_before_gate,
+                                      mean_square=None if plain else self.mean_square)
 
     def mean_square(self, grouped: torch.Tensor) -> torch.Tensor:
         """grouped: [T, groups, I / groups] fp32 -> the mean of squares per group, [T, groups, 1]
         (a tensor-parallel rank holding part of a group sums over the ranks instead)."""
-        return grouped.pow(2).mean(-1, keepdim=True)
+        return group_mean_square(grouped)
 
 
 class Mamba2Projection(NamedTuple):

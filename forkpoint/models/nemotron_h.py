@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forkpoint.config import ModelConfig
-from forkpoint.kernels.moe import fused_moe_relu2
+from forkpoint.kernels.moe import fused_moe_relu2, sigmoid_grouped_topk
 from forkpoint.models.mamba2 import Attention, Mamba2Mixer, Mamba2Projection, PlainRMSNorm
 from forkpoint.models.mamba2_lm import Mamba2HybridLM
 
@@ -53,20 +53,11 @@ class GroupedSigmoidRouter(nn.Module):
         self.norm_topk_prob, self.scale = config.norm_topk_prob, hybrid.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] -> (weights [T, k] fp32, expert ids [T, k] long)."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        choice = scores + self.e_score_correction_bias.float()
-        num_experts = choice.shape[-1]
-        grouped = choice.view(-1, self.n_group, num_experts // self.n_group)
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
-        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
-        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, num_experts)
-        ids = torch.topk(choice.masked_fill(~expert_mask, float("-inf")), k=self.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, ids)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scale, ids
+        """x: [T, hidden] -> (weights [T, k] fp32, expert ids [T, k] long): the fp32 logits GEMM,
+        then kernels/moe `sigmoid_grouped_topk` (one kernel on CUDA; ties to the lowest index)."""
+        logits = F.linear(x.float(), self.weight.float())
+        return sigmoid_grouped_topk(logits, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
+                                    self.norm_topk_prob, self.scale)
 
 
 class StackedExperts(nn.Module):

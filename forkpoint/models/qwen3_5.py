@@ -176,15 +176,19 @@ class GatedDeltaNet(StackedProjections):
         for phase in batch.phases:
             lo, hi = phase.token_start, phase.token_end
             initial = rows(phase.initial_slots)
-            conv_out, final_conv = causal_conv1d_varlen(
+            # q, k and v come out as contiguous tensors (the chunked rule takes them so: no copies)
+            (q, k, v), final_conv = causal_conv1d_varlen(
                 mixed[lo:hi],
                 conv_weight,
                 None,
                 conv_state.index_select(0, initial),
                 phase.cu_seqlens,
                 phase.cu_seqlens_host,
+                split=(self.key_dim, self.key_dim, self.value_dim),
             )
-            q, k, v = self._split_qkv(conv_out)
+            q = q.view(hi - lo, self.num_k_heads, self.head_k_dim)
+            k = k.view(hi - lo, self.num_k_heads, self.head_k_dim)
+            v = v.view(hi - lo, self.num_v_heads, self.head_v_dim)
             o, final_ssm = chunk_gated_delta_rule(
                 q,
                 k,

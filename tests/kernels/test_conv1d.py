@@ -73,6 +73,20 @@ def test_varlen_matches_definition():
     assert_matches_naive(inputs, LENS, y, final_state)
 
 
+def test_varlen_split_returns_the_channel_groups_contiguous():
+    inputs = make_inputs(LENS, seed=2)
+    y, final_state = run_varlen(inputs, LENS)
+    dim = y.shape[1]
+    split = (dim // 4, dim // 4, dim - 2 * (dim // 4))
+    parts, split_state = run_varlen(inputs, LENS, split=split)
+    assert [tuple(p.shape) for p in parts] == [(y.shape[0], n) for n in split]
+    assert all(p.is_contiguous() for p in parts)
+    assert torch.equal(torch.cat(parts, dim=1), y) and torch.equal(split_state, final_state)
+    for bad in ((dim,) * 2, (dim - 1,), (1, 1, 1, dim - 3), (0, dim)):
+        with pytest.raises(ValueError, match="split"):
+            run_varlen(inputs, LENS, split=bad)
+
+
 def test_varlen_without_activation_or_bias():
     inputs = make_inputs(LENS, seed=1) | {"bias": None}
     y, final_state = run_varlen(inputs, LENS, activation=None)

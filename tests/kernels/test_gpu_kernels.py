@@ -239,6 +239,15 @@ def test_causal_conv1d_varlen_matches_reference(poison):
                                                        torch.tensor(cu), cu, activation=act)
         check(f"conv_varlen_y act={act}", y, y_ref, 1e-2)
         assert not torch.isnan(st).any() and torch.equal(st.cpu(), st_ref), "conv final state must be an exact copy"
+    # channel groups written contiguous by the kernel (GDN q / k / v), from row-strided input
+    wide = torch.randn(t, d + 24, generator=gen, device=DEV).bfloat16()
+    for split in ((96, 96, 128), (64, 256), (320,)):
+        parts, st = tri.causal_conv1d_varlen(wide[:, :d], weight, bias, s0, torch.tensor(cu, device=DEV), cu,
+                                             split=split)
+        plain, _ = tri.causal_conv1d_varlen(wide[:, :d].contiguous(), weight, bias, s0,
+                                            torch.tensor(cu, device=DEV), cu)
+        assert all(p.is_contiguous() for p in parts) and [p.shape[1] for p in parts] == list(split)
+        assert torch.equal(torch.cat(parts, dim=1), plain), f"split {split} must equal the plain layout"
 
 
 def test_causal_conv1d_step_matches_reference(poison):

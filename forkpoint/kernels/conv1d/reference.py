@@ -51,7 +51,8 @@ def causal_conv1d_varlen(
     cu_seqlens_host: Sequence[int],
     *,
     activation: str | None = "silu",
-) -> tuple[torch.Tensor, torch.Tensor]:
+    split: Sequence[int] | None = None,
+) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor]:
     """Causal depthwise conv over a packed variable-length batch (prefill).
 
     x: [T, D]; weight: [D, W]; bias: [D] or None; initial_state: [N, D, W-1], the W-1 inputs before
@@ -61,8 +62,26 @@ def causal_conv1d_varlen(
     Returns (y [T, D] in x.dtype, final_state [N, D, W-1] in initial_state.dtype, a new tensor):
     final_state holds each segment's last W-1 inputs, taken partly from initial_state when the
     segment is shorter than W-1 (a length-0 segment returns its initial state).
+
+    split: up to 3 channel counts summing to D: y is then returned as that many contiguous tensors
+    [T, split[i]], the channel groups of y in order (the GDN conv's q, k and v, which the chunked
+    delta rule takes contiguous).
     """
     _check(x, weight, bias, initial_state, activation)
+    check_split(split, weight.shape[0])
+    y, final_state = _varlen(x, weight, bias, initial_state, cu_seqlens_host, activation)
+    if split is None:
+        return y, final_state
+    return tuple(part.contiguous() for part in y.split(tuple(split), dim=-1)), final_state
+
+
+def check_split(split: Sequence[int] | None, dim: int) -> None:
+    """ValueError unless `split` is None or 1 to 3 positive channel counts summing to `dim`."""
+    if split is not None and not (1 <= len(split) <= 3 and all(int(n) > 0 for n in split) and sum(split) == dim):
+        raise ValueError(f"split must be 1 to 3 positive channel counts summing to D = {dim}, got {tuple(split)}")
+
+
+def _varlen(x, weight, bias, initial_state, cu_seqlens_host, activation):
     num_tokens, dim = x.shape
     num_seqs = check_cu_seqlens(cu_seqlens_host, num_tokens)
     if initial_state.shape[0] != num_seqs:

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from forkpoint.kernels.conv1d import reference
+
 _BT = 64    # tokens per program
 _BD = 128   # channels per program
 
@@ -59,9 +61,11 @@ def chunk_indices(cu_seqlens_host: Sequence[int], chunk_size: int, device) -> to
 
 
 @triton.jit(do_not_specialize=["NT"])  # the step's chunk count: one variant for any count
-def _varlen_kernel(x, w, b, s0, y, sT, cu_seqlens, chunk_idx, NT, D, stride_xt,
+def _varlen_kernel(x, w, b, s0, y, sT, cu_seqlens, chunk_idx, NT, D, stride_xt, TT, S1, S2,
                    W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                    HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """y holds up to three channel groups [0, S1), [S1, S2), [S2, D), each a contiguous [TT, width]
+    block after the one before (S1 = S2 = D: one group, the plain [TT, D] layout)."""
     i_c, i_d = tl.program_id(0), tl.program_id(1)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
@@ -86,7 +90,10 @@ def _varlen_kernel(x, w, b, s0, y, sT, cu_seqlens, chunk_idx, NT, D, stride_xt,
         if SILU:
             acc = acc * tl.sigmoid(acc)
         m_y = (o_t < T)[:, None] & m_d[None, :]
-        tl.store(y + (bos + o_t)[:, None] * D + o_d[None, :], acc.to(y.dtype.element_ty), mask=m_y)
+        start = tl.where(o_d < S1, 0, tl.where(o_d < S2, S1, S2)).to(tl.int64)
+        width = tl.where(o_d < S1, S1, tl.where(o_d < S2, S2 - S1, D - S2)).to(tl.int64)
+        o_y = start[None, :] * TT + (bos + o_t)[:, None] * width[None, :] + (o_d.to(tl.int64) - start)[None, :]
+        tl.store(y + o_y, acc.to(y.dtype.element_ty), mask=m_y)
     else:
         # final state of segment i_n: the last W-1 inputs, from the state when it is shorter
         i_n = (i_c - NT).to(tl.int64)
@@ -152,16 +159,20 @@ def _check_activation(activation):
     return activation is not None
 
 
-def causal_conv1d_varlen(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_host, *, activation="silu"):
+def causal_conv1d_varlen(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_host, *, activation="silu",
+                         split=None):
     """Packed varlen causal depthwise conv1d, one launch.
 
     x: [T, D] (bf16/fp16/fp32, last dim contiguous); weight: [D, W]; bias: [D] or None;
     initial_state: [N, D, W-1] (the W-1 inputs before each segment, oldest first; read only);
     cu_seqlens: LongTensor [N+1] on the device; cu_seqlens_host: the same offsets on the host.
-    Returns (y [T, D] in x.dtype, final_state [N, D, W-1] in initial_state.dtype, new tensors).
+    Returns (y [T, D] in x.dtype, final_state [N, D, W-1] in initial_state.dtype, new tensors);
+    with `split` (reference.causal_conv1d_varlen) y is the tuple of its contiguous channel groups,
+    written so by the kernel (views of one buffer, no copy).
     """
     silu = _check_activation(activation)
     D, W = weight.shape
+    reference.check_split(split, D)
     n = len(cu_seqlens_host) - 1
     if W < 2:
         raise ValueError(f"conv width W={W}: the state path needs W >= 2")
@@ -173,13 +184,23 @@ def causal_conv1d_varlen(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_
     weight, s0 = weight.contiguous(), initial_state.contiguous()
     idx = chunk_indices(cu_seqlens_host, _BT, x.device)
     nt = idx.shape[0]
-    y = torch.empty((x.shape[0], D), dtype=x.dtype, device=x.device)
+    num_tokens = x.shape[0]
+    y = torch.empty((num_tokens, D), dtype=x.dtype, device=x.device)
     final_state = torch.empty_like(s0)
+    bounds = np.cumsum(list(split or (D,)))  # group ends: S1 and S2 (D when absent)
+    s1, s2 = int(bounds[0]), int(bounds[1]) if len(bounds) > 1 else D
     grid = (nt + n, _cdiv(D, _BD))  # axis 0 may exceed 65535
     _varlen_kernel[grid](x, weight, bias if bias is not None else weight, s0, y, final_state, cu_seqlens, idx,
-                         nt, D, x.stride(0), W=W, BT=_BT, BD=_BD, HAS_BIAS=bias is not None, SILU=silu,
-                         num_warps=4)
-    return y, final_state
+                         nt, D, x.stride(0), num_tokens, s1, s2, W=W, BT=_BT, BD=_BD, HAS_BIAS=bias is not None,
+                         SILU=silu, num_warps=4)
+    if split is None:
+        return y, final_state
+    flat = y.view(-1)
+    parts, offset = [], 0
+    for width in split:
+        parts.append(flat[offset: offset + num_tokens * width].view(num_tokens, width))
+        offset += num_tokens * width
+    return tuple(parts), final_state
 
 
 def causal_conv1d_step(x, weight, bias, state, *, activation="silu"):

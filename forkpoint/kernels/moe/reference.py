@@ -1,4 +1,7 @@
-"""Routed-expert MLP, plain PyTorch: the spec and the CPU path.
+"""Routed experts and their routers' selection, plain PyTorch: the spec and the CPU path.
+
+Routers: ``topk_softmax`` (Qwen's softmax top-k) and ``sigmoid_grouped_topk`` (Nemotron-3's
+sigmoid scores with a correction bias and expert groups).
 
 SwiGLU experts (``fused_moe``) use transformers' ``Qwen3NextExperts`` layout: ``gate_up[e]`` is
 ``[gate; up]`` stacked along rows, ``down[e]`` maps back to the hidden size. For token t with
@@ -31,6 +34,62 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype:
     if renormalize:
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
     return top_w.to(out_dtype), top_ids
+
+
+def check_router(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, n_group: int,
+                 topk_group: int) -> None:
+    """Raise ValueError unless logits [T, E] and correction_bias [E] fit a grouped router: E in
+    n_group equal groups of at least 2 experts, 1 <= topk_group <= n_group, and
+    1 <= top_k <= the experts of topk_group groups. Shapes only: no device work, no host sync."""
+    if logits.dim() != 2 or correction_bias.shape != logits.shape[1:]:
+        raise ValueError(f"logits must be [T, E] and correction_bias [E], got {tuple(logits.shape)} and "
+                         f"{tuple(correction_bias.shape)}")
+    num_experts = logits.shape[1]
+    if n_group < 1 or num_experts % n_group or num_experts // n_group < 2:
+        raise ValueError(f"n_group={n_group} must split the {num_experts} experts into equal groups of >= 2")
+    if not 1 <= topk_group <= n_group or not 1 <= top_k <= topk_group * (num_experts // n_group):
+        raise ValueError(f"need 1 <= topk_group <= n_group and 1 <= top_k <= topk_group * E / n_group; got "
+                         f"topk_group={topk_group}, n_group={n_group}, top_k={top_k}, E={num_experts}")
+
+
+def _top_ids(values: torch.Tensor, k: int) -> torch.Tensor:
+    """values: [T, n] -> the indices [T, k] of each row's k largest values; a tie at the cut goes
+    to the lower index. Rows without such a tie keep torch.topk(sorted=False)'s order (the order
+    in which transformers sums the routing weights: the same fp32 sum, bit for bit); rows with one
+    list their values in descending order, equal values by index (as the GPU kernel does)."""
+    ids = torch.topk(values, k, dim=-1, sorted=False)[1]
+    if k == values.shape[1]:
+        return ids
+    ranked, order = torch.sort(values, dim=-1, descending=True, stable=True)
+    tied = ranked[:, k - 1] == ranked[:, k]
+    return torch.where(tied[:, None], order[:, :k], ids)
+
+
+def sigmoid_grouped_topk(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, n_group: int,
+                         topk_group: int, renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sigmoid router's selection (Nemotron-3, DeepSeek-V3 style): logits [T, E] fp32 ->
+    (weights [T, k] fp32, ids [T, k] long).
+
+    scores = sigmoid(logits); choice = scores + correction_bias. The E experts form n_group
+    groups of E / n_group; a group's score is the sum of its two largest choices; the topk_group
+    best groups stay, and the top_k largest choices among their experts are the ids. The weights
+    are the chosen experts' scores (not choices), divided by (their sum + 1e-20) when
+    `renormalize`, times `scale`. Ties (equal group scores or choices at a cut) go to the lowest
+    index, here and in the GPU kernel; the ids' order within a row is unspecified."""
+    check_router(logits, correction_bias, top_k, n_group, topk_group)
+    scores = logits.float().sigmoid()
+    choice = scores + correction_bias.float()
+    num_experts = choice.shape[-1]
+    grouped = choice.view(-1, n_group, num_experts // n_group)
+    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.sort(group_scores, dim=-1, descending=True, stable=True)[1][:, :topk_group]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
+    expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, num_experts)
+    ids = _top_ids(choice.masked_fill(~expert_mask, float("-inf")), top_k)
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
 
 
 def check_shapes(x, gate_up, down, topk_weights, topk_ids, *, gated: bool = True) -> tuple[int, int, int]:
