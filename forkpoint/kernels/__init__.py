@@ -22,6 +22,7 @@ logger = logging.getLogger("forkpoint.kernels")
 GPU_VARIANTS = (
     ("gated_delta", "fla"), ("gated_delta", "triton"), ("conv1d", "triton"), ("attention", "triton"),
     ("moe", "grouped"), ("moe", "router"), ("norms", "triton"), ("activation", "triton"), ("gating", "triton"),
+    ("ssd", "fla"), ("ssd", "triton"),
 )
 
 

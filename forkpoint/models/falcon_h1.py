@@ -80,10 +80,14 @@ class FalconLayer(nn.Module):
         width, _ = self._widths()
         return out[:, width:].view(out.shape[0], self.self_attn.num_heads, self.self_attn.head_dim)
 
-    def project(self, hidden, cos_sin) -> ParallelProjection:
+    def projection_width(self) -> int:
+        """The Mamba2 half's in_proj width (`stacked_out` of `project` holds that half's projection)."""
+        return self.mamba.projection_width()
+
+    def project(self, hidden, cos_sin, stacked_out=None) -> ParallelProjection:
         x = self.input_layernorm(hidden)
         attention_in = x * self.attn_in if self.attn_in != 1.0 else x
-        return ParallelProjection(self.mamba.project(x), self.self_attn.project(attention_in, cos_sin))
+        return ParallelProjection(self.mamba.project(x, stacked_out), self.self_attn.project(attention_in, cos_sin))
 
     def attention_core(self, p: ParallelProjection, batch, kv, out: torch.Tensor) -> None:
         self.self_attn.core(p.attention, batch, *kv, self._attention_out(out))

@@ -91,9 +91,13 @@ class GraniteLayer(nn.Module):
         mixer = self.mamba if self.is_recurrent else self.self_attn
         return mixer.num_heads, mixer.head_dim
 
-    def project(self, hidden, cos_sin):
+    def projection_width(self) -> int | None:
+        """in_proj's width for a Mamba2 layer (its `project` takes `stacked_out`), else None."""
+        return self.mamba.projection_width() if self.is_recurrent else None
+
+    def project(self, hidden, cos_sin, stacked_out=None):
         x = self.input_layernorm(hidden)
-        return self.mamba.project(x) if self.is_recurrent else self.self_attn.project(x, cos_sin)
+        return self.mamba.project(x, stacked_out) if self.is_recurrent else self.self_attn.project(x, cos_sin)
 
     def core(self, p, batch, state, kv, out=None) -> torch.Tensor:
         if self.is_recurrent:

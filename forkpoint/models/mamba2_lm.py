@@ -98,14 +98,17 @@ class Mamba2HybridLM(nn.Module):
             return hidden, (empty, empty)
         return hidden, self.rotary.cos_sin(positions, hidden.dtype)
 
-    def projection_width(self, layer_id: int) -> None:
-        """None: these projections take no output buffer (`HybridForCausalLM.projection_width`), so
-        the piecewise forward copies them into its static buffers."""
-        del layer_id
+    def projection_width(self, layer_id: int) -> int | None:
+        """Columns of layer `layer_id`'s Mamba2 in_proj output (the `stacked_out` of `project`), or
+        None for a layer without one (attention: the piecewise forward copies its projections)."""
+        return self.model.layers[layer_id].projection_width()
 
-    def project(self, layer_id: int, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> NamedTuple:
-        """hidden: [T, hidden], the stream entering the layer -> its mixer projections. Token-wise."""
-        return self.model.layers[layer_id].project(hidden, cos_sin)
+    def project(self, layer_id: int, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                stacked_out: torch.Tensor | None = None) -> NamedTuple:
+        """hidden: [T, hidden], the stream entering the layer -> its mixer projections. Token-wise.
+        With `stacked_out` [T, projection_width(layer_id)] the Mamba2 in_proj writes there and xbc / z
+        are views of it (as `HybridForCausalLM.project`)."""
+        return self.model.layers[layer_id].project(hidden, cos_sin, stacked_out)
 
     def _state(self, layer_id: int, caches: LayerCaches):
         s, j = self._state_index.get(layer_id), self._kv_index.get(layer_id)

@@ -130,9 +130,13 @@ class NemotronBlock(nn.Module):
     def core_shape(self) -> tuple[int, int]:
         return self.mixer.num_heads, self.mixer.head_dim  # Mamba2: (H, P); attention: (HQ, Dh)
 
-    def project(self, hidden, cos_sin):
+    def projection_width(self) -> int | None:
+        """in_proj's width for a Mamba2 block (its `project` takes `stacked_out`), else None."""
+        return self.mixer.projection_width() if self.kind == "mamba2" else None
+
+    def project(self, hidden, cos_sin, stacked_out=None):
         x = self.norm(hidden)
-        return self.mixer.project(x) if self.kind == "mamba2" else self.mixer.project(x, cos_sin)
+        return self.mixer.project(x, stacked_out) if self.kind == "mamba2" else self.mixer.project(x, cos_sin)
 
     def core(self, p, batch, state, kv, out=None) -> torch.Tensor:
         return self.mixer.core(p, batch, *(state if self.kind == "mamba2" else kv), out)

@@ -14,7 +14,7 @@ from forkpoint import kernels
 def test_off_cuda_every_op_is_the_reference():
     variants = kernels.kernel_variants(on_cuda=False)
     assert set(variants) >= {"attention", "conv1d", "moe/grouped", "moe/router", "gated_delta/fla",
-                             "gated_delta/triton"}
+                             "gated_delta/triton", "ssd/fla", "ssd/triton"}
     assert set(variants.values()) == {"reference"}
 
 
