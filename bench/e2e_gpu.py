@@ -572,6 +572,7 @@ def profile_steps(bench: Bench, args, end: float) -> dict:
             # the same step without the whole-step decode graph (piecewise graphs + eager cores): before/after
             cases[f"decode_{n}_piecewise"] = ([rng.integers(0, args.vocab_limit, 64).tolist() for _ in range(n)], 3, -1)
     report = {}
+    engine.async_scheduling = False  # one forward per profiled step (the async rows may have left it on)
     for name, (prompts, max_tokens, profiled_step) in cases.items():
         if time.perf_counter() > end:
             report.setdefault("left_out", []).append(name)
