@@ -74,9 +74,12 @@ def test_decode_graphs_match_the_eager_decode(model_dir):  # noqa: F811
 
 class CompileCounter:
     """Counts Triton in-memory cache misses (a kernel variant compiled or loaded for the first time in
-    this process), autotuner benchmarks and CUDA graph captures while installed."""
+    this process), autotuner benchmarks and CUDA graph captures while installed; `core_captures`:
+    the per-step recurrent core graphs `piecewise` attempted meanwhile (captured by design)."""
 
-    def __init__(self, monkeypatch) -> None:
+    def __init__(self, monkeypatch, piecewise) -> None:
+        self._piecewise = piecewise
+        self._core_start = piecewise.core_graph_steps + piecewise.core_capture_failures
         import triton
         from triton.runtime.autotuner import Autotuner
 
@@ -105,14 +108,17 @@ class CompileCounter:
 
         monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", counting_capture)
 
+    @property
+    def core_captures(self) -> int:
+        return self._piecewise.core_graph_steps + self._piecewise.core_capture_failures - self._core_start
+
 
 def test_nothing_compiles_after_the_warm_up(model_dir, monkeypatch):  # noqa: F811
     # a small token budget: chunked prefills next to decodes, two-phase checkpoint steps
     llm = make_llm(model_dir, max_num_batched_tokens=512)
     runner = llm.engine.runner
     piecewise = runner.piecewise
-    core_steps = piecewise.core_graph_steps + piecewise.core_capture_failures
-    counter = CompileCounter(monkeypatch)
+    counter = CompileCounter(monkeypatch, piecewise)
     generator = torch.Generator().manual_seed(21)
     marker = llm.checkpoint_token_id
     steps_before = llm.engine.metrics()["steps"]
@@ -127,7 +133,7 @@ def test_nothing_compiles_after_the_warm_up(model_dir, monkeypatch):  # noqa: F8
             params.append(SamplingParams(temperature=0.0, ignore_eos=True,
                                          max_tokens=int(torch.randint(1, 9, (1,), generator=generator))))
         llm.generate(prompts, params, use_tqdm=False)
-    core_captures = piecewise.core_graph_steps + piecewise.core_capture_failures - core_steps
+    core_captures = counter.core_captures
     steps = llm.engine.metrics()["steps"]
     print(f"GPU_DECODE after warm-up ({runner.warmup}): steps {steps} (from {steps_before}), "
           f"Triton cache misses {len(counter.compiled)}, autotunes {len(counter.autotuned)}, "
@@ -147,8 +153,7 @@ def test_a_burst_of_many_consumers_compiles_nothing_after_the_warm_up(model_dir,
     llm = make_llm(model_dir, num_kv_blocks=4096, num_state_slots=256, max_num_seqs=256)
     runner = llm.engine.runner
     piecewise = runner.piecewise
-    core_steps = piecewise.core_graph_steps + piecewise.core_capture_failures
-    counter = CompileCounter(monkeypatch)
+    counter = CompileCounter(monkeypatch, piecewise)
     generator = torch.Generator().manual_seed(5)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -165,7 +170,7 @@ def test_a_burst_of_many_consumers_compiles_nothing_after_the_warm_up(model_dir,
             engine.step()
             torch.cuda.synchronize()
             times[-1].append(round(1e3 * (time.perf_counter() - start), 1))
-    core_captures = piecewise.core_graph_steps + piecewise.core_capture_failures - core_steps
+    core_captures = counter.core_captures
     print(f"GPU_DECODE two bursts of 256 consumers after warm-up: step ms {times}; "
           f"Triton cache misses {len(counter.compiled)}, autotunes {len(counter.autotuned)}, "
           f"graph captures {counter.captures} (per-step core graphs {core_captures}); "

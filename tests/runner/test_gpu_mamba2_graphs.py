@@ -73,8 +73,7 @@ def test_graphs_match_the_eager_path(llm):
 def test_nothing_compiles_after_the_warm_up(llm, monkeypatch):
     runner = llm.engine.runner
     piecewise = runner.piecewise
-    core_steps = piecewise.core_graph_steps + piecewise.core_capture_failures
-    counter = CompileCounter(monkeypatch)
+    counter = CompileCounter(monkeypatch, piecewise)
     generator = torch.Generator().manual_seed(21)
     marker = llm.checkpoint_token_id
     for _round in range(3):
@@ -88,7 +87,7 @@ def test_nothing_compiles_after_the_warm_up(llm, monkeypatch):
             params.append(SamplingParams(temperature=0.0, ignore_eos=True,
                                          max_tokens=int(torch.randint(1, 9, (1,), generator=generator))))
         llm.generate(prompts, params, use_tqdm=False)
-    core_captures = piecewise.core_graph_steps + piecewise.core_capture_failures - core_steps
+    core_captures = counter.core_captures
     print(f"GPU_MAMBA2_GRAPHS {llm.engine.model_config.model_type} after warm-up ({runner.warmup}): Triton cache "
           f"misses {len(counter.compiled)}, autotunes {len(counter.autotuned)}, graph captures {counter.captures} "
           f"(per-step core graphs {core_captures}); compiled: {sorted(set(counter.compiled))[:12]}; "
