@@ -18,9 +18,14 @@ ROOT_HASH = b"forkpoint-v1"
 
 def hash_tokens(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
     """16-byte digest of (parent hash, token ids, extra key bytes)."""
+    return _hash_token_bytes(parent, array("q", tokens).tobytes(), extra)
+
+
+def _hash_token_bytes(parent: bytes, token_bytes, extra: bytes) -> bytes:
+    """`hash_tokens` of ids already packed as int64 bytes (a bytes-like slice)."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(parent)
-    digest.update(array("q", tokens).tobytes())
+    digest.update(token_bytes)
     digest.update(len(extra).to_bytes(4, "little"))
     digest.update(extra)
     return digest.digest()
@@ -49,8 +54,11 @@ class PrefixHasher:
         self.block_hashes: list[bytes] = []
         parent = hash_tokens(ROOT_HASH, (), extra)
         self._root = parent
+        packed = memoryview(array("q", tokens).tobytes())  # once: each block hashes a slice of it
+        width = 8 * block_size
         for start in range(0, len(tokens) - block_size + 1, block_size):
-            parent = hash_tokens(parent, tokens[start : start + block_size], self._keys_in(start, start + block_size))
+            parent = _hash_token_bytes(parent, packed[8 * start: 8 * start + width],
+                                       self._keys_in(start, start + block_size))
             self.block_hashes.append(parent)
 
     def _keys_in(self, start: int, end: int) -> bytes:

@@ -118,13 +118,7 @@ def strip_checkpoint_markers(
         raise ValueError("prompt is empty: a prompt needs at least one token")
     if marker_id is None:
         return ParsedPrompt(list(token_ids), ())
-    stripped: list[int] = []
-    marker_positions: list[int] = []
-    for token_id in token_ids:
-        if token_id == marker_id:
-            marker_positions.append(len(stripped))
-        else:
-            stripped.append(token_id)
+    stripped, marker_positions = _split_markers(list(token_ids), marker_id)
     if not stripped:
         raise ValueError(
             "prompt is empty after removing checkpoint markers: a prompt needs at least one "
@@ -159,8 +153,28 @@ def strip_checkpoint_markers(
     return ParsedPrompt(stripped, positions)
 
 
+def _split_markers(token_ids: list[int], marker_id: int) -> tuple[list[int], list[int]]:
+    """(the ids without the markers, each marker's position: the count of real tokens before it).
+    The markers are found by list.index (a C scan), so a long prompt costs little."""
+    stripped: list[int] = []
+    marker_positions: list[int] = []
+    start = 0
+    while True:
+        try:
+            found = token_ids.index(marker_id, start)
+        except ValueError:
+            break
+        stripped += token_ids[start:found]
+        marker_positions.append(len(stripped))
+        start = found + 1
+    stripped += token_ids[start:]
+    return stripped, marker_positions
+
+
 def validate_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
     """Raise ValueError naming the first index whose id is outside ``0..vocab_size-1``."""
+    if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        return
     for index, token_id in enumerate(token_ids):
         if not 0 <= token_id < vocab_size:
             raise ValueError(
@@ -203,6 +217,8 @@ def _int_list(value: Any, field: str) -> list[int]:
     included), rejects bools and floats."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise ValueError(f"'{field}' must be a list of ints, not {type(value).__name__}")
+    if set(map(type, value)) <= {int}:  # plain ints (the common case): one C pass, no per-item checks
+        return list(value)
     result = []
     for index, item in enumerate(value):
         if isinstance(item, bool):
