@@ -30,6 +30,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from host_info import code_version, machine_info, machine_line  # noqa: E402
+from plots import stacked_bars  # noqa: E402
 
 from forkpoint import LLM, SamplingParams  # noqa: E402
 from forkpoint.cache import hashing  # noqa: E402
@@ -130,24 +131,10 @@ def main() -> None:
 
 
 def plot(rows: list[dict], path: Path, machine: dict, args) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    labels = [f"N={r['n']}" for r in rows]
-    bottom = [0.0] * len(rows)
-    for part in PARTS:
-        values = [r[f"{part}_s"] for r in rows]
-        ax.bar(labels, values, bottom=bottom, label=part)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_ylabel("seconds of add_request per burst")
-    ax.set_title(f"admission of N prompts of {args.p} + 1 + {args.s} ids, CPU ({machine['cpu_cores']} cores)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    stacked_bars(path, [f"N={r['n']}" for r in rows], {part: [r[f"{part}_s"] for r in rows] for part in PARTS},
+                 "seconds of add_request per burst",
+                 f"admission of N prompts of {args.p} + 1 + {args.s} ids, CPU ({machine['cpu_cores']} cores)",
+                 size=(7, 4))
 
 
 if __name__ == "__main__":

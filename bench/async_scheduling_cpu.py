@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from host_info import code_version, machine_info, machine_line  # noqa: E402
+from plots import stacked_bars  # noqa: E402
 
 from forkpoint import LLM, SamplingParams  # noqa: E402
 from tests.tiny_models import build_tiny_model  # noqa: E402
@@ -142,25 +143,11 @@ def main() -> None:
 
 
 def plot(rows: list[dict], path: Path, machine: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     parts = ("schedule", "prepare", "sample", "other")
-    fig, ax = plt.subplots(figsize=(8, 4))
     labels = [f"N={r['seqs']}\n{'async' if r['async_scheduling'] else 'sync'}" for r in rows]
-    bottom = [0.0] * len(rows)
-    for part in parts:
-        values = [r[f"{part}_us"] for r in rows]
-        ax.bar(labels, values, bottom=bottom, label=part)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_ylabel("host us per decode step (forward excluded)")
-    ax.set_title(f"engine host work per decode step, tiny model, CPU ({machine['cpu_cores']} cores)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    stacked_bars(path, labels, {part: [r[f"{part}_us"] for r in rows] for part in parts},
+                 "host us per decode step (forward excluded)",
+                 f"engine host work per decode step, tiny model, CPU ({machine['cpu_cores']} cores)")
 
 
 if __name__ == "__main__":
