@@ -190,6 +190,11 @@ def words(*indices: int) -> str:
     return " ".join(WORDS[i] for i in indices)
 
 
+def token_words(seed: int, n: int) -> str:
+    """n seeded random words of the tiny vocabulary (indices below 150)."""
+    return words(*torch.randint(0, 150, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
+
+
 def image_processor_oracle(directory: Path):
     """transformers' Qwen3-VL processor (PIL image backend, no video processor) for a tiny
     multimodal model directory: the oracle for input ids, pixel values and grids."""

@@ -14,20 +14,15 @@ import dataclasses
 from dataclasses import dataclass
 
 import pytest
-import torch
 
 from forkpoint import LLM, SamplingParams
 from forkpoint.config import EngineConfig
 from forkpoint.engine.engine import LLMEngine, StepFailed
-from tests.tiny_models import words
+from tests.tiny_models import token_words
 
 MARK = "<|mamba_checkpoint|>"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logprobs=3)
 SEEDED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=3, max_tokens=9, ignore_eos=True, logprobs=2)
-
-
-def token_words(seed: int, n: int) -> str:
-    return words(*torch.randint(0, 150, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
 
 
 @dataclass(frozen=True)

@@ -14,18 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-import torch
 
 from forkpoint import LLM, SamplingParams
 from forkpoint.engine.engine import LLMEngine, StepFailed
-from tests.tiny_models import words
+from tests.tiny_models import token_words
 
 MARK = "<|mamba_checkpoint|>"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2)
-
-
-def token_words(seed: int, n: int) -> str:
-    return words(*torch.randint(0, 150, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
 
 
 @dataclass(frozen=True)
