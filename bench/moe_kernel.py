@@ -7,14 +7,15 @@ random logit row, so the experts a step hits are those of a real router with ran
     nemotron  Nemotron-3-Nano-30B-A3B: 128 experts, hidden 2688, expert size 1856, top-6, relu^2
 
 For each step size T (tokens) and both shapes:
-  grouped   `grouped._expert_outputs` through torch._grouped_mm (the gather, two CUTLASS grouped
-            GEMMs with their set-up kernels, the activation): the path of every step before
-  tiled     `tiled.expert_mlp` with the shipped table (`tiled.TILES`)
+  grouped   `grouped._grouped_mm_outputs` through torch._grouped_mm (the gather, two CUTLASS
+            grouped GEMMs with their set-up kernels, the activation): the path of every step before
+  tiled     `tiled.expert_mlp` with the shipped table (`tiled.TILES`), its last entry extended
+            past its range (where the shipped `fused_moe` takes the grouped GEMMs: `shipped_path`)
   sweep     each GEMM of the tiled path alone over a grid of tile configurations, the fastest kept
-and the whole `fused_moe` / `fused_moe_relu2` (route sort, experts, combine) with the tiles and with
-the grouped GEMMs. Times are medians of CUDA-graph replays (`triton.testing.do_bench_cudagraph`:
-launch costs excluded, as in the engine's captured decode steps); GB/s counts the weights of the
-experts the step hits, read once. `rows_invariant`: token 0's output rows computed in a step of
+and the whole `fused_moe` / `fused_moe_relu2` (route sort, experts, combine) on each path. Times
+are medians of CUDA-graph replays (`triton.testing.do_bench_cudagraph`: launch costs excluded, as
+in the engine's captured decode steps); GB/s counts the weights of the experts the step hits,
+read once. `rows_invariant`: token 0's output rows computed in a step of
 1 token and in this step are equal bit for bit (per path).
 
 Usage:
@@ -108,24 +109,32 @@ def run_shape(name: str, shape: dict, args, gen) -> list[dict]:
         row = {"shape": name, "tokens": t, "routes": t * shape["top_k"], "experts_hit": torch.unique(ids).numel()}
         nbytes = hit_bytes(shape, ids, w1, w2)
         row["hit_weight_mb"] = nbytes / 1e6
-        saved = grouped.TILED_MAX_ROUTES
+        # the tiles timed past the table's range too (its last entry extended), to show where they lose
+        extended = tiled.TILES[:-1] + (tiled.TILES[-1]._replace(max_routes_per_expert=math.inf),)
+        paths = {
+            "grouped": lambda xx, r: grouped._grouped_mm_outputs(xx, w1, w2, r, gated=gated),
+            "tiled": lambda xx, r: tiled.expert_mlp(xx, w1, w2, r.tokens, r.rows, gated=gated, table=extended),
+        }
+        saved, results = tiled.TILES, {}
         try:
-            for path, bound in (("grouped", -1), ("tiled", 1 << 62)):
-                grouped.TILED_MAX_ROUTES = bound
-                ms = timed(lambda r=routes, xx=x: grouped._expert_outputs(xx, w1, w2, r, gated=gated), args.rep)
+            for path, outputs in paths.items():
+                ms = timed(lambda f=outputs, xx=x, r=routes: f(xx, r), args.rep)
                 row[f"{path}_ms"] = ms
                 row[f"{path}_gbs"] = nbytes / ms / 1e6
-                full = grouped._expert_outputs(x, w1, w2, routes, gated=gated)
-                alone = grouped._expert_outputs(x1, w1, w2, one, gated=gated)
-                mine = full[routes.pos[: shape["top_k"]]]
-                row[f"{path}_rows_invariant"] = bool(torch.equal(mine, alone[one.pos]))
+                full, alone = outputs(x, routes), outputs(x1, one)
+                row[f"{path}_rows_invariant"] = bool(torch.equal(full[routes.pos[: shape["top_k"]]], alone[one.pos]))
+                results[path] = full
+                tiled.TILES = extended if path == "tiled" else ()
                 row[f"{path}_moe_ms"] = timed(lambda xx=x, ww=weights, ii=ids: moe(xx, w1, w2, ww, ii), args.rep)
         finally:
-            grouped.TILED_MAX_ROUTES = saved
-        row["tiles"] = list(tiled.tiles_for(t * shape["top_k"]))
+            tiled.TILES = saved
+        diff = (results["tiled"].float() - results["grouped"].float()).abs().max().item()
+        row["tiled_equals_grouped"], row["tiled_vs_grouped_max_abs"] = diff == 0.0, diff
+        row["shipped_path"] = "tiled" if tiled.covers(row["routes"], shape["experts"], tiled.TILES) else "grouped"
+        row["tiles"] = list(tiled.tiles_for(row["routes"], shape["experts"], extended))
         if args.sweep:
             first_act = tiled.SWIGLU if gated else tiled.RELU2
-            a = tiled.expert_gemm(x, w1, routes.rows, routes.tokens.shape[0], tiled.tiles_for(0).first, act=first_act,
+            a = tiled.expert_gemm(x, w1, routes.rows, routes.tokens.shape[0], tiled.TILES[0].first, act=first_act,
                                   rows_of=routes.tokens)
             first, row["first_best_ms"] = sweep_gemm(
                 lambda c: lambda: tiled.expert_gemm(x, w1, routes.rows, routes.tokens.shape[0], c, act=first_act,
@@ -147,7 +156,8 @@ def print_row(row: dict) -> None:
             f"{tuple(row['first_best'])} {tuple(row['second_best'])}") if "first_best_ms" in row else ""
     paths = " | ".join(f"{p} {row[p + '_ms'] * 1e3:7.1f} us ({row[p + '_gbs']:5.0f} GB/s, "
                        f"inv {row[p + '_rows_invariant']!s:5s})" for p in ("grouped", "tiled"))
-    print(f"{row['shape']:9s} T={row['tokens']:5d} hit {row['experts_hit']:3d} | {paths} | moe "
+    print(f"{row['shape']:9s} T={row['tokens']:5d} hit {row['experts_hit']:3d} | {paths} | same bits "
+          f"{row['tiled_equals_grouped']!s:5s} | moe "
           f"{row['grouped_moe_ms'] * 1e3:7.1f} -> {row['tiled_moe_ms'] * 1e3:7.1f} us{best}", flush=True)
 
 
@@ -162,7 +172,8 @@ def plot(res: dict, path: str) -> None:
         rows = [r for r in res["rows"] if r["shape"] == name]
         t = [r["tokens"] for r in rows]
         ax.plot(t, [r["grouped_gbs"] for r in rows], "o-", label="grouped GEMM (torch._grouped_mm)")
-        ax.plot(t, [r["tiled_gbs"] for r in rows], "s-", label="Triton tiles (shipped table)")
+        ax.plot(t, [r["tiled_gbs"] for r in rows], "s-", label="Triton tiles (shipped table, last entry extended)")
+        ax.plot(t, [r[r["shipped_path"] + "_gbs"] for r in rows], "k:", lw=2, label="shipped (fused_moe's choice)")
         if all("sweep_best_gbs" in r for r in rows):
             ax.plot(t, [r["sweep_best_gbs"] for r in rows], "^--", label="Triton tiles (best of sweep)")
         ax.set_xscale("log", base=2)

@@ -429,12 +429,12 @@ def test_one_program_route_sort_equals_torch_sort(monkeypatch, t, e, top_k):
 
 
 # (600, 64, 8): 4,800 routes, sorted by torch.sort; the others by the one-program sort. Each case
-# through the Triton tiles (the default below TILED_MAX_ROUTES) and through the grouped GEMMs.
+# through the Triton tiles (the default up to 64 routes per expert) and through the grouped GEMMs.
 @pytest.mark.parametrize("path", ["tiled", "grouped_mm"])
 @pytest.mark.parametrize("t,e,top_k,hidden,inter", [(100, 16, 4, 256, 128), (7, 64, 8, 512, 64), (600, 64, 8, 256, 64)])
-def test_grouped_moe_matches_reference(poison, monkeypatch, path, t, e, top_k, hidden, inter):
+def test_grouped_moe_matches_reference(poison, force_moe_path, path, t, e, top_k, hidden, inter):
     grouped = pytest.importorskip("forkpoint.kernels.moe.grouped")
-    monkeypatch.setattr(grouped, "TILED_MAX_ROUTES", 1 << 62 if path == "tiled" else 0)
+    force_moe_path(path)
     from forkpoint.kernels.moe import reference
 
     gen = torch.Generator(device=DEV).manual_seed(t * e)
@@ -458,10 +458,10 @@ def test_grouped_moe_matches_reference(poison, monkeypatch, path, t, e, top_k, h
 
 @pytest.mark.parametrize("path", ["tiled", "grouped_mm"])
 @pytest.mark.parametrize("t,e,top_k,hidden,inter", [(100, 16, 4, 256, 128), (7, 64, 6, 2688, 1856 // 8)])
-def test_grouped_relu2_moe_matches_reference(poison, monkeypatch, path, t, e, top_k, hidden, inter):
+def test_grouped_relu2_moe_matches_reference(poison, force_moe_path, path, t, e, top_k, hidden, inter):
     """Nemotron's non-gated ReLU^2 experts (second case: Nemotron-3-Nano's hidden size, k = 6)."""
     grouped = pytest.importorskip("forkpoint.kernels.moe.grouped")
-    monkeypatch.setattr(grouped, "TILED_MAX_ROUTES", 1 << 62 if path == "tiled" else 0)
+    force_moe_path(path)
     from forkpoint.kernels.moe import reference
 
     gen = torch.Generator(device=DEV).manual_seed(t + e)

@@ -1,6 +1,6 @@
 """The routed experts as Triton tiles (`forkpoint.kernels.moe.tiled`) against the reference (CUDA only).
 
-Every entry of the shipped tile table, forced on steps of every size (so each configuration is
+Every entry of the shipped tile table (`tiled.TILES`), forced on steps of every size (so each configuration is
 checked, not only the one its route range would pick), on fresh random bf16 inputs: a few hit
 experts and many empty ones, fewer routes than experts, K not a multiple of BLOCK_K (the masked
 loop), the Nemotron-3-Nano hidden size. Outputs are NaN-poisoned (`poison`, tests/kernels/conftest.py).
@@ -67,14 +67,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("entry", range(4))
+@pytest.mark.parametrize("entry", range(5))
 @pytest.mark.parametrize("t,e,top_k,hidden,inter,gated,hit", CASES)
 def test_every_table_entry_matches_the_reference(poison, entry, t, e, top_k, hidden, inter, gated, hit):
     grouped = pytest.importorskip("forkpoint.kernels.moe.grouped")
     from forkpoint.kernels.moe import tiled
 
     x, w1, w2, _, ids = make_case(t, e, top_k, hidden, inter, gated, seed=t * e + entry, hit=hit)
-    forced = tiled.TILES[entry]._replace(max_routes=1 << 62)
+    forced = tiled.TILES[entry]._replace(max_routes_per_expert=math.inf)
     routes = grouped._sorted_routes(ids, e)
     ys = tiled.expert_mlp(x, w1, w2, routes.tokens, routes.rows, gated=gated, table=(forced,))
     assert not torch.isnan(ys).any(), "an output row was never written"
@@ -91,7 +91,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows_of_its_step():
 
     x, w1, w2, _, ids = make_case(64, 128, 8, 512, 128, True, seed=3)
     for entry in tiled.TILES:
-        table = (entry._replace(max_routes=1 << 62),)
+        table = (entry._replace(max_routes_per_expert=math.inf),)
         alone = grouped._sorted_routes(ids[:1], 128)
         many = grouped._sorted_routes(ids, 128)
         one = tiled.expert_mlp(x[:1], w1, w2, alone.tokens, alone.rows, gated=True, table=table)
@@ -117,7 +117,7 @@ def test_tiled_experts_capture_in_a_cuda_graph_and_replay_new_routes():
     assert torch.equal(y, grouped.fused_moe(x, w1, w2, weights, ids))
 
 
-def test_steps_pick_the_tiles_up_to_tiled_max_routes(monkeypatch):
+def test_steps_take_the_tiles_while_the_table_covers_their_routes_per_expert(monkeypatch):
     grouped = pytest.importorskip("forkpoint.kernels.moe.grouped")
     from forkpoint.kernels.moe import tiled
 
@@ -125,9 +125,9 @@ def test_steps_pick_the_tiles_up_to_tiled_max_routes(monkeypatch):
     real = tiled.expert_mlp
     monkeypatch.setattr(tiled, "expert_mlp", lambda *a, **k: calls.append(a[3].shape[0]) or real(*a, **k))
     x, w1, w2, weights, ids = make_case(64, 16, 2, 128, 64, True, seed=7)
-    monkeypatch.setattr(grouped, "TILED_MAX_ROUTES", 128)
-    grouped.fused_moe(x, w1, w2, weights, ids)          # 128 routes: tiles
+    monkeypatch.setattr(tiled, "TILES", (tiled.TILES[0]._replace(max_routes_per_expert=8),))
+    grouped.fused_moe(x, w1, w2, weights, ids)          # 128 routes over 16 experts: 8 per expert, tiles
     grouped.fused_moe(x[:8], w1, w2, weights[:8], ids[:8])
-    monkeypatch.setattr(grouped, "TILED_MAX_ROUTES", 127)
+    monkeypatch.setattr(tiled, "TILES", (tiled.TILES[0]._replace(max_routes_per_expert=7.9),))
     grouped.fused_moe(x, w1, w2, weights, ids)          # grouped GEMMs
     assert calls == [128, 16]

@@ -3,13 +3,14 @@
 Same signatures and semantics as `forkpoint.kernels.moe.reference`. The router's selection
 (`topk_softmax`: softmax, top-k, renormalisation, cast) is one Triton kernel. The experts run for
 all experts at once, no Python loop over experts and no host sync: the per-expert row counts stay
-on the device. Steps with up to TILED_MAX_ROUTES routes run them as two Triton tile kernels
-(`tiled.py`: gather and activation fused); larger steps as two grouped GEMMs (CUTLASS on Hopper),
-which take the counts as cumulative offsets:
+on the device. Steps with up to 64 routes per expert (`tiled.TILES`) run them as two Triton tile
+kernels (`tiled.py`: gather and activation fused, each hit expert's weights read once); larger
+steps as two grouped GEMMs (CUTLASS on Hopper), faster once every expert has many rows
+(bench/moe_kernel.py), which take the counts as cumulative offsets:
 
     routes r = t * k + j (token t, its j-th expert), sorted by expert (order[p] = route at row p):
     order, pos, offs, hit experts                             one Triton launch up to 4,096 routes
-    ys    = tiled.expert_mlp(x, ...)           [T*k, Hd]      up to TILED_MAX_ROUTES routes, else:
+    ys    = tiled.expert_mlp(x, ...)           [T*k, Hd]      up to 64 routes per expert, else:
     xs    = x[token of route]                  [T*k, Hd]      rows grouped by expert
     h     = grouped_mm(xs, gate_up^T, offs)    [T*k, 2I]      expert e's rows times gate_up[e]^T
     a     = silu(gate) * up                    [T*k, I]       fp32 math, bf16 out (silu_and_mul)
@@ -104,11 +105,6 @@ def _combine_kernel(ys, pos, w, y, shared, gate, residual, Hd, stride_w, stride_
         acc += tl.load(residual + t * stride_r + cols, mask=m, other=0.0).to(tl.float32)
     tl.store(y + t * Hd + cols, acc.to(y.dtype.element_ty), mask=m)
 
-
-# Steps with at most this many routes run the experts as Triton tiles (`tiled.py`: the gather and
-# the activation fused, each weight tile read once); larger ones through torch's grouped GEMM
-# (CUTLASS), which is faster once every expert has many rows (bench/moe_kernel.py on an H200).
-TILED_MAX_ROUTES = 8192
 
 # Routes sorted by one program (`_route_sort_kernel`) up to this many; above, torch's sort (a prefill
 # step's 65k routes: its launches do not matter there, a decode step's ~7 per MoE layer do).
@@ -239,9 +235,15 @@ def _sorted_routes(topk_ids, num_experts) -> SortedRoutes:
 def _expert_outputs(x, w1, w2, routes: SortedRoutes, *, gated: bool) -> torch.Tensor:
     """ys [T*k, Hd] in sorted-route order: ys[p] = w2[e] @ act(w1[e] @ x[routes.tokens[p]]) for
     the route at row p (expert e), act = SwiGLU (`gated`, w1 [E, 2I, Hd]) or relu^2 (w1 [E, I, Hd]).
-    Triton tiles up to TILED_MAX_ROUTES routes, else two grouped GEMMs."""
-    if routes.tokens.shape[0] <= TILED_MAX_ROUTES:
-        return tiled.expert_mlp(x, w1, w2, routes.tokens, routes.rows, gated=gated)
+    Triton tiles while `tiled.TILES` covers the step's routes per expert, else two grouped GEMMs."""
+    num_routes, num_experts = routes.tokens.shape[0], w1.shape[0]
+    if tiled.covers(num_routes, num_experts, tiled.TILES):
+        return tiled.expert_mlp(x, w1, w2, routes.tokens, routes.rows, gated=gated, table=tiled.TILES)
+    return _grouped_mm_outputs(x, w1, w2, routes, gated=gated)
+
+
+def _grouped_mm_outputs(x, w1, w2, routes: SortedRoutes, *, gated: bool) -> torch.Tensor:
+    """`_expert_outputs` through torch._grouped_mm: the gather, two grouped GEMMs, the activation."""
     xs = x.index_select(0, routes.tokens)
     h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=routes.rows.offs)  # [T*k, 2I] or [T*k, I]
     a = silu_and_mul(*h.chunk(2, dim=-1)) if gated else h.relu_().square_()

@@ -1,13 +1,15 @@
 """Routed-expert GEMMs as Triton tiles, one program per (expert that was hit, column block).
 
 The GPU path of `grouped.fused_moe` / `fused_moe_relu2` for steps with few routes per expert
-(decode steps and small prefills, where torch's grouped GEMM reads the expert weights at a third of
-the H200's bandwidth: bench/moe_kernel.py). Two launches replace the gather, two grouped GEMMs
-(each with its CUTLASS set-up kernel) and the activation:
+(decode steps and small prefills: on an H200 torch's grouped GEMM reads the hit experts' weights
+at 1.1-2.9 TB/s there, these tiles at 3.1-4.3 TB/s; bench/moe_kernel.py). Two launches replace the
+gather, two grouped GEMMs (each with its CUTLASS set-up kernel) and the activation:
 
-    first   a[p, :] = act(w1[e] @ x[tokens[p]])     [R, I]   gather fused, act in fp32 on the fp32
-                                                             accumulators (SwiGLU: silu(gate) * up,
-                                                             w1 = [gate; up]; or relu(h)^2), one rounding
+    first   a[p, :] = act(w1[e] @ x[tokens[p]])     [R, I]   gather fused; h = w1[e] @ x rounded to
+                                                             x's dtype (as the grouped GEMM rounds
+                                                             it), act in fp32 (SwiGLU: silu(gate) *
+                                                             up, w1 = [gate; up]; or relu(h)^2),
+                                                             rounded once more
     second  ys[p, :] = w2[e] @ a[p]                 [R, Hd]
 
 for every row p of expert e's group (rows offs[e-1] .. offs[e] of the routes sorted by expert).
@@ -15,10 +17,11 @@ Grid: (slots, column blocks); slot s < num_active runs expert active[s] over all
 BLOCK_M chunks, so each weight tile is read from memory once per step (again from L2 per further
 chunk); slots at or past num_active return at once. Each output element is one fp32 dot over the
 whole K in BLOCK_K steps, in order (no split-K, no atomics): a row's result does not depend on the
-other rows of the step, for a fixed tile configuration.
+other rows of the step (measured bit for bit across the table's configurations on an H200:
+bench/moe_kernel.py `rows_invariant`).
 
-`Tiles` picks the configuration from the step's route count (constexprs, so a handful of compiled
-variants, all reached by the start-up warm-up's decode captures and prefill steps).
+`TILES` picks the configuration from the step's routes per expert (constexprs, so a handful of
+compiled variants, all reached by the start-up warm-up's decode captures and prefill steps).
 """
 
 from __future__ import annotations
@@ -72,10 +75,13 @@ def _expert_gemm_kernel(src, w, rows_of, offs, active, num_active, out, K, N, st
             acc = tl.dot(a, tl.trans(tl.load(w_gate + k0, mask=w_mask, other=0.0)), acc)
             if ACT == 0:
                 acc_up = tl.dot(a, tl.trans(tl.load(w_up + k0, mask=w_mask, other=0.0)), acc_up)
+        # the first GEMM's output is rounded to out's dtype before the activation, as torch's
+        # grouped GEMM rounds it on the other path: both paths round at the same points
         if ACT == 0:
-            acc = acc * tl.sigmoid(acc) * acc_up
+            gate = acc.to(out.dtype.element_ty).to(tl.float32)
+            acc = (gate * tl.sigmoid(gate)) * acc_up.to(out.dtype.element_ty).to(tl.float32)
         elif ACT == 1:
-            acc = tl.maximum(acc, 0.0)
+            acc = tl.maximum(acc.to(out.dtype.element_ty).to(tl.float32), 0.0)
             acc = acc * acc
         tl.store(out + rows[:, None].to(tl.int64) * stride_out + cols[None, :], acc.to(out.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
@@ -90,27 +96,40 @@ class TileConfig(NamedTuple):
 
 
 class Tiles(NamedTuple):
-    """Tile configurations of the two GEMMs for one range of route counts."""
+    """Tile configurations of the two GEMMs for one range of routes per expert."""
 
-    max_routes: int  # this entry serves steps with at most this many routes
+    max_routes_per_expert: float  # serves steps of at most this many routes per expert (R <= this * E)
     first: TileConfig
     second: TileConfig
 
 
-# Chosen per route-count range on an H200 at Qwen3.5-35B-A3B and Nemotron-3-Nano expert shapes
-# (bench/moe_kernel.py, results in bench/results/moe_kernel_h200.json); the first entry whose
-# max_routes >= R serves a step of R routes.
+# From the sweep of bench/moe_kernel.py on an H200 (bench/results/moe_kernel_h200.json) at
+# Qwen3.5-35B-A3B (E = 256, Hd = 2048, I = 512, top-8) and Nemotron-3-Nano (E = 128, Hd = 2688,
+# I = 1856, top-6) expert shapes: per range, the configuration whose worst time over the measured
+# steps of both shapes is the lowest, within 1.06x of each step's fastest except 1.09x (Nemotron's
+# 1,024-token step, second entry from the end). Past the last entry (more than 64 routes per
+# expert) the grouped GEMM is faster (1.1x-2x at 96-192 routes per expert).
 TILES = (
-    Tiles(64, TileConfig(16, 32, 128, 4, 4), TileConfig(16, 64, 128, 4, 4)),
-    Tiles(1024, TileConfig(16, 64, 128, 4, 4), TileConfig(16, 64, 128, 4, 4)),
-    Tiles(8192, TileConfig(32, 64, 64, 4, 4), TileConfig(32, 64, 64, 4, 4)),
-    Tiles(1 << 62, TileConfig(64, 128, 64, 8, 3), TileConfig(64, 128, 64, 8, 3)),
+    Tiles(0.125, TileConfig(16, 32, 256, 4, 3), TileConfig(16, 128, 128, 4, 3)),
+    Tiles(8, TileConfig(16, 64, 128, 4, 4), TileConfig(16, 64, 128, 4, 4)),
+    Tiles(24, TileConfig(32, 64, 128, 4, 4), TileConfig(64, 128, 64, 4, 3)),
+    Tiles(48, TileConfig(64, 64, 64, 4, 4), TileConfig(64, 128, 64, 8, 3)),
+    Tiles(64, TileConfig(128, 128, 64, 8, 3), TileConfig(64, 256, 64, 8, 3)),
 )
 
 
-def tiles_for(num_routes: int, table: tuple[Tiles, ...] = TILES) -> Tiles:
-    """The entry of `table` (ascending max_routes, the last unbounded) that serves num_routes."""
-    return next(t for t in table if num_routes <= t.max_routes)
+def covers(num_routes: int, num_experts: int, table: tuple[Tiles, ...]) -> bool:
+    """Whether `table` (ascending max_routes_per_expert) has an entry for R routes over E experts."""
+    return bool(table) and num_routes <= table[-1].max_routes_per_expert * num_experts
+
+
+def tiles_for(num_routes: int, num_experts: int, table: tuple[Tiles, ...]) -> Tiles:
+    """The first entry of `table` that serves R routes over E experts; ValueError when none does."""
+    for tiles in table:
+        if num_routes <= tiles.max_routes_per_expert * num_experts:
+            return tiles
+    raise ValueError(f"no tile configuration for {num_routes} routes over {num_experts} experts "
+                     f"(the table ends at {table[-1].max_routes_per_expert if table else 0} per expert)")
 
 
 class ExpertRows(NamedTuple):
@@ -147,11 +166,12 @@ def expert_gemm(src: torch.Tensor, w: torch.Tensor, rows: ExpertRows, num_routes
 
 
 def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tokens: torch.Tensor, rows: ExpertRows, *,
-               gated: bool, table: tuple[Tiles, ...] = TILES) -> torch.Tensor:
+               gated: bool, table: tuple[Tiles, ...]) -> torch.Tensor:
     """The routed experts' outputs in sorted-route order: ys [R, Hd] in x.dtype, ys[p] =
     w2[e] @ act(w1[e] @ x[tokens[p]]) for route row p of expert e (SwiGLU when `gated`, w1 =
-    [E, 2I, Hd]; else relu^2, w1 = [E, I, Hd]); w2: [E, Hd, I]; tokens: [R] long."""
+    [E, 2I, Hd]; else relu^2, w1 = [E, I, Hd]); w2: [E, Hd, I]; tokens: [R] long; the tiles of
+    `table`'s entry for R routes over E experts (`tiles_for`)."""
     num_routes = tokens.shape[0]
-    tiles = tiles_for(num_routes, table)
+    tiles = tiles_for(num_routes, w1.shape[0], table)
     a = expert_gemm(x, w1, rows, num_routes, tiles.first, act=SWIGLU if gated else RELU2, rows_of=tokens)
     return expert_gemm(a, w2, rows, num_routes, tiles.second, act=NONE)
