@@ -420,11 +420,11 @@ def test_one_program_route_sort_equals_torch_sort(monkeypatch, t, e, top_k):
     ref = grouped._sorted_routes(ids, e)
     for name in ("pos", "tokens"):
         assert torch.equal(getattr(one, name), getattr(ref, name)), name
-    assert torch.equal(one.rows.offs, ref.rows.offs) and torch.equal(one.rows.num_active, ref.rows.num_active)
-    hit = sorted(set(ids.flatten().tolist()))
-    assert one.rows.num_active.item() == len(hit)
-    for rows in (one.rows, ref.rows):  # the hit experts first, ascending (the rest is not read)
-        assert rows.active[: len(hit)].tolist() == hit
+    assert torch.equal(one.rows.offs, ref.rows.offs)
+    hit = sorted(set(ids.flatten().tolist()))  # the one program lists the hit experts, torch's path all
+    assert one.rows.num_active.item() == len(hit) and one.rows.active[: len(hit)].tolist() == hit
+    assert one.rows.slots == min(e, t * top_k)
+    assert ref.rows.active.tolist() == list(range(e)) and ref.rows.num_active.item() == ref.rows.slots == e
     assert sorted(one.pos.tolist()) == list(range(t * top_k))
 
 

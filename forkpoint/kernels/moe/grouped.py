@@ -207,7 +207,7 @@ def _sorted_routes(topk_ids, num_experts) -> SortedRoutes:
     """Sorts the routes of topk_ids [T, k] by expert on the device, no host sync: one Triton
     program up to MAX_ONE_PROGRAM_ROUTES routes (decode steps), else torch's stable sort and
     searchsorted (the end row of expert e = routes with an id <= e; no bincount, whose CUDA version
-    syncs). Both give the same order, offsets and hit experts."""
+    syncs), where `rows.active` lists every expert. Both give the same order and offsets."""
     num_routes, top_k = topk_ids.numel(), topk_ids.shape[1]
     device = topk_ids.device
     if num_routes <= MAX_ONE_PROGRAM_ROUTES:
@@ -220,16 +220,16 @@ def _sorted_routes(topk_ids, num_experts) -> SortedRoutes:
                                  num_experts, K=top_k, BLOCK_R=triton.next_power_of_2(num_routes),
                                  BLOCK_E=triton.next_power_of_2(num_experts + 1),
                                  num_warps=4 if num_routes <= 1024 else 8)
-        return SortedRoutes(pos, tokens, tiled.ExpertRows(offs, active, num_active))
+        return SortedRoutes(pos, tokens, tiled.ExpertRows(offs, active, num_active, min(num_experts, num_routes)))
     sorted_ids, order = torch.sort(topk_ids.flatten(), stable=True)
     experts = torch.arange(num_experts, dtype=sorted_ids.dtype, device=device)
     offs = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
     routes = torch.arange(num_routes, dtype=order.dtype, device=device)
     pos = torch.empty_like(order).scatter_(0, order, routes)
-    empty = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
-    active = torch.argsort(empty.to(torch.int8), stable=True).to(torch.int32)  # hit experts first, ascending
-    num_active = torch.sum(~empty, dtype=torch.int32).reshape(1)
-    return SortedRoutes(pos, order // top_k, tiled.ExpertRows(offs, active, num_active))
+    # every expert gets a program (the empty ones run no rows): no compaction launches on these steps
+    every = tiled.ExpertRows(offs, experts.to(torch.int32), torch.full((1,), num_experts, dtype=torch.int32,
+                                                                        device=device), num_experts)
+    return SortedRoutes(pos, order // top_k, every)
 
 
 def _expert_outputs(x, w1, w2, routes: SortedRoutes, *, gated: bool) -> torch.Tensor:

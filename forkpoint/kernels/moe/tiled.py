@@ -136,8 +136,9 @@ class ExpertRows(NamedTuple):
     """Where each expert's rows are in the routes sorted by expert (device tensors, no host sync)."""
 
     offs: torch.Tensor  # [E] int32: end row of expert e's group (its rows: offs[e-1] .. offs[e])
-    active: torch.Tensor  # [E] int32: the hit experts first (active[s] for s < num_active)
-    num_active: torch.Tensor  # [1] int32: how many experts have rows
+    active: torch.Tensor  # [E] int32: the experts to run, active[s] for s < num_active (every hit one)
+    num_active: torch.Tensor  # [1] int32
+    slots: int  # programs along the grid's first axis: >= num_active (min(E, R) when only hit experts are listed)
 
 
 def expert_gemm(src: torch.Tensor, w: torch.Tensor, rows: ExpertRows, num_routes: int, config: TileConfig, *,
@@ -147,7 +148,7 @@ def expert_gemm(src: torch.Tensor, w: torch.Tensor, rows: ExpertRows, num_routes
     src: [*, K] with contiguous rows (x [T, Hd] with `rows_of` [R] long giving route row p's token,
     or a [R, K] tensor already in route order); w: [E, N, K] (act NONE / RELU2) or [E, 2N, K]
     (SWIGLU: gate rows, then up rows), any strides but the last (copied unless it is 1)."""
-    num_experts, w_rows, k_dim = w.shape
+    _, w_rows, k_dim = w.shape
     n_dim = w_rows // 2 if act == SWIGLU else w_rows
     if src.stride(-1) != 1:
         src = src.contiguous()
@@ -156,7 +157,7 @@ def expert_gemm(src: torch.Tensor, w: torch.Tensor, rows: ExpertRows, num_routes
     out = torch.empty((num_routes, n_dim), dtype=src.dtype, device=src.device)
     if num_routes == 0:
         return out
-    grid = (min(num_experts, num_routes), triton.cdiv(n_dim, config.block_n))
+    grid = (rows.slots, triton.cdiv(n_dim, config.block_n))
     _expert_gemm_kernel[grid](
         src, w, src if rows_of is None else rows_of, rows.offs, rows.active, rows.num_active, out, k_dim, n_dim,
         src.stride(0), w.stride(0), w.stride(1), out.stride(0), GATHER=rows_of is not None, ACT=act,
