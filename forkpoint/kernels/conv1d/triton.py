@@ -42,7 +42,10 @@ class VarlenTile(NamedTuple):
     num_warps: int
 
 
-VARLEN_TILE = VarlenTile(64, 128, 4)
+# The fastest of bench/conv_kernel.py's sweep on an H200 in all three of its cases (35B GDN steps
+# of 2 x 4,096 and 32 x 256 tokens, Nemotron's Mamba2 conv): 167 / 185 / 128 us against 181 / 264 /
+# 141 us for the 64 x 128 tile before (bench/results/conv_kernel_h200.json); every tile gives the same bits.
+VARLEN_TILE = VarlenTile(16, 256, 4)
 
 
 def _cdiv(a: int, b: int) -> int:
