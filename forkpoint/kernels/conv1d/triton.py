@@ -203,6 +203,9 @@ def _varlen(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_host, activat
     n = len(cu_seqlens_host) - 1
     if W < 2:
         raise ValueError(f"conv width W={W}: the state path needs W >= 2")
+    if tile.tokens < W - 1:
+        raise ValueError(f"tile of {tile.tokens} tokens: only a segment's first chunk reads the state, so a chunk "
+                         f"must hold the W-1 = {W - 1} tokens that do")
     if initial_state.shape != (n, D, W - 1):
         raise ValueError(f"initial_state has shape {tuple(initial_state.shape)}, expected {(n, D, W - 1)} "
                          "(one [D, W-1] row per segment)")
