@@ -277,7 +277,7 @@ class GatedAttention(StackedProjections):
         """core: [T, HQ, Dh]; gate: [T, HQ, Dh] (a strided view) -> o_proj(core * sigmoid(gate))
         [T, hidden], the gate in fp32 with one rounding (one kernel on CUDA). Token-wise."""
         out = sigmoid_gate_mul(core, gate)
-        return self.o_proj(out.reshape(core.shape[0], -1))
+        return self.o_proj(out.flatten(1))
 
 
 class DecoderLayer(nn.Module):

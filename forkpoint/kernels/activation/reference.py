@@ -38,4 +38,6 @@ def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     strides (width, 2 * Dh)). Returns a new tensor of x's shape in x.dtype (contiguous when x is).
     """
     check_same("x", x, "gate", gate)
-    return (x.float() * torch.sigmoid(gate.float())).to(x.dtype)
+    # contiguous: torch's CPU sigmoid rounds differently in its vectorised and scalar loops, so on a
+    # strided view its result would depend on the layout (transformers takes it of a contiguous gate)
+    return (x.float() * torch.sigmoid(gate.float().contiguous())).to(x.dtype)
