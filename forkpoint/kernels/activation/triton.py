@@ -53,7 +53,7 @@ def silu_and_mul(gate, up):
     return y
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "B"])  # one compiled variant for every step size
 def _sigmoid_gate_mul_kernel(x, g, y, n_rows, B, D, sxa, sxb, sga, sgb,
                              BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)

@@ -98,7 +98,9 @@ def _norm_rotary_rows(x, w, cos, sin, block, n_rows, H, D, R, stride_t, stride_h
     tl.store(x + start[:, None] + cols[None, :], out.to(x.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# the token-dependent counts are not specialised (== 1, % 16): every step size shares one compiled
+# variant, so nothing compiles after the warm-up
+@triton.jit(do_not_specialize=["q_blocks", "n_q", "n_k"])
 def _qk_norm_rotary_kernel(q, k, wq, wk, cos, sin, q_blocks, n_q, n_k, HQ, HKV, D, R, sq_t, sq_h, sk_t, sk_h,
                            stride_c, stride_s, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
