@@ -122,8 +122,11 @@ def test_qk_norm_rotary_matches_reference(dtype, tokens, hq, hkv, dh, rotary_dim
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,hq,hkv,dh,rotary_dim", SHAPES)
 def test_qk_norm_rotary_equals_the_unfused_triton_kernels(dtype, tokens, hq, hkv, dh, rotary_dim):
-    """Bit for bit the sequence it replaces on CUDA: the norm kernel (one rounding), then the rotary
-    kernel (fp32 on the rounded norm, one rounding). Under the interpreter (fp32): to 1e-6."""
+    """Bit for bit the sequence it replaces on CUDA in bf16 (the models' dtype): the norm kernel (one
+    rounding), then the rotary kernel (fp32 on the rounded norm, one rounding). In fp32 the sum of
+    squares may be ordered differently where the head does not fill the tile (measured on an H200:
+    155 of 960 and 278 of 3,360 elements at Dh = 80 / 96 in the last bits; none at 128 / 256), so fp32
+    is held to 1e-6, as under the interpreter."""
     norms = pytest.importorskip("forkpoint.kernels.norms.triton")
     tri = pytest.importorskip("forkpoint.kernels.rotary.triton")
 
@@ -135,7 +138,7 @@ def test_qk_norm_rotary_equals_the_unfused_triton_kernels(dtype, tokens, hq, hkv
     q_unfused = tri.apply_rotary(norms.rms_norm(q, wq, EPS), cos, sin)
     k_unfused = tri.apply_rotary(norms.rms_norm(k, wk, EPS), cos, sin)
     tri.qk_norm_rotary_(q, k, wq, wk, EPS, cos, sin)
-    if INTERPRET:
+    if INTERPRET or dtype == torch.float32:
         assert torch.allclose(q, q_unfused, rtol=1e-6, atol=1e-6) and torch.allclose(k, k_unfused, rtol=1e-6,
                                                                                       atol=1e-6)
         return

@@ -247,6 +247,7 @@ def test_layers_run_the_kernels_without_host_sync():
     q_norm = RMSNorm(64, EPS).to(DEV, torch.bfloat16)
     gated = GatedRMSNorm(64, EPS).to(DEV, torch.bfloat16)
     mlp = DenseMLP(256, 512).to(DEV, torch.bfloat16)
+    mlp.stack_projections()  # after the move, as the loader does
     A_log, dt_bias = torch.zeros(8, device=DEV), torch.ones(8, device=DEV)
 
     def run():
