@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from forkpoint.cache.hashing import PrefixHasher
+from forkpoint.cache.hashing import HasherCache, PrefixHasher, pack_tokens
 from forkpoint.inputs.markers import prompt_to_token_ids, strip_checkpoint_markers, validate_token_ids
 from forkpoint.inputs.multimodal import ImagePromptProcessor, MultimodalPrompt
 
@@ -47,6 +47,7 @@ class InputProcessor:
         self.checkpoint_token_id = checkpoint_token_id
         self.images = images
         self.limits = limits
+        self.hashers = HasherCache(limits.block_size)  # a burst behind one anchor hashes it once
 
     def process(self, prompt) -> ProcessedPrompt:
         """`prompt`: a str, {"prompt": str} or {"prompt_token_ids": [...]} (optionally with
@@ -57,8 +58,12 @@ class InputProcessor:
         raw_ids = self.images.expand(raw.token_ids, images)  # markers count expanded image tokens
         parsed = strip_checkpoint_markers(raw_ids, self.checkpoint_token_id, raw.checkpoint_positions,
                                           limits.max_checkpoints)
-        token_ids = list(parsed.token_ids)
-        validate_token_ids(token_ids, limits.vocab_size)
+        token_ids = parsed.token_ids  # a fresh list
+        try:
+            packed = pack_tokens(token_ids)  # once: the range check and every block hash read it
+        except OverflowError:
+            packed = None  # an id beyond int64: validate_token_ids names it
+        validate_token_ids(token_ids, limits.vocab_size, packed)
         if len(token_ids) >= limits.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, max_model_len is {limits.max_model_len}: "
                              "shorten the prompt or raise max_model_len")
@@ -67,6 +72,6 @@ class InputProcessor:
             raise ValueError(f"prompt needs {needed} KV blocks but the pool has {limits.max_kv_blocks}: "
                              "raise kv_cache_bytes / num_kv_blocks")
         multimodal = self.images.place(token_ids, parsed.checkpoint_positions, images)
-        hasher = PrefixHasher(token_ids, limits.block_size,
-                              extra_keys=multimodal.hash_keys() if multimodal is not None else ())
+        hasher = self.hashers.build(token_ids, extra_keys=multimodal.hash_keys() if multimodal is not None else (),
+                                    packed=packed)
         return ProcessedPrompt(raw.text, token_ids, tuple(sorted(parsed.checkpoint_positions)), multimodal, hasher)
