@@ -56,13 +56,11 @@ class InputProcessor:
         raw = prompt_to_token_ids(prompt, self.tokenizer)
         images = self.images.load(raw.multi_modal_data)
         raw_ids = self.images.expand(raw.token_ids, images)  # markers count expanded image tokens
+        # packed once (or on the way in): the marker scan, the range check and every block hash read it
+        packed = raw.packed if raw.packed is not None and not images else _packed(raw_ids)
         parsed = strip_checkpoint_markers(raw_ids, self.checkpoint_token_id, raw.checkpoint_positions,
-                                          limits.max_checkpoints)
-        token_ids = parsed.token_ids  # a fresh list
-        try:
-            packed = pack_tokens(token_ids)  # once: the range check and every block hash read it
-        except OverflowError:
-            packed = None  # an id beyond int64: validate_token_ids names it
+                                          limits.max_checkpoints, packed)
+        token_ids, packed = parsed.token_ids, parsed.packed  # a fresh list; None beyond int64
         validate_token_ids(token_ids, limits.vocab_size, packed)
         if len(token_ids) >= limits.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, max_model_len is {limits.max_model_len}: "
@@ -75,3 +73,11 @@ class InputProcessor:
         hasher = self.hashers.build(token_ids, extra_keys=multimodal.hash_keys() if multimodal is not None else (),
                                     packed=packed)
         return ProcessedPrompt(raw.text, token_ids, tuple(sorted(parsed.checkpoint_positions)), multimodal, hasher)
+
+
+def _packed(token_ids: list[int]) -> bytes | None:
+    """`pack_tokens(token_ids)`, or None for an id beyond int64 (`validate_token_ids` names it)."""
+    try:
+        return pack_tokens(token_ids)
+    except OverflowError:
+        return None
