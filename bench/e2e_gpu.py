@@ -535,7 +535,7 @@ def probes(llm: LLM, rng: np.random.Generator, results: dict, limit: int) -> Non
 # ---------------------------------------------------------------- profile
 
 KERNEL_GROUPS = (
-    ("moe_grouped_gemm", ("Group", "grouped")),
+    ("moe_grouped_gemm", ("Group", "grouped", "_expert_gemm")),
     ("gdn_fla", ("chunk_", "solve_tril", "l2norm", "recompute_w_u", "fused_recurrent", "kkt", "cumsum")),
     ("attention", ("_paged_attn",)),
     ("conv1d", ("_varlen_kernel", "_step_kernel")),

@@ -86,17 +86,24 @@ def mrope_axes(half: int, mrope_section: tuple[int, int, int], device: torch.dev
     return axis
 
 
+# Stacked projection weights get zero rows up to a multiple of this (16-byte output rows in bf16)
+STACK_ROW_MULTIPLE = 8
+
+
 class StackedProjections(nn.Module):
     """A module whose projections of one input run as one GEMM.
 
     `stack_projections()`, called once after the weights are loaded (`stack_all_projections`),
     concatenates the weights (and biases) of the modules `stacked_linears()` names, in that order,
-    into one [sum N_i, K] tensor and turns each module's weight into a row view of it, so the
-    parameters, their names and the state dict stay as the checkpoint has them (moving the model
-    afterwards would break the views: stack on the final device and dtype). `project_stacked(x)`,
-    x [T, K], then returns the projections' outputs [T, N_i] as column views of one GEMM output
-    (row stride sum N_i; the kernels that read them take row strides), written into `out` [T,
-    stacked_width()] when given (the piecewise forward's static buffer: runner/piecewise.py)."""
+    into one [sum N_i + pad, K] tensor (zero rows up to a multiple of STACK_ROW_MULTIPLE, so that
+    the GEMM output's rows are 16-byte aligned in bf16: unpadded, the MoE router's 256 + 1 rows ran
+    in cuBLAS's sm75 `align1` fallback, 158 us a layer in an 8,192-token step on an H200) and turns
+    each module's weight into a row view of it, so the parameters, their names and the state dict
+    stay as the checkpoint has them (moving the model afterwards would break the views: stack on the
+    final device and dtype). `project_stacked(x)`, x [T, K], then returns the projections' outputs
+    [T, N_i] as column views of one GEMM output (row stride stacked_width(); the kernels that read
+    them take row strides), written into `out` [T, stacked_width()] when given (the piecewise
+    forward's static buffer: runner/piecewise.py)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -111,19 +118,22 @@ class StackedProjections(nn.Module):
     def stack_projections(self) -> None:
         linears = self.stacked_linears()
         sizes = tuple(m.weight.shape[0] for m in linears)
-        weight = torch.cat([m.weight.detach() for m in linears])
+        pad = -sum(sizes) % STACK_ROW_MULTIPLE
+        first = linears[0].weight
+        weight = torch.cat([m.weight.detach() for m in linears] + [first.new_zeros(pad, first.shape[1])])
         biases = [getattr(m, "bias", None) for m in linears]
         if any(b is None for b in biases) and not all(b is None for b in biases):
             raise ValueError(f"{type(self).__name__}: the stacked projections must all have a bias or none")
-        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        for i, (m, w) in enumerate(zip(linears, weight.split(sizes))):
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases] + [biases[0].new_zeros(pad)])
+        for i, (m, w) in enumerate(zip(linears, weight.split(sizes + (pad,)))):
             m.weight = nn.Parameter(w, requires_grad=False)
             if bias is not None:
-                m.bias = nn.Parameter(bias.split(sizes)[i], requires_grad=False)
-        self._stack = (weight, bias, sizes)
+                m.bias = nn.Parameter(bias.split(sizes + (pad,))[i], requires_grad=False)
+        self._stack = (weight, bias, sizes + (pad,))
 
     def stacked_width(self) -> int:
-        """Columns of the stacked GEMM output: sum N_i."""
+        """Columns of the stacked GEMM output: sum N_i, plus the zero rows that round it up to a
+        multiple of STACK_ROW_MULTIPLE."""
         return sum(self._stacked()[2])
 
     def _stacked(self) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
@@ -145,7 +155,7 @@ class StackedProjections(nn.Module):
             y = torch.mm(x, weight.t(), out=out)
         else:
             y = torch.addmm(bias, x, weight.t(), out=out)
-        return y.split(sizes, dim=-1)
+        return y.split(sizes, dim=-1)[:-1]  # the last split is the padding
 
 
 def stack_all_projections(model: nn.Module) -> None:

@@ -28,11 +28,12 @@ from torch import nn
 from forkpoint.cache.sizing import PoolShapes
 from forkpoint.cache.state_pool import RecurrentStateSpec
 from forkpoint.config import ModelConfig
+from forkpoint.kernels.activation import sigmoid_gate_mul
 from forkpoint.kernels.attention import copy_kv_slots, paged_attention, write_kv
 from forkpoint.kernels.conv1d import causal_conv1d_step_inplace, causal_conv1d_varlen
 from forkpoint.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule_inplace
 from forkpoint.kernels.gating import gdn_gating
-from forkpoint.kernels.rotary import apply_rotary
+from forkpoint.kernels.rotary import qk_norm_rotary_
 from forkpoint.models.layers import (
     DenseMLP,
     GatedRMSNorm,
@@ -80,7 +81,7 @@ class AttentionProjection(NamedTuple):
     q: torch.Tensor  # [T, HQ, Dh]: normed and rotated
     k: torch.Tensor  # [T, HKV, Dh]: normed and rotated
     v: torch.Tensor  # [T, HKV, Dh]
-    gate: torch.Tensor  # [T, HQ * Dh]: output gate, before the sigmoid
+    gate: torch.Tensor  # [T, HQ, Dh]: output gate, before the sigmoid
 
 
 class GDNCoreParams(NamedTuple):
@@ -236,17 +237,19 @@ class GatedAttention(StackedProjections):
 
     def project(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 stacked_out: torch.Tensor | None = None) -> AttentionProjection:
-        """x: [T, hidden] (after the input norm); cos, sin: [T, rotary_dim]. Token-wise. `v` is a
-        column view of the stacked projection, of `stacked_out` [T, stacked_width()] when given."""
+        """x: [T, hidden] (after the input norm); cos, sin: [T, rotary_dim]. Token-wise. All four
+        fields are views of the stacked projection GEMM's output (`stacked_out` [T, stacked_width()]
+        when given): q and gate interleaved per head ([T, HQ, 2 * Dh] split in halves), then k, v.
+        q and k are normed and rotated in place there, in one kernel on CUDA (`qk_norm_rotary_`)."""
         num_tokens = x.shape[0]
         q_gate, k, v = self.project_stacked(x, stacked_out)
-        q, gate = q_gate.reshape(num_tokens, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
-        gate = gate.reshape(num_tokens, self.num_heads * self.head_dim)
-        q = self.q_norm(q)
-        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         cos, sin = cos_sin
-        return AttentionProjection(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate)
+        # q_norm and k_norm share config.rms_norm_eps
+        qk_norm_rotary_(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
+        return AttentionProjection(q, k, v, gate)
 
     def core(self, p: AttentionProjection, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
              out: torch.Tensor | None = None) -> torch.Tensor:
@@ -271,9 +274,10 @@ class GatedAttention(StackedProjections):
         return attended if out is None else out.copy_(attended)
 
     def finish(self, core: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """core: [T, HQ, Dh]; gate: [T, HQ * Dh] -> [T, hidden]. Token-wise."""
-        out = core.reshape(core.shape[0], -1) * torch.sigmoid(gate)
-        return self.o_proj(out)
+        """core: [T, HQ, Dh]; gate: [T, HQ, Dh] (a strided view) -> o_proj(core * sigmoid(gate))
+        [T, hidden], the gate in fp32 with one rounding (one kernel on CUDA). Token-wise."""
+        out = sigmoid_gate_mul(core, gate)
+        return self.o_proj(out.flatten(1))
 
 
 class DecoderLayer(nn.Module):

@@ -22,3 +22,21 @@ def poison(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", nan_filled(torch.empty_like))
     monkeypatch.setattr(torch.Tensor, "new_empty", nan_filled(torch.Tensor.new_empty))
     assert torch.isnan(torch.empty(8, dtype=torch.bfloat16)).all()
+
+
+@pytest.fixture
+def force_moe_path(monkeypatch):
+    """force_moe_path("tiled" | "grouped_mm"): the routed experts of every step take that path
+    (the tile table extended to any routes per expert, or emptied) while the test runs."""
+    import math
+
+    tiled = pytest.importorskip("forkpoint.kernels.moe.tiled")
+
+    def force(path: str) -> None:
+        if path == "tiled":
+            last = tiled.TILES[-1]._replace(max_routes_per_expert=math.inf)
+            monkeypatch.setattr(tiled, "TILES", tiled.TILES[:-1] + (last,))
+        else:
+            monkeypatch.setattr(tiled, "TILES", ())
+
+    return force

@@ -218,7 +218,7 @@ def test_topk_softmax_matches_reference(poison, dtype, renormalize, t, e, top_k)
 @pytest.mark.parametrize(
     "op,fn,nargs",
     [("norms", "rms_norm", 3), ("norms", "gated_rms_norm", 4), ("activation", "silu_and_mul", 2),
-     ("gating", "gdn_gating", 4)],
+     ("activation", "sigmoid_gate_mul", 2), ("rotary", "qk_norm_rotary_", 7), ("gating", "gdn_gating", 4)],
 )
 def test_dispatch_sends_cuda_tensors_to_triton(monkeypatch, op, fn, nargs):
     import importlib
@@ -247,6 +247,7 @@ def test_layers_run_the_kernels_without_host_sync():
     q_norm = RMSNorm(64, EPS).to(DEV, torch.bfloat16)
     gated = GatedRMSNorm(64, EPS).to(DEV, torch.bfloat16)
     mlp = DenseMLP(256, 512).to(DEV, torch.bfloat16)
+    mlp.stack_projections()  # after the move, as the loader does
     A_log, dt_bias = torch.zeros(8, device=DEV), torch.ones(8, device=DEV)
 
     def run():

@@ -406,7 +406,7 @@ def test_one_program_route_sort_equals_torch_sort(monkeypatch, t, e, top_k):
     ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(t)])
     if t > 1:
         ids[-1] = ids[0]  # two tokens on the same experts: ties resolved in route order
-    ids, x = ids.to(DEV), torch.randn(t, 40, generator=gen).to(DEV).bfloat16()
+    ids = ids.to(DEV)
     empty = torch.empty
 
     def poisoned(*args, **kwargs):  # integer outputs too: an unwritten element shows as -7
@@ -415,17 +415,26 @@ def test_one_program_route_sort_equals_torch_sort(monkeypatch, t, e, top_k):
     monkeypatch.setattr(torch, "empty", poisoned)
     monkeypatch.setattr(torch, "empty_like", lambda t, **kw: poisoned(t.shape, dtype=kw.get("dtype", t.dtype),
                                                                       device=t.device))
-    one = grouped._sorted_routes(x, ids, e)
+    one = grouped._sorted_routes(ids, e)
     monkeypatch.setattr(grouped, "MAX_ONE_PROGRAM_ROUTES", 0)
-    ref = grouped._sorted_routes(x, ids, e)
-    assert torch.equal(one.pos, ref.pos) and torch.equal(one.offs, ref.offs) and torch.equal(one.xs, ref.xs)
+    ref = grouped._sorted_routes(ids, e)
+    for name in ("pos", "tokens"):
+        assert torch.equal(getattr(one, name), getattr(ref, name)), name
+    assert torch.equal(one.rows.offs, ref.rows.offs)
+    hit = sorted(set(ids.flatten().tolist()))  # the one program lists the hit experts, torch's path all
+    assert one.rows.num_active.item() == len(hit) and one.rows.active[: len(hit)].tolist() == hit
+    assert one.rows.slots == min(e, t * top_k)
+    assert ref.rows.active.tolist() == list(range(e)) and ref.rows.num_active.item() == ref.rows.slots == e
     assert sorted(one.pos.tolist()) == list(range(t * top_k))
 
 
-# (600, 64, 8): 4,800 routes, sorted by torch.sort; the others by the one-program sort
+# (600, 64, 8): 4,800 routes, sorted by torch.sort; the others by the one-program sort. Each case
+# through the Triton tiles (the default up to 64 routes per expert) and through the grouped GEMMs.
+@pytest.mark.parametrize("path", ["tiled", "grouped_mm"])
 @pytest.mark.parametrize("t,e,top_k,hidden,inter", [(100, 16, 4, 256, 128), (7, 64, 8, 512, 64), (600, 64, 8, 256, 64)])
-def test_grouped_moe_matches_reference(poison, t, e, top_k, hidden, inter):
+def test_grouped_moe_matches_reference(poison, force_moe_path, path, t, e, top_k, hidden, inter):
     grouped = pytest.importorskip("forkpoint.kernels.moe.grouped")
+    force_moe_path(path)
     from forkpoint.kernels.moe import reference
 
     gen = torch.Generator(device=DEV).manual_seed(t * e)
@@ -437,20 +446,22 @@ def test_grouped_moe_matches_reference(poison, t, e, top_k, hidden, inter):
     weights, ids = logits.softmax(-1).topk(top_k)
     y = grouped.fused_moe(x, gate_up, down, weights, ids)
     y_ref = reference.fused_moe(*_cpu(x, gate_up, down, weights, ids))
-    check(f"moe_grouped T={t} E={e} k={top_k}", y, y_ref, 1e-2)
+    check(f"moe_grouped {path} T={t} E={e} k={top_k}", y, y_ref, 1e-2)
     # with the shared expert's gated output and the residual added in the combine
     shared, residual = (torch.randn(t, hidden, generator=gen, device=DEV).bfloat16() for _ in range(2))
     shared_gate = torch.randn(t, 1, generator=gen, device=DEV).bfloat16()
     extras = dict(shared=shared, shared_gate=shared_gate, residual=residual)
     y = grouped.fused_moe(x, gate_up, down, weights, ids, **extras)
     y_ref = reference.fused_moe(*_cpu(x, gate_up, down, weights, ids), **{k: v.cpu() for k, v in extras.items()})
-    check(f"moe_grouped+shared+residual T={t} E={e} k={top_k}", y, y_ref, 1e-2)
+    check(f"moe_grouped+shared+residual {path} T={t} E={e} k={top_k}", y, y_ref, 1e-2)
 
 
+@pytest.mark.parametrize("path", ["tiled", "grouped_mm"])
 @pytest.mark.parametrize("t,e,top_k,hidden,inter", [(100, 16, 4, 256, 128), (7, 64, 6, 2688, 1856 // 8)])
-def test_grouped_relu2_moe_matches_reference(poison, t, e, top_k, hidden, inter):
+def test_grouped_relu2_moe_matches_reference(poison, force_moe_path, path, t, e, top_k, hidden, inter):
     """Nemotron's non-gated ReLU^2 experts (second case: Nemotron-3-Nano's hidden size, k = 6)."""
     grouped = pytest.importorskip("forkpoint.kernels.moe.grouped")
+    force_moe_path(path)
     from forkpoint.kernels.moe import reference
 
     gen = torch.Generator(device=DEV).manual_seed(t + e)
@@ -462,10 +473,10 @@ def test_grouped_relu2_moe_matches_reference(poison, t, e, top_k, hidden, inter)
     weights, ids = logits.sigmoid().topk(top_k)
     y = grouped.fused_moe_relu2(x, up, down, weights, ids)
     y_ref = reference.fused_moe_relu2(*_cpu(x, up, down, weights, ids))
-    check(f"moe_grouped_relu2 T={t} E={e} k={top_k}", y, y_ref, 1e-2)
+    check(f"moe_grouped_relu2 {path} T={t} E={e} k={top_k}", y, y_ref, 1e-2)
     residual = torch.randn(t, hidden, generator=gen, device=DEV).bfloat16()
     y = grouped.fused_moe_relu2(x, up, down, weights, ids, residual=residual)
-    check(f"moe_grouped_relu2+residual T={t} E={e} k={top_k}", y,
+    check(f"moe_grouped_relu2+residual {path} T={t} E={e} k={top_k}", y,
           reference.fused_moe_relu2(*_cpu(x, up, down, weights, ids), residual=residual.cpu()), 1e-2)
 
 

@@ -1,6 +1,8 @@
 """Building blocks of models/layers.py against transformers' Qwen3-Next modules (same weights), and
 the contract of the fused residual add in `RMSNorm.forward(x, residual)`."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import Qwen3NextConfig
@@ -10,7 +12,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     Qwen3NextRMSNormGated,
 )
 
-from forkpoint.models.layers import DenseMLP, GatedRMSNorm, RMSNorm
+from forkpoint.models.layers import STACK_ROW_MULTIPLE, DenseMLP, GatedRMSNorm, RMSNorm, SparseMoE
 
 EPS = 1e-6
 
@@ -84,3 +86,23 @@ def test_stacked_projections_are_views_of_one_weight_with_the_checkpoint_names()
     after = mlp.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     torch.testing.assert_close(mlp(x), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_stacked_rows_are_padded_to_aligned_output_rows_with_the_views_unchanged():
+    """The MoE router's 4 + 1 rows (here) stack into 8: zero rows, outside every view, so that the
+    GEMM output's rows are aligned; the state dict and the projections are those of the checkpoint."""
+    moe = SparseMoE(SimpleNamespace(hidden_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                    moe_intermediate_size=8, shared_expert_intermediate_size=8))
+    with torch.no_grad():
+        for param in moe.parameters():
+            param.normal_(generator=torch.Generator().manual_seed(param.numel()))
+    x = torch.randn(3, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(2))
+    expected = (x @ moe.gate.weight.T, x @ moe.shared_expert_gate.weight.T)
+    moe.stack_projections()
+    assert moe.stacked_width() == 8 and moe.stacked_width() % STACK_ROW_MULTIPLE == 0
+    assert torch.equal(moe._stack[0][5:], torch.zeros(3, x.shape[1]))
+    logits, shared_gate = moe.project_stacked(x)
+    torch.testing.assert_close(logits, expected[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(shared_gate, expected[1], rtol=1e-6, atol=1e-6)
+    out = torch.full((3, 8), float("nan"))
+    assert all(torch.equal(a, b) for a, b in zip(moe.project_stacked(x, out), (logits, shared_gate)))

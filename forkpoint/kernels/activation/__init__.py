@@ -1,5 +1,6 @@
-"""SwiGLU activation: ``silu_and_mul(gate, up)``. ``reference.py`` is the spec; the GPU variant,
-``triton.py``, has the same signature and is used for CUDA tensors when it imports."""
+"""Gated activations: ``silu_and_mul(gate, up)`` (SwiGLU) and ``sigmoid_gate_mul(x, gate)`` (the
+gated attention's output gate). ``reference.py`` is the spec; the GPU variant, ``triton.py``, has
+the same signatures and is used for CUDA tensors when it imports."""
 
 import functools
 
@@ -12,4 +13,9 @@ def silu_and_mul(gate, up):
     return select_variant("activation", "triton", gate.is_cuda).silu_and_mul(gate, up)
 
 
-__all__ = ["silu_and_mul"]
+@functools.wraps(reference.sigmoid_gate_mul)
+def sigmoid_gate_mul(x, gate):
+    return select_variant("activation", "triton", x.is_cuda).sigmoid_gate_mul(x, gate)
+
+
+__all__ = ["sigmoid_gate_mul", "silu_and_mul"]

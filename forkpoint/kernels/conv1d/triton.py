@@ -12,7 +12,7 @@ Layouts (D channels, W taps, N segments packed along T):
 
     y[t] = act(bias + sum_j weight[:, j] * x[t - (W-1) + j]), reading x[t'] for t' < 0 from state.
 
-`causal_conv1d_varlen` is one launch: grid axis 0 has one program per 64-token chunk of every
+`causal_conv1d_varlen` is one launch: grid axis 0 has one program per chunk (VARLEN_TILE.tokens) of every
 segment (the chunk list is built on the host from `cu_seqlens_host`, shared with the gated delta
 rule: `chunk_indices` below), followed by one program per segment that writes its
 final state, so segments of any length (zero too) get a final state and nothing syncs the host.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -30,8 +31,21 @@ import triton.language as tl
 
 from forkpoint.kernels.conv1d import reference
 
-_BT = 64    # tokens per program
-_BD = 128   # channels per program
+_BD = 128   # channels per program of the decode kernels
+
+
+class VarlenTile(NamedTuple):
+    """The varlen kernel's program tile: `tokens` x `channels`, with `num_warps`."""
+
+    tokens: int
+    channels: int
+    num_warps: int
+
+
+# The fastest of bench/conv_kernel.py's sweep on an H200 in all three of its cases (35B GDN steps
+# of 2 x 4,096 and 32 x 256 tokens, Nemotron's Mamba2 conv): 167 / 185 / 128 us against 181 / 264 /
+# 141 us for the 64 x 128 tile before (bench/results/conv_kernel_h200.json); every tile gives the same bits.
+VARLEN_TILE = VarlenTile(16, 256, 4)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -76,15 +90,23 @@ def _varlen_kernel(x, w, b, s0, y, sT, cu_seqlens, chunk_idx, NT, D, stride_xt, 
         T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
         o_t = i_t * BT + tl.arange(0, BT)
         acc = tl.zeros([BT, BD], dtype=tl.float32)
-        for j in tl.static_range(W):
-            o_x = o_t - (W - 1) + j
-            w_j = tl.load(w + o_d * W + j, mask=m_d, other=0.0).to(tl.float32)
-            m_x = ((o_x >= 0) & (o_x < T))[:, None] & m_d[None, :]
-            x_j = tl.load(x + (bos + o_x)[:, None] * stride_xt + o_d[None, :], mask=m_x, other=0.0)
-            m_s = (o_x < 0)[:, None] & m_d[None, :]
-            s_j = tl.load(s0 + i_n * D * (W - 1) + o_d[None, :] * (W - 1) + (W - 1 + o_x)[:, None],
-                          mask=m_s, other=0.0)
-            acc += (x_j.to(tl.float32) + s_j.to(tl.float32)) * w_j[None, :]
+        if i_t == 0:  # a segment's first chunk: its first W-1 rows read inputs before it, from the state
+            for j in tl.static_range(W):
+                o_x = o_t - (W - 1) + j
+                w_j = tl.load(w + o_d * W + j, mask=m_d, other=0.0).to(tl.float32)
+                m_x = ((o_x >= 0) & (o_x < T))[:, None] & m_d[None, :]
+                x_j = tl.load(x + (bos + o_x)[:, None] * stride_xt + o_d[None, :], mask=m_x, other=0.0)
+                m_s = (o_x < 0)[:, None] & m_d[None, :]
+                s_j = tl.load(s0 + i_n * D * (W - 1) + o_d[None, :] * (W - 1) + (W - 1 + o_x)[:, None],
+                              mask=m_s, other=0.0)
+                acc += (x_j.to(tl.float32) + s_j.to(tl.float32)) * w_j[None, :]
+        else:  # the same sum, tap by tap, with no state (so a token's result is the same bits either way)
+            for j in tl.static_range(W):
+                o_x = o_t - (W - 1) + j
+                w_j = tl.load(w + o_d * W + j, mask=m_d, other=0.0).to(tl.float32)
+                x_j = tl.load(x + (bos + o_x)[:, None] * stride_xt + o_d[None, :],
+                              mask=(o_x < T)[:, None] & m_d[None, :], other=0.0)
+                acc += x_j.to(tl.float32) * w_j[None, :]
         if HAS_BIAS:
             acc += tl.load(b + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
         if SILU:
@@ -161,7 +183,7 @@ def _check_activation(activation):
 
 def causal_conv1d_varlen(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_host, *, activation="silu",
                          split=None):
-    """Packed varlen causal depthwise conv1d, one launch.
+    """Packed varlen causal depthwise conv1d, one launch (tile VARLEN_TILE).
 
     x: [T, D] (bf16/fp16/fp32, last dim contiguous); weight: [D, W]; bias: [D] or None;
     initial_state: [N, D, W-1] (the W-1 inputs before each segment, oldest first; read only);
@@ -170,29 +192,37 @@ def causal_conv1d_varlen(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_
     with `split` (reference.causal_conv1d_varlen) y is the tuple of its contiguous channel groups,
     written so by the kernel (views of one buffer, no copy).
     """
+    return _varlen(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_host, activation, split, VARLEN_TILE)
+
+
+def _varlen(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_host, activation, split, tile: VarlenTile):
+    """`causal_conv1d_varlen` with the tile given (bench/conv_kernel.py sweeps it)."""
     silu = _check_activation(activation)
     D, W = weight.shape
     reference.check_split(split, D)
     n = len(cu_seqlens_host) - 1
     if W < 2:
         raise ValueError(f"conv width W={W}: the state path needs W >= 2")
+    if tile.tokens < W - 1:
+        raise ValueError(f"tile of {tile.tokens} tokens: only a segment's first chunk reads the state, so a chunk "
+                         f"must hold the W-1 = {W - 1} tokens that do")
     if initial_state.shape != (n, D, W - 1):
         raise ValueError(f"initial_state has shape {tuple(initial_state.shape)}, expected {(n, D, W - 1)} "
                          "(one [D, W-1] row per segment)")
     if x.stride(-1) != 1:
         x = x.contiguous()
     weight, s0 = weight.contiguous(), initial_state.contiguous()
-    idx = chunk_indices(cu_seqlens_host, _BT, x.device)
+    idx = chunk_indices(cu_seqlens_host, tile.tokens, x.device)
     nt = idx.shape[0]
     num_tokens = x.shape[0]
     y = torch.empty((num_tokens, D), dtype=x.dtype, device=x.device)
     final_state = torch.empty_like(s0)
     bounds = np.cumsum(list(split or (D,)))  # group ends: S1 and S2 (D when absent)
     s1, s2 = int(bounds[0]), int(bounds[1]) if len(bounds) > 1 else D
-    grid = (nt + n, _cdiv(D, _BD))  # axis 0 may exceed 65535
+    grid = (nt + n, _cdiv(D, tile.channels))  # axis 0 may exceed 65535
     _varlen_kernel[grid](x, weight, bias if bias is not None else weight, s0, y, final_state, cu_seqlens, idx,
-                         nt, D, x.stride(0), num_tokens, s1, s2, W=W, BT=_BT, BD=_BD, HAS_BIAS=bias is not None,
-                         SILU=silu, num_warps=4)
+                         nt, D, x.stride(0), num_tokens, s1, s2, W=W, BT=tile.tokens, BD=tile.channels,
+                         HAS_BIAS=bias is not None, SILU=silu, num_warps=tile.num_warps)
     if split is None:
         return y, final_state
     flat = y.view(-1)

@@ -1,12 +1,16 @@
 """Routed-expert MLP on CUDA through `torch._grouped_mm` and Triton (GPU variant of `reference.py`).
 
 Same signatures and semantics as `forkpoint.kernels.moe.reference`. The router's selection
-(`topk_softmax`: softmax, top-k, renormalisation, cast) is one Triton kernel. Two grouped GEMMs
-for all experts at once (CUTLASS on Hopper), no Python loop over experts and no host sync: the
-per-expert row counts stay on the device and reach the GEMM as cumulative offsets.
+(`topk_softmax`: softmax, top-k, renormalisation, cast) is one Triton kernel. The experts run for
+all experts at once, no Python loop over experts and no host sync: the per-expert row counts stay
+on the device. Steps with up to 64 routes per expert (`tiled.TILES`) run them as two Triton tile
+kernels (`tiled.py`: gather and activation fused, each hit expert's weights read once); larger
+steps as two grouped GEMMs (CUTLASS on Hopper), faster once every expert has many rows
+(bench/moe_kernel.py), which take the counts as cumulative offsets:
 
     routes r = t * k + j (token t, its j-th expert), sorted by expert (order[p] = route at row p):
-    order, pos, offs                                          one Triton launch up to 4,096 routes
+    order, pos, offs, hit experts                             one Triton launch up to 4,096 routes
+    ys    = tiled.expert_mlp(x, ...)           [T*k, Hd]      up to 64 routes per expert, else:
     xs    = x[token of route]                  [T*k, Hd]      rows grouped by expert
     h     = grouped_mm(xs, gate_up^T, offs)    [T*k, 2I]      expert e's rows times gate_up[e]^T
     a     = silu(gate) * up                    [T*k, I]       fp32 math, bf16 out (silu_and_mul)
@@ -31,7 +35,7 @@ import triton
 import triton.language as tl
 
 from forkpoint.kernels.activation import silu_and_mul
-from forkpoint.kernels.moe import reference
+from forkpoint.kernels.moe import reference, tiled
 
 if not hasattr(torch, "_grouped_mm"):
     # the dispatch falls back to the reference on ModuleNotFoundError
@@ -108,10 +112,12 @@ MAX_ONE_PROGRAM_ROUTES = 4096
 
 
 @triton.jit
-def _route_sort_kernel(ids, pos, tokens, offs, R, E, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
+def _route_sort_kernel(ids, pos, tokens, offs, active, num_active, R, E, K: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_E: tl.constexpr):
     """One program: the R routes (expert ids[r] of route r = t * K + j) sorted by expert, ties in
     route order (a stable sort); with route = the route at row p: pos[route] = p, tokens[p] =
-    route // K, and offs[e] = routes with an expert <= e (int32), for e < E. Padding lanes carry
+    route // K, offs[e] = routes with an expert <= e (int32), for e < E; the experts with routes
+    in active[0 .. num_active) (ascending), the rest of `active` unwritten. Padding lanes carry
     expert E, which sorts last and falls in a histogram bin that is not stored (BLOCK_E > E)."""
     lanes = tl.arange(0, BLOCK_R)
     live = lanes < R
@@ -121,7 +127,11 @@ def _route_sort_kernel(ids, pos, tokens, offs, R, E, K: tl.constexpr, BLOCK_R: t
     tl.store(tokens + lanes, (route // K).to(tl.int64), mask=live)
     tl.store(pos + route, lanes.to(tl.int64), mask=live)
     bins = tl.arange(0, BLOCK_E)
-    tl.store(offs + bins, tl.cumsum(tl.histogram(expert, BLOCK_E), 0).to(tl.int32), mask=bins < E)
+    counts = tl.histogram(expert, BLOCK_E)
+    tl.store(offs + bins, tl.cumsum(counts, 0).to(tl.int32), mask=bins < E)
+    hit = (counts > 0) & (bins < E)
+    tl.store(active + tl.cumsum(hit.to(tl.int32), 0) - 1, bins, mask=hit)
+    tl.store(num_active, tl.sum(hit.to(tl.int32), 0))
 
 
 def _rows(tensor: torch.Tensor | None, shape: tuple[int, int], name: str) -> torch.Tensor | None:
@@ -189,31 +199,55 @@ class SortedRoutes(NamedTuple):
     """The T*k routes (r = t * k + j: token t's j-th expert) grouped by expert, ties in route order."""
 
     pos: torch.Tensor  # [T*k] long: the row of route r in the grouped order (inverse of the sort)
-    offs: torch.Tensor  # [E] int32: end row of each expert's group (what torch._grouped_mm takes)
-    xs: torch.Tensor  # [T*k, Hd]: the routes' token rows of x, grouped
+    tokens: torch.Tensor  # [T*k] long: the token of the route at row p
+    rows: tiled.ExpertRows  # each expert's rows (rows.offs is what torch._grouped_mm takes)
 
 
-def _sorted_routes(x, topk_ids, num_experts) -> SortedRoutes:
+def _sorted_routes(topk_ids, num_experts) -> SortedRoutes:
     """Sorts the routes of topk_ids [T, k] by expert on the device, no host sync: one Triton
     program up to MAX_ONE_PROGRAM_ROUTES routes (decode steps), else torch's stable sort and
     searchsorted (the end row of expert e = routes with an id <= e; no bincount, whose CUDA version
-    syncs). Both give the same order."""
+    syncs), where `rows.active` lists every expert. Both give the same order and offsets."""
     num_routes, top_k = topk_ids.numel(), topk_ids.shape[1]
+    device = topk_ids.device
     if num_routes <= MAX_ONE_PROGRAM_ROUTES:
-        pos = torch.empty(num_routes, dtype=torch.long, device=x.device)
+        pos = torch.empty(num_routes, dtype=torch.long, device=device)
         tokens = torch.empty_like(pos)
-        offs = torch.empty(num_experts, dtype=torch.int32, device=x.device)
-        _route_sort_kernel[(1,)](topk_ids.contiguous(), pos, tokens, offs, num_routes, num_experts, K=top_k,
-                                 BLOCK_R=triton.next_power_of_2(num_routes),
+        offs = torch.empty(num_experts, dtype=torch.int32, device=device)
+        active = torch.empty_like(offs)
+        num_active = torch.empty(1, dtype=torch.int32, device=device)
+        _route_sort_kernel[(1,)](topk_ids.contiguous(), pos, tokens, offs, active, num_active, num_routes,
+                                 num_experts, K=top_k, BLOCK_R=triton.next_power_of_2(num_routes),
                                  BLOCK_E=triton.next_power_of_2(num_experts + 1),
                                  num_warps=4 if num_routes <= 1024 else 8)
-        return SortedRoutes(pos, offs, x.index_select(0, tokens))
+        return SortedRoutes(pos, tokens, tiled.ExpertRows(offs, active, num_active, min(num_experts, num_routes)))
     sorted_ids, order = torch.sort(topk_ids.flatten(), stable=True)
-    experts = torch.arange(num_experts, dtype=sorted_ids.dtype, device=x.device)
+    experts = torch.arange(num_experts, dtype=sorted_ids.dtype, device=device)
     offs = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
-    routes = torch.arange(num_routes, dtype=order.dtype, device=order.device)
+    routes = torch.arange(num_routes, dtype=order.dtype, device=device)
     pos = torch.empty_like(order).scatter_(0, order, routes)
-    return SortedRoutes(pos, offs, x.index_select(0, order // top_k))
+    # every expert gets a program (the empty ones run no rows): no compaction launches on these steps
+    every = tiled.ExpertRows(offs, experts.to(torch.int32), torch.full((1,), num_experts, dtype=torch.int32,
+                                                                        device=device), num_experts)
+    return SortedRoutes(pos, order // top_k, every)
+
+
+def _expert_outputs(x, w1, w2, routes: SortedRoutes, *, gated: bool) -> torch.Tensor:
+    """ys [T*k, Hd] in sorted-route order: ys[p] = w2[e] @ act(w1[e] @ x[routes.tokens[p]]) for
+    the route at row p (expert e), act = SwiGLU (`gated`, w1 [E, 2I, Hd]) or relu^2 (w1 [E, I, Hd]).
+    Triton tiles while `tiled.TILES` covers the step's routes per expert, else two grouped GEMMs."""
+    num_routes, num_experts = routes.tokens.shape[0], w1.shape[0]
+    if tiled.covers(num_routes, num_experts, tiled.TILES):
+        return tiled.expert_mlp(x, w1, w2, routes.tokens, routes.rows, gated=gated, table=tiled.TILES)
+    return _grouped_mm_outputs(x, w1, w2, routes, gated=gated)
+
+
+def _grouped_mm_outputs(x, w1, w2, routes: SortedRoutes, *, gated: bool) -> torch.Tensor:
+    """`_expert_outputs` through torch._grouped_mm: the gather, two grouped GEMMs, the activation."""
+    xs = x.index_select(0, routes.tokens)
+    h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=routes.rows.offs)  # [T*k, 2I] or [T*k, I]
+    a = silu_and_mul(*h.chunk(2, dim=-1)) if gated else h.relu_().square_()
+    return torch._grouped_mm(a, w2.transpose(1, 2), offs=routes.rows.offs)
 
 
 def _check_grouped_sizes(hidden: int, inter: int) -> None:
@@ -235,10 +269,8 @@ def fused_moe(x, gate_up, down, topk_weights, topk_ids, *, shared=None, shared_g
     _check_grouped_sizes(hidden, two_inter // 2)
     if topk_ids.shape[0] == 0:
         return x.new_zeros(x.shape)  # shared and residual have no rows either
-    routes = _sorted_routes(x, topk_ids, num_experts)
-    h = torch._grouped_mm(routes.xs, gate_up.transpose(1, 2), offs=routes.offs)  # [T*k, 2I]
-    a = silu_and_mul(*h.chunk(2, dim=-1))                                       # [T*k, I] bf16
-    ys = torch._grouped_mm(a, down.transpose(1, 2), offs=routes.offs)            # [T*k, Hd], sorted routes
+    routes = _sorted_routes(topk_ids, num_experts)
+    ys = _expert_outputs(x, gate_up, down, routes, gated=True)
     extras = _extras(x.shape[0], hidden, shared, shared_gate, residual)
     return _combine(ys, routes.pos, topk_weights, *extras).to(x.dtype)
 
@@ -254,7 +286,6 @@ def fused_moe_relu2(x, up, down, topk_weights, topk_ids, *, residual=None):
     _check_grouped_sizes(hidden, inter)
     if topk_ids.shape[0] == 0:
         return x.new_zeros(x.shape)
-    routes = _sorted_routes(x, topk_ids, num_experts)
-    a = torch._grouped_mm(routes.xs, up.transpose(1, 2), offs=routes.offs).relu_().square_()  # [T*k, I] bf16
-    ys = torch._grouped_mm(a, down.transpose(1, 2), offs=routes.offs)                         # [T*k, Hd]
+    routes = _sorted_routes(topk_ids, num_experts)
+    ys = _expert_outputs(x, up, down, routes, gated=False)
     return _combine(ys, routes.pos, topk_weights, *_extras(x.shape[0], hidden, None, None, residual)).to(x.dtype)

@@ -39,7 +39,9 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     return x, 1, 0, 0
 
 
-def _blocks(d: int) -> tuple[int, int, int]:
+def row_tiles(d: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_D, num_warps) of the row-norm kernels for rows of d elements (also the fused
+    q/k norm + rotary of kernels/rotary/triton.py, so that its norms reduce in the same tiles)."""
     block_d = triton.next_power_of_2(d)
     block_r = max(1, _TILE // block_d)
     num_warps = min(8, max(4, block_r * block_d // 512))
@@ -106,7 +108,7 @@ def rms_norm(x, weight, eps, residual=None, *, centred=True):
         xr, b, sxa, sxb = _rows(x)
         # x and residual have one shape, so their [A, B, D] views share B
         rr, _, sra, srb = _rows(residual) if residual is not None else (xr, b, sxa, sxb)
-        block_r, block_d, num_warps = _blocks(d)
+        block_r, block_d, num_warps = row_tiles(d)
         grid = (triton.cdiv(n_rows, block_r),)
         _rms_norm_kernel[grid](xr, rr, weight.contiguous(), y, s, n_rows, b, d, sxa, sxb, sra, srb, float(eps),
                                HAS_RES=residual is not None, CENTRED=bool(centred), BLOCK_R=block_r, BLOCK_D=block_d,
@@ -125,7 +127,7 @@ def gated_rms_norm(x, gate, weight, eps):
         xr, b, sxa, sxb = _rows(x)
         zr, _, sza, szb = _rows(gate)  # same shape as x: same B
         round_wx = torch.promote_types(weight.dtype, x.dtype) == x.dtype
-        block_r, block_d, num_warps = _blocks(d)
+        block_r, block_d, num_warps = row_tiles(d)
         grid = (triton.cdiv(n_rows, block_r),)
         _gated_rms_norm_kernel[grid](xr, zr, weight.contiguous(), y, n_rows, b, d, sxa, sxb, sza, szb, float(eps),
                                      ROUND_WX=round_wx, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
@@ -169,7 +171,7 @@ def grouped_gated_rms_norm(x, gate, weight, groups, eps, norm_before_gate=False,
         x = x if x.stride(-1) == 1 else x.contiguous()
         gate = gate if gate.stride(-1) == 1 else gate.contiguous()
         group_size = width // groups
-        block_r, block_d, num_warps = _blocks(group_size)
+        block_r, block_d, num_warps = row_tiles(group_size)
         grid = (triton.cdiv(n_rows, block_r), groups)
         _grouped_gated_rms_norm_kernel[grid](x, gate, weight.contiguous(), y, n_rows, width, group_size, x.stride(0),
                                              gate.stride(0), float(eps), NORM_BEFORE_GATE=bool(norm_before_gate),
