@@ -7,8 +7,8 @@ not change: validating the ids, stripping the marker, hashing every 16-token blo
 looking its prefix up. This script times exactly that on a tiny random Qwen3.5-MoE (its model size
 does not enter): per N, `add_request` of N prompts of P ids + marker + S ids (one shared anchor),
 the fastest of --repeats bursts (each aborted after timing), in seconds and microseconds per prompt
-token, split by wrapping (in this process only) the input processor, the prefix hasher and the
-scheduler's `add`.
+token, split by wrapping (in this process only) the input processor, its hasher cache's `build` (the
+block hash chain; packing the ids is part of processing) and the scheduler's `add`.
 
 Usage:
     python bench/admission_cpu.py                 # writes bench/results/admission_cpu.{json,png}
@@ -33,7 +33,6 @@ from host_info import code_version, machine_info, machine_line  # noqa: E402
 from plots import stacked_bars  # noqa: E402
 
 from forkpoint import LLM, SamplingParams  # noqa: E402
-from forkpoint.cache import hashing  # noqa: E402
 from tests.tiny_models import build_tiny_model  # noqa: E402
 
 PARTS = ("process", "hash", "schedule")
@@ -74,7 +73,7 @@ def burst(llm: LLM, n: int, args, rng: np.random.Generator, tag: str) -> dict:
     params = SamplingParams(max_tokens=1)
     timer = PartTimer()
     timer.wrap(engine.inputs, "process", "process")
-    timer.wrap(hashing.PrefixHasher, "__init__", "hash")
+    timer.wrap(engine.inputs.hashers, "build", "hash")
     timer.wrap(engine.scheduler, "add", "schedule")
     start = time.perf_counter()
     try:

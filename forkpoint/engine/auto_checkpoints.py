@@ -54,7 +54,8 @@ class AutoCheckpointPlanner:
         the live requests by id. Indexes the prompt for later arrivals."""
         prompt, hasher = request.prompt_token_ids, request.hasher
         found: list[Placement] = []
-        match = self.index.longest_match(prompt, hasher, exclude=request.parent_id)
+        self.index.remove(request.parent_id)  # an earlier prompt of this id is no partner; re-added below
+        match = self.index.longest_match(prompt, hasher)
         if match is not None:
             position = min(match.length, len(prompt) - 1)  # a reader computes at least one token
             partner = live.get(match.owner)

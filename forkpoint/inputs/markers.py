@@ -13,11 +13,14 @@ Positions are exact, never rounded, strictly increasing, and in ``1..len(strippe
 
 from __future__ import annotations
 
+import dataclasses
 import operator
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "checkpoint_positions", "multi_modal_data"})
@@ -32,12 +35,15 @@ class RawPrompt(NamedTuple):
         image placeholder expansion), unvalidated, in the order given; empty when none were given.
     multi_modal_data: the prompt's ``multi_modal_data`` (e.g. ``{"image": [...]}``), unvalidated,
         or None (see inputs/multimodal.py).
+    packed: ``token_ids`` as int64 bytes (``cache/hashing.pack_tokens``) when they were packed on
+        the way (a ``prompt_token_ids`` input within int64), else None.
     """
 
     text: str | None
     token_ids: list[int]
     checkpoint_positions: list[int]
     multi_modal_data: Any = None
+    packed: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -46,10 +52,13 @@ class ParsedPrompt:
 
     token_ids: the prompt without any marker id (never empty); treat as read-only.
     checkpoint_positions: strictly increasing positions in ``1..len(token_ids)``.
+    packed: ``token_ids`` as int64 bytes when the raw ids came packed, else None (not compared:
+        it is the same ids in another form).
     """
 
     token_ids: list[int]
     checkpoint_positions: tuple[int, ...]
+    packed: bytes | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 def prompt_to_token_ids(prompt: Any, tokenizer: PreTrainedTokenizerBase) -> RawPrompt:
@@ -90,10 +99,10 @@ def prompt_to_token_ids(prompt: Any, tokenizer: PreTrainedTokenizerBase) -> RawP
             raise ValueError(f"'prompt' must be a str, not {type(text).__name__}")
         return RawPrompt(text, _encode(text, tokenizer, "prompt"), positions, images)
     if "prompt_token_ids" in prompt:
-        token_ids = _int_list(prompt["prompt_token_ids"], "prompt_token_ids")
+        token_ids, packed = _token_id_list(prompt["prompt_token_ids"], "prompt_token_ids")
         if not token_ids:
             raise ValueError("'prompt_token_ids' is empty: a prompt needs at least one token")
-        return RawPrompt(None, token_ids, positions, images)
+        return RawPrompt(None, token_ids, positions, images, packed)
     raise ValueError("a prompt dict needs 'prompt' (a str) or 'prompt_token_ids' (a list of ints)")
 
 
@@ -102,6 +111,7 @@ def strip_checkpoint_markers(
     marker_id: int | None,
     extra_positions: Sequence[int] | None,
     max_checkpoints: int,
+    packed: bytes | None = None,
 ) -> ParsedPrompt:
     """Remove every ``marker_id`` from ``token_ids`` and return the stripped ids with the
     checkpoint positions: one per marker (the count of real tokens before it), merged with
@@ -110,6 +120,10 @@ def strip_checkpoint_markers(
     ``marker_id=None`` means checkpoints are disabled: the ids are returned unchanged and
     ``extra_positions`` is ignored, since nothing is cached.
 
+    ``packed``: ``token_ids`` as int64 bytes (``cache/hashing.pack_tokens``), when the caller has
+    them: the markers are then found by one numpy pass, and the result carries the stripped ids
+    packed too (``ParsedPrompt.packed``).
+
     Raises ValueError naming the position and the fix for: an empty prompt (after stripping),
     a checkpoint at position 0, a negative position, a position beyond the prompt length, two
     checkpoints at one position, or more than ``max_checkpoints`` checkpoints.
@@ -117,8 +131,11 @@ def strip_checkpoint_markers(
     if not token_ids:
         raise ValueError("prompt is empty: a prompt needs at least one token")
     if marker_id is None:
-        return ParsedPrompt(list(token_ids), ())
-    stripped, marker_positions = _split_markers(list(token_ids), marker_id)
+        return ParsedPrompt(list(token_ids), (), packed)
+    if packed is not None:
+        stripped, marker_positions, packed = _split_packed_markers(token_ids, packed, marker_id)
+    else:
+        stripped, marker_positions = _split_markers(list(token_ids), marker_id)
     if not stripped:
         raise ValueError(
             "prompt is empty after removing checkpoint markers: a prompt needs at least one "
@@ -150,7 +167,7 @@ def strip_checkpoint_markers(
             f"{positions[max_checkpoints]}: remove markers or checkpoint_positions, or raise "
             "max_checkpoints_per_request"
         )
-    return ParsedPrompt(stripped, positions)
+    return ParsedPrompt(stripped, positions, packed)
 
 
 def _split_markers(token_ids: list[int], marker_id: int) -> tuple[list[int], list[int]]:
@@ -171,9 +188,33 @@ def _split_markers(token_ids: list[int], marker_id: int) -> tuple[list[int], lis
     return stripped, marker_positions
 
 
-def validate_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
-    """Raise ValueError naming the first index whose id is outside ``0..vocab_size-1``."""
-    if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+def _split_packed_markers(token_ids: Sequence[int], packed: bytes,
+                          marker_id: int) -> tuple[list[int], list[int], bytes]:
+    """`_split_markers` for ids that come packed (int64 bytes, the same ids): the markers are found
+    by a numpy comparison; returns the stripped ids packed as well."""
+    found = np.flatnonzero(np.frombuffer(packed, np.int64) == marker_id).tolist()
+    if not found:
+        return list(token_ids), [], packed
+    stripped: list[int] = []
+    pieces: list[bytes] = []
+    start = 0
+    for index in found + [len(token_ids)]:
+        stripped += token_ids[start:index]
+        pieces.append(packed[8 * start: 8 * index])
+        start = index + 1
+    return stripped, [index - number for number, index in enumerate(found)], b"".join(pieces)
+
+
+def validate_token_ids(token_ids: Sequence[int], vocab_size: int, packed: bytes | None = None) -> None:
+    """Raise ValueError naming the first index whose id is outside ``0..vocab_size-1``.
+
+    ``packed``: the same ids as int64 bytes (``cache/hashing.pack_tokens``), when the caller has
+    them: the range check is then one numpy pass instead of Python-level min and max."""
+    if packed is not None:
+        ids = np.frombuffer(packed, np.int64)
+        if len(ids) == len(token_ids) and (not len(ids) or (ids.min() >= 0 and ids.max() < vocab_size)):
+            return
+    elif not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
         return
     for index, token_id in enumerate(token_ids):
         if not 0 <= token_id < vocab_size:
@@ -230,3 +271,20 @@ def _int_list(value: Any, field: str) -> list[int]:
                 f"'{field}'[{index}] must be an int, not {type(item).__name__} ({item!r})"
             ) from None
     return result
+
+
+def _token_id_list(value: Any, field: str) -> tuple[list[int], bytes | None]:
+    """(``_int_list(value, field)``, the same ids as int64 bytes, or None when one lies outside
+    int64). ``array("q")`` type-checks and packs every item in one C pass (it takes ints and
+    ``__index__`` objects, as ``_int_list`` does); only bools, which it takes as 0 and 1, are looked
+    for item by item, among the 0s and 1s. Any other case takes ``_int_list``'s path and message."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        return _int_list(value, field), None
+    try:
+        ids = array("q", value)
+    except (TypeError, OverflowError):
+        return _int_list(value, field), None
+    low = np.flatnonzero(np.frombuffer(ids, np.int64) >> 1 == 0).tolist()  # the 0s and 1s
+    if any(type(value[index]) is bool for index in low):
+        return _int_list(value, field), None  # raises, naming the first bool
+    return ids.tolist(), ids.tobytes()

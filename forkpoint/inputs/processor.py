@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from forkpoint.cache.hashing import PrefixHasher
+from forkpoint.cache.hashing import HasherCache, PrefixHasher, pack_tokens
 from forkpoint.inputs.markers import prompt_to_token_ids, strip_checkpoint_markers, validate_token_ids
 from forkpoint.inputs.multimodal import ImagePromptProcessor, MultimodalPrompt
 
@@ -47,6 +47,7 @@ class InputProcessor:
         self.checkpoint_token_id = checkpoint_token_id
         self.images = images
         self.limits = limits
+        self.hashers = HasherCache(limits.block_size)  # a burst behind one anchor hashes it once
 
     def process(self, prompt) -> ProcessedPrompt:
         """`prompt`: a str, {"prompt": str} or {"prompt_token_ids": [...]} (optionally with
@@ -55,10 +56,12 @@ class InputProcessor:
         raw = prompt_to_token_ids(prompt, self.tokenizer)
         images = self.images.load(raw.multi_modal_data)
         raw_ids = self.images.expand(raw.token_ids, images)  # markers count expanded image tokens
+        # packed once (or on the way in): the marker scan, the range check and every block hash read it
+        packed = raw.packed if raw.packed is not None and not images else _packed(raw_ids)
         parsed = strip_checkpoint_markers(raw_ids, self.checkpoint_token_id, raw.checkpoint_positions,
-                                          limits.max_checkpoints)
-        token_ids = list(parsed.token_ids)
-        validate_token_ids(token_ids, limits.vocab_size)
+                                          limits.max_checkpoints, packed)
+        token_ids, packed = parsed.token_ids, parsed.packed  # a fresh list; None beyond int64
+        validate_token_ids(token_ids, limits.vocab_size, packed)
         if len(token_ids) >= limits.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, max_model_len is {limits.max_model_len}: "
                              "shorten the prompt or raise max_model_len")
@@ -67,6 +70,14 @@ class InputProcessor:
             raise ValueError(f"prompt needs {needed} KV blocks but the pool has {limits.max_kv_blocks}: "
                              "raise kv_cache_bytes / num_kv_blocks")
         multimodal = self.images.place(token_ids, parsed.checkpoint_positions, images)
-        hasher = PrefixHasher(token_ids, limits.block_size,
-                              extra_keys=multimodal.hash_keys() if multimodal is not None else ())
+        hasher = self.hashers.build(token_ids, extra_keys=multimodal.hash_keys() if multimodal is not None else (),
+                                    packed=packed)
         return ProcessedPrompt(raw.text, token_ids, tuple(sorted(parsed.checkpoint_positions)), multimodal, hasher)
+
+
+def _packed(token_ids: list[int]) -> bytes | None:
+    """`pack_tokens(token_ids)`, or None for an id beyond int64 (`validate_token_ids` names it)."""
+    try:
+        return pack_tokens(token_ids)
+    except OverflowError:
+        return None

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from forkpoint.cache.hashing import pack_tokens
 from forkpoint.inputs import (
     LoadedTokenizer,
     ParsedPrompt,
@@ -135,14 +136,67 @@ def test_inserting_then_stripping_markers_round_trips(ids, data):
     assert parsed.checkpoint_positions == tuple(sorted(positions))
 
 
+def _outcome(function, *args):
+    """(result, None) or (None, the ValueError's message)."""
+    try:
+        return function(*args), None
+    except ValueError as err:
+        return None, str(err)
+
+
+@settings(max_examples=200, deadline=None)
+@given(raw=st.lists(st.sampled_from([0, 1, 7, M, 2**40]), min_size=1, max_size=40),
+       extra=st.lists(st.integers(-1, 45), max_size=3))
+def test_packed_marker_scan_equals_the_list_scan(raw, extra):
+    # the processor hands the ids packed: same stripped ids, positions and errors, and the result packed
+    plain, plain_error = _outcome(strip_checkpoint_markers, raw, M, extra, 4)
+    packed, packed_error = _outcome(strip_checkpoint_markers, raw, M, extra, 4, pack_tokens(raw))
+    assert packed_error == plain_error
+    if plain is not None:
+        assert packed == plain and packed.packed == pack_tokens(plain.token_ids)
+
+
+@settings(max_examples=300, deadline=None)
+@given(items=st.lists(st.one_of(st.integers(-3, 300), st.integers(-2**70, 2**70), st.booleans(),
+                                st.integers(0, 9).map(np.int64), st.floats(0, 2), st.none()),
+                      min_size=1, max_size=30))
+def test_token_id_prompts_type_check_as_the_item_by_item_path(items):
+    # prompt_token_ids are packed and type-checked in one C pass; the answer (ids or message) must be
+    # the item-by-item one: bools and floats rejected at their index, numpy ints taken as ints
+    fast, fast_error = _outcome(prompt_to_token_ids, {"prompt_token_ids": items}, None)
+    reference, reference_error = _outcome(_reference_int_list, items)
+    assert fast_error == reference_error
+    if reference is not None:
+        assert fast.token_ids == reference and {type(i) for i in fast.token_ids} == {int}
+        in_int64 = all(-2**63 <= i < 2**63 for i in reference)
+        assert fast.packed == (pack_tokens(reference) if in_int64 else None)
+
+
+def _reference_int_list(items):
+    ids = []
+    for index, item in enumerate(items):
+        if isinstance(item, bool):
+            raise ValueError(f"'prompt_token_ids'[{index}] is a bool ({item}), not an int")
+        if not isinstance(item, (int, np.integer)):
+            raise ValueError(f"'prompt_token_ids'[{index}] must be an int, not {type(item).__name__} ({item!r})")
+        ids.append(int(item))
+    return ids
+
+
 # ---- validate_token_ids -----------------------------------------------------------------------
 
-def test_validate_token_ids_names_first_bad_index_and_value():
-    validate_token_ids([0, 5, 99], 100)
+@pytest.mark.parametrize("packed", [False, True])
+def test_validate_token_ids_names_first_bad_index_and_value(packed):
+    def validate(ids, vocab_size):  # with the ids packed, the range check is a numpy pass
+        validate_token_ids(ids, vocab_size, pack_tokens(ids) if packed else None)
+
+    validate([0, 5, 99], 100)
     with pytest.raises(ValueError, match=r"prompt token id 300 at index 2 is out of range.* 0\.\.99"):
-        validate_token_ids([1, 2, 300, -1], 100)
+        validate([1, 2, 300, -1], 100)
     with pytest.raises(ValueError, match="prompt token id -1 at index 0"):
-        validate_token_ids([-1], 100)
+        validate([-1], 100)
+    with pytest.raises(ValueError, match="prompt token id 100 at index 1"):
+        validate([99, 100], 100)
 
 
 # ---- prompt_to_token_ids ----------------------------------------------------------------------
@@ -169,9 +223,12 @@ def test_token_id_prompt_with_marker_id(qwen: LoadedTokenizer):
         {"prompt_token_ids": [10, 11, marker, 12, np.int64(13)], "checkpoint_positions": (4,)},
         qwen.tokenizer,
     )
-    assert raw == RawPrompt(None, [10, 11, marker, 12, 13], [4])
+    assert raw == RawPrompt(None, [10, 11, marker, 12, 13], [4], None, pack_tokens([10, 11, marker, 12, 13]))
+    assert {type(token_id) for token_id in raw.token_ids} == {int}
     parsed = strip_checkpoint_markers(raw.token_ids, marker, raw.checkpoint_positions, 4)
     assert parsed == ParsedPrompt([10, 11, 12, 13], (2, 4))
+    packed = strip_checkpoint_markers(raw.token_ids, marker, raw.checkpoint_positions, 4, raw.packed)
+    assert packed == parsed and packed.packed == pack_tokens([10, 11, 12, 13])
 
 
 def test_text_prompt_adds_no_bos(qwen: LoadedTokenizer):
