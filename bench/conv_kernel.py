@@ -18,7 +18,6 @@ Writes <out>/conv_kernel_h200.json and .png and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -28,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import host_info  # noqa: E402
+from plots import write_results  # noqa: E402
 
 TILES = ((64, 128, 4), (32, 128, 4), (16, 128, 4), (64, 64, 4), (32, 64, 2), (64, 256, 8), (32, 256, 4),
          (128, 64, 4), (16, 256, 4), (32, 128, 2))
@@ -127,14 +127,7 @@ def main() -> None:
     for case in CASES:
         res["rows"] += run_case(case, args, gen)
     res["wall_s"] = time.time() - start
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{args.name}.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-    try:
-        plot(res, os.path.join(args.out, f"{args.name}.png"))
-    except Exception as e:  # noqa: BLE001 - the numbers matter more than the picture
-        print(f"plot failed: {e}")
+    path = write_results(res, args.out, args.name, plot)
     print(f"wrote {path} ({res['wall_s']:.0f} s)")
 
 

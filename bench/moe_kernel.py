@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import host_info  # noqa: E402
+from plots import write_results  # noqa: E402
 
 SHAPES = {
     "qwen35b": dict(experts=256, hidden=2048, inter=512, top_k=8, gated=True),
@@ -214,13 +215,7 @@ def main() -> None:
             json.dump(res, f, indent=1)
         torch.cuda.empty_cache()
     res["wall_s"] = time.time() - start
-    with open(json_path, "w") as f:
-        json.dump(res, f, indent=1)
-    try:
-        plot(res, os.path.join(args.out, f"{args.name}.png"))
-    except Exception as err:  # noqa: BLE001 - the numbers matter more than the picture
-        print(f"plot failed: {err}")
-    print(f"wrote {json_path} ({res['wall_s']:.0f} s)")
+    print(f"wrote {write_results(res, args.out, args.name, plot)} ({res['wall_s']:.0f} s)")
 
 
 if __name__ == "__main__":
