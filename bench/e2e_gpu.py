@@ -86,6 +86,7 @@ from e2e_gpu_shapes import (  # noqa: E402
     save_word_tokenizer,
 )
 from host_info import code_version  # noqa: E402
+from host_timeline import decode_host_timeline  # noqa: E402
 
 from forkpoint import LLM, SamplingParams  # noqa: E402
 from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig  # noqa: E402
@@ -613,6 +614,13 @@ def profile_steps(bench: Bench, args, end: float) -> dict:
             else:
                 engine.step()
     engine.runner.decode_graphs = decode_graphs
+    for n in sorted({1, min(64, max(args.decode_n))}):
+        if time.perf_counter() > end:
+            report.setdefault("left_out", []).append(f"host_decode_{n}")
+            continue
+        timeline = decode_host_timeline(engine, [rng.integers(0, args.vocab_limit, 64).tolist() for _ in range(n)])
+        report[f"host_decode_{n}"] = timeline
+        print(f"profile host_decode_{n}: {timeline}", flush=True)
     return report
 
 
