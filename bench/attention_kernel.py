@@ -1,18 +1,20 @@
 """Kernel benchmark: paged attention (`forkpoint.kernels.attention.triton`) at Qwen3.5-35B-A3B shapes.
 
 One attention layer's core op: 16 query heads, 2 kv heads (GQA group 8), head dim 256, KV blocks of
-16 tokens, bf16, random data (never zeros), shuffled physical blocks. Four steps:
+16 tokens, bf16, random data (never zeros), shuffled physical blocks. Seven steps:
 
 (a) consumers: 32 segments of 256 queries, each over a 4,096-token cached prefix (the producer's
     blocks, shared by all 32 block tables) plus its own 256 tokens: kv length 4,352.
 (b) prefill: 2 causal segments of 4,352 tokens.
 (c) decode: 256 sequences, one query each, 4,352-token contexts (own blocks).
 (d) decode: 16 sequences, the same.
+(e, f, g) decode: 1 sequence over 880 and 4,352 tokens, 64 over 880 (the TPOT rows of bench/e2e_gpu.py).
 
 For each: the kernel's median time (triton.testing.do_bench, L2 flushed before each run), TFLOP/s
 (causal FLOPs counted exactly: 4 * Dh * HQ per visible (query, key) pair), GB/s of the fewest bytes
 (K/V of every segment read once, q read and o written once), the tile the autotuner chose, the same
-kernel forced to the tile it had before autotuning (BLOCK_M=64, BLOCK_N=32, 8 warps, 2 stages), and the
+kernel forced to the tile it had before autotuning (BLOCK_M=64, BLOCK_N=32, 8 warps, 2 stages; for
+decode steps: the decode tile without the key split, one program per segment and kv head), and the
 error against `reference.paged_attention` (relative RMS). Peer: torch's SDPA on dense contiguous
 copies, causal (b), bottom-right causal over prefix + own keys (a; a rough reference: it reads the
 prefix once per segment from a dense copy), GQA through `enable_gqa` where torch has it.
@@ -56,7 +58,10 @@ def shapes(smoke: bool) -> list[dict]:
     return [dict(name="(a) consumers 32x256 over 4096+256", q_lens=[256] * 32, seq_lens=[4352] * 32, shared=4096),
             dict(name="(b) prefill 2x4352", q_lens=[4352] * 2, seq_lens=[4352] * 2, shared=0),
             dict(name="(c) decode 256x4352", q_lens=[1] * 256, seq_lens=[4352] * 256, shared=0),
-            dict(name="(d) decode 16x4352", q_lens=[1] * 16, seq_lens=[4352] * 16, shared=0)]
+            dict(name="(d) decode 16x4352", q_lens=[1] * 16, seq_lens=[4352] * 16, shared=0),
+            dict(name="(e) decode 1x880", q_lens=[1], seq_lens=[880], shared=0),
+            dict(name="(f) decode 1x4352", q_lens=[1], seq_lens=[4352], shared=0),
+            dict(name="(g) decode 64x880", q_lens=[1] * 64, seq_lens=[880] * 64, shared=0)]
 
 
 def offsets(lens):
@@ -222,20 +227,23 @@ def run_step(spec, args, gen, dev):
         cfg = tri._paged_attn_prefill.best_config if is_prefill else tri.decode_config(HQ // HKV, DH)
         row["config"] = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         row["autotuned"] = is_prefill
+        if not is_prefill:
+            row["config"]["decode_splits"] = tri.DECODE_SPLITS
         row["ms"] = timer(kernel)
-        if is_prefill:
-            legacy = triton.Config({k: LEGACY[k] for k in ("BLOCK_M", "BLOCK_N")}, num_warps=LEGACY["num_warps"],
-                                   num_stages=LEGACY["num_stages"])
+        # before: the prefill tile before autotuning; for decode, one program per (segment, kv head)
+        # walking its whole context (the forced decode tile, no split)
+        legacy = (triton.Config({k: LEGACY[k] for k in ("BLOCK_M", "BLOCK_N")}, num_warps=LEGACY["num_warps"],
+                                num_stages=LEGACY["num_stages"]) if is_prefill else tri.decode_config(HQ // HKV, DH))
 
-            def kernel_legacy():
-                return tri.paged_attention_with_config(st["q"], st["kc"], st["vc"], st["bt"], st["cu_d"], st["cu"],
-                                                       st["sl_d"], st["sl"], scale=DH ** -0.5, config=legacy)
+        def kernel_legacy():
+            return tri.paged_attention_with_config(st["q"], st["kc"], st["vc"], st["bt"], st["cu_d"], st["cu"],
+                                                   st["sl_d"], st["sl"], scale=DH ** -0.5, config=legacy)
 
-            try:
-                row["legacy_rel_rms"] = rel_rms(kernel_legacy(), o_ref)
-                row["legacy_ms"] = timer(kernel_legacy)
-            except Exception as e:  # noqa: BLE001 - the comparison is optional
-                row["legacy_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        try:
+            row["legacy_rel_rms"] = rel_rms(kernel_legacy(), o_ref)
+            row["legacy_ms"] = timer(kernel_legacy)
+        except Exception as e:  # noqa: BLE001 - the comparison is optional
+            row["legacy_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         for key in ("ms", "legacy_ms"):
             if row.get(key):
                 row[key.replace("ms", "tflops")] = flops / row[key] / 1e9
@@ -267,8 +275,8 @@ def print_table(res):
             print(f"| {r['name']} | {r['q_tokens']} | {r['kv_len']} | {r['gflop']:.3f} | {_f(r['reference_ms'])} "
                   f"| {_f(r.get('sdpa_ms'))} | {_f(r.get('sdpa_rel_rms_vs_reference'), 6)} |")
         return
-    print("| step | ms | TFLOP/s | GB/s | old tile (ms) | speedup | SDPA (ms) | SDPA TFLOP/s | rel RMS "
-          "| tile BLOCK_MxBLOCK_N |")
+    print("| step | ms | TFLOP/s | GB/s | before (ms): old tile, decode unsplit | speedup | SDPA (ms) | SDPA TFLOP/s "
+          "| rel RMS | tile BLOCK_MxBLOCK_N |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in res["rows"]:
         if "error" in r:
@@ -277,7 +285,7 @@ def print_table(res):
         sp = r["legacy_ms"] / r["ms"] if r.get("legacy_ms") else None
         c = r["config"]
         tile = f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}"
-        tile += "" if r["autotuned"] else " (fixed)"
+        tile += "" if r["autotuned"] else f" (fixed, {c['decode_splits']} splits)"
         print(f"| {r['name']} | {_f(r['ms'])} | {_f(r['tflops'], 1)} | {_f(r['gbps'], 0)} | {_f(r.get('legacy_ms'))} "
               f"| {_f(sp, 2)} | {_f(r.get('sdpa_ms'))} | {_f(r.get('sdpa_tflops'), 1)} "
               f"| {r['rel_rms_vs_reference']:.1e} | {tile} |")
@@ -294,7 +302,7 @@ def plot(res, path):
 
     rows = [r for r in res["rows"] if "error" not in r]
     series = ([("reference_ms", "reference (CPU)"), ("sdpa_ms", "torch SDPA (dense)")] if res["smoke"] else
-              [("ms", "forkpoint Triton (autotuned)"), ("legacy_ms", "Triton, old tile 64x32 w8 s2"),
+              [("ms", "forkpoint Triton (autotuned)"), ("legacy_ms", "before: old tile 64x32 w8 s2 / decode unsplit"),
                ("sdpa_ms", "torch SDPA (dense copies)")])
     fig, ax = plt.subplots(figsize=(10, 5))
     width = 0.8 / len(series)

@@ -356,6 +356,73 @@ def test_paged_attention_matches_reference(poison, hq, hkv, dh, block_size):
     check(f"paged_attention decode HQ={hq} HKV={hkv} Dh={dh} bs={block_size}", od, od_ref, 1e-2)
 
 
+def _decode_case(gen, hq, hkv, dh, block_size, seq_lens, q_len):
+    """q_len queries per segment after seq_lens[n] - q_len cached keys, each segment over its own
+    shuffled blocks."""
+    nblk = [-(-s // block_size) for s in seq_lens]
+    perm = torch.randperm(sum(nblk) + 2, generator=torch.Generator().manual_seed(1)).tolist()
+    tables = [[perm.pop() for _ in range(b)] for b in nblk]
+    width = max(nblk)
+    bt = torch.tensor([r + [0] * (width - len(r)) for r in tables], dtype=torch.int32)
+    kc = torch.randn(sum(nblk) + 2, block_size, hkv, dh, generator=gen, device=DEV).bfloat16()
+    vc = torch.randn(sum(nblk) + 2, block_size, hkv, dh, generator=gen, device=DEV).bfloat16()
+    q = torch.randn(q_len * len(seq_lens), hq, dh, generator=gen, device=DEV).bfloat16()
+    return q, kc, vc, bt, [q_len * i for i in range(len(seq_lens) + 1)]
+
+
+# contexts around the split edges: one split (<= DECODE_MIN_CHUNK keys), a few, all DECODE_SPLITS
+DECODE_CONTEXTS = [1, 31, 127, 128, 129, 300, 880, 2049, 4352]
+
+
+@pytest.mark.parametrize("hq,hkv,dh,block_size,q_len", [(16, 2, 256, 16, 1), (16, 2, 256, 16, 2), (8, 8, 128, 16, 16),
+                                                        (4, 1, 64, 5, 3)])
+def test_split_decode_matches_reference(poison, hq, hkv, dh, block_size, q_len):
+    """Decode steps (q_len * G <= 16) run the split-KV kernels; against the reference at contexts
+    on both sides of every split edge, one query per segment and several (the causal tail)."""
+    tri = pytest.importorskip("forkpoint.kernels.attention.triton")
+    from forkpoint.kernels.attention import reference
+
+    assert tri.is_decode_step(q_len, hq // hkv)
+    seq_lens = [max(s, q_len) for s in DECODE_CONTEXTS]
+    gen = torch.Generator(device=DEV).manual_seed(11 * hq + q_len)
+    q, kc, vc, bt, cu = _decode_case(gen, hq, hkv, dh, block_size, seq_lens, q_len)
+    o = tri.paged_attention(q, kc, vc, bt.to(DEV), torch.tensor(cu, device=DEV), cu,
+                            torch.tensor(seq_lens, device=DEV), seq_lens, scale=dh ** -0.5)
+    o_ref = reference.paged_attention(*_cpu(q, kc, vc, bt), torch.tensor(cu), cu, torch.tensor(seq_lens), seq_lens,
+                                      scale=dh ** -0.5)
+    for n, s in enumerate(seq_lens):
+        rows = slice(cu[n], cu[n + 1])
+        check(f"split decode HQ={hq} HKV={hkv} Dh={dh} q_len={q_len} ctx={s}", o[rows], o_ref[rows], 1e-2)
+
+
+def test_split_decode_is_batch_invariant():
+    """A segment's decode output is the same bits alone and among others of other lengths (the
+    chunking depends on its own kv length only), and in a CUDA graph replay."""
+    tri = pytest.importorskip("forkpoint.kernels.attention.triton")
+    seq_lens = DECODE_CONTEXTS
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    q, kc, vc, bt, cu = _decode_case(gen, 16, 2, 256, 16, seq_lens, 1)
+    bt = bt.to(DEV)
+    together = tri.paged_attention(q, kc, vc, bt, torch.tensor(cu, device=DEV), cu,
+                                   torch.tensor(seq_lens, device=DEV), seq_lens, scale=0.0625)
+    for n, s in enumerate(seq_lens):
+        alone = tri.paged_attention(q[n: n + 1], kc, vc, bt[n: n + 1], torch.tensor([0, 1], device=DEV), [0, 1],
+                                    torch.tensor([s], device=DEV), [s], scale=0.0625)
+        assert torch.equal(alone, together[n: n + 1]), f"context {s}: alone != in the batch"
+    static = [torch.tensor(cu, device=DEV), torch.tensor(seq_lens, device=DEV)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        tri.paged_attention(q, kc, vc, bt, static[0], cu, static[1], seq_lens, scale=0.0625)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tri.paged_attention(q, kc, vc, bt, static[0], cu, static[1], seq_lens, scale=0.0625)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, together), "graph replay != eager"
+
+
 def _prefill_configs_for(tri, g, dh):
     block_d = max(16, 1 << (dh - 1).bit_length())
     return tri._prune_prefill(list(tri.PREFILL_CONFIGS), {}, G=g, BLOCK_D=block_d, Q_BUCKET=1)

@@ -17,7 +17,15 @@ through block_tables[n] (position p lives in slot block_tables[n, p // block_siz
 largest q_len (`cu_seqlens_q_host`), everything else is read on the device: no host sync.
 Prefill tiles (BLOCK_M rows, BLOCK_N keys per step, warps, pipeline stages) are autotuned once per
 (G, head dim, short/long step) and cached; decode steps use one fixed small tile (see below).
-Not done here: split-KV (flash-decoding) for long decode contexts with few sequences.
+
+Decode steps split each segment's keys (flash-decoding): a batch-1 decode has only HKV programs,
+each walking its whole context alone (at 880 cached tokens, Qwen3.5-35B-A3B's 2 kv heads: 28 steps
+of 32 keys in sequence). `_paged_decode_split_kernel` gives split s of segment n the keys
+[s * chunk, (s + 1) * chunk), chunk = max(DECODE_MIN_CHUNK, ceil(kv_len / DECODE_SPLITS)) rounded
+up to the tile's BLOCK_N, and writes its unnormalised partial (accumulator, running max, sum); one
+`_combine_splits_kernel` program per (token, head) merges the splits in order 0..S-1. The chunking
+depends on the segment's own kv length only, so a sequence's result does not depend on the others
+in the step; the grid is fixed (DECODE_SPLITS), so the decode CUDA graphs capture it.
 """
 
 from __future__ import annotations
@@ -113,6 +121,83 @@ def _paged_attn_kernel(Q, Kc, Vc, O, block_tables, cu_q, seq_lens, qk_scale,
              out.to(O.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
 
 
+# T (the step's tokens) is not specialised either: decode steps of any size share one variant
+@triton.jit(do_not_specialize=["stride_bt", "T"])
+def _paged_decode_split_kernel(Q, Kc, Vc, Part, Stats, block_tables, cu_q, seq_lens, qk_scale,
+                               stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+                               stride_vb, stride_vs, stride_vh, stride_bt,
+                               block_size, Dh, T, HQ,
+                               G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    """Split i_s of segment i_n, kv head i_hk, in a decode step (q_len <= BLOCK_M // G: one tile
+    holds every query of the segment). Part [S, T, HQ, BLOCK_D] fp32: the unnormalised output;
+    Stats [S, T, HQ, 2] fp32: (running max, exp2-sum); a split with no visible key writes max -inf
+    and sum 0 (and no Part row)."""
+    i_s, i_n, i_hk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    BLOCK_P = BLOCK_M // G
+    q_start = tl.load(cu_q + i_n).to(tl.int64)
+    q_len = tl.load(cu_q + i_n + 1).to(tl.int64) - q_start
+    if q_len == 0:
+        return
+    kv_len = tl.load(seq_lens + i_n).to(tl.int64)
+    ctx = kv_len - q_len
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    lo = i_s * chunk
+    end = tl.minimum(lo + chunk, kv_len)
+
+    rows = tl.arange(0, BLOCK_M)
+    pos = rows // G
+    head = i_hk * G + rows % G
+    m_row = (pos < q_len) & (rows < BLOCK_P * G)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < Dh
+    q = tl.load(Q + (q_start + pos)[:, None] * stride_qt + head[:, None] * stride_qh + o_d[None, :],
+                mask=m_row[:, None] & m_d[None, :], other=0.0)
+    q_pos = ctx + pos
+    full = (ctx + 1) // BLOCK_N * BLOCK_N        # kv positions [0, full) are visible to every row
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row = block_tables + i_n.to(tl.int64) * stride_bt
+    k_base = Kc + i_hk * stride_kh
+    v_base = Vc + i_hk * stride_vh
+    for start in range(lo, tl.minimum(full, end), BLOCK_N):
+        acc, l_i, m_i = _attn_block(acc, l_i, m_i, q, q_pos, start, end, bt_row, k_base, v_base, stride_kb,
+                                    stride_ks, stride_vb, stride_vs, block_size, o_d, m_d, qk_scale, BLOCK_N, False)
+    for start in range(tl.maximum(lo, full), end, BLOCK_N):
+        acc, l_i, m_i = _attn_block(acc, l_i, m_i, q, q_pos, start, end, bt_row, k_base, v_base, stride_kb,
+                                    stride_ks, stride_vb, stride_vs, block_size, o_d, m_d, qk_scale, BLOCK_N, True)
+    token = (q_start + pos).to(tl.int64)
+    row = (i_s * T + token) * HQ + head
+    seen = l_i > 0.0
+    tl.store(Stats + row * 2, tl.where(seen, m_i, float("-inf")), mask=m_row)
+    tl.store(Stats + row * 2 + 1, l_i, mask=m_row)
+    tl.store(Part + row[:, None] * BLOCK_D + o_d[None, :], acc, mask=(m_row & seen)[:, None] & m_d[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _combine_splits_kernel(Part, Stats, O, stride_ot, stride_oh, Dh, T, HQ,
+                           BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """O[t, h] = sum_s Part[s, t, h] * 2^(m_s - m) / sum_s l_s * 2^(m_s - m), m = max_s m_s, the
+    splits taken in order (every row has at least one visible key: its own position)."""
+    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_d = tl.arange(0, BLOCK_D)
+    m = float("-inf")
+    for s in range(NUM_SPLITS):
+        m = tl.maximum(m, tl.load(Stats + ((s * T + t) * HQ + h) * 2))
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    total = 0.0
+    for s in range(NUM_SPLITS):
+        row = (s * T + t) * HQ + h
+        m_s = tl.load(Stats + row * 2)
+        w = tl.exp2(m_s - m)  # 0 for a split without visible keys (max -inf, sum 0, Part not written)
+        total += tl.load(Stats + row * 2 + 1) * w
+        written = (tl.zeros([BLOCK_D], dtype=tl.float32) + m_s) > float("-inf")
+        acc += tl.load(Part + row * BLOCK_D + o_d, mask=written, other=0.0) * w
+    tl.store(O + t * stride_ot + h * stride_oh + o_d, (acc / total).to(O.dtype.element_ty), mask=o_d < Dh)
+
+
 # ---------------------------------------------------------------- tile configs
 #
 # A tile is BLOCK_M rows = BLOCK_M // G query positions x the G heads of one kv head; every K/V
@@ -181,6 +266,32 @@ def is_decode_step(max_q: int, g: int) -> bool:
     return max_q * g <= 16
 
 
+# Decode steps: each segment's keys in at most DECODE_SPLITS chunks of at least DECODE_MIN_CHUNK
+# keys (contexts up to DECODE_MIN_CHUNK keys run as one split).
+DECODE_SPLITS = 16
+DECODE_MIN_CHUNK = 128
+
+
+def _split_decode(q, k_cache, v_cache, o, block_tables, cu_seqlens_q, seq_lens, scale, g, block_d,
+                  config: triton.Config) -> None:
+    """Decode attention as DECODE_SPLITS partial programs per (segment, kv head) and one merge
+    program per (token, q head) (module docstring); writes every row of `o`."""
+    T, hq, dh = q.shape
+    n, hkv = block_tables.shape[0], k_cache.shape[2]
+    block_n = config.kwargs["BLOCK_N"]
+    part = torch.empty(DECODE_SPLITS, T, hq, block_d, dtype=torch.float32, device=q.device)
+    stats = torch.empty(DECODE_SPLITS, T, hq, 2, dtype=torch.float32, device=q.device)
+    _paged_decode_split_kernel[(DECODE_SPLITS, n, hkv)](
+        q, k_cache, v_cache, part, stats, block_tables, cu_seqlens_q, seq_lens, float(scale) * 1.4426950408889634,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), k_cache.shape[1], dh, T, hq,
+        G=g, BLOCK_D=block_d, BLOCK_M=config.kwargs["BLOCK_M"], BLOCK_N=block_n, NUM_SPLITS=DECODE_SPLITS,
+        MIN_CHUNK=max(block_n, DECODE_MIN_CHUNK // block_n * block_n),
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    _combine_splits_kernel[(T, hq)](part, stats, o, o.stride(0), o.stride(1), dh, T, hq,
+                                    BLOCK_D=block_d, NUM_SPLITS=DECODE_SPLITS, num_warps=4 if block_d >= 256 else 2)
+
+
 def prefill_tuned_configs() -> dict:
     """What the prefill autotuner chose so far: {(G, BLOCK_D, Q_BUCKET, dtypes...): config string}."""
     return {k: str(c) for k, c in _paged_attn_prefill.cache.items()}
@@ -225,7 +336,9 @@ def paged_attention_with_config(q, k_cache, v_cache, block_tables, cu_seqlens_q,
         return o
     block_d = max(16, _next_pow2(dh))
     if config is None and is_decode_step(max_q, g):
-        config = decode_config(g, block_d)
+        _split_decode(q, k_cache, v_cache, o, block_tables, cu_seqlens_q, seq_lens, scale, g, block_d,
+                      decode_config(g, block_d))
+        return o
     if config is not None and config.kwargs["BLOCK_M"] < _next_pow2(g):
         raise ValueError(f"BLOCK_M {config.kwargs['BLOCK_M']} < GQA group {g}: a tile must hold a whole group")
 
