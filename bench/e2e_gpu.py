@@ -538,8 +538,9 @@ def probes(llm: LLM, rng: np.random.Generator, results: dict, limit: int) -> Non
 KERNEL_GROUPS = (
     ("moe_grouped_gemm", ("Group", "grouped", "_expert_gemm")),
     ("gdn_fla", ("chunk_", "solve_tril", "l2norm", "recompute_w_u", "fused_recurrent", "kkt", "cumsum")),
-    ("attention", ("_paged_attn",)),
-    ("conv1d", ("_varlen_kernel", "_step_kernel")),
+    ("attention", ("_paged_attn", "_paged_decode_split", "_combine_splits")),
+    ("gdn_recurrent", ("_inplace_step_kernel", "_recurrent")),  # the delta-rule decode step (not conv1d's)
+    ("conv1d", ("_varlen_kernel", "_step_kernel", "_step_inplace_kernel")),
     ("dense_gemm", ("gemm", "Gemm", "cutlass", "nvjet", "xmma", "sm90")),
     ("copy_index", ("index", "copy", "Copy", "gather", "scatter", "cat", "sort", "Sort")),
 )
