@@ -12,7 +12,14 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     Qwen3NextRMSNormGated,
 )
 
-from forkpoint.models.layers import STACK_ROW_MULTIPLE, DenseMLP, GatedRMSNorm, RMSNorm, SparseMoE
+from forkpoint.models.layers import (
+    STACK_ROW_MULTIPLE,
+    DenseMLP,
+    GatedRMSNorm,
+    RMSNorm,
+    SparseMoE,
+    stack_all_projections,
+)
 
 EPS = 1e-6
 
@@ -89,20 +96,28 @@ def test_stacked_projections_are_views_of_one_weight_with_the_checkpoint_names()
 
 
 def test_stacked_rows_are_padded_to_aligned_output_rows_with_the_views_unchanged():
-    """The MoE router's 4 + 1 rows (here) stack into 8: zero rows, outside every view, so that the
-    GEMM output's rows are aligned; the state dict and the projections are those of the checkpoint."""
+    """The MoE's shared gate/up (8 + 8 rows here), router (4) and shared gate (1) stack into 24:
+    zero rows outside every view, so that the GEMM output's rows are aligned; the state dict and
+    the projections are those of the checkpoint; the shared expert, absorbed, is not stacked again."""
     moe = SparseMoE(SimpleNamespace(hidden_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                                     moe_intermediate_size=8, shared_expert_intermediate_size=8))
     with torch.no_grad():
         for param in moe.parameters():
             param.normal_(generator=torch.Generator().manual_seed(param.numel()))
     x = torch.randn(3, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(2))
-    expected = (x @ moe.gate.weight.T, x @ moe.shared_expert_gate.weight.T)
-    moe.stack_projections()
-    assert moe.stacked_width() == 8 and moe.stacked_width() % STACK_ROW_MULTIPLE == 0
-    assert torch.equal(moe._stack[0][5:], torch.zeros(3, x.shape[1]))
-    logits, shared_gate = moe.project_stacked(x)
-    torch.testing.assert_close(logits, expected[0], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(shared_gate, expected[1], rtol=1e-6, atol=1e-6)
-    out = torch.full((3, 8), float("nan"))
-    assert all(torch.equal(a, b) for a, b in zip(moe.project_stacked(x, out), (logits, shared_gate)))
+    shared = moe.shared_expert
+    expected = (x @ shared.gate_proj.weight.T, x @ shared.up_proj.weight.T, x @ moe.gate.weight.T,
+                x @ moe.shared_expert_gate.weight.T)
+    unstacked_shared = shared.down_proj(torch.nn.functional.silu(expected[0]) * expected[1])
+    state = {k: v.clone() for k, v in moe.state_dict().items()}
+    stack_all_projections(moe)
+    assert shared._stack is None
+    assert moe.stacked_width() == 24 and moe.stacked_width() % STACK_ROW_MULTIPLE == 0
+    assert torch.equal(moe._stack[0][21:], torch.zeros(3, x.shape[1]))
+    assert all(torch.equal(v, state[k]) for k, v in moe.state_dict().items())
+    outputs = moe.project_stacked(x)
+    for got, want in zip(outputs, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(shared.finish(*outputs[:2]), unstacked_shared, rtol=1e-5, atol=1e-5)
+    out = torch.full((3, 24), float("nan"))
+    assert all(torch.equal(a, b) for a, b in zip(moe.project_stacked(x, out), outputs))
