@@ -541,7 +541,7 @@ KERNEL_GROUPS = (
     ("attention", ("_paged_attn", "_paged_decode_split", "_combine_splits")),
     ("gdn_recurrent", ("_inplace_step_kernel", "_recurrent")),  # the delta-rule decode step (not conv1d's)
     ("conv1d", ("_varlen_kernel", "_step_kernel", "_step_inplace_kernel")),
-    ("dense_gemm", ("gemm", "Gemm", "cutlass", "nvjet", "xmma", "sm90")),
+    ("dense_gemm", ("gemm", "Gemm", "cutlass", "nvjet", "xmma", "sm90", "_linear_kernel")),
     ("copy_index", ("index", "copy", "Copy", "gather", "scatter", "cat", "sort", "Sort")),
 )
 
