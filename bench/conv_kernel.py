@@ -17,7 +17,6 @@ Writes <out>/conv_kernel_h200.json and .png and prints a table.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -26,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import host_info  # noqa: E402
+import kernel_bench  # noqa: E402
 from plots import write_results  # noqa: E402
 
 TILES = ((64, 128, 4), (32, 128, 4), (16, 128, 4), (64, 64, 4), (32, 64, 2), (64, 256, 8), (32, 256, 4),
@@ -112,16 +111,10 @@ def plot(res: dict, path: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--name", default="conv_kernel_h200")
+    ap = kernel_bench.parser(__doc__, "conv_kernel_h200", rep=40)
     ap.add_argument("--warmup", type=float, default=10)
-    ap.add_argument("--rep", type=float, default=40)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA device")
-    res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "command": " ".join(sys.argv),
-           **host_info.code_version(), "tiles": TILES, "rows": []}
+    res = kernel_bench.results_header(args, tiles=TILES)
     gen = torch.Generator(device="cuda").manual_seed(0)
     start = time.time()
     for case in CASES:

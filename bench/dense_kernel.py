@@ -26,7 +26,6 @@ Writes <out>/dense_kernel_h200.json and .png and prints a table.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import os
@@ -37,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import host_info  # noqa: E402
+import kernel_bench  # noqa: E402
 from moe_kernel import timed  # noqa: E402
 from plots import write_results  # noqa: E402
 
@@ -184,25 +183,14 @@ def plot(res: dict, path: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--name", default="dense_kernel_h200")
+    ap = kernel_bench.parser(__doc__, "dense_kernel_h200", rep=2)
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--rep", type=int, default=2, help="do_bench_cudagraph repetition time, ms")
-    ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="only cuBLAS and the shipped table")
-    ap.add_argument("--seed", type=int, default=0)
+    kernel_bench.add_sweep_options(ap, SHAPES, "only cuBLAS and the shipped table")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA device")
-    import triton
-
+    res = kernel_bench.results_header(args, shapes=SHAPES, sweep=SWEEP)
     from forkpoint.kernels.dense import triton as tri
 
-    res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-           "command": " ".join(sys.argv), **host_info.code_version(), "shapes": SHAPES, "sweep": SWEEP,
-           "table": [{"max_n": c.max_n, "max_k": c.max_k, "tiles": [vars(t) for t in c.tiles]} for c in tri.TABLE],
-           "args": dict(vars(args)), "rows": []}
+    res["table"] = [{"max_n": c.max_n, "max_k": c.max_k, "tiles": [vars(t) for t in c.tiles]} for c in tri.TABLE]
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     args.start = start = time.time()
     for name in args.shapes:

@@ -26,7 +26,6 @@ Writes <out>/moe_kernel_h200.json and .png and prints a table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -37,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import host_info  # noqa: E402
+import kernel_bench  # noqa: E402
 from plots import write_results  # noqa: E402
 
 SHAPES = {
@@ -189,22 +188,11 @@ def plot(res: dict, path: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--name", default="moe_kernel_h200")
+    ap = kernel_bench.parser(__doc__, "moe_kernel_h200", rep=30)
     ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--rep", type=int, default=30, help="do_bench_cudagraph repetition time, ms")
-    ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="only the shipped table")
-    ap.add_argument("--seed", type=int, default=0)
+    kernel_bench.add_sweep_options(ap, SHAPES, "only the shipped table")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA device")
-    import triton
-
-    res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-           "command": " ".join(sys.argv), **host_info.code_version(), "shapes": SHAPES, "sweep": SWEEP,
-           "args": vars(args), "rows": []}
+    res = kernel_bench.results_header(args, shapes=SHAPES, sweep=SWEEP)
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, f"{args.name}.json")
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
