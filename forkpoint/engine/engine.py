@@ -139,7 +139,9 @@ class LLMEngine:
 
         torch.manual_seed(config.seed)
         parallel = None  # ranks > 0 in worker processes (forkpoint/distributed/runner.py)
+        self.graphs_off_reason: str | None = None  # why no CUDA graphs run, when none do
         if config.tensor_parallel_size > 1:
+            self.graphs_off_reason = "tensor parallelism runs eagerly"
             parallel = TensorParallelRunner.start(config, self.model_config, model_path, self.device, self.dtype,
                                                   with_vision=self.images.processor is not None)
             model, piecewise = parallel.model, None
@@ -181,10 +183,12 @@ class LLMEngine:
         """CUDA graphs of the forward's token-wise pieces (CUDA only, unless `enforce_eager`)."""
         cfg = self.config
         if self.device.type != "cuda" or cfg.enforce_eager:
+            self.graphs_off_reason = "enforce_eager" if cfg.enforce_eager else f"no CUDA device ({self.device})"
             return None
         reason = graph_blocker(self.model_config, self.dtype)
         if reason is not None:
             logger.warning("CUDA graphs off, every step runs eagerly: %s", reason)
+            self.graphs_off_reason = reason
             return None
         sizes = cfg.cuda_graph_sizes or default_cuda_graph_sizes(cfg.max_num_batched_tokens)
         return PiecewiseForward(model, sizes, self.device, capture=True)
@@ -527,6 +531,10 @@ class LLMEngine:
                 values.update(checkpoints_spilled=tier.spilled, checkpoints_restored=tier.restored,
                               checkpoints_dropped_from_host=tier.dropped, host_tier_checkpoints=len(registry.host),
                               host_tier_bytes=registry.host.num_bytes)
+        piecewise = self.runner.piecewise
+        if piecewise is not None:
+            values.update(cuda_graph_core_capture_failures=piecewise.core_capture_failures,
+                          cuda_graph_core_replay_steps=piecewise.core_graph_steps)
         vision = self.runner.multimodal
         if vision is not None:
             values.update(vision_encoder_calls=vision.stats.encoder_calls,

@@ -261,6 +261,26 @@ class ModelRunner:
             logger.info("warm-up: %d synthetic steps (%d tokens) in %.1f s", self.warmup.steps, self.warmup.tokens,
                         self.warmup.seconds)
 
+    def graph_summary(self) -> str:
+        """One line on what runs through CUDA graphs, and what runs eagerly and why (start-up log)."""
+        piecewise = self.piecewise
+        if piecewise is None or not piecewise.captured:
+            return "CUDA graphs: none, every step runs eagerly"
+        parts = [f"CUDA graphs: {len(piecewise.sizes)} piecewise buckets ({piecewise.sizes[0]}..{piecewise.sizes[-1]} "
+                 "tokens)"]
+        if self.decode_graphs is not None:
+            sizes = sorted(self.decode_graphs.graphs)
+            parts.append(f"{len(sizes)} decode buckets ({sizes[0]}..{sizes[-1]} sequences)" if sizes else
+                         "decode graphs empty")
+        if not piecewise.capture_cores:
+            parts.append("recurrent cores eager (core graphs off)")
+        elif piecewise.core_capture_failures:
+            parts.append(f"recurrent cores EAGER in {piecewise.core_capture_failures} steps so far, capture failed: "
+                         f"{piecewise.core_capture_failure_cause}")
+        else:
+            parts.append(f"recurrent core graph captured per step ({piecewise.core_graph_steps} steps so far)")
+        return ", ".join(parts)
+
     def _capture_decode_graphs(self, block_pool: BlockPool, state_pool: StatePool) -> DecodeGraphs:
         """Decode buckets up to the number of request slots (the most sequences a decode step can
         hold), block tables as wide as the model's context (or the whole pool, if smaller)."""

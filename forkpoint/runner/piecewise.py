@@ -73,6 +73,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+import traceback
 from collections.abc import Sequence
 
 import torch
@@ -91,6 +92,17 @@ logger = logging.getLogger("forkpoint")
 MAX_DEFAULT_GRAPH_TOKENS = 8192
 # core kinds whose core runs through the stacked states and the per-step core graph
 RECURRENT_KINDS = ("recurrent", "parallel")
+
+
+def capture_failure_cause(err: BaseException) -> str:
+    """One line naming why a capture failed: the error's first line and the innermost frame of its
+    traceback (the op that broke the capture, e.g. a host sync or an upload inside a kernel wrapper)."""
+    message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return message
+    where = frames[-1]
+    return f"{message} (raised in {where.name} at {where.filename}:{where.lineno})"
 
 
 def _zeros_rows(probe: tuple, rows: int) -> tuple:
@@ -203,6 +215,7 @@ class PiecewiseForward:
         self.capture_cores = capture_cores
         self.core_graph_steps = 0  # steps whose later recurrent cores replayed a captured core
         self.core_capture_failures = 0
+        self.core_capture_failure_cause: str | None = None  # the first failure: message and where it was raised
         self._pool = None  # the graphs' shared memory pool, and the capture stream (CUDA only)
         self._stream: torch.cuda.Stream | None = None
         if capture:
@@ -363,9 +376,12 @@ class PiecewiseForward:
                 finally:
                     graph.capture_end()
         except RuntimeError as err:
-            if not self.core_capture_failures:
-                logger.warning("CUDA graph capture of the recurrent core failed (%s); steps whose capture fails "
-                               "run their recurrent cores eagerly", err)
+            if self.core_capture_failure_cause is None:
+                self.core_capture_failure_cause = capture_failure_cause(err)
+                logger.warning("CUDA graph capture of the recurrent core failed: %s. Steps whose capture fails run "
+                               "their recurrent cores eagerly (slower); the count is the metric "
+                               "cuda_graph_core_capture_failures", self.core_capture_failure_cause)
+                logger.debug("traceback of the failed recurrent core capture", exc_info=err)
             self.core_capture_failures += 1
             return None
         return graph

@@ -24,6 +24,11 @@ ENGINE_COUNTERS = {
     "requests_deferred": ("forkpoint_requests_deferred", "Requests deferred behind an unready checkpoint."),
     "producer_promotions": ("forkpoint_producer_promotions", "Consumers promoted to producer after a producer failed."),
     "deferral_wait_s_total": ("forkpoint_deferral_wait_seconds", "Seconds requests spent deferred."),
+    "cuda_graph_core_capture_failures": ("forkpoint_cuda_graph_core_capture_failures",
+                                         "Steps whose recurrent-core CUDA graph capture failed (their cores ran "
+                                         "eagerly)."),
+    "cuda_graph_core_replay_steps": ("forkpoint_cuda_graph_core_replay_steps",
+                                     "Steps whose later recurrent cores replayed a captured core graph."),
 }
 # pool name -> (used key, total key) of engine.metrics()
 ENGINE_POOLS = {

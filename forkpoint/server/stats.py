@@ -47,6 +47,8 @@ def startup_summary(llm: LLM, config: ServerConfig, max_request_bytes: int, load
                      f"{cfg.checkpoint_wait_s:g} s for a producer; marker in client text: {config.marker_policy.value}")
     else:
         lines.append("checkpoints off: markers and checkpoint controls are ignored")
+    lines.append(engine.runner.graph_summary() if engine.graphs_off_reason is None
+                 else f"CUDA graphs: off, every step runs eagerly ({engine.graphs_off_reason})")
     variants = kernel_variants(engine.device.type == "cuda")
     lines.append("kernels: " + ", ".join(f"{op} {variant}" for op, variant in variants.items()))
     lines.append(f"requests: at most {max_request_bytes:,} bytes (--max-request-bytes), "

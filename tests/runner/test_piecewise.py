@@ -279,3 +279,18 @@ def test_projection_views_live_in_the_static_stacked_buffer(moe_model, monkeypat
         piecewise._piece(0, 8)  # projects the first core layer (GDN): copies g and beta only
     assert tuple(recurrent.mixed.shape) not in copied and tuple(recurrent.z.shape) not in copied
     assert tuple(recurrent.g.shape) in copied
+
+
+def test_capture_failure_cause_names_the_op_that_broke_the_capture():
+    from forkpoint.runner.piecewise import capture_failure_cause
+
+    def upload_inside_kernel_wrapper():
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")
+
+    try:
+        upload_inside_kernel_wrapper()
+    except RuntimeError as err:
+        cause = capture_failure_cause(err)
+    assert cause.startswith("CUDA error: operation not permitted when stream is capturing (raised in "
+                            "upload_inside_kernel_wrapper at ")
+    assert "more detail" not in cause

@@ -36,7 +36,8 @@ def test_startup_summary_stats_errors_and_aborts(spare_llm, caplog):
         for text in ("served as talker", "float32 on cpu", "max_model_len 4096", "loaded in 2.5 s",
                      "2048 KV blocks x 16 tokens", "state slots", "32 checkpoint slots", "checkpoints on",
                      "'<|mamba_checkpoint|>'", "at most 4 per request", "kernels: ", "attention reference",
-                     "--max-request-bytes", "stats every 0.2 s"):
+                     "--max-request-bytes", "stats every 0.2 s",
+                     "CUDA graphs: off, every step runs eagerly (no CUDA device (cpu))"):
             assert text in summary, text
         caplog.clear()
         time.sleep(0.5)
