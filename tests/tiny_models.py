@@ -123,16 +123,19 @@ def build_tiny_model(directory: Path, model_type: str, *, fused_experts: bool = 
     import transformers as tf
 
     torch.manual_seed(seed)
-    if overrides and model_type not in ("qwen3_5_moe_text", "qwen3_5_moe", *MAMBA2_MODEL_TYPES):
-        raise ValueError("config overrides are supported for qwen3_5_moe_text, qwen3_5_moe and the Mamba2 hybrids")
+    if overrides and model_type not in ("qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "qwen3_5_moe",
+                                        *MAMBA2_MODEL_TYPES):
+        raise ValueError("config overrides are supported for the Qwen text families, qwen3_5_moe and the Mamba2 "
+                         "hybrids")
     if model_type == "qwen3_5_moe_text":
         model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**{**_COMMON, **_GDN, **_ATTN, **_MOE, **overrides}))
     elif model_type == "qwen3_5_text":
-        model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**_COMMON, **_GDN, **_ATTN, intermediate_size=96))
+        model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**{**_COMMON, **_GDN, **_ATTN, "intermediate_size": 96,
+                                                              **overrides}))
     elif model_type == "qwen3_next":
-        model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**_COMMON, **_GDN, **_ATTN, **_MOE, intermediate_size=96,
-                                                           decoder_sparse_step=1, mlp_only_layers=[1],
-                                                           norm_topk_prob=True))
+        config = {**_COMMON, **_GDN, **_ATTN, **_MOE, "intermediate_size": 96, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [1], "norm_topk_prob": True, **overrides}
+        model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**config))
     elif model_type == "qwen3_5_moe":
         text = {**_COMMON, **_GDN, **_ATTN, **_MOE, **_MROPE, **overrides}
         vision = {**_VISION, "out_hidden_size": text["hidden_size"]}

