@@ -30,8 +30,8 @@ from forkpoint.cache.sizing import PoolShapes
 from forkpoint.config import ModelConfig
 from forkpoint.models.layers import RotaryEmbedding, mrope_axes
 from forkpoint.models.mamba2 import Mamba2CoreParams, Mamba2Mixer
-from forkpoint.models.qwen3_5 import LayerCaches
 from forkpoint.step.batch import ForwardBatch
+from forkpoint.step.caches import LayerCaches
 
 
 class Mamba2HybridLM(nn.Module):

@@ -19,7 +19,6 @@ graphs and run only the varlen part eagerly (runner/piecewise.py):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -46,25 +45,7 @@ from forkpoint.models.layers import (
 )
 from forkpoint.models.vision import VisionTransformer
 from forkpoint.step.batch import ForwardBatch
-
-
-@dataclass(frozen=True)
-class LayerCaches:
-    """Cache tensors handed to the model for one forward.
-
-    conv[i]: [S, conv_dim, W-1] and ssm[i]: [S, HV, K, V] fp32 for the i-th GDN layer (row 0 is
-    the all-zero slot); k[j], v[j]: [num_blocks, block_size, HKV, Dh] for the j-th attention layer.
-    conv_stack: [L, S, conv_dim, W-1] and ssm_stack: [L, S, HV, K, V], when given, hold the L GDN
-    layers' states with conv[i] / ssm[i] their views (cache/state_pool.py): the piecewise forward
-    then runs every GDN core through one graph (`HybridForCausalLM.gdn_core`).
-    """
-
-    conv: list[torch.Tensor]
-    ssm: list[torch.Tensor]
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-    conv_stack: torch.Tensor | None = None
-    ssm_stack: torch.Tensor | None = None
+from forkpoint.step.caches import LayerCaches
 
 
 class GDNProjection(NamedTuple):

@@ -42,8 +42,9 @@ from collections.abc import Sequence
 
 import torch
 
-from forkpoint.models.qwen3_5 import HybridForCausalLM, LayerCaches
+from forkpoint.models.qwen3_5 import HybridForCausalLM
 from forkpoint.step.batch import AttentionMetadata, DecodeGroup, ForwardBatch
+from forkpoint.step.caches import LayerCaches
 
 logger = logging.getLogger("forkpoint")
 

@@ -80,8 +80,9 @@ import torch
 
 from forkpoint.config import ModelConfig
 from forkpoint.kernels import select_variant
-from forkpoint.models.qwen3_5 import HybridForCausalLM, LayerCaches
+from forkpoint.models.qwen3_5 import HybridForCausalLM
 from forkpoint.step.batch import ForwardBatch
+from forkpoint.step.caches import LayerCaches
 
 logger = logging.getLogger("forkpoint")
 
