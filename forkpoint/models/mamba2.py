@@ -29,7 +29,7 @@ from forkpoint.kernels.norms import group_mean_square, grouped_gated_rms_norm, r
 from forkpoint.kernels.rotary import apply_rotary
 from forkpoint.kernels.ssd import chunk_ssd, softplus_dt, ssd_step_inplace
 from forkpoint.mamba2_config import Mamba2Config
-from forkpoint.models.qwen3_5 import GatedAttention
+from forkpoint.models.attention_core import attention_core
 from forkpoint.step.batch import ForwardBatch
 
 
@@ -251,9 +251,8 @@ class Attention(nn.Module):
     def core(self, p: QKVProjection, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
              out: torch.Tensor | None = None) -> torch.Tensor:
         """Writes this step's K/V, copies shared partial blocks (copy-on-write), attends -> [T, HQ, Dh]
-        (copied into `out` when given). Qwen's gated-attention core: it reads only q, k, v and
-        `self.scale`."""
-        return GatedAttention.core(self, p, batch, k_cache, v_cache, out)
+        (copied into `out` when given): models/attention_core.py, as Qwen's gated attention."""
+        return attention_core(p.q, p.k, p.v, batch, k_cache, v_cache, self.scale, out)
 
     def finish(self, core: torch.Tensor) -> torch.Tensor:
         """core: [T, HQ, Dh] -> o_proj [T, hidden]. Token-wise."""

@@ -28,12 +28,12 @@ from forkpoint.cache.sizing import PoolShapes
 from forkpoint.cache.state_pool import RecurrentStateSpec
 from forkpoint.config import ModelConfig
 from forkpoint.kernels.activation import sigmoid_gate_mul
-from forkpoint.kernels.attention import copy_kv_slots, paged_attention, write_kv
 from forkpoint.kernels.conv1d import causal_conv1d_step_inplace, causal_conv1d_varlen
 from forkpoint.kernels.dense import linear
 from forkpoint.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule_inplace
 from forkpoint.kernels.gating import gdn_gating
 from forkpoint.kernels.rotary import qk_norm_rotary_
+from forkpoint.models.attention_core import attention_core
 from forkpoint.models.layers import (
     DenseMLP,
     GatedRMSNorm,
@@ -238,22 +238,7 @@ class GatedAttention(StackedProjections):
         """Writes this step's K/V into the paged cache, copies shared partial blocks (copy-on-write),
         then attends. p's tensors hold the step's T tokens exactly; returns [T, HQ, Dh] (copied into
         `out` when given)."""
-        meta = batch.attention
-        write_kv(k_cache, v_cache, p.k.to(k_cache.dtype), p.v.to(v_cache.dtype), meta.slot_mapping)
-        if meta.cow_src.numel():
-            copy_kv_slots(k_cache, v_cache, meta.cow_src, meta.cow_dst)
-        attended = paged_attention(
-            p.q,
-            k_cache,
-            v_cache,
-            meta.block_tables,
-            meta.cu_seqlens_q,
-            meta.cu_seqlens_q_host,
-            meta.seq_lens,
-            meta.seq_lens_host,
-            scale=self.scale,
-        )
-        return attended if out is None else out.copy_(attended)
+        return attention_core(p.q, p.k, p.v, batch, k_cache, v_cache, self.scale, out)
 
     def finish(self, core: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """core: [T, HQ, Dh]; gate: [T, HQ, Dh] (a strided view) -> o_proj(core * sigmoid(gate))
