@@ -43,6 +43,7 @@ from forkpoint.models.layers import (
     StackedProjections,
     mrope_axes,
 )
+from forkpoint.models.recurrent import two_phase_core
 from forkpoint.models.vision import VisionTransformer
 from forkpoint.step.batch import ForwardBatch
 from forkpoint.step.caches import LayerCaches
@@ -73,8 +74,9 @@ class GDNCoreParams(NamedTuple):
 
 
 class GatedDeltaNet(StackedProjections):
-    """Gated DeltaNet token mixer with packed two-phase execution (see step/batch.py). The four
-    input projections (qkv, z, b, a) run as one GEMM."""
+    """Gated DeltaNet token mixer with packed two-phase execution: the driver of models/recurrent.py
+    with its conv and delta-rule kernels plugged in (`decode_step`, `phase_scan`). The four input
+    projections (qkv, z, b, a) run as one GEMM."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -124,70 +126,50 @@ class GatedDeltaNet(StackedProjections):
         g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
         return GDNProjection(mixed, z.reshape(num_tokens, self.num_v_heads, self.head_v_dim), g, beta)
 
+    def core_params(self) -> GDNCoreParams:
+        """This layer's parameters that `core` reads (views, no copies)."""
+        return GDNCoreParams(self.conv1d.weight.squeeze(1))
+
     def core(self, p: GDNProjection, batch: ForwardBatch, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-             out: torch.Tensor | None = None, *, conv_weight: torch.Tensor | None = None,
+             out: torch.Tensor | None = None, *, params: GDNCoreParams | None = None,
              row_offset: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal conv and gated delta rule of the decode group and every phase: reads `batch`, reads
-        and writes rows of conv_state / ssm_state in place. p's tensors hold the step's T tokens
-        exactly; returns out [T, HV, V] (allocated when None; every row is written, since decodes and
-        phases cover all T tokens).
+        """Causal conv and gated delta rule of the decode group and every phase (models/recurrent.py):
+        reads `batch`, reads and writes rows of conv_state / ssm_state in place. p's tensors hold the
+        step's T tokens exactly; returns out [T, HV, V] (allocated when None; every row is written,
+        since decodes and phases cover all T tokens).
 
         conv_state: [S, conv_dim, W-1], ssm_state: [S, HV, K, V] fp32, this layer's pool rows; or, with
         `row_offset` (a 0-dim long tensor on the device), the flattened states of all GDN layers
-        ([L * S, ...]), of which rows row_offset + slot are this layer's. conv_weight: [conv_dim, W],
-        this layer's own when None. With both, the layer is chosen by device data only, so one CUDA
+        ([L * S, ...]), of which rows row_offset + slot are this layer's. params: this layer's own
+        (`core_params()`) when None. With both, the layer is chosen by device data only, so one CUDA
         graph of this call serves every GDN layer (runner/piecewise.py)."""
-        mixed, g, beta = p.mixed, p.g, p.beta
-        num_tokens = mixed.shape[0]
         if out is None:
-            out = mixed.new_empty(num_tokens, self.num_v_heads, self.head_v_dim)
-        if conv_weight is None:
-            conv_weight = self.conv1d.weight.squeeze(1)
+            out = p.mixed.new_empty(p.mixed.shape[0], self.num_v_heads, self.head_v_dim)
+        conv_weight = (params if params is not None else self.core_params()).conv_weight
+        return two_phase_core(self, p, batch, conv_state, ssm_state, out, conv_weight, row_offset)
 
-        def rows(slots: torch.Tensor) -> torch.Tensor:  # no launch on the per-layer path
-            return slots if row_offset is None else slots + row_offset
+    def decode_step(self, p: GDNProjection, conv_weight: torch.Tensor, conv_state: torch.Tensor,
+                    ssm_state: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """`RecurrentKernels.decode_step`: single-token conv and delta-rule step, rows updated in place."""
+        conv_out = causal_conv1d_step_inplace(p.mixed, conv_weight, None, conv_state, rows)
+        q, k, v = self._split_qkv(conv_out)
+        recurrent_gated_delta_rule_inplace(q, k, v, p.g, p.beta, ssm_state, rows, out=out)
 
-        decode = batch.decode
-        if decode is not None and decode.num_tokens:
-            n = decode.num_tokens
-            slots = rows(decode.slots)
-            # conv and ssm rows are updated in place (decode slots are distinct: one row per sequence)
-            conv_out = causal_conv1d_step_inplace(mixed[:n], conv_weight, None, conv_state, slots)
-            q, k, v = self._split_qkv(conv_out)
-            recurrent_gated_delta_rule_inplace(q, k, v, g[:n], beta[:n], ssm_state, slots, out=out[:n])
-
-        for phase in batch.phases:
-            lo, hi = phase.token_start, phase.token_end
-            initial = rows(phase.initial_slots)
-            # q, k and v come out as contiguous tensors (the chunked rule takes them so: no copies)
-            (q, k, v), final_conv = causal_conv1d_varlen(
-                mixed[lo:hi],
-                conv_weight,
-                None,
-                conv_state.index_select(0, initial),
-                phase.cu_seqlens,
-                phase.cu_seqlens_host,
-                split=(self.key_dim, self.key_dim, self.value_dim),
-            )
-            q = q.view(hi - lo, self.num_k_heads, self.head_k_dim)
-            k = k.view(hi - lo, self.num_k_heads, self.head_k_dim)
-            v = v.view(hi - lo, self.num_v_heads, self.head_v_dim)
-            o, final_ssm = chunk_gated_delta_rule(
-                q,
-                k,
-                v,
-                g[lo:hi],
-                beta[lo:hi],
-                ssm_state.index_select(0, initial),
-                phase.cu_seqlens,
-                phase.cu_seqlens_host,
-            )
-            out[lo:hi] = o
-            if phase.dest_slots.numel():
-                dest = rows(phase.dest_slots)
-                conv_state.index_copy_(0, dest, final_conv.index_select(0, phase.dest_rows).to(conv_state.dtype))
-                ssm_state.index_copy_(0, dest, final_ssm.index_select(0, phase.dest_rows))
-        return out
+    def phase_scan(self, p: GDNProjection, conv_weight: torch.Tensor, conv_initial: torch.Tensor,
+                   ssm_initial: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_host: tuple[int, ...],
+                   out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`RecurrentKernels.phase_scan`: packed varlen conv, then the chunked gated delta rule."""
+        num_tokens = p.mixed.shape[0]
+        # q, k and v come out as contiguous tensors (the chunked rule takes them so: no copies)
+        split = (self.key_dim, self.key_dim, self.value_dim)
+        (q, k, v), final_conv = causal_conv1d_varlen(p.mixed, conv_weight, None, conv_initial, cu_seqlens,
+                                                     cu_seqlens_host, split=split)
+        q = q.view(num_tokens, self.num_k_heads, self.head_k_dim)
+        k = k.view(num_tokens, self.num_k_heads, self.head_k_dim)
+        v = v.view(num_tokens, self.num_v_heads, self.head_v_dim)
+        o, final_ssm = chunk_gated_delta_rule(q, k, v, p.g, p.beta, ssm_initial, cu_seqlens, cu_seqlens_host)
+        out.copy_(o)
+        return final_conv, final_ssm
 
     def finish(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """core, z: [T, HV, V] -> [T, hidden]: gated norm and output projection. Token-wise."""
@@ -368,7 +350,7 @@ class HybridForCausalLM(nn.Module):
     def recurrent_core_params(self, layer_id: int) -> GDNCoreParams:
         """GDN layer `layer_id`'s parameters that its core reads: the causal conv weight [conv_dim, W]
         (a view of the parameter)."""
-        return GDNCoreParams(self.model.layers[layer_id].linear_attn.conv1d.weight.squeeze(1))
+        return self.model.layers[layer_id].linear_attn.core_params()
 
     def recurrent_core(self, p: GDNProjection, batch: ForwardBatch, conv_states: torch.Tensor,
                        ssm_states: torch.Tensor, params: GDNCoreParams, row_offset: torch.Tensor,
@@ -378,7 +360,7 @@ class HybridForCausalLM(nn.Module):
         (0-dim long) = j * S and params = `recurrent_core_params` of the j-th GDN layer. Equal to
         `core` of that layer (same function, GDN layers share their shapes); writes `out` [T, HV, V]."""
         gdn = self.model.layers[self.config.gdn_layer_ids[0]].linear_attn
-        return gdn.core(p, batch, conv_states, ssm_states, out, conv_weight=params.conv_weight, row_offset=row_offset)
+        return gdn.core(p, batch, conv_states, ssm_states, out, params=params, row_offset=row_offset)
 
     def finish(self, layer_id: int, residual: torch.Tensor, p: GDNProjection | AttentionProjection,
                core: torch.Tensor) -> torch.Tensor:
