@@ -13,8 +13,8 @@ graphs and run only the varlen part eagerly (runner/piecewise.py):
     finish    token-wise: mixer output (gated norm + out_proj, or sigmoid gate + o_proj), residual,
               post-attention norm, MLP / MoE, residual                                   -> [T, hidden]
 
-`HybridForCausalLM.forward` is exactly embed, then project / core / finish per layer, then
-`compute_logits` on the sampled rows.
+`HybridForCausalLM` implements the model interface `CausalLM` (models/interface.py): its `forward` is
+exactly embed, then project / core / finish per layer, then `compute_logits` on the sampled rows.
 """
 
 from __future__ import annotations
@@ -346,6 +346,16 @@ class HybridForCausalLM(nn.Module):
         if layer.is_recurrent:
             return layer.linear_attn.core(p, batch, caches.conv[j], caches.ssm[j], out)
         return layer.self_attn.core(p, batch, caches.k[j], caches.v[j], out)
+
+    def attention_core(self, layer_id: int, p: AttentionProjection, batch: ForwardBatch, caches: LayerCaches,
+                       out: torch.Tensor) -> None:
+        """The core of attention layer `layer_id` into `out` [T, HQ, Dh] (Qwen has no parallel layers:
+        an attention layer's core is all attention). ValueError for a GDN layer."""
+        layer = self.model.layers[layer_id]
+        if layer.is_recurrent:
+            raise ValueError(f"layer {layer_id} is a Gated DeltaNet layer: it has no attention core")
+        j = self._cache_index[layer_id]
+        layer.self_attn.core(p, batch, caches.k[j], caches.v[j], out)
 
     def recurrent_core_params(self, layer_id: int) -> GDNCoreParams:
         """GDN layer `layer_id`'s parameters that its core reads: the causal conv weight [conv_dim, W]
