@@ -31,12 +31,12 @@ from forkpoint.step.batch import ForwardBatch
 
 
 class RecurrentKernels(Protocol):
-    """What a recurrent mixer plugs into `two_phase_core`. `p` is the mixer's projection (a
-    NamedTuple of token-major tensors, rows = tokens); `args` what the mixer derived from its core
-    parameters once per core call (the driver passes it through unchanged)."""
+    """What a recurrent mixer plugs into `two_phase_core` (which calls both positionally). `p` is the
+    mixer's projection (a NamedTuple of token-major tensors, rows = tokens); `args` what the mixer
+    derived from its core parameters once per core call (the driver passes it through unchanged)."""
 
     def decode_step(self, p: NamedTuple, args: Any, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-                    rows: torch.Tensor, out: torch.Tensor) -> None:
+                    rows: torch.Tensor, out: torch.Tensor, /) -> None:
         """The decode group: p's n rows are one token each of the sequences whose states are rows
         `rows` [n] long of conv_state [S', conv_dim, W-1] / ssm_state [S', ...] fp32; updates those
         rows in place (single-token conv, then the recurrent step) and writes out [n, heads, dim]."""
@@ -44,7 +44,7 @@ class RecurrentKernels(Protocol):
 
     def phase_scan(self, p: NamedTuple, args: Any, conv_initial: torch.Tensor, ssm_initial: torch.Tensor,
                    cu_seqlens: torch.Tensor, cu_seqlens_host: tuple[int, ...],
-                   out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   out: torch.Tensor, /) -> tuple[torch.Tensor, torch.Tensor]:
         """One phase: p's rows are the phase's tokens, packed segments at offsets cu_seqlens [n+1]
         (device long; `cu_seqlens_host` the same on the host), segment i starting from
         conv_initial[i] [conv_dim, W-1] and ssm_initial[i] (gathered copies: the pool is not read).

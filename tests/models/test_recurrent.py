@@ -5,11 +5,15 @@ token, and the stacked form (`row_offset`) equals the per-layer form on its laye
 
 from __future__ import annotations
 
+import inspect
 from typing import NamedTuple
 
+import pytest
 import torch
 
-from forkpoint.models.recurrent import two_phase_core
+from forkpoint.models.mamba2 import Mamba2Mixer
+from forkpoint.models.qwen3_5 import GatedDeltaNet
+from forkpoint.models.recurrent import RecurrentKernels, two_phase_core
 from forkpoint.step.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
 
 C, S = 3, 8  # channels, state rows per layer (row 0: the zero row)
@@ -129,3 +133,10 @@ def test_stacked_rows_select_the_layer_by_row_offset():
     torch.testing.assert_close(ssm[1], per_layer_ssm, rtol=0, atol=0)
     for j in (0, 2):  # other layers' rows untouched
         assert torch.equal(conv[j], before[0][j]) and torch.equal(ssm[j], before[1][j])
+
+
+@pytest.mark.parametrize("mixer", [GatedDeltaNet, Mamba2Mixer, ToyKernels], ids=lambda cls: cls.__name__)
+def test_mixers_plug_in_both_kernels_with_the_drivers_arguments(mixer):
+    for name in ("decode_step", "phase_scan"):
+        expected = len(inspect.signature(getattr(RecurrentKernels, name)).parameters)
+        assert len(inspect.signature(getattr(mixer, name)).parameters) == expected, f"{mixer.__name__}.{name}"
