@@ -1,6 +1,4 @@
-"""Work spread over processes: tensor parallelism of one engine, and routing among engine replicas.
-
-Tensor parallelism over torch.distributed (gloo on CPU, NCCL on CUDA):
+"""Tensor parallelism of one engine over torch.distributed (gloo on CPU, NCCL on CUDA):
 
     shares.py         the ranges of a split tensor a rank holds (`Pieces`)
     sharding.py       which slice of every weight a rank holds; the rank's local ModelConfig (Qwen)
@@ -18,12 +16,6 @@ Tensor parallelism over torch.distributed (gloo on CPU, NCCL on CUDA):
     worker.py         the loop of ranks > 0: receive a StepPlan, run the same forward on the shard
     runner.py         TensorParallelRunner: ModelRunner's interface on rank 0 (the engine process)
 
-Routing requests among engine replicas to the replica that holds their checkpoint:
-
-    routing_keys.py  a request's checkpoint keys, hashed as the engine hashes them
-    router.py        the checkpoint-affine policy and its Ray Serve request router (+ round-robin)
-
-The replicas themselves (Ray Serve deployments of the engine behind the OpenAI endpoint) compose
-the server, so they live above it, in `forkpoint.server.replicas`. Ray is an optional dependency
-(`pip install forkpoint[serve]`); router.py imports it. docs/replicas.md has the design.
+Routing among engine replicas (the checkpoint-affine router) composes the server, so it lives in
+`forkpoint.server.replicas`.
 """

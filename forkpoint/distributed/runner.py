@@ -40,6 +40,7 @@ from forkpoint.distributed.loading import build_shard
 from forkpoint.distributed.pools import MirroredHostTier, MirroredStatePool
 from forkpoint.distributed.sharding import ShardLayout, check_shardable
 from forkpoint.distributed.worker import WorkerSpec, caches_of, run_worker
+from forkpoint.runner.errors import RunnerUnusable
 from forkpoint.runner.model_runner import build_forward_batch
 from forkpoint.step.batch import ForwardBatch
 from forkpoint.step.plan import Segment, StepPlan
@@ -53,7 +54,7 @@ COLLECTIVE_TIMEOUT_S = 120.0  # a collective (or the start-up rendezvous) waitin
 START_TIMEOUT_S = 3600.0  # loading a shard: the workers are watched for exits meanwhile
 
 
-class TensorParallelError(RuntimeError):
+class TensorParallelError(RunnerUnusable):
     """A tensor-parallel rank failed; the group is stopped and the engine cannot continue."""
 
 

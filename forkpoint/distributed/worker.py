@@ -35,8 +35,8 @@ from forkpoint.distributed.images import receive_image_inputs
 from forkpoint.distributed.loading import build_shard
 from forkpoint.distributed.pools import apply_pool_ops
 from forkpoint.distributed.sharding import ShardLayout
-from forkpoint.models.qwen3_5 import LayerCaches
 from forkpoint.runner.model_runner import build_forward_batch
+from forkpoint.step.caches import LayerCaches
 
 
 @dataclass(frozen=True)

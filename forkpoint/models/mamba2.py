@@ -29,7 +29,8 @@ from forkpoint.kernels.norms import group_mean_square, grouped_gated_rms_norm, r
 from forkpoint.kernels.rotary import apply_rotary
 from forkpoint.kernels.ssd import chunk_ssd, softplus_dt, ssd_step_inplace
 from forkpoint.mamba2_config import Mamba2Config
-from forkpoint.models.qwen3_5 import GatedAttention
+from forkpoint.models.attention_core import attention_core
+from forkpoint.models.recurrent import two_phase_core
 from forkpoint.step.batch import ForwardBatch
 
 
@@ -90,6 +91,15 @@ class Mamba2CoreParams(NamedTuple):
     D: torch.Tensor  # [H]
 
 
+class _ScanArgs(NamedTuple):
+    """What the conv and scan kernels read, derived from `Mamba2CoreParams` once per core call."""
+
+    conv_weight: torch.Tensor  # [conv_dim, W]
+    conv_bias: torch.Tensor | None  # [conv_dim]
+    A: torch.Tensor  # [H] fp32: -exp(A_log)
+    D: torch.Tensor  # [H]
+
+
 class QKVProjection(NamedTuple):
     """Token-wise outputs of a plain attention layer's projections (T rows each)."""
 
@@ -99,8 +109,9 @@ class QKVProjection(NamedTuple):
 
 
 class Mamba2Mixer(nn.Module):
-    """Mamba2 token mixer with packed two-phase execution (see runner/batch.py). Parameter names
-    follow the HF checkpoints: in_proj, conv1d, dt_bias, A_log, D, norm, out_proj."""
+    """Mamba2 token mixer with packed two-phase execution: the driver of models/recurrent.py with
+    its conv and SSD kernels plugged in (`decode_step`, `phase_scan`). Parameter names follow the
+    HF checkpoints: in_proj, conv1d, dt_bias, A_log, D, norm, out_proj."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -170,44 +181,37 @@ class Mamba2Mixer(nn.Module):
     def core(self, p: Mamba2Projection, batch: ForwardBatch, conv_state: torch.Tensor, ssm_state: torch.Tensor,
              out: torch.Tensor | None = None, *, params: Mamba2CoreParams | None = None,
              row_offset: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal conv and SSD scan of the decode group and every phase: reads `batch`, reads and
-        writes rows of conv_state [S, conv_dim, W-1] / ssm_state [S, H, P, N] fp32 in place.
-        Returns out [T, H, P] (every row written: decodes and phases cover all T tokens; `out` may
-        be a strided view).
+        """Causal conv and SSD scan of the decode group and every phase (models/recurrent.py): reads
+        `batch`, reads and writes rows of conv_state [S, conv_dim, W-1] / ssm_state [S, H, P, N] fp32
+        in place. Returns out [T, H, P] (every row written: decodes and phases cover all T tokens;
+        `out` may be a strided view).
 
         With `row_offset` (a 0-dim long tensor on the device) the states are those of all L Mamba2
         layers flattened ([L * S, ...]), of which rows row_offset + slot are this layer's, and
         `params` (this layer's own when None) are read instead of the module's: then the layer is
         chosen by device data only, so one CUDA graph of this call serves every Mamba2 layer
         (runner/piecewise.py), as `GatedDeltaNet.core` does for GDN. No host sync."""
-        xbc, dt = p.xbc, p.dt
         if out is None:
-            out = xbc.new_empty(xbc.shape[0], self.num_heads, self.head_dim)
+            out = p.xbc.new_empty(p.xbc.shape[0], self.num_heads, self.head_dim)
         weight, bias, A_log, D = params if params is not None else self.core_params()
-        A = -torch.exp(A_log.float())
+        args = _ScanArgs(weight, bias, -torch.exp(A_log.float()), D)
+        return two_phase_core(self, p, batch, conv_state, ssm_state, out, args, row_offset)
 
-        def rows(slots: torch.Tensor) -> torch.Tensor:  # no launch on the per-layer path
-            return slots if row_offset is None else slots + row_offset
+    def decode_step(self, p: Mamba2Projection, args: _ScanArgs, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                    rows: torch.Tensor, out: torch.Tensor) -> None:
+        """`RecurrentKernels.decode_step`: single-token conv and SSD step, rows updated in place."""
+        x, b, c = self._split(causal_conv1d_step_inplace(p.xbc, args.conv_weight, args.conv_bias, conv_state, rows))
+        ssd_step_inplace(x, p.dt, args.A, b, c, ssm_state, rows, D=args.D, out=out)
 
-        decode = batch.decode
-        if decode is not None and decode.num_tokens:
-            n, slots = decode.num_tokens, rows(decode.slots)
-            # conv and ssm rows are updated in place (decode slots are distinct: one row per sequence)
-            x, b, c = self._split(causal_conv1d_step_inplace(xbc[:n], weight, bias, conv_state, slots))
-            ssd_step_inplace(x, dt[:n], A, b, c, ssm_state, slots, D=D, out=out[:n])
-        for phase in batch.phases:
-            lo, hi = phase.token_start, phase.token_end
-            initial = rows(phase.initial_slots)
-            conv_out, final_conv = causal_conv1d_varlen(xbc[lo:hi], weight, bias, conv_state.index_select(0, initial),
-                                                        phase.cu_seqlens, phase.cu_seqlens_host)
-            x, b, c = self._split(conv_out)
-            _, final_ssm = chunk_ssd(x, dt[lo:hi], A, b, c, ssm_state.index_select(0, initial),
-                                     phase.cu_seqlens, phase.cu_seqlens_host, D=D, out=out[lo:hi])
-            if phase.dest_slots.numel():
-                dest = rows(phase.dest_slots)
-                conv_state.index_copy_(0, dest, final_conv.index_select(0, phase.dest_rows).to(conv_state.dtype))
-                ssm_state.index_copy_(0, dest, final_ssm.index_select(0, phase.dest_rows))
-        return out
+    def phase_scan(self, p: Mamba2Projection, args: _ScanArgs, conv_initial: torch.Tensor, ssm_initial: torch.Tensor,
+                   cu_seqlens: torch.Tensor, cu_seqlens_host: tuple[int, ...],
+                   out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`RecurrentKernels.phase_scan`: packed varlen conv, then the chunked SSD scan into `out`."""
+        conv_out, final_conv = causal_conv1d_varlen(p.xbc, args.conv_weight, args.conv_bias, conv_initial,
+                                                    cu_seqlens, cu_seqlens_host)
+        x, b, c = self._split(conv_out)
+        _, final_ssm = chunk_ssd(x, p.dt, args.A, b, c, ssm_initial, cu_seqlens, cu_seqlens_host, D=args.D, out=out)
+        return final_conv, final_ssm
 
     def finish(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """core: [T, H, P]; z: [T, I] -> [T, hidden]. Token-wise."""
@@ -251,9 +255,8 @@ class Attention(nn.Module):
     def core(self, p: QKVProjection, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
              out: torch.Tensor | None = None) -> torch.Tensor:
         """Writes this step's K/V, copies shared partial blocks (copy-on-write), attends -> [T, HQ, Dh]
-        (copied into `out` when given). Qwen's gated-attention core: it reads only q, k, v and
-        `self.scale`."""
-        return GatedAttention.core(self, p, batch, k_cache, v_cache, out)
+        (copied into `out` when given): models/attention_core.py, as Qwen's gated attention."""
+        return attention_core(p.q, p.k, p.v, batch, k_cache, v_cache, self.scale, out)
 
     def finish(self, core: torch.Tensor) -> torch.Tensor:
         """core: [T, HQ, Dh] -> o_proj [T, hidden]. Token-wise."""

@@ -1,9 +1,9 @@
 """The causal-LM shell shared by the Mamba2 hybrids: embedding (with its multiplier), the decoder
 layers of the family, final norm and lm_head (with the family's logits multipliers).
 
-It has the part-wise interface of `HybridForCausalLM` (models/qwen3_5.py), so the piecewise CUDA
-graphs and the whole-step decode graphs (runner/piecewise.py, runner/decode_graphs.py) run these
-models as they run Qwen's: `forward` is exactly embed, then project / core / finish per layer, then
+It implements the model interface `CausalLM` (models/interface.py), so the piecewise CUDA graphs and
+the whole-step decode graphs (runner/piecewise.py, runner/decode_graphs.py) run these models as they
+run Qwen's: `forward` is exactly embed, then project / core / finish per layer, then
 `compute_logits`. A family's decoder layer provides
 
     core_kind        "recurrent" (Mamba2), "attention", "parallel" (Falcon-H1: both on one input)
@@ -30,8 +30,8 @@ from forkpoint.cache.sizing import PoolShapes
 from forkpoint.config import ModelConfig
 from forkpoint.models.layers import RotaryEmbedding, mrope_axes
 from forkpoint.models.mamba2 import Mamba2CoreParams, Mamba2Mixer
-from forkpoint.models.qwen3_5 import LayerCaches
 from forkpoint.step.batch import ForwardBatch
+from forkpoint.step.caches import LayerCaches
 
 
 class Mamba2HybridLM(nn.Module):
@@ -125,9 +125,17 @@ class Mamba2HybridLM(nn.Module):
 
     def attention_core(self, layer_id: int, p: NamedTuple, batch: ForwardBatch, caches: LayerCaches,
                        out: torch.Tensor) -> None:
-        """The attention half of a parallel layer's core (its Mamba2 half ran through `recurrent_core`)."""
+        """The attention part of layer `layer_id`'s core into its columns of `out`: the whole core of
+        an attention layer, the attention half of a parallel one (its Mamba2 half ran through
+        `recurrent_core`). ValueError for a layer without attention."""
+        layer = self.model.layers[layer_id]
+        if layer.core_kind not in ("attention", "parallel"):
+            raise ValueError(f"layer {layer_id} ({layer.core_kind or 'token-wise only'}) has no attention core")
         _, kv = self._state(layer_id, caches)
-        self.model.layers[layer_id].attention_core(p, batch, kv, out)
+        if layer.core_kind == "parallel":
+            layer.attention_core(p, batch, kv, out)
+        else:
+            layer.core(p, batch, None, kv, out)
 
     def recurrent_core_params(self, layer_id: int) -> Mamba2CoreParams:
         """The parameters that Mamba2 layer `layer_id`'s core reads (views of the parameters)."""

@@ -13,13 +13,12 @@ graphs and run only the varlen part eagerly (runner/piecewise.py):
     finish    token-wise: mixer output (gated norm + out_proj, or sigmoid gate + o_proj), residual,
               post-attention norm, MLP / MoE, residual                                   -> [T, hidden]
 
-`HybridForCausalLM.forward` is exactly embed, then project / core / finish per layer, then
-`compute_logits` on the sampled rows.
+`HybridForCausalLM` implements the model interface `CausalLM` (models/interface.py): its `forward` is
+exactly embed, then project / core / finish per layer, then `compute_logits` on the sampled rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -29,12 +28,12 @@ from forkpoint.cache.sizing import PoolShapes
 from forkpoint.cache.state_pool import RecurrentStateSpec
 from forkpoint.config import ModelConfig
 from forkpoint.kernels.activation import sigmoid_gate_mul
-from forkpoint.kernels.attention import copy_kv_slots, paged_attention, write_kv
 from forkpoint.kernels.conv1d import causal_conv1d_step_inplace, causal_conv1d_varlen
 from forkpoint.kernels.dense import linear
 from forkpoint.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule_inplace
 from forkpoint.kernels.gating import gdn_gating
 from forkpoint.kernels.rotary import qk_norm_rotary_
+from forkpoint.models.attention_core import attention_core
 from forkpoint.models.layers import (
     DenseMLP,
     GatedRMSNorm,
@@ -44,27 +43,10 @@ from forkpoint.models.layers import (
     StackedProjections,
     mrope_axes,
 )
+from forkpoint.models.recurrent import two_phase_core
 from forkpoint.models.vision import VisionTransformer
 from forkpoint.step.batch import ForwardBatch
-
-
-@dataclass(frozen=True)
-class LayerCaches:
-    """Cache tensors handed to the model for one forward.
-
-    conv[i]: [S, conv_dim, W-1] and ssm[i]: [S, HV, K, V] fp32 for the i-th GDN layer (row 0 is
-    the all-zero slot); k[j], v[j]: [num_blocks, block_size, HKV, Dh] for the j-th attention layer.
-    conv_stack: [L, S, conv_dim, W-1] and ssm_stack: [L, S, HV, K, V], when given, hold the L GDN
-    layers' states with conv[i] / ssm[i] their views (cache/state_pool.py): the piecewise forward
-    then runs every GDN core through one graph (`HybridForCausalLM.gdn_core`).
-    """
-
-    conv: list[torch.Tensor]
-    ssm: list[torch.Tensor]
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-    conv_stack: torch.Tensor | None = None
-    ssm_stack: torch.Tensor | None = None
+from forkpoint.step.caches import LayerCaches
 
 
 class GDNProjection(NamedTuple):
@@ -92,8 +74,9 @@ class GDNCoreParams(NamedTuple):
 
 
 class GatedDeltaNet(StackedProjections):
-    """Gated DeltaNet token mixer with packed two-phase execution (see step/batch.py). The four
-    input projections (qkv, z, b, a) run as one GEMM."""
+    """Gated DeltaNet token mixer with packed two-phase execution: the driver of models/recurrent.py
+    with its conv and delta-rule kernels plugged in (`decode_step`, `phase_scan`). The four input
+    projections (qkv, z, b, a) run as one GEMM."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -143,70 +126,50 @@ class GatedDeltaNet(StackedProjections):
         g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
         return GDNProjection(mixed, z.reshape(num_tokens, self.num_v_heads, self.head_v_dim), g, beta)
 
+    def core_params(self) -> GDNCoreParams:
+        """This layer's parameters that `core` reads (views, no copies)."""
+        return GDNCoreParams(self.conv1d.weight.squeeze(1))
+
     def core(self, p: GDNProjection, batch: ForwardBatch, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-             out: torch.Tensor | None = None, *, conv_weight: torch.Tensor | None = None,
+             out: torch.Tensor | None = None, *, params: GDNCoreParams | None = None,
              row_offset: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal conv and gated delta rule of the decode group and every phase: reads `batch`, reads
-        and writes rows of conv_state / ssm_state in place. p's tensors hold the step's T tokens
-        exactly; returns out [T, HV, V] (allocated when None; every row is written, since decodes and
-        phases cover all T tokens).
+        """Causal conv and gated delta rule of the decode group and every phase (models/recurrent.py):
+        reads `batch`, reads and writes rows of conv_state / ssm_state in place. p's tensors hold the
+        step's T tokens exactly; returns out [T, HV, V] (allocated when None; every row is written,
+        since decodes and phases cover all T tokens).
 
         conv_state: [S, conv_dim, W-1], ssm_state: [S, HV, K, V] fp32, this layer's pool rows; or, with
         `row_offset` (a 0-dim long tensor on the device), the flattened states of all GDN layers
-        ([L * S, ...]), of which rows row_offset + slot are this layer's. conv_weight: [conv_dim, W],
-        this layer's own when None. With both, the layer is chosen by device data only, so one CUDA
+        ([L * S, ...]), of which rows row_offset + slot are this layer's. params: this layer's own
+        (`core_params()`) when None. With both, the layer is chosen by device data only, so one CUDA
         graph of this call serves every GDN layer (runner/piecewise.py)."""
-        mixed, g, beta = p.mixed, p.g, p.beta
-        num_tokens = mixed.shape[0]
         if out is None:
-            out = mixed.new_empty(num_tokens, self.num_v_heads, self.head_v_dim)
-        if conv_weight is None:
-            conv_weight = self.conv1d.weight.squeeze(1)
+            out = p.mixed.new_empty(p.mixed.shape[0], self.num_v_heads, self.head_v_dim)
+        conv_weight = (params if params is not None else self.core_params()).conv_weight
+        return two_phase_core(self, p, batch, conv_state, ssm_state, out, conv_weight, row_offset)
 
-        def rows(slots: torch.Tensor) -> torch.Tensor:  # no launch on the per-layer path
-            return slots if row_offset is None else slots + row_offset
+    def decode_step(self, p: GDNProjection, conv_weight: torch.Tensor, conv_state: torch.Tensor,
+                    ssm_state: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """`RecurrentKernels.decode_step`: single-token conv and delta-rule step, rows updated in place."""
+        conv_out = causal_conv1d_step_inplace(p.mixed, conv_weight, None, conv_state, rows)
+        q, k, v = self._split_qkv(conv_out)
+        recurrent_gated_delta_rule_inplace(q, k, v, p.g, p.beta, ssm_state, rows, out=out)
 
-        decode = batch.decode
-        if decode is not None and decode.num_tokens:
-            n = decode.num_tokens
-            slots = rows(decode.slots)
-            # conv and ssm rows are updated in place (decode slots are distinct: one row per sequence)
-            conv_out = causal_conv1d_step_inplace(mixed[:n], conv_weight, None, conv_state, slots)
-            q, k, v = self._split_qkv(conv_out)
-            recurrent_gated_delta_rule_inplace(q, k, v, g[:n], beta[:n], ssm_state, slots, out=out[:n])
-
-        for phase in batch.phases:
-            lo, hi = phase.token_start, phase.token_end
-            initial = rows(phase.initial_slots)
-            # q, k and v come out as contiguous tensors (the chunked rule takes them so: no copies)
-            (q, k, v), final_conv = causal_conv1d_varlen(
-                mixed[lo:hi],
-                conv_weight,
-                None,
-                conv_state.index_select(0, initial),
-                phase.cu_seqlens,
-                phase.cu_seqlens_host,
-                split=(self.key_dim, self.key_dim, self.value_dim),
-            )
-            q = q.view(hi - lo, self.num_k_heads, self.head_k_dim)
-            k = k.view(hi - lo, self.num_k_heads, self.head_k_dim)
-            v = v.view(hi - lo, self.num_v_heads, self.head_v_dim)
-            o, final_ssm = chunk_gated_delta_rule(
-                q,
-                k,
-                v,
-                g[lo:hi],
-                beta[lo:hi],
-                ssm_state.index_select(0, initial),
-                phase.cu_seqlens,
-                phase.cu_seqlens_host,
-            )
-            out[lo:hi] = o
-            if phase.dest_slots.numel():
-                dest = rows(phase.dest_slots)
-                conv_state.index_copy_(0, dest, final_conv.index_select(0, phase.dest_rows).to(conv_state.dtype))
-                ssm_state.index_copy_(0, dest, final_ssm.index_select(0, phase.dest_rows))
-        return out
+    def phase_scan(self, p: GDNProjection, conv_weight: torch.Tensor, conv_initial: torch.Tensor,
+                   ssm_initial: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_host: tuple[int, ...],
+                   out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`RecurrentKernels.phase_scan`: packed varlen conv, then the chunked gated delta rule."""
+        num_tokens = p.mixed.shape[0]
+        # q, k and v come out as contiguous tensors (the chunked rule takes them so: no copies)
+        split = (self.key_dim, self.key_dim, self.value_dim)
+        (q, k, v), final_conv = causal_conv1d_varlen(p.mixed, conv_weight, None, conv_initial, cu_seqlens,
+                                                     cu_seqlens_host, split=split)
+        q = q.view(num_tokens, self.num_k_heads, self.head_k_dim)
+        k = k.view(num_tokens, self.num_k_heads, self.head_k_dim)
+        v = v.view(num_tokens, self.num_v_heads, self.head_v_dim)
+        o, final_ssm = chunk_gated_delta_rule(q, k, v, p.g, p.beta, ssm_initial, cu_seqlens, cu_seqlens_host)
+        out.copy_(o)
+        return final_conv, final_ssm
 
     def finish(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """core, z: [T, HV, V] -> [T, hidden]: gated norm and output projection. Token-wise."""
@@ -257,22 +220,7 @@ class GatedAttention(StackedProjections):
         """Writes this step's K/V into the paged cache, copies shared partial blocks (copy-on-write),
         then attends. p's tensors hold the step's T tokens exactly; returns [T, HQ, Dh] (copied into
         `out` when given)."""
-        meta = batch.attention
-        write_kv(k_cache, v_cache, p.k.to(k_cache.dtype), p.v.to(v_cache.dtype), meta.slot_mapping)
-        if meta.cow_src.numel():
-            copy_kv_slots(k_cache, v_cache, meta.cow_src, meta.cow_dst)
-        attended = paged_attention(
-            p.q,
-            k_cache,
-            v_cache,
-            meta.block_tables,
-            meta.cu_seqlens_q,
-            meta.cu_seqlens_q_host,
-            meta.seq_lens,
-            meta.seq_lens_host,
-            scale=self.scale,
-        )
-        return attended if out is None else out.copy_(attended)
+        return attention_core(p.q, p.k, p.v, batch, k_cache, v_cache, self.scale, out)
 
     def finish(self, core: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """core: [T, HQ, Dh]; gate: [T, HQ, Dh] (a strided view) -> o_proj(core * sigmoid(gate))
@@ -399,10 +347,20 @@ class HybridForCausalLM(nn.Module):
             return layer.linear_attn.core(p, batch, caches.conv[j], caches.ssm[j], out)
         return layer.self_attn.core(p, batch, caches.k[j], caches.v[j], out)
 
+    def attention_core(self, layer_id: int, p: AttentionProjection, batch: ForwardBatch, caches: LayerCaches,
+                       out: torch.Tensor) -> None:
+        """The core of attention layer `layer_id` into `out` [T, HQ, Dh] (Qwen has no parallel layers:
+        an attention layer's core is all attention). ValueError for a GDN layer."""
+        layer = self.model.layers[layer_id]
+        if layer.is_recurrent:
+            raise ValueError(f"layer {layer_id} is a Gated DeltaNet layer: it has no attention core")
+        j = self._cache_index[layer_id]
+        layer.self_attn.core(p, batch, caches.k[j], caches.v[j], out)
+
     def recurrent_core_params(self, layer_id: int) -> GDNCoreParams:
         """GDN layer `layer_id`'s parameters that its core reads: the causal conv weight [conv_dim, W]
         (a view of the parameter)."""
-        return GDNCoreParams(self.model.layers[layer_id].linear_attn.conv1d.weight.squeeze(1))
+        return self.model.layers[layer_id].linear_attn.core_params()
 
     def recurrent_core(self, p: GDNProjection, batch: ForwardBatch, conv_states: torch.Tensor,
                        ssm_states: torch.Tensor, params: GDNCoreParams, row_offset: torch.Tensor,
@@ -412,7 +370,7 @@ class HybridForCausalLM(nn.Module):
         (0-dim long) = j * S and params = `recurrent_core_params` of the j-th GDN layer. Equal to
         `core` of that layer (same function, GDN layers share their shapes); writes `out` [T, HV, V]."""
         gdn = self.model.layers[self.config.gdn_layer_ids[0]].linear_attn
-        return gdn.core(p, batch, conv_states, ssm_states, out, conv_weight=params.conv_weight, row_offset=row_offset)
+        return gdn.core(p, batch, conv_states, ssm_states, out, params=params, row_offset=row_offset)
 
     def finish(self, layer_id: int, residual: torch.Tensor, p: GDNProjection | AttentionProjection,
                core: torch.Tensor) -> torch.Tensor:

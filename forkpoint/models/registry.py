@@ -1,10 +1,9 @@
 """Which model class runs which Hugging Face checkpoint.
 
 `model_class(config)` maps the config's `model_type` (and checks its `architectures`) to the class
-that implements it. Every class takes `(config, *, with_vision=False)` and offers the same surface to
-the runner and the engine: `forward(batch, caches) -> logits`, `pool_shapes(dtype)` (what the pools
-hold per sequence, from its recurrent mixers' state declarations), `input_embeddings()`,
-`init_buffers(device)`, `visual` (a vision tower or None).
+that implements it. Every class takes `(config, *, with_vision=False)` and implements the model
+interface `CausalLM` (models/interface.py: `forward(batch, caches) -> logits`, `pool_shapes(dtype)`,
+the parts the piecewise forward composes, `visual`, ...).
 """
 
 from __future__ import annotations

@@ -42,8 +42,9 @@ from collections.abc import Sequence
 
 import torch
 
-from forkpoint.models.qwen3_5 import HybridForCausalLM, LayerCaches
+from forkpoint.models.interface import CausalLM
 from forkpoint.step.batch import AttentionMetadata, DecodeGroup, ForwardBatch
+from forkpoint.step.caches import LayerCaches
 
 logger = logging.getLogger("forkpoint")
 
@@ -66,7 +67,7 @@ class DecodeGraphs:
     record one graph per bucket now (CUDA) into `pool` on `stream`; else run eagerly.
     """
 
-    def __init__(self, model: HybridForCausalLM, caches: LayerCaches, sizes: Sequence[int], max_blocks: int, *,
+    def __init__(self, model: CausalLM, caches: LayerCaches, sizes: Sequence[int], max_blocks: int, *,
                  scratch_block: int, block_size: int, scratch_state_slot: int, device: torch.device,
                  capture: bool, pool=None, stream: torch.cuda.Stream | None = None) -> None:
         self.model, self.caches, self.device = model, caches, device

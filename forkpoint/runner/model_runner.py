@@ -18,11 +18,12 @@ import torch
 
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.state_pool import StatePool
-from forkpoint.models.qwen3_5 import HybridForCausalLM, LayerCaches
+from forkpoint.models.interface import CausalLM
 from forkpoint.runner.decode_graphs import DecodeGraphs, decode_bucket_sizes
 from forkpoint.runner.piecewise import PiecewiseForward
 from forkpoint.runner.warmup import WarmupReport, warm_up
 from forkpoint.step.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
+from forkpoint.step.caches import LayerCaches
 from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan
 
 logger = logging.getLogger("forkpoint")
@@ -238,7 +239,7 @@ class ModelRunner:
     (runner/warmup.py; `warmup` reports it), so no served step compiles.
     """
 
-    def __init__(self, model: HybridForCausalLM, block_pool: BlockPool, state_pool: StatePool,
+    def __init__(self, model: CausalLM, block_pool: BlockPool, state_pool: StatePool,
                  device: torch.device, multimodal: MultimodalInputs | None = None,
                  piecewise: PiecewiseForward | None = None) -> None:
         self.model = model

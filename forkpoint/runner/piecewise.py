@@ -80,8 +80,9 @@ import torch
 
 from forkpoint.config import ModelConfig
 from forkpoint.kernels import select_variant
-from forkpoint.models.qwen3_5 import HybridForCausalLM, LayerCaches
+from forkpoint.models.interface import CausalLM
 from forkpoint.step.batch import ForwardBatch
+from forkpoint.step.caches import LayerCaches
 
 logger = logging.getLogger("forkpoint")
 
@@ -197,7 +198,7 @@ class PiecewiseForward:
     (a plain attribute: the GPU tests time steps with and without it).
     """
 
-    def __init__(self, model: HybridForCausalLM, sizes: Sequence[int], device: torch.device, *,
+    def __init__(self, model: CausalLM, sizes: Sequence[int], device: torch.device, *,
                  capture: bool, capture_cores: bool = True) -> None:
         self.model = model
         self.sizes = tuple(sorted({int(size) for size in sizes}))

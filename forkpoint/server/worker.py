@@ -27,9 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from forkpoint.distributed.runner import TensorParallelError
 from forkpoint.engine.engine import LLMEngine, StepFailed
 from forkpoint.outputs import RequestOutput
+from forkpoint.runner.errors import RunnerUnusable
 from forkpoint.sampling_params import SamplingParams
 
 logger = logging.getLogger("forkpoint.server")
@@ -222,7 +222,7 @@ class EngineWorker:
         try:
             outputs = self._engine.step()
         except StepFailed as failure:
-            if isinstance(failure.cause, TensorParallelError):  # no later step can run: end the thread
+            if isinstance(failure.cause, RunnerUnusable):  # no later step can run: end the thread
                 logger.error("the engine cannot continue: %s", failure.cause)
                 self._fatal = failure.cause
                 self._fail_all(EngineFailure(f"the engine failed: {failure.cause}"))

@@ -31,8 +31,8 @@ from ray.exceptions import (
 )
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from forkpoint.distributed.router import GENERATE_METHOD
 from forkpoint.server.replicas.deployment import ReplicaSnapshot
+from forkpoint.server.replicas.router import GENERATE_METHOD
 from forkpoint.server.worker import (
     EngineFailure,
     NewRequest,

@@ -28,14 +28,14 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from forkpoint.distributed.router import (
+from forkpoint.llm import LLM
+from forkpoint.outputs import RequestOutput
+from forkpoint.server.replicas.router import (
     STATS_KEYS,
     CheckpointAffineRouter,
     Decision,
     RoundRobinRouter,
 )
-from forkpoint.llm import LLM
-from forkpoint.outputs import RequestOutput
 from forkpoint.server.worker import EngineWorker, NewRequest, OutputSink
 
 DEPLOYMENT_NAME = "EngineReplica"

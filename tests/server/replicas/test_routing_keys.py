@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from forkpoint import LLM, SamplingParams
-from forkpoint.distributed.routing_keys import RequestKeys
 from forkpoint.inputs.markers import strip_checkpoint_markers
+from forkpoint.server.replicas.routing_keys import RequestKeys
 from tests.tiny_models import words
 
 MARKER = "<|mamba_checkpoint|>"

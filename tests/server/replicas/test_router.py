@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from forkpoint.distributed.router import CheckpointAffinityPolicy, Decision, held_keys
-from forkpoint.distributed.routing_keys import RequestKeys
+from forkpoint.server.replicas.router import CheckpointAffinityPolicy, Decision, held_keys
+from forkpoint.server.replicas.routing_keys import RequestKeys
 
 ANCHOR = list(range(100, 120))  # 20 tokens
 OTHER = list(range(200, 230))

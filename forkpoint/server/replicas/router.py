@@ -35,7 +35,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from forkpoint.distributed.routing_keys import RequestKeys
+from forkpoint.server.replicas.routing_keys import RequestKeys
 
 logger = logging.getLogger("forkpoint.distributed")
 
