@@ -290,7 +290,7 @@ class ModelRunner:
         return DecodeGraphs(self.model, self.caches, decode_bucket_sizes(piecewise.sizes, state_pool.requests.count),
                             max_blocks, scratch_block=block_pool.scratch_block, block_size=self.block_size,
                             scratch_state_slot=state_pool.scratch_slot, device=self.device, capture=True,
-                            pool=piecewise.memory_pool, stream=piecewise.capture_stream)
+                            pool=torch.cuda.graph_pool_handle(), stream=piecewise.capture_stream)
 
     def prepare(self, plan: StepPlan, feed: torch.Tensor | None = None) -> tuple[ForwardBatch, list[Segment]]:
         """The step's batch (images encoded and attached) and the segments its logits rows belong to;

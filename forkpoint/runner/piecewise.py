@@ -393,12 +393,6 @@ class PiecewiseForward:
         return bool(self.graphs)
 
     @property
-    def memory_pool(self):
-        """The graphs' shared memory pool handle (None without capture): other whole-step graphs that
-        never run concurrently with these (runner/decode_graphs.py) share it."""
-        return self._pool
-
-    @property
     def capture_stream(self) -> torch.cuda.Stream | None:
         """The side stream the graphs were captured on (None without capture)."""
         return self._stream
