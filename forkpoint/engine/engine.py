@@ -530,7 +530,8 @@ class LLMEngine:
                 tier = registry.host.counters
                 values.update(checkpoints_spilled=tier.spilled, checkpoints_restored=tier.restored,
                               checkpoints_dropped_from_host=tier.dropped, host_tier_checkpoints=len(registry.host),
-                              host_tier_bytes=registry.host.num_bytes)
+                              host_tier_bytes=registry.host.num_bytes,
+                              host_tier_capacity_bytes=registry.host.capacity_bytes)
         piecewise = self.runner.piecewise
         if piecewise is not None:
             values.update(cuda_graph_core_capture_failures=piecewise.core_capture_failures,

@@ -49,12 +49,32 @@ def startup_summary(llm: LLM, config: ServerConfig, max_request_bytes: int, load
         lines.append("checkpoints off: markers and checkpoint controls are ignored")
     lines.append(engine.runner.graph_summary() if engine.graphs_off_reason is None
                  else f"CUDA graphs: off, every step runs eagerly ({engine.graphs_off_reason})")
+    lines.append(host_tier_summary(values))
     variants = kernel_variants(engine.device.type == "cuda")
     lines.append("kernels: " + ", ".join(f"{op} {variant}" for op, variant in variants.items()))
     lines.append(f"requests: at most {max_request_bytes:,} bytes (--max-request-bytes), "
                  f"{config.max_waiting_requests} prompts waiting (--max-waiting-requests); stats every "
                  + (f"{config.log_stats_interval_s:g} s" if config.log_stats else "- (--disable-log-stats)"))
     return lines
+
+
+def host_tier_summary(values: dict[str, float]) -> str:
+    """The start-up line on the host-memory tier that evicted checkpoints spill to."""
+    capacity = values.get("host_tier_capacity_bytes")
+    if not capacity:
+        return "host tier: off (--checkpoint-host-bytes 0): an evicted checkpoint is gone"
+    return (f"host tier: {capacity / 2**30:.1f} GiB of host memory (--checkpoint-host-bytes): evicted checkpoints "
+            "spill there (state rows and KV blocks) and come back on a hit")
+
+
+def _tier_traffic(values: dict[str, float], delta: Callable[[str], float]) -> str:
+    """' | host tier: ...' for the stats line, or '' without a host tier."""
+    if "host_tier_capacity_bytes" not in values:
+        return ""
+    return (f" | host tier: {delta('checkpoints_spilled'):.0f} spilled, {delta('checkpoints_restored'):.0f} "
+            f"restored, {delta('checkpoints_dropped_from_host'):.0f} dropped, "
+            f"{values.get('host_tier_checkpoints', 0):.0f} held ({values.get('host_tier_bytes', 0) / 2**30:.2f} of "
+            f"{values['host_tier_capacity_bytes'] / 2**30:.1f} GiB)")
 
 
 class StatsLine:
@@ -93,7 +113,8 @@ class StatsLine:
                 f"({kv_used}/{kv_total}), state slots {values.get('state_slots_used', 0)}/"
                 f"{values.get('state_slots_total', 0)}, checkpoint slots {values.get('checkpoint_slots_used', 0)}/"
                 f"{values.get('checkpoint_slots_total', 0)} | checkpoints: {delta('checkpoint_hits'):.0f} hits, "
-                f"{max(reused, 0):,.0f} prompt tokens reused, hit rate {share} of prompt tokens since start")
+                f"{max(reused, 0):,.0f} prompt tokens reused, hit rate {share} of prompt tokens since start"
+                + _tier_traffic(values, delta))
 
 
 async def log_stats_forever(snapshot: Callable[[], dict[str, float]], interval_s: float) -> None:

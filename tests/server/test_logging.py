@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from forkpoint.server.config import ServerConfig
-from forkpoint.server.stats import StatsLine
+from forkpoint.server.stats import StatsLine, host_tier_summary
 from tests.server.conftest import serve
 
 
@@ -37,7 +37,7 @@ def test_startup_summary_stats_errors_and_aborts(spare_llm, caplog):
                      "2048 KV blocks x 16 tokens", "state slots", "32 checkpoint slots", "checkpoints on",
                      "'<|mamba_checkpoint|>'", "at most 4 per request", "kernels: ", "attention reference",
                      "--max-request-bytes", "stats every 0.2 s",
-                     "CUDA graphs: off, every step runs eagerly (no CUDA device (cpu))"):
+                     "CUDA graphs: off, every step runs eagerly (no CUDA device (cpu))", "host tier: "):
             assert text in summary, text
         caplog.clear()
         time.sleep(0.5)
@@ -87,3 +87,20 @@ def test_stats_line_rates_and_quiet_when_idle():
     done = {**busy, "num_running": 0, "kv_blocks_used": 0}
     assert "prompt 0.0 tokens/s" in stats.line(done, now=30.0)  # one line that shows it idle
     assert stats.line(done, now=40.0) is None
+
+
+def test_stats_line_and_start_up_summary_show_the_host_tier():
+    base = {"prompt_tokens_total": 0, "prompt_tokens_computed": 0, "generation_tokens_total": 0,
+            "checkpoint_hits": 0, "num_running": 1, "num_waiting": 0, "kv_blocks_used": 0, "kv_blocks_total": 100,
+            "state_slots_used": 0, "state_slots_total": 8, "checkpoint_slots_used": 0, "checkpoint_slots_total": 4,
+            "checkpoints_spilled": 2, "checkpoints_restored": 1, "checkpoints_dropped_from_host": 0,
+            "host_tier_checkpoints": 2, "host_tier_bytes": 2**29, "host_tier_capacity_bytes": 2**31}
+    stats = StatsLine(base, now=0.0)
+    later = {**base, "checkpoints_spilled": 7, "checkpoints_restored": 4, "checkpoints_dropped_from_host": 1,
+             "host_tier_checkpoints": 6, "host_tier_bytes": 3 * 2**29}
+    line = stats.line(later, now=10.0)
+    assert "host tier: 5 spilled, 3 restored, 1 dropped, 6 held (1.50 of 2.0 GiB)" in line
+    assert "host tier" not in StatsLine({**base}, 0.0).line(
+        {k: v for k, v in base.items() if "tier" not in k and "spilled" not in k}, 10.0)
+    assert host_tier_summary(later).startswith("host tier: 2.0 GiB of host memory")
+    assert host_tier_summary({"host_tier_capacity_bytes": 0}).startswith("host tier: off")
