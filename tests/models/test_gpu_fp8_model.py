@@ -12,12 +12,14 @@ test_gpu_model.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from forkpoint import LLM, SamplingParams
+from forkpoint.runner.model_runner import build_forward_batch
 from tests.models.fp8_checkpoints import dequantized_copy, quantize_checkpoint
-from tests.models.test_vs_transformers import full_logits
 from tests.tiny_models import build_tiny_model
 
 pytestmark = [
@@ -29,6 +31,19 @@ GPU_DIMS = dict(hidden_size=128, linear_key_head_dim=64, linear_value_head_dim=6
                 moe_intermediate_size=64, shared_expert_intermediate_size=64)
 ENGINE = dict(num_kv_blocks=512, num_state_slots=16, max_num_seqs=16, checkpoint_pool_size=8, auto_checkpoints=False)
 LOGITS_REL_TOL = 0.08  # FP8 (activations in e4m3) vs the dequantised bf16 model
+
+
+def full_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
+    """Logits at every prompt position from one forward on the engine's device (prefill in one chunk)."""
+    engine = llm.engine
+    engine.add_request("full-logits", {"prompt_token_ids": token_ids}, SamplingParams(max_tokens=1))
+    step = engine.scheduler.schedule()
+    batch, _ = build_forward_batch(step.plan, engine.config.block_size, engine.device)
+    batch = dataclasses.replace(batch, logits_indices=torch.arange(len(token_ids), device=engine.device))
+    logits = engine.runner.model(batch, engine.runner.caches)
+    engine.scheduler.commit(step)
+    engine.abort_request("full-logits")
+    return logits.cpu()
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,7 @@ def _quantize_kernel(x, xq, s, K, stride_xm, groups, GROUP: tl.constexpr, BLOCK:
     cols = g * GROUP + lanes
     ok = (lanes < GROUP) & (cols < K)
     v = tl.load(x + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(v), 0), EPS) / QMAX
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), 0), EPS), QMAX)
     q = tl.clamp(tl.math.div_rn(v, scale), -QMAX, QMAX)
     tl.store(xq + row * K + cols, q.to(xq.dtype.element_ty), mask=ok)
     tl.store(s + row * groups + g, scale)
@@ -112,7 +112,7 @@ def _tile(m: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) by step rows: decode-sized steps stream the weight
     with narrow column blocks (more programs), prefill steps take 128 x 128 tiles."""
     if m <= 16:
-        return 16, 64, 4, 4
+        return 16, 32, 4, 4
     if m <= 64:
         return 64, 64, 4, 4
     if m <= 128:
