@@ -10,8 +10,10 @@ FP8 tensor cores sum each 128-wide block with fewer than fp32's bits: 1.3e-4 mea
 `quantize_activations`: the same scales, and the same e4m3 values but for rounding ties (<= 1e-4 of
 them). `fused_moe_fp8`: against `reference.fused_moe_fp8` (the dequantised experts) at decode and
 prefill sizes, 5e-3 (bf16 roundings of h and the activation, as the bf16 tiles). Also: the kernel is
-close to the dequantised bf16 GEMM (the activation rounding, measured <= 4% relative RMS), and where
-torch's block-scaled `torch._scaled_mm` runs, both agree.
+close to the dequantised bf16 GEMM (the activation rounding: 2.6e-2 relative RMS measured), and the
+Triton GEMM agrees with torch's block-scaled `torch._scaled_mm` (3.3e-6 measured; skipped where this
+torch build has no block scaling). Each `fp8_linear` case also runs the Triton GEMM alone
+(`block_fp8_gemm`), since large bf16 steps dispatch to `torch._scaled_mm`.
 """
 
 import pytest
@@ -46,14 +48,17 @@ def test_fp8_linear_matches_the_w8a8_reference(poison, block, m, n, k, dtype):
     q, s = random_fp8_weight(gen, (n, k), block)
     x = torch.randn(m, k, generator=gen, device=DEV).to(dtype)
     for bias in (None, torch.randn(n, generator=gen, device=DEV).to(dtype)):
-        out = tri.fp8_linear(x, q, s, block, bias)
         ref = reference.w8a8_block_linear(x.cpu(), q.cpu(), s.cpu(), block, None if bias is None else bias.cpu())
-        assert out.shape == (m, n) and out.dtype == dtype
-        assert not torch.isnan(out).any(), "an output element was never written"
-        err = rel_rms(out, ref)
-        tol = 3e-4 if dtype == torch.float32 else 8e-3
-        print(f"REL_RMS fp8_linear m={m} n={n} k={k} block={block} {dtype} bias={bias is not None}: {err:.2e}")
-        assert err < tol
+        xq, xs = tri.quantize_activations(x, block[1])
+        # the dispatch (Triton GEMM, or torch._scaled_mm for large bf16 steps), and the Triton GEMM alone
+        for path, out in (("fp8_linear", tri.fp8_linear(x, q, s, block, bias)),
+                          ("triton_gemm", tri.block_fp8_gemm(xq, xs, q, s, block, bias, None, dtype))):
+            assert out.shape == (m, n) and out.dtype == dtype
+            assert not torch.isnan(out).any(), "an output element was never written"
+            err = rel_rms(out, ref)
+            tol = 3e-4 if dtype == torch.float32 else 8e-3
+            print(f"REL_RMS {path} m={m} n={n} k={k} block={block} {dtype} bias={bias is not None}: {err:.2e}")
+            assert err < tol
 
 
 def test_fp8_linear_writes_a_column_range_of_a_wider_buffer():
@@ -100,8 +105,8 @@ def test_torch_scaled_mm_agrees_where_it_runs():
         theirs = torch._scaled_mm(xq, q.T, scale_a=xs.T.contiguous().T, scale_b=s.T, out_dtype=torch.bfloat16)
     except (RuntimeError, TypeError, ValueError) as err:
         pytest.skip(f"torch._scaled_mm has no block-wise scaling here: {err}")
-    err = rel_rms(tri.fp8_linear(x, q, s, (128, 128)), theirs.float())
-    print(f"REL_RMS fp8_linear vs torch._scaled_mm (blockwise): {err:.2e}")
+    err = rel_rms(tri.block_fp8_gemm(xq, xs, q, s, (128, 128), None, None, torch.bfloat16), theirs.float())
+    print(f"REL_RMS Triton GEMM vs torch._scaled_mm (blockwise): {err:.2e}")
     assert err < 5e-3
 
 
