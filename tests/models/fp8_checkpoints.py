@@ -52,8 +52,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> 
     return q.float() * expanded
 
 
-def _quantized(name: str, tensor: torch.Tensor) -> bool:
-    if ".layers." not in name or name.startswith(("mtp.", "model.visual.")) or name.endswith(KEPT_LEAVES):
+def _quantized(name: str, tensor: torch.Tensor, kept: tuple[str, ...]) -> bool:
+    if ".layers." not in name or name.startswith(("mtp.", "model.visual.")) or name.endswith(kept):
         return False
     if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
         return True
@@ -67,12 +67,14 @@ def _copy_dir(src: Path, dst: Path) -> None:
             shutil.copy(item, dst / item.name)
 
 
-def quantize_checkpoint(src: Path, dst: Path, block: tuple[int, int]) -> dict[str, torch.Tensor]:
-    """Write the FP8 copy of tiny model `src` into `dst`; returns the stored tensors."""
+def quantize_checkpoint(src: Path, dst: Path, block: tuple[int, int],
+                        kept: tuple[str, ...] = KEPT_LEAVES) -> dict[str, torch.Tensor]:
+    """Write the FP8 copy of tiny model `src` into `dst` (the 2-D weights ending in one of `kept` stay
+    float32); returns the stored tensors."""
     _copy_dir(src, dst)
     out = {}
     for name, tensor in load_file(str(src / "model.safetensors")).items():
-        if _quantized(name, tensor):
+        if _quantized(name, tensor, kept):
             out[name], out[name + "_scale_inv"] = quantize(tensor, block)
         else:
             out[name] = tensor

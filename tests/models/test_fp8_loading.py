@@ -65,6 +65,43 @@ def test_fp8_logits_equal_the_dequantised_model(fp8_dirs, model_type, fused, blo
     assert (ours - theirs).abs().max().item() < 2e-5
 
 
+def test_fp8_router_and_gates_stack_with_partial_blocks(tiny_model_factory, tmp_path):
+    """A checkpoint that also quantises the router (4 rows) and the shared expert's gate (1 row): the MoE's
+    whole stack is one FP8 GEMM whose projections are padded to whole 16-row blocks; logits still equal
+    the dequantised model's."""
+    quantize_checkpoint(tiny_model_factory("qwen3_5_moe_text")[0], tmp_path / "fp8", (16, 32),
+                        kept=("in_proj_a.weight", "in_proj_b.weight"))
+    dequantized_copy(tmp_path / "fp8", tmp_path / "dequantized")
+    fp8 = LLM(str(tmp_path / "fp8"), **ENGINE)
+    moe = fp8.engine.runner.model.model.layers[0].mlp
+    assert moe.gate.weight.dtype == FP8 and moe.shared_expert_gate.weight.dtype == FP8
+    assert moe.stacked_width() == 88  # 32 + 32 + 4 (padded to 16) + 1, to a multiple of 8
+    token_ids = torch.randint(5, 150, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    ours = full_logits(fp8, token_ids)
+    theirs = full_logits(LLM(str(tmp_path / "dequantized"), **ENGINE), token_ids)
+    assert (ours - theirs).abs().max().item() < 2e-5
+
+
+def test_qwen3_next_grouped_blocks_that_do_not_align_are_refused(tiny_model_factory, tmp_path):
+    quantize_checkpoint(tiny_model_factory("qwen3_next")[0], tmp_path / "fp8", (16, 16), kept=("mlp.gate.weight",))
+    with pytest.raises(ValueError, match=r"in_proj_ba of this Qwen3-Next checkpoint is FP8 with 16-row blocks"):
+        LLM(str(tmp_path / "fp8"), **ENGINE)
+
+
+def test_dummy_weights_honour_modules_to_not_convert(moe_model, tmp_path):
+    directory = tmp_path / "model"
+    shutil.copytree(moe_model[0], directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [16, 16],
+                                     "modules_to_not_convert": ["linear_attn", "*.o_proj"]}
+    (directory / "config.json").write_text(json.dumps(config))
+    layers = LLM(str(directory), load_format="dummy", **ENGINE).engine.runner.model.model.layers
+    assert layers[0].linear_attn.in_proj_qkv.weight.dtype == torch.float32
+    assert layers[2].self_attn.o_proj.weight.dtype == torch.float32
+    assert layers[2].self_attn.q_proj.weight.dtype == FP8 and layers[0].mlp.experts.down_proj.dtype == FP8
+
+
 def test_fp8_checkpoints_on_equal_off(fp8_dirs):
     fp8_dir, _ = fp8_dirs("qwen3_5_moe_text", True, (48, 32))
     anchor = torch.randint(5, 150, (70,), generator=torch.Generator().manual_seed(2)).tolist()
