@@ -65,13 +65,22 @@ def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tupl
 def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The block quantiser (dummy weights, tests): W [..., N, K] float -> (q e4m3 [..., N, K], scale_inv
     [..., ceil(N/bn), ceil(K/bk)] fp32) with scale_inv = amax(block) / 448 (1 for an all-zero block),
-    q = W / scale_inv rounded to e4m3 (nearest even). The largest magnitude of each block is exact."""
+    q = W / scale_inv rounded to e4m3 (nearest even). The largest magnitude of each block is exact.
+    Stacked weights are quantised one [N, K] matrix at a time (fp32 temporaries of one expert's size)."""
+    if weight.dim() > 2:
+        flat = weight.reshape(-1, *weight.shape[-2:])
+        q = torch.empty(flat.shape, dtype=FP8_DTYPE, device=weight.device)
+        scale_inv = torch.empty((flat.shape[0], *block_scale_shape(tuple(flat.shape[-2:]), block)),
+                                dtype=torch.float32, device=weight.device)
+        for i in range(flat.shape[0]):
+            q[i], scale_inv[i] = quantize_blocks(flat[i], block)
+        return q.view(weight.shape), scale_inv.view(*weight.shape[:-2], *scale_inv.shape[-2:])
     w = weight.float()
-    *lead, n, k = w.shape
+    n, k = w.shape
     bn, bk = block
     padded = F.pad(w, (0, -k % bk, 0, -n % bn))  # zeros do not change a block's amax
-    rows, cols = padded.shape[-2] // bn, padded.shape[-1] // bk
-    amax = padded.reshape(*lead, rows, bn, cols, bk).abs().amax(dim=(-3, -1))
+    rows, cols = padded.shape[0] // bn, padded.shape[1] // bk
+    amax = padded.reshape(rows, bn, cols, bk).abs().amax(dim=(1, 3))
     scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (w / _expand(scale_inv, (n, k), block)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale_inv
