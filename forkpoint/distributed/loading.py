@@ -21,8 +21,9 @@ from forkpoint.config import ModelConfig
 from forkpoint.distributed.collectives import TensorParallelGroup
 from forkpoint.distributed.parallel_mamba2 import parallel_mamba2_model
 from forkpoint.distributed.parallel_model import ParallelHybridForCausalLM
-from forkpoint.distributed.sharding import SCALE_SUFFIX, ShardLayout
+from forkpoint.distributed.sharding import ShardLayout
 from forkpoint.kernels.fp8.reference import FP8_DTYPE, quantize_blocks
+from forkpoint.models.fp8_modules import SCALE_SUFFIX
 from forkpoint.models.layers import stack_all_projections
 from forkpoint.models.loader import fill_dummy, load_safetensors, prepare_fp8, to_model_dtype
 from forkpoint.models.registry import model_class

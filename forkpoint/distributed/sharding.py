@@ -43,8 +43,7 @@ import torch
 from forkpoint.config import ModelConfig
 from forkpoint.distributed.mamba2_sharding import check_mamba2_shardable, mamba2_local_config, mamba2_pieces
 from forkpoint.distributed.shares import Pieces, kv_rows, share
-
-SCALE_SUFFIX = "_scale_inv"  # an FP8 weight's block scales: the weight's name plus this
+from forkpoint.models.fp8_modules import SCALE_SUFFIX
 
 
 def check_shardable(config: ModelConfig, world: int) -> None:

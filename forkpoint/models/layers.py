@@ -201,9 +201,9 @@ class StackedProjections(nn.Module):
         groups = [list(group) for _, group in itertools.groupby(linears, key=fp8_block)]
         runs, outputs, start = [], [], 0
         for i, group in enumerate(groups):
-            run, widths = _stack_run(group, start, last=i == len(groups) - 1)
+            run, offsets = _stack_run(group, start, last=i == len(groups) - 1)
             runs.append(run)
-            outputs += [(start + offset, m.weight.shape[0]) for m, offset in zip(group, widths)]
+            outputs += [(start + offset, m.weight.shape[0]) for m, offset in zip(group, offsets)]
             start += run.weight.shape[0]
         self._stack = _Stack(tuple(runs), tuple(outputs), start)
 

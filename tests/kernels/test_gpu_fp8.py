@@ -39,10 +39,14 @@ def random_fp8_weight(gen, shape, block):
     return reference.quantize_blocks(w, block)
 
 
-@pytest.mark.parametrize("block", [(128, 128), (128, 64), (64, 128)])
-@pytest.mark.parametrize("m", [1, 5, 16, 33, 128, 300])
-@pytest.mark.parametrize("n,k", [(2048, 512), (1000, 200), (384, 2048)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+# Qwen's 128 x 128 blocks at every size; the other blocks on the ragged shape
+LINEAR_CASES = ([((128, 128), m, n, k, dtype) for m in (1, 5, 16, 33, 128, 300)
+                 for n, k in ((2048, 512), (1000, 200), (384, 2048)) for dtype in (torch.bfloat16, torch.float32)]
+                + [(block, m, 1000, 200, dtype) for block in ((128, 64), (64, 128)) for m in (5, 300)
+                   for dtype in (torch.bfloat16, torch.float32)])
+
+
+@pytest.mark.parametrize("block,m,n,k,dtype", LINEAR_CASES)
 def test_fp8_linear_matches_the_w8a8_reference(poison, block, m, n, k, dtype):
     gen = torch.Generator(device=DEV).manual_seed(m * 7 + n + k)
     q, s = random_fp8_weight(gen, (n, k), block)
