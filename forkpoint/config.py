@@ -6,6 +6,7 @@ the engine's knobs (the keyword arguments of `LLM`). Neither changes after const
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,6 +104,57 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
+class Fp8BlockQuantization:
+    """Block-wise FP8 weights as Qwen's FP8 releases store them (config.json `quantization_config`:
+    `quant_method: "fp8"`, `fmt: "e4m3"`, `activation_scheme: "dynamic"`, `weight_block_size: [bn, bk]`).
+
+    Each quantised weight W [N, K] is stored as `float8_e4m3fn` with a float32 `<name>_scale_inv`
+    [ceil(N / bn), ceil(K / bk)] (one scale per bn x bk block; kernels/fp8/reference.py). Which modules
+    are quantised is read from the checkpoint (the tensors that have a scale); `modules_to_not_convert`
+    (or vLLM's `ignored_layers`) only steers dummy weights (models/fp8_modules.py)."""
+
+    block: tuple[int, int] = (128, 128)
+    modules_to_not_convert: tuple[str, ...] = ()
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> Fp8BlockQuantization:
+        """Validate a checkpoint's `quantization_config`; ValueError naming the field that forkpoint does
+        not support, and what it does support."""
+        method = raw.get("quant_method")
+        if method != "fp8":
+            raise ValueError(f"quantization_config.quant_method {method!r} is not supported: forkpoint loads "
+                             "block-wise FP8 checkpoints (quant_method 'fp8', as Qwen's FP8 releases) and unquantised "
+                             "ones; use the bf16 release of this model")
+        fmt = raw.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"quantization_config.fmt {fmt!r} is not supported: only 'e4m3' (float8_e4m3fn) weights")
+        scheme = raw.get("activation_scheme", "dynamic")
+        if scheme != "dynamic":
+            raise ValueError(f"quantization_config.activation_scheme {scheme!r} is not supported: only 'dynamic' "
+                             "(activations quantised per token group at run time, no stored input scales)")
+        block = raw.get("weight_block_size")
+        if block is None:
+            raise ValueError("quantization_config.weight_block_size is missing: per-tensor FP8 scales are not "
+                             "supported, only block-wise FP8 (weight_block_size [bn, bk], e.g. [128, 128])")
+        if (not isinstance(block, (list, tuple)) or len(block) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise ValueError(f"quantization_config.weight_block_size must be two positive integers [bn, bk], "
+                             f"got {block!r}")
+        if raw.get("kv_cache_scheme"):
+            raise ValueError("quantization_config.kv_cache_scheme is not supported: forkpoint keeps the KV cache in "
+                             "the model dtype (kv_cache_dtype='auto')")
+        skipped = list(raw.get("modules_to_not_convert") or []) + list(raw.get("ignored_layers") or [])
+        if not all(isinstance(name, str) for name in skipped):
+            raise ValueError(f"quantization_config.modules_to_not_convert must list module names, got {skipped!r}")
+        return cls(block=(int(block[0]), int(block[1])), modules_to_not_convert=tuple(skipped))
+
+    def to_dict(self) -> dict:
+        """The `quantization_config` entry of config.json that `from_dict` reads back to this value."""
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": list(self.block), "modules_to_not_convert": list(self.modules_to_not_convert)}
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a hybrid recurrent / attention model.
 
@@ -153,6 +205,8 @@ class ModelConfig:
     vision: VisionConfig | None = None  # None: a text-only checkpoint
     mamba2: Mamba2HybridConfig | None = None  # the Mamba2 hybrids' mixer and multipliers; None for Qwen
     architectures: tuple[str, ...] = ()  # config.json's `architectures`
+    # block-wise FP8 weights (config.json's quantization_config); None: weights in the model dtype
+    quantization: Fp8BlockQuantization | None = None
 
     @property
     def gdn_layer_ids(self) -> tuple[int, ...]:
@@ -204,14 +258,19 @@ class ModelConfig:
             )
         eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
         architectures = tuple(raw.get("architectures") or ())
+        text_key = SUPPORTED_MODEL_TYPES[model_type]
+        quant_raw = raw.get("quantization_config") or (raw.get(text_key) or {}).get("quantization_config")
+        quantization = Fp8BlockQuantization.from_dict(quant_raw) if quant_raw else None
         if model_type in MAMBA2_MODEL_TYPES:
+            if quantization is not None:
+                raise ValueError(f"quantization_config: FP8 checkpoints of {model_type} are not supported (block-wise "
+                                 "FP8 is supported for the Qwen3.5 and Qwen3-Next families); use the bf16 release")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             prefix = "backbone." if model_type == "nemotron_h" else "model."
             config = cls(**mamba2_hybrid_fields(raw), eos_token_ids=eos_ids, weight_prefix=prefix,
                          architectures=architectures)
             config.validate()
             return config
-        text_key = SUPPORTED_MODEL_TYPES[model_type]
         weight_prefix = "model."
         text = raw
         if text_key is not None:
@@ -290,9 +349,28 @@ class ModelConfig:
             mrope_section=mrope_section,
             vision=VisionConfig.from_dict(raw["vision_config"], raw) if text_key and raw.get("vision_config") else None,
             architectures=architectures,
+            quantization=quantization,
         )
         config.validate()
         return config
+
+    def with_quantization(self, requested: str | None, load_format: str) -> ModelConfig:
+        """The config under `LLM(quantization=requested)`: None keeps what the checkpoint says; "fp8" keeps a
+        checkpoint's block-wise FP8, or, with `load_format="dummy"` and an unquantised config, makes the
+        dummy weights FP8 with 128 x 128 blocks. ValueError for anything else."""
+        if requested is None or (requested == "fp8" and self.quantization is not None):
+            return self
+        if requested != "fp8":
+            raise ValueError(f"quantization {requested!r} is not supported: pass None (read from the checkpoint's "
+                             "quantization_config) or 'fp8'")
+        if self.mamba2 is not None:
+            raise ValueError(f"quantization='fp8' is not supported for {self.model_type} (block-wise FP8 is "
+                             "supported for the Qwen3.5 and Qwen3-Next families)")
+        if load_format != "dummy":
+            raise ValueError("quantization='fp8' needs an FP8 checkpoint (config.json with a quantization_config): "
+                             "this one has none, and quantising bf16 weights at load time is not supported; pass "
+                             "quantization=None, an FP8 checkpoint, or load_format='dummy' for random FP8 weights")
+        return dataclasses.replace(self, quantization=Fp8BlockQuantization())
 
     def validate(self) -> None:
         if len(self.layer_types) != self.num_layers or len(self.moe_layers) != self.num_layers:
@@ -376,11 +454,21 @@ class EngineConfig:
     # vLLM's --async-scheduling: in steady decoding the host schedules and enqueues step t+1 while the
     # device runs step t, and does step t's output work while step t+1 runs (engine/engine.py)
     async_scheduling: bool = False
+    # vLLM's names: None reads the weights' quantisation from the checkpoint's quantization_config
+    # (block-wise FP8); "fp8" asks for it (with load_format="dummy", FP8 dummy weights from a bf16 config)
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # the KV cache in the model dtype; FP8 KV caches are not implemented
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None (read from the checkpoint's quantization_config) or 'fp8', "
+                             f"got {self.quantization!r}")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: FP8 KV caches are not "
+                             "implemented; use 'auto' (the KV cache in the model dtype)")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

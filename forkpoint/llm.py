@@ -26,6 +26,10 @@ class LLM:
     multimodal checkpoints `max_images_per_prompt`, `image_min_pixels`, `image_max_pixels`,
     `image_embedding_cache_bytes`).
 
+    `quantization` (vLLM's name): None reads it from the checkpoint's `quantization_config` (block-wise
+    FP8 as Qwen's FP8 releases store it); "fp8" with `load_format="dummy"` builds FP8 dummy weights from
+    an unquantised config. `kv_cache_dtype`: "auto" only (the KV cache in the model dtype).
+
     Images (multimodal Qwen3.5 checkpoints), as in vLLM::
 
         llm.generate({"prompt": "<|vision_start|><|image_pad|><|vision_end|>Describe it.",
@@ -39,12 +43,14 @@ class LLM:
                  device: str = "auto", seed: int = 0, max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, block_size: int = 16, enable_checkpoints: bool = True,
                  checkpoint_token: str = "<|mamba_checkpoint|>", max_checkpoints_per_request: int = 4,
-                 load_format: str = "auto", **kwargs) -> None:
+                 load_format: str = "auto", quantization: str | None = None, kv_cache_dtype: str = "auto",
+                 **kwargs) -> None:
         config = EngineConfig(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             enable_checkpoints=enable_checkpoints, checkpoint_token=checkpoint_token,
-            max_checkpoints_per_request=max_checkpoints_per_request, load_format=load_format, **kwargs,
+            max_checkpoints_per_request=max_checkpoints_per_request, load_format=load_format,
+            quantization=quantization, kv_cache_dtype=kv_cache_dtype, **kwargs,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

@@ -22,8 +22,10 @@ from forkpoint.distributed.collectives import TensorParallelGroup
 from forkpoint.distributed.parallel_mamba2 import parallel_mamba2_model
 from forkpoint.distributed.parallel_model import ParallelHybridForCausalLM
 from forkpoint.distributed.sharding import ShardLayout
+from forkpoint.kernels.fp8.reference import FP8_DTYPE, quantize_blocks
+from forkpoint.models.fp8_modules import SCALE_SUFFIX
 from forkpoint.models.layers import stack_all_projections
-from forkpoint.models.loader import fill_dummy, load_safetensors, to_model_dtype
+from forkpoint.models.loader import fill_dummy, load_safetensors, prepare_fp8, to_model_dtype
 from forkpoint.models.registry import model_class
 
 
@@ -36,6 +38,7 @@ def build_shard(layout: ShardLayout, group: TensorParallelGroup, path: Path | No
         model = (parallel_mamba2_model(layout, group) if local.mamba2 is not None
                  else ParallelHybridForCausalLM(local, group, layout.vocab_start, with_vision=with_vision))
     model = to_model_dtype(model, dtype)
+    prepare_fp8(model, local, path, load_format)
     model.to_empty(device=group.device)
     model.init_buffers(group.device)
     if load_format == "dummy":
@@ -55,11 +58,21 @@ def _init_dummy_shard(model: nn.Module, layout: ShardLayout, seed: int) -> None:
     with torch.device("meta"):
         # shapes only: the same parameters in the same order (the vision tower's last, and only on rank 0)
         full = model_class(config)(config, with_vision=model.visual is not None)
+    prepare_fp8(full, config, None, "dummy")
     full_shapes = {name: tuple(p.shape) for name, p in full.named_parameters(remove_duplicate=False)}
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in params.items():
+            if name.endswith(SCALE_SUFFIX):
+                continue  # filled with its weight
+            if param.dtype == FP8_DTYPE:  # as loader.fill_dummy_fp8 draws it, then this rank's blocks
+                values = torch.empty(full_shapes[name], dtype=torch.float32, device=device)
+                q, scale = quantize_blocks(values.normal_(0.0, 0.02, generator=generator), config.quantization.block)
+                param.copy_(layout.shard(name, q))
+                params[name + SCALE_SUFFIX].copy_(layout.shard(name + SCALE_SUFFIX, scale))
+                continue
             tensor = torch.empty(full_shapes[name], dtype=param.dtype, device=device)
             fill_dummy(name, tensor, generator, centred_norms=config.mamba2 is None)
             param.copy_(layout.shard(name, tensor))

@@ -23,6 +23,11 @@ masked sum over all experts) per MoE layer; on CPU and for correctness the insid
 simpler exact one (whether expert parallelism measures faster on GPUs is for the multi-GPU issue).
 The Mamba2 hybrids (`config.mamba2` set) have their own layout: distributed/mamba2_sharding.py.
 
+Block-wise FP8 weights (`config.quantization`) split with their scales: a scale tensor
+`<weight>_scale_inv` holds the weight's ranges divided by the block (rows by bn, columns by bk), so every
+split of an FP8 weight must fall on a block boundary (`check_shardable` checks the usual splits up
+front; any other one is refused at load time, naming the tensor).
+
 Because GDN value head j reads key head j // (HV / H) and attention query head i reads KV head
 i // (HQ / HKV), contiguous shares keep each rank's heads self-contained: the local model is the
 unchanged model class built with `local_config` (fewer heads, narrower MLPs, a vocab share).
@@ -38,6 +43,7 @@ import torch
 from forkpoint.config import ModelConfig
 from forkpoint.distributed.mamba2_sharding import check_mamba2_shardable, mamba2_local_config, mamba2_pieces
 from forkpoint.distributed.shares import Pieces, kv_rows, share
+from forkpoint.models.fp8_modules import SCALE_SUFFIX
 
 
 def check_shardable(config: ModelConfig, world: int) -> None:
@@ -61,6 +67,33 @@ def check_shardable(config: ModelConfig, world: int) -> None:
     if kv % world and world % kv:
         raise ValueError(f"tensor_parallel_size {world} and the model's {kv} KV heads: one must divide the other "
                          "(KV heads are split, or replicated when fewer than the ranks)")
+    if config.quantization is not None:
+        _check_fp8_shardable(config, world)
+
+
+def _check_fp8_shardable(config: ModelConfig, world: int) -> None:
+    """Every rank's share of the usually-FP8 projections must be whole FP8 blocks (rows of bn for a
+    column-parallel split, columns of bk for a row-parallel one)."""
+    bn, bk = config.quantization.block
+    c = config
+    kv_share = c.num_key_value_heads * c.head_dim // world if c.num_key_value_heads >= world else c.head_dim
+    rows = {"GDN key heads (in_proj_qkv)": c.linear_num_key_heads * c.linear_key_head_dim // world,
+            "GDN value heads (in_proj_qkv, in_proj_z)": c.linear_num_value_heads * c.linear_value_head_dim // world,
+            "attention q_proj": 2 * c.num_attention_heads * c.head_dim // world, "attention k_proj / v_proj": kv_share,
+            "intermediate_size": c.intermediate_size // world,
+            "moe_intermediate_size": c.moe_intermediate_size // world,
+            "shared_expert_intermediate_size": c.shared_expert_intermediate_size // world}
+    cols = {"GDN out_proj": c.linear_num_value_heads * c.linear_value_head_dim // world,
+            "attention o_proj": c.num_attention_heads * c.head_dim // world,
+            "intermediate_size (down_proj)": c.intermediate_size // world,
+            "moe_intermediate_size (down_proj)": c.moe_intermediate_size // world,
+            "shared_expert_intermediate_size (down_proj)": c.shared_expert_intermediate_size // world}
+    for sizes, unit, what in ((rows, bn, "rows"), (cols, bk, "columns")):
+        for name, size in sizes.items():
+            if size % unit:
+                raise ValueError(f"tensor_parallel_size {world} gives each rank {size} {what} of the {name}, not a "
+                                 f"multiple of the FP8 block's {unit}: choose a tensor_parallel_size whose shares "
+                                 "fill whole blocks")
 
 
 @dataclass(frozen=True)
@@ -102,6 +135,8 @@ class ShardLayout:
         c = self.config
         if name.startswith(("visual.", "model.visual.")):
             return None  # the vision tower is whole (on rank 0)
+        if name.endswith(SCALE_SUFFIX) and c.quantization is not None:
+            return self._scale_pieces(name, shape)
         if c.mamba2 is not None:
             return mamba2_pieces(c, self.rank, self.world, name, shape)
         leaf, kind = name.split(".")[-2], name.split(".")[-1]
@@ -139,6 +174,22 @@ class ShardLayout:
             if leaf == "down_proj":
                 return Pieces(1, (self._part(shape[1]),))
         return None
+
+    def _scale_pieces(self, name: str, shape: tuple[int, ...]) -> Pieces | None:
+        """The pieces of an FP8 weight's block scales [..., rows, cols]: its weight's pieces (that weight
+        taken as [..., rows * bn, cols * bk]: exact where it is split, `check_shardable` having made the
+        splits whole blocks) divided by the block; ValueError when a piece would cut a block."""
+        block = self.config.quantization.block
+        weight_shape = (*shape[:-2], shape[-2] * block[0], shape[-1] * block[1])
+        pieces = self.pieces(name[: -len(SCALE_SUFFIX)], weight_shape)
+        if pieces is None:
+            return None
+        unit = block[0] if pieces.dim == len(shape) - 2 else block[1]
+        if any(start % unit or stop % unit for start, stop in pieces.ranges):
+            raise ValueError(f"tensor_parallel_size {self.world} splits {name[: -len(SCALE_SUFFIX)]} at "
+                             f"{[list(r) for r in pieces.ranges]}, inside its FP8 blocks of {unit}: choose a "
+                             "tensor_parallel_size whose shares fill whole blocks")
+        return Pieces(pieces.dim, tuple((start // unit, stop // unit) for start, stop in pieces.ranges))
 
     def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full tensor `full` (a view when contiguous ranges allow)."""

@@ -110,7 +110,8 @@ class LLMEngine:
             model_path = ensure_default_model()
             logger.warning(DEFAULT_MODEL_NOTICE)
         self.model_path = model_path
-        self.model_config = ModelConfig.from_hf_dir(model_path)
+        self.model_config = ModelConfig.from_hf_dir(model_path).with_quantization(config.quantization,
+                                                                                 config.load_format)
         self.generation_defaults = GenerationDefaults.from_model_dir(model_path)
         marker = config.checkpoint_token if config.enable_checkpoints else None
         loaded = load_tokenizer(Path(config.tokenizer) if config.tokenizer else model_path, checkpoint_token=marker)

@@ -8,7 +8,7 @@ Ops: ``gated_delta`` (Gated DeltaNet), ``ssd`` (Mamba2's SSD scan), ``conv1d`` (
 ``attention`` (paged KV), ``moe`` (routed experts), and the fused elementwise glue: ``norms``
 (RMSNorm, optional residual add; gated RMSNorm), ``activation`` (SwiGLU, the attention's sigmoid
 gate), ``rotary`` (rotary embedding; Qwen3.5's q/k norm + rotary), ``gating`` (GDN decay and beta); ``dense``
-(decode-sized projections, F.linear). Contracts:
+(decode-sized projections, F.linear); ``fp8`` (projections and experts with block-wise FP8 weights). Contracts:
 ``docs/INTERFACES.md``, "Kernels".
 """
 
@@ -24,7 +24,7 @@ logger = logging.getLogger("forkpoint.kernels")
 GPU_VARIANTS = (
     ("gated_delta", "fla"), ("gated_delta", "triton"), ("conv1d", "triton"), ("attention", "triton"),
     ("moe", "grouped"), ("moe", "router"), ("norms", "triton"), ("activation", "triton"), ("gating", "triton"),
-    ("rotary", "triton"), ("ssd", "fla"), ("ssd", "triton"), ("dense", "triton"),
+    ("rotary", "triton"), ("ssd", "fla"), ("ssd", "triton"), ("dense", "triton"), ("fp8", "triton"),
 )
 
 

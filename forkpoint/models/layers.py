@@ -5,12 +5,17 @@ All modules take packed token-major activations `x: [T, hidden]` (no batch dimen
 
 from __future__ import annotations
 
+import itertools
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from forkpoint.config import ModelConfig
 from forkpoint.kernels.activation import silu_and_mul
 from forkpoint.kernels.dense import linear
+from forkpoint.kernels.fp8 import fp8_linear, fused_moe_fp8
+from forkpoint.kernels.fp8.reference import FP8_DTYPE, block_scale_shape
 from forkpoint.kernels.moe import fused_moe, topk_softmax
 from forkpoint.kernels.norms import gated_rms_norm, rms_norm
 
@@ -86,8 +91,69 @@ def mrope_axes(half: int, mrope_section: tuple[int, int, int], device: torch.dev
     return axis
 
 
+def make_fp8(module: nn.Module, block: tuple[int, int]) -> None:
+    """Turn `module`'s 2-D `weight` [N, K] into a block-wise FP8 weight, in place (on the meta device,
+    before the weights are materialised): `weight` becomes float8_e4m3fn [N, K] and `weight_scale_inv`
+    float32 [ceil(N / bn), ceil(K / bk)] is registered after it (the checkpoints' names), `weight_block`
+    = block. `apply_linear` and the stacked projections then run it through `kernels.fp8`."""
+    weight = module.weight
+    module.weight = nn.Parameter(torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device),
+                                 requires_grad=False)
+    module.weight_scale_inv = nn.Parameter(
+        torch.empty(block_scale_shape(tuple(weight.shape), block), dtype=torch.float32, device=weight.device),
+        requires_grad=False)
+    module.weight_block = block
+
+
+def fp8_block(module: nn.Module) -> tuple[int, int] | None:
+    """The FP8 block shape (bn, bk) of a module that `make_fp8` converted; None for a plain one."""
+    return getattr(module, "weight_block", None)
+
+
+class Fp8Linear(nn.Linear):
+    """An `nn.Linear` whose weight is block-wise FP8 (`make_fp8`); `forward(x)` = `apply_linear(self, x)`."""
+
+    @classmethod
+    def from_linear(cls, plain: nn.Linear, block: tuple[int, int]) -> Fp8Linear:
+        """The FP8 twin of `plain` (on its device, normally meta: nothing is allocated), its bias kept."""
+        module = cls(plain.in_features, plain.out_features, bias=False, device=plain.weight.device,
+                     dtype=plain.weight.dtype)
+        module.bias = plain.bias
+        make_fp8(module, block)
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return apply_linear(self, x)
+
+
+def apply_linear(module: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] through `module`'s projection (weight [N, K], optional bias [N]) -> [T, N] in x.dtype,
+    written into `out` when given: `kernels.dense.linear` for a plain weight (`out` contiguous),
+    `kernels.fp8.fp8_linear` for a block-wise FP8 one (`out` may be a column range of a wider buffer)."""
+    block = fp8_block(module)
+    if block is None:
+        return linear(x, module.weight, module.bias, out)
+    return fp8_linear(x, module.weight, module.weight_scale_inv, block, module.bias, out)
+
+
 # Stacked projection weights get zero rows up to a multiple of this (16-byte output rows in bf16)
 STACK_ROW_MULTIPLE = 8
+
+
+class _StackRun(NamedTuple):
+    """One GEMM of a stack: consecutive stacked projections of one kind (plain, or FP8 with one block)."""
+
+    weight: torch.Tensor  # [rows, K], model dtype or e4m3
+    scale: torch.Tensor | None  # FP8: the block scales of `weight`
+    bias: torch.Tensor | None  # [rows]
+    block: tuple[int, int] | None
+    start: int  # the run's first column of the stacked output
+
+
+class _Stack(NamedTuple):
+    runs: tuple[_StackRun, ...]
+    outputs: tuple[tuple[int, int], ...]  # (first column, width) of each projection's output
+    width: int  # columns of the stacked output (a multiple of STACK_ROW_MULTIPLE)
 
 
 class StackedProjections(nn.Module):
@@ -103,11 +169,17 @@ class StackedProjections(nn.Module):
     final device and dtype). `project_stacked(x)`, x [T, K], then returns the projections' outputs
     [T, N_i] as column views of one GEMM output (row stride stacked_width(); the kernels that read
     them take row strides), written into `out` [T, stacked_width()] when given (the piecewise
-    forward's static buffer: runner/piecewise.py)."""
+    forward's static buffer: runner/piecewise.py).
+
+    Block-wise FP8 projections (`make_fp8`) stack the same way, their scales too; a projection whose
+    rows do not fill its last block gets zero rows up to the block before the next one (so that
+    each block keeps one scale), and those output columns are skipped. When a stack mixes FP8 and
+    plain projections (Qwen's FP8 releases keep the router, the shared expert's gate and the GDN's
+    b / a projections unquantised), each run of one kind is one GEMM into its columns of the output."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._stack: tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]] | None = None
+        self._stack: _Stack | None = None
 
     def stacked_linears(self) -> tuple[nn.Module, ...]:
         """The modules (each with `weight` [N_i, K] and optionally `bias` [N_i]) whose outputs
@@ -123,38 +195,89 @@ class StackedProjections(nn.Module):
     @torch.no_grad()
     def stack_projections(self) -> None:
         linears = self.stacked_linears()
-        sizes = tuple(m.weight.shape[0] for m in linears)
-        pad = -sum(sizes) % STACK_ROW_MULTIPLE
-        first = linears[0].weight
-        weight = torch.cat([m.weight.detach() for m in linears] + [first.new_zeros(pad, first.shape[1])])
         biases = [getattr(m, "bias", None) for m in linears]
         if any(b is None for b in biases) and not all(b is None for b in biases):
             raise ValueError(f"{type(self).__name__}: the stacked projections must all have a bias or none")
-        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases] + [biases[0].new_zeros(pad)])
-        for i, (m, w) in enumerate(zip(linears, weight.split(sizes + (pad,)))):
-            m.weight = nn.Parameter(w, requires_grad=False)
-            if bias is not None:
-                m.bias = nn.Parameter(bias.split(sizes + (pad,))[i], requires_grad=False)
-        self._stack = (weight, bias, sizes + (pad,))
+        groups = [list(group) for _, group in itertools.groupby(linears, key=fp8_block)]
+        runs, outputs, start = [], [], 0
+        for i, group in enumerate(groups):
+            run, offsets = _stack_run(group, start, last=i == len(groups) - 1)
+            runs.append(run)
+            outputs += [(start + offset, m.weight.shape[0]) for m, offset in zip(group, offsets)]
+            start += run.weight.shape[0]
+        self._stack = _Stack(tuple(runs), tuple(outputs), start)
 
     def stacked_width(self) -> int:
         """Columns of the stacked GEMM output: sum N_i, plus the zero rows that round it up to a
-        multiple of STACK_ROW_MULTIPLE."""
-        return sum(self._stacked()[2])
+        multiple of STACK_ROW_MULTIPLE (and, for FP8 projections, to their blocks)."""
+        return self._stacked().width
 
-    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
+    def _stacked(self) -> _Stack:
         if self._stack is None:
             raise RuntimeError(f"{type(self).__name__}.stack_projections() was not called after loading the weights")
         return self._stack
 
     def project_stacked(self, x: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """x: [T, K] -> the projections' outputs [T, N_i], column views of one GEMM output: a new
-        tensor, or `out` [T, sum N_i] (contiguous) when given. The same GEMM either way
+        tensor, or `out` [T, stacked_width()] (contiguous) when given. The same GEMM either way
         (`kernels.dense.linear`: a decode-sized kernel for few rows on CUDA, else F.linear, which is
-        addmm / mm for 2-D inputs)."""
-        weight, bias, sizes = self._stacked()
-        y = linear(x, weight, bias, out)
-        return y.split(sizes, dim=-1)[:-1]  # the last split is the padding
+        addmm / mm for 2-D inputs; `kernels.fp8.fp8_linear` for FP8 weights). A mixed stack runs one
+        GEMM per run into its columns."""
+        stack = self._stacked()
+        if len(stack.runs) == 1:
+            y = _run_gemm(stack.runs[0], x, out)
+        else:
+            y = x.new_empty(x.shape[0], stack.width) if out is None else out
+            for run in stack.runs:
+                _run_gemm(run, x, y[:, run.start : run.start + run.weight.shape[0]])
+        return tuple(y[:, start : start + width] for start, width in stack.outputs)
+
+
+def _stack_run(group: list[nn.Module], start: int, *, last: bool) -> tuple[_StackRun, list[int]]:
+    """Concatenate one run's weights (and scales, biases) and turn each module's parameters into row
+    views of them. Returns the run and each module's first row in it. FP8 modules but the last are
+    padded to their block's rows; the last run is padded to STACK_ROW_MULTIPLE (total columns)."""
+    block = fp8_block(group[0])
+    first = group[0].weight
+    pads = [0 if block is None or j == len(group) - 1 else -m.weight.shape[0] % block[0] for j, m in enumerate(group)]
+    rows = sum(m.weight.shape[0] for m in group) + sum(pads)
+    if last:
+        pads[-1] += -(start + rows) % STACK_ROW_MULTIPLE
+    weight = torch.cat([t for m, pad in zip(group, pads) for t in (m.weight.detach(), _zero_rows(first, pad))])
+    sizes = [n for m, pad in zip(group, pads) for n in (m.weight.shape[0], pad)]
+    starts = [sum(sizes[: 2 * j]) for j in range(len(group))]
+    bias = None
+    if getattr(group[0], "bias", None) is not None:
+        bias = torch.cat([t for m, pad in zip(group, pads) for t in (m.bias.detach(), m.bias.new_zeros(pad))])
+    scale = None
+    if block is not None:
+        scale = torch.cat([m.weight_scale_inv.detach() for m in group])
+        missing = -(-weight.shape[0] // block[0]) - scale.shape[0]  # the last module's padding past its blocks
+        scale = torch.cat([scale, scale.new_ones(missing, scale.shape[1])])
+    for j, m in enumerate(group):
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[starts[j] : starts[j] + n], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[starts[j] : starts[j] + n], requires_grad=False)
+        if block is not None:
+            first_block = starts[j] // block[0]
+            m.weight_scale_inv = nn.Parameter(scale[first_block : first_block + -(-n // block[0])],
+                                              requires_grad=False)
+    return _StackRun(weight, scale, bias, block, start), starts
+
+
+def _zero_rows(like: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows, K] zeros of `like`'s dtype (e4m3 zeros are exact zeros)."""
+    return torch.zeros(rows, like.shape[1], dtype=like.dtype, device=like.device)
+
+
+def _run_gemm(run: _StackRun, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """One run's GEMM into `out` (contiguous, or a column range of the stacked output)."""
+    if run.block is not None:
+        return fp8_linear(x, run.weight, run.scale, run.block, run.bias, out)
+    if out is None or out.is_contiguous():
+        return linear(x, run.weight, run.bias, out)
+    return out.copy_(linear(x, run.weight, run.bias))
 
 
 def stack_all_projections(model: nn.Module) -> None:
@@ -186,7 +309,7 @@ class DenseMLP(StackedProjections):
     def finish(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """gate, up: [T, intermediate] (the gate and up projections, rows may be strided) -> down
         projection of silu(gate) * up, [T, hidden]."""
-        return linear(silu_and_mul(gate, up), self.down_proj.weight, self.down_proj.bias)
+        return apply_linear(self.down_proj, silu_and_mul(gate, up))
 
 
 class TopKRouter(nn.Module):
@@ -206,12 +329,35 @@ class TopKRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts stored fused: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+    """Routed experts stored fused: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+
+    `make_fp8` turns both into block-wise FP8 (with `gate_up_proj_scale_inv` [E, ceil(2I / bn),
+    ceil(H / bk)] and `down_proj_scale_inv` [E, ceil(H / bn), ceil(I / bk)] float32)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.weight_block: tuple[int, int] | None = None
+
+    def make_fp8(self, block: tuple[int, int]) -> None:
+        """Both weights to float8_e4m3fn with their block scales (on the meta device, before loading)."""
+        for name in ("gate_up_proj", "down_proj"):
+            shape = getattr(self, name).shape
+            device = getattr(self, name).device
+            setattr(self, name, nn.Parameter(torch.empty(shape, dtype=FP8_DTYPE, device=device), requires_grad=False))
+            setattr(self, f"{name}_scale_inv", nn.Parameter(
+                torch.empty(block_scale_shape(tuple(shape), block), dtype=torch.float32, device=device),
+                requires_grad=False))
+        self.weight_block = block
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, **extras) -> torch.Tensor:
+        """`kernels.moe.fused_moe` (or `kernels.fp8.fused_moe_fp8`) of these experts; `extras`: shared,
+        shared_gate, residual."""
+        if self.weight_block is None:
+            return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, **extras)
+        return fused_moe_fp8(x, self.gate_up_proj, self.gate_up_proj_scale_inv, self.down_proj,
+                             self.down_proj_scale_inv, self.weight_block, topk_weights, topk_ids, **extras)
 
 
 class SparseMoE(StackedProjections):
@@ -234,9 +380,8 @@ class SparseMoE(StackedProjections):
         given (the pre-norm residual add of the layer, fused into the routed combine on CUDA)."""
         shared_up_gate, shared_up, logits, shared_gate = self.project_stacked(x)
         top_w, top_ids = self.gate.select(logits)
-        return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, top_w, top_ids,
-                         shared=self.shared_expert.finish(shared_up_gate, shared_up), shared_gate=shared_gate,
-                         residual=residual)
+        return self.experts(x, top_w, top_ids, shared=self.shared_expert.finish(shared_up_gate, shared_up),
+                            shared_gate=shared_gate, residual=residual)
 
     def stacked_linears(self) -> tuple[nn.Module, ...]:
         return *self.shared_expert.stacked_linears(), self.gate, self.shared_expert_gate

@@ -11,7 +11,10 @@ Layout conversions handled here:
 - Qwen3-Next's grouped `in_proj_qkvz` / `in_proj_ba` into Qwen3.5's flat q|k|v, z, b, a;
 - any other per-expert tensor `<base>.experts.{e}.<proj>.weight` into row e of the model's stacked
   `<base>.experts.<proj>` [E, ...] (Nemotron-H's `up_proj` / `down_proj`);
-- Nemotron-H's `backbone.` prefix (`ModelConfig.weight_prefix`) into `model.`.
+- Nemotron-H's `backbone.` prefix (`ModelConfig.weight_prefix`) into `model.`;
+- block-wise FP8 checkpoints (`ModelConfig.quantization`): the modules with `*_scale_inv` tensors are
+  made FP8 before loading (models/fp8_modules.py) and their e4m3 weights and float32 scales are
+  copied as stored; per-expert and grouped scales follow their weights' rows in block units.
 
 The model class comes from `forkpoint.models.registry` (HF `model_type` / `architectures`).
 """
@@ -28,14 +31,17 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from forkpoint.config import ModelConfig
+from forkpoint.kernels.fp8.reference import FP8_DTYPE, quantize_blocks
+from forkpoint.models.fp8_modules import SCALE_SUFFIX, checkpoint_fp8_modules, convert_to_fp8, dummy_fp8_modules
 from forkpoint.models.layers import stack_all_projections
 from forkpoint.models.registry import model_class
 
 _SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.vision_tower.")
 _VISION_PREFIX = "model.visual."
-_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(
+    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
 _STACKED_EXPERT = re.compile(r"^(.+\.experts)\.(\d+)\.(\w+)\.weight$")
-_GROUPED_QKVZ = re.compile(r"^(model\.layers\.\d+\.linear_attn)\.in_proj_(qkvz|ba)\.weight$")
+_GROUPED_QKVZ = re.compile(r"^(model\.layers\.\d+\.linear_attn)\.in_proj_(qkvz|ba)\.weight(_scale_inv)?$")
 
 # read(name, lazy) -> tensor: `lazy` is a safetensors slice (`get_shape()`, indexing reads only the
 # indexed part), `name` the checkpoint tensor's name with the weight prefix already mapped to `model.`
@@ -56,6 +62,7 @@ def build_model(config: ModelConfig, path: Path | None, load_format: str, device
     with torch.device("meta"):
         model = model_class(config)(config, with_vision=with_vision)
     model = to_model_dtype(model, dtype)
+    prepare_fp8(model, config, path, load_format)
     model.to_empty(device=device)
     model.init_buffers(device)
     if load_format == "dummy":
@@ -82,11 +89,59 @@ def to_model_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
+def prepare_fp8(model: nn.Module, config: ModelConfig, path: Path | None, load_format: str) -> None:
+    """Make the modules FP8 that the checkpoint at `path` stores in FP8 (or, for dummy weights, those of
+    `fp8_modules.dummy_fp8_modules`), on the meta-device model in its dtype. ValueError when the
+    checkpoint's scales and config.json's quantization_config disagree."""
+    quantization = config.quantization
+    if load_format == "dummy" or path is None:
+        if quantization is not None:
+            convert_to_fp8(model, dummy_fp8_modules(model, config, quantization), quantization.block)
+        return
+    names = [name for file in _checkpoint_files(path) for name in _tensor_names(file)]
+    modules = checkpoint_fp8_modules(names, config)
+    if quantization is None:
+        if modules:
+            raise ValueError(f"checkpoint {path} has FP8 scales (e.g. for {sorted(modules)[0]}) but config.json has "
+                             "no quantization_config: add the quantization_config the weights were saved with")
+        return
+    if not modules:
+        raise ValueError(f"config.json of {path} declares FP8 weights (quantization_config) but the checkpoint has "
+                         f"no *{SCALE_SUFFIX} tensors: the weights and the config do not belong together")
+    convert_to_fp8(model, modules, quantization.block)
+
+
+def _tensor_names(file: Path) -> list[str]:
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            return list(handle.keys())
+    except (OSError, SafetensorError) as err:
+        raise ValueError(f"cannot read weights file {file}: {err}") from err
+
+
 def _init_dummy(model: nn.Module, seed: int) -> None:
     """Seeded random weights on the target device, with realistic scales (as vLLM's dummy format)."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for name, param in model.named_parameters():
-        fill_dummy(name, param.data, generator, centred_norms=model.config.mamba2 is None)
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        if name.endswith(SCALE_SUFFIX):
+            continue  # filled with its weight
+        if param.dtype == FP8_DTYPE:
+            scale = params[name + SCALE_SUFFIX]
+            fill_dummy_fp8(param.data, scale.data, model.config.quantization.block, generator)
+        else:
+            fill_dummy(name, param.data, generator, centred_norms=model.config.mamba2 is None)
+
+
+def fill_dummy_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                   generator: torch.Generator) -> None:
+    """An FP8 weight's dummy values: normal(0, 0.02) drawn in fp32 from `generator` (as a plain weight's),
+    quantised in blocks (`kernels.fp8.reference.quantize_blocks`) into weight (e4m3) and scale_inv."""
+    values = torch.empty(weight.shape, dtype=torch.float32, device=weight.device).normal_(0.0, 0.02,
+                                                                                          generator=generator)
+    q, scale = quantize_blocks(values, block)
+    weight.copy_(q)
+    scale_inv.copy_(scale)
 
 
 def fill_dummy(name: str, tensor: torch.Tensor, generator: torch.Generator, *, centred_norms: bool) -> None:
@@ -142,24 +197,36 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, object, Path]]:
             raise ValueError(f"cannot read weights file {file}: {err}") from err
 
 
-def _split_grouped(config: ModelConfig, kind: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+def _split_grouped(config: ModelConfig, kind: str, weight: torch.Tensor, unit: int = 1) -> dict[str, torch.Tensor]:
     """Qwen3-Next grouped rows -> flat Qwen3.5 rows.
 
     in_proj_qkvz rows: per key head g: [q_g (K), k_g (K), v_g (r*V), z_g (r*V)] with r = HV/H;
     flat layout: [q_0..q_{H-1}, k_0.., v_0..] and z separately. in_proj_ba rows: per key head
-    [b (r), a (r)].
+    [b (r), a (r)]. `unit` rows of the stored tensor stand for one block of `unit` weight rows (an FP8
+    weight's scales: unit = the block's rows), so every part must fill whole blocks.
     """
     heads, dk, dv = config.linear_num_key_heads, config.linear_key_head_dim, config.linear_value_head_dim
     ratio = config.linear_num_value_heads // heads
-    hidden = weight.shape[-1]
+    parts = [dk, dk, ratio * dv, ratio * dv] if kind == "qkvz" else [ratio, ratio]
+    if any(part % unit for part in parts):
+        raise ValueError(f"in_proj_{kind} of this Qwen3-Next checkpoint is FP8 with {unit}-row blocks, which do not "
+                         f"align with its per-head parts of {parts} rows: forkpoint cannot regroup those blocks")
+    parts = [part // unit for part in parts]
+    cols = weight.shape[-1]
+    grouped = weight.reshape(heads, sum(parts), cols)
     if kind == "qkvz":
-        grouped = weight.reshape(heads, 2 * dk + 2 * ratio * dv, hidden)
-        q, k, v, z = torch.split(grouped, [dk, dk, ratio * dv, ratio * dv], dim=1)
-        qkv = torch.cat([q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)], dim=0)
-        return {"in_proj_qkv": qkv, "in_proj_z": z.reshape(-1, hidden)}
-    grouped = weight.reshape(heads, 2 * ratio, hidden)
-    b, a = torch.split(grouped, [ratio, ratio], dim=1)
-    return {"in_proj_b": b.reshape(-1, hidden), "in_proj_a": a.reshape(-1, hidden)}
+        q, k, v, z = torch.split(grouped, parts, dim=1)
+        qkv = torch.cat([q.reshape(-1, cols), k.reshape(-1, cols), v.reshape(-1, cols)], dim=0)
+        return {"in_proj_qkv": qkv, "in_proj_z": z.reshape(-1, cols)}
+    b, a = torch.split(grouped, parts, dim=1)
+    return {"in_proj_b": b.reshape(-1, cols), "in_proj_a": a.reshape(-1, cols)}
+
+
+def _block_rows(config: ModelConfig, name: str) -> int:
+    """Rows of one FP8 block (the scale tensor `name` needs a quantization_config)."""
+    if config.quantization is None:
+        raise ValueError(f"checkpoint tensor {name} is an FP8 scale but config.json has no quantization_config")
+    return config.quantization.block[0]
 
 
 def load_safetensors(model: nn.Module, config: ModelConfig, path: Path, read: TensorReader = read_whole) -> None:
@@ -182,6 +249,9 @@ def load_safetensors(model: nn.Module, config: ModelConfig, path: Path, read: Te
             unexpected.append(name)
             return
         target = param.data[index] if index else param.data
+        if (tensor.dtype == FP8_DTYPE) != (target.dtype == FP8_DTYPE):
+            raise ValueError(f"{name} is {tensor.dtype} in the checkpoint but the model holds it as {target.dtype}: "
+                             f"an FP8 weight needs its *{SCALE_SUFFIX} tensor, and only FP8 weights have one")
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(
                 f"shape mismatch for {name}{list(index) if index else ''}: checkpoint {tuple(tensor.shape)}, "
@@ -222,19 +292,24 @@ def load_safetensors(model: nn.Module, config: ModelConfig, path: Path, read: Te
             expert_needed[key] = params[key].shape[0]
         elif expert:
             base, index, kind = expert.group(1), int(expert.group(2)), expert.group(3)
-            inter = config.moe_intermediate_size
+            suffix, unit = (SCALE_SUFFIX, _block_rows(config, name)) if expert.group(4) else ("", 1)
             if kind == "down_proj":
-                assign(f"{base}.down_proj", tensor, (index,))
-                key = f"{base}.down_proj"
+                key = f"{base}.down_proj{suffix}"
+                assign(key, tensor, (index,))
             else:
+                if config.moe_intermediate_size % unit:
+                    raise ValueError(f"{raw_name}: the experts' {config.moe_intermediate_size} rows do not fill the "
+                                     f"FP8 blocks of {unit} rows, so gate and up cannot share one scale grid")
+                inter = config.moe_intermediate_size // unit
                 rows = slice(0, inter) if kind == "gate_proj" else slice(inter, 2 * inter)
-                assign(f"{base}.gate_up_proj", tensor, (index, rows))
-                key = f"{base}.gate_up_proj"
+                key = f"{base}.gate_up_proj{suffix}"
+                assign(key, tensor, (index, rows))
             expert_parts[key] = expert_parts.get(key, 0) + 1
             expert_needed[key] = config.num_experts * (1 if kind == "down_proj" else 2)
         elif grouped:
-            for part, value in _split_grouped(config, grouped.group(2), tensor).items():
-                assign(f"{grouped.group(1)}.{part}.weight", value)
+            suffix, unit = (SCALE_SUFFIX, _block_rows(config, name)) if grouped.group(3) else ("", 1)
+            for part, value in _split_grouped(config, grouped.group(2), tensor, unit).items():
+                assign(f"{grouped.group(1)}.{part}.weight{suffix}", value)
         else:
             assign(name, tensor)
 

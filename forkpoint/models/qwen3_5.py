@@ -29,7 +29,6 @@ from forkpoint.cache.state_pool import RecurrentStateSpec
 from forkpoint.config import ModelConfig
 from forkpoint.kernels.activation import sigmoid_gate_mul
 from forkpoint.kernels.conv1d import causal_conv1d_step_inplace, causal_conv1d_varlen
-from forkpoint.kernels.dense import linear
 from forkpoint.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule_inplace
 from forkpoint.kernels.gating import gdn_gating
 from forkpoint.kernels.rotary import qk_norm_rotary_
@@ -41,6 +40,7 @@ from forkpoint.models.layers import (
     RotaryEmbedding,
     SparseMoE,
     StackedProjections,
+    apply_linear,
     mrope_axes,
 )
 from forkpoint.models.recurrent import two_phase_core
@@ -174,7 +174,7 @@ class GatedDeltaNet(StackedProjections):
     def finish(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """core, z: [T, HV, V] -> [T, hidden]: gated norm and output projection. Token-wise."""
         num_tokens = core.shape[0]
-        return linear(self.norm(core, z).reshape(num_tokens, self.value_dim), self.out_proj.weight, self.out_proj.bias)
+        return apply_linear(self.out_proj, self.norm(core, z).reshape(num_tokens, self.value_dim))
 
 
 class GatedAttention(StackedProjections):
@@ -226,7 +226,7 @@ class GatedAttention(StackedProjections):
         """core: [T, HQ, Dh]; gate: [T, HQ, Dh] (a strided view) -> o_proj(core * sigmoid(gate))
         [T, hidden], the gate in fp32 with one rounding (one kernel on CUDA). Token-wise."""
         out = sigmoid_gate_mul(core, gate)
-        return linear(out.flatten(1), self.o_proj.weight, self.o_proj.bias)
+        return apply_linear(self.o_proj, out.flatten(1))
 
 
 class DecoderLayer(nn.Module):

@@ -87,7 +87,7 @@ def test_stacked_projections_are_views_of_one_weight_with_the_checkpoint_names()
     with pytest.raises(RuntimeError, match="stack_projections"):
         mlp(x)
     mlp.stack_projections()
-    stacked = mlp._stack[0]
+    stacked = mlp._stack.runs[0].weight
     assert mlp.gate_proj.weight.data_ptr() == stacked.data_ptr()
     assert mlp.up_proj.weight.data_ptr() == stacked.data_ptr() + 40 * 16 * stacked.element_size()
     after = mlp.state_dict()
@@ -113,7 +113,7 @@ def test_stacked_rows_are_padded_to_aligned_output_rows_with_the_views_unchanged
     stack_all_projections(moe)
     assert shared._stack is None
     assert moe.stacked_width() == 24 and moe.stacked_width() % STACK_ROW_MULTIPLE == 0
-    assert torch.equal(moe._stack[0][21:], torch.zeros(3, x.shape[1]))
+    assert torch.equal(moe._stack.runs[0].weight[21:], torch.zeros(3, x.shape[1]))
     assert all(torch.equal(v, state[k]) for k, v in moe.state_dict().items())
     outputs = moe.project_stacked(x)
     for got, want in zip(outputs, expected, strict=True):
