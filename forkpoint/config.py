@@ -324,8 +324,13 @@ class EngineConfig:
     CPU (on CUDA, `gpu_memory_utilization` of the free memory is split between them).
     """
 
+    # a local directory or a Hugging Face Hub name (`LLM` resolves names with inputs/hub.py): `revision`
+    # and `tokenizer_revision` pick a branch, tag or commit, `download_dir` the Hub cache to use
     model: str | None = None
     tokenizer: str | None = None
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0

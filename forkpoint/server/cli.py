@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     http.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     http.add_argument("--served-model-name", default=None,
-                      help=f"model id in the API (default: the model directory's name, or {DEFAULT_MODEL_NAME})")
+                      help="model id in the API (default: the Hub name as given, the model directory's name, or "
+                           f"{DEFAULT_MODEL_NAME})")
     http.add_argument("--max-waiting-requests", type=int, default=ServerConfig.max_waiting_requests,
                       help="prompts allowed to wait for their first token; beyond it requests get 503 with "
                            f"Retry-After (default: {ServerConfig.max_waiting_requests})")
@@ -135,9 +136,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _model_name(model: str | None) -> str:
+    """The served name: a local directory's name, a Hub name as given (as vLLM serves it)."""
     if model is None:
         return DEFAULT_MODEL_NAME
-    return Path(model).name or model
+    path = Path(model).expanduser()
+    return (path.name or model) if path.exists() else model
 
 
 def main(argv: Sequence[str] | None = None) -> int:

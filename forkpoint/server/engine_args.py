@@ -12,12 +12,21 @@ from typing import Any
 def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, title: str = "engine") -> None:
     """The engine options (the keyword arguments of `LLM`)."""
     group = parser.add_argument_group(title)
-    model_help = "local Hugging Face model directory (default: the embedded random-weight Qwen3.5-MoE model)"
+    model_help = ("local Hugging Face model directory or Hub name such as Qwen/Qwen3.5-35B-A3B, downloaded into the "
+                  "Hub cache (HF_HUB_OFFLINE=1: the cache only) (default: the embedded random-weight Qwen3.5-MoE "
+                  "model)")
     if positional_model:
         parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help=model_help)
     else:
         group.add_argument("--model", default=None, help=model_help)
-    group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    group.add_argument("--tokenizer", default=None, help="tokenizer directory or Hub name (default: the model's)")
+    group.add_argument("--revision", default=None,
+                       help="branch, tag or commit of a Hub model (default: main)")
+    group.add_argument("--tokenizer-revision", default=None,
+                       help="branch, tag or commit of a Hub tokenizer (default: main)")
+    group.add_argument("--download-dir", default=None,
+                       help="Hub cache directory to read and download models into (default: HF_HUB_CACHE, else "
+                            "~/.cache/huggingface/hub)")
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="weights and activations dtype; auto is float32 on CPU, bfloat16 on CUDA (default: auto)")
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
@@ -61,7 +70,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`LLM(**engine_kwargs(args))`."""
     return dict(
-        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, seed=args.seed,
+        model=args.model, tokenizer=args.tokenizer, revision=args.revision,
+        tokenizer_revision=args.tokenizer_revision, download_dir=args.download_dir, dtype=args.dtype,
+        device=args.device, seed=args.seed,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_checkpoints=not args.no_checkpoints, checkpoint_token=args.checkpoint_token,
