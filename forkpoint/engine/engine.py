@@ -126,7 +126,8 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
-        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                        options=config.structured_outputs_config)
 
         vision = self.model_config.vision
         max_images = config.max_images_per_prompt

@@ -6,6 +6,7 @@ neither), so the server's modules import in one direction.
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 
@@ -65,6 +66,22 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
     group.add_argument("--enforce-eager", action="store_true",
                        help="run every step eagerly: no CUDA graphs of the forward's token-wise parts "
                             "(faster start-up, slower small steps; CUDA only)")
+    group.add_argument("--structured-outputs-config", type=_json_object, default=None, metavar="JSON",
+                       help="how JSON schemas read, as vLLM's: '{\"disable_additional_properties\": false}' gives "
+                            "strict JSON Schema semantics (extra properties allowed unless the schema forbids "
+                            "them; default true: only the listed ones, as vLLM's default backend), "
+                            "'{\"disable_any_whitespace\": false}' lets the model put whitespace between JSON "
+                            "tokens (default true: compact JSON)")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object such as '{\"disable_any_whitespace\": false}'")
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -80,4 +97,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enforce_eager=args.enforce_eager, auto_checkpoints=args.auto_checkpoints,
         checkpoint_host_bytes=args.checkpoint_host_bytes, checkpoint_exact=args.checkpoint_exact,
         tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
+        structured_outputs_config=args.structured_outputs_config,
     )
