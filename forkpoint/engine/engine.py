@@ -316,8 +316,11 @@ class LLMEngine:
             self._score_prompts(step, logits[len(sampled):], by_id)
         except Exception as error:
             raise self._fail_steps([step], error) from error
-        self.scheduler.commit(step)
-        return self._record(step, requests, tokens)
+        try:
+            self.scheduler.commit(step)
+            return self._record(step, requests, tokens)
+        except Exception as error:  # commit or output work raised: the step's prompts end, the engine serves on
+            raise self._fail_steps([step], error) from error
 
     def _record(self, step: ScheduledStep, requests: list[Request], tokens: list) -> list[RequestOutput]:
         """A committed step's sampled tokens onto its sequences (a sequence that has ended since it
@@ -378,8 +381,13 @@ class LLMEngine:
             self._launched.clear()
             raise self._fail_steps(failed + ([ahead] if launch_error is not None else []), error) from error
         self._launched.pop(0)
-        self.scheduler.commit(current.step)
-        outputs = self._record(current.step, current.requests, tokens)
+        try:
+            self.scheduler.commit(current.step)
+            outputs = self._record(current.step, current.requests, tokens)
+        except Exception as error:
+            failed = [current.step] + [launched.step for launched in self._launched]
+            self._launched.clear()
+            raise self._fail_steps(failed + ([ahead] if launch_error is not None else []), error) from error
         if launch_error is not None:
             raise self._fail_steps([ahead], launch_error, outputs) from launch_error
         self._complete_idle_steps()
@@ -393,13 +401,14 @@ class LLMEngine:
             launched = self._launched[0]
             try:
                 launched.sampled.result()
+                self._launched.pop(0)
+                self.scheduler.commit(launched.step)
             except Exception as error:
-                failed = [item.step for item in self._launched]
+                failed = ([] if self._launched and self._launched[0] is launched else [launched.step])
+                failed += [item.step for item in self._launched]
                 self._launched.clear()
                 self._fail_steps(failed, error)
                 return
-            self._launched.pop(0)
-            self.scheduler.commit(launched.step)
 
     def _score_prompts(self, step: ScheduledStep, rows: torch.Tensor, by_id: dict[str, Request]) -> None:
         """Prompt logprobs of the step's segments, in packed order: each scored segment's logits rows
@@ -446,7 +455,10 @@ class LLMEngine:
         failed_ids: list[str] = []
         finished: dict[str, _PromptGroup] = {}
         for step in steps:
-            ended = self.scheduler.fail(step)
+            in_flight = any(step is s for s in self.scheduler.in_flight)
+            ended = self.scheduler.fail(step) if in_flight else self._end_committed(step)
+            if not in_flight:  # prompts of the step that left during the failed output work lost their output
+                failed_ids += [i for i in dict.fromkeys(r.parent_id for r in step.requests) if i not in self._groups]
             for request_id in dict.fromkeys(r.parent_id for r in ended):
                 group = self._groups.pop(request_id)
                 for sequence in group.sequences:
@@ -454,12 +466,20 @@ class LLMEngine:
                         self.scheduler.finish(sequence, "error")
                 self._release(group)
                 failed_ids.append(request_id)
-            finished.update({r.parent_id: self._groups[r.parent_id] for r in step.finished
-                             if r.parent_id in self._groups})
+            reported = step.finished if in_flight else step.requests + step.finished  # + those done before the raise
+            finished.update({r.parent_id: self._groups[r.parent_id] for r in reported if r.parent_id in self._groups})
         self._counters["requests_failed"] += len(failed_ids)
         logger.error("step failed (%s: %s): ended %d request(s): %s", type(error).__name__, error,
                      len(failed_ids), ", ".join(failed_ids))
         return StepFailed(error, failed_ids, (outputs or []) + self._collect(finished))
+
+    def _end_committed(self, step: ScheduledStep) -> list[Request]:
+        """End, with reason "error", the sequences of a step that the scheduler has already committed
+        (the output work after the commit raised); returns those it ended."""
+        ended = [r for r in dict.fromkeys(step.requests) if not r.is_finished]
+        for request in ended:
+            self.scheduler.finish(request, "error")
+        return ended
 
     def _collect(self, touched: dict[str, _PromptGroup]) -> list[RequestOutput]:
         """Outputs of the prompts that progressed; finished prompts leave the engine."""
