@@ -35,6 +35,7 @@ from forkpoint.server.protocol import (
 from forkpoint.server.request_params import (
     sampling_params,
     structured_outputs,
+    template_kwargs,
     tool_constraint,
 )
 from forkpoint.server.responses import (
@@ -142,11 +143,8 @@ class OpenAIServing:
         self.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise invalid_request("top_logprobs needs logprobs: true", param="top_logprobs")
-        kwargs = dict(body.chat_template_kwargs or {})
-        if body.tools is not None:
-            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
         prompt = await self.prompts.from_messages_async(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                                        template_kwargs=kwargs)
+                                                        template_kwargs=template_kwargs(body))
         max_tokens = self._max_tokens(body.max_new_tokens, [prompt], "messages", self.default_max_tokens)
         top = (body.top_logprobs or 0) if body.logprobs else None
         structured, forced = structured_outputs(body), tool_constraint(body)
