@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Scope
 
 from forkpoint.inputs.markers import validate_token_ids
+from forkpoint.inputs.template_sandbox import TemplateLimits, TemplateSandbox
 from forkpoint.llm import LLM
 from forkpoint.server.config import ServerConfig
 from forkpoint.server.errors import (
@@ -78,9 +79,13 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
     )
     max_request_bytes = (config.max_request_bytes if config.max_request_bytes is not None else
                          default_max_request_bytes(tokenizer, engine.max_model_len, takes_images=takes_images))
+    # request-supplied chat templates run in a child process with limits (the rendered prompt may be as
+    # long as a request body), only when the operator trusts them
+    sandbox = (TemplateSandbox(TemplateLimits(max_output_chars=max_request_bytes))
+               if config.trust_request_chat_template else None)
     serving = OpenAIServing(model_name=config.served_model_name, max_model_len=engine.max_model_len,
                             prompts=prompts, worker=worker, admission=admission, metrics=metrics,
-                            default_max_tokens=engine.generation_defaults.max_new_tokens)
+                            default_max_tokens=engine.generation_defaults.max_new_tokens, template_sandbox=sandbox)
     created = int(time.time())
 
     @asynccontextmanager
@@ -99,6 +104,8 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
                     await stats
             await asyncio.to_thread(worker.shutdown, config.shutdown_timeout_s)
             tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+            if sandbox is not None:
+                sandbox.close()
 
     app = FastAPI(title="forkpoint", summary="OpenAI-compatible server with prefix checkpoints", lifespan=lifespan)
     app.state.worker = worker
@@ -178,7 +185,7 @@ def add_openai_routes(app: FastAPI, *, serving: OpenAIServing, prompts: PromptBu
             prompt = await prompts.run(prompts.from_text, body.prompt)
         else:
             prompt = await prompts.from_messages_async(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                                       template_kwargs=template_kwargs(body))
+                                                       template_kwargs=template_kwargs(body, serving.template_sandbox))
         return {"count": len(prompt.token_ids), "max_model_len": max_model_len,
                 "tokens": prompt.token_ids, "checkpoint_positions": list(prompt.checkpoint_positions)}
 

@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--max-request-bytes", type=int, default=None,
                       help="request bodies above this many bytes get 413 before they are read (default: enough "
                            "for any one prompt that fits --max-model-len, written with the worst JSON escaping)")
+    http.add_argument("--trust-request-chat-template", action="store_true",
+                      help="run chat templates that requests supply (chat_template_kwargs.chat_template) in a "
+                           "sandboxed process with time, memory, loop and output limits; without it they get 400")
     http.add_argument("--disable-log-stats", action="store_true",
                       help="no periodic stats line (throughput, queues, pools, checkpoint reuse) in the log")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -96,7 +99,7 @@ def run_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or _model_name(args.model),
         max_waiting_requests=args.max_waiting_requests, marker_policy=MarkerPolicy(args.marker_in_user_content),
         shutdown_timeout_s=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
-        log_stats=not args.disable_log_stats,
+        log_stats=not args.disable_log_stats, trust_request_chat_template=args.trust_request_chat_template,
     )
     if args.data_parallel_size != 1 or args.ray_address is not None:
         from forkpoint.server.replicas.launch import serve_replicas

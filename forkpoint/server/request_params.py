@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from forkpoint.inputs.template_sandbox import SandboxedTemplate, TemplateSandbox
 from forkpoint.sampling_params import SamplingParams, StructuredOutputsParams
 from forkpoint.server.errors import invalid_request
 from forkpoint.server.protocol import (
@@ -64,17 +65,24 @@ def rejected_param(error: ValueError, prompt_param: str) -> str:
     return field_name if field_name in SAMPLING_FIELDS else prompt_param
 
 
-def template_kwargs(body: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+def template_kwargs(body: ChatCompletionRequest | TokenizeRequest,
+                    sandbox: TemplateSandbox | None = None) -> dict[str, Any]:
     """The chat template's extra variables: `chat_template_kwargs` plus the request's `tools`.
-    A key that the render call sets itself (`RENDER_ARGUMENTS`) is a 400; so is a template of the
-    request's own (`chat_template`), which the server does not run."""
+    A key that the render call sets itself (`RENDER_ARGUMENTS`) is a 400. A template of the request's
+    own (`chat_template`) runs in `sandbox` (the operator trusts request templates), and without one
+    is a 400."""
     kwargs = dict(body.chat_template_kwargs or {})
     clashes = sorted(RENDER_ARGUMENTS.intersection(kwargs))
     if clashes:
         raise invalid_request(f"chat_template_kwargs may not set {clashes}: the server passes them to the template "
                               "itself (tools go in the tools field, add_generation_prompt at the top level)",
                               param="chat_template_kwargs")
-    if "chat_template" in kwargs:
+    if "chat_template" in kwargs and sandbox is not None:
+        if not isinstance(kwargs["chat_template"], str) or not kwargs["chat_template"]:
+            raise invalid_request("chat_template_kwargs.chat_template must be a Jinja template string",
+                                  param="chat_template_kwargs")
+        kwargs["chat_template"] = SandboxedTemplate(kwargs["chat_template"], sandbox)
+    elif "chat_template" in kwargs:
         raise invalid_request("chat_template_kwargs.chat_template: this server does not run request-supplied chat "
                               "templates (its operator may allow them with --trust-request-chat-template)",
                               param="chat_template_kwargs")
