@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -16,9 +17,13 @@ from tqdm.auto import tqdm
 from forkpoint.config import EngineConfig
 from forkpoint.engine.engine import LLMEngine
 from forkpoint.inputs.chat import render_chat_with_images
+from forkpoint.inputs.default_model import default_cache_root
 from forkpoint.inputs.hub import resolve_engine_paths
+from forkpoint.kernels.cache_dirs import configure_kernel_caches
 from forkpoint.outputs import RequestOutput
 from forkpoint.sampling_params import SamplingParams
+
+logger = logging.getLogger("forkpoint")
 
 
 class LLM:
@@ -50,6 +55,10 @@ class LLM:
             enable_checkpoints=enable_checkpoints, checkpoint_token=checkpoint_token,
             max_checkpoints_per_request=max_checkpoints_per_request, load_format=load_format, **kwargs,
         )
+        # before anything compiles: kernels and autotune choices persist under the forkpoint cache
+        caches = configure_kernel_caches(default_cache_root() / "kernels")
+        logger.info("kernel caches: Triton %s (autotune choices kept: %s)", caches["TRITON_CACHE_DIR"],
+                    caches["TRITON_CACHE_AUTOTUNING"] == "1")
         self.engine = LLMEngine(resolve_engine_paths(config))
         self._ids = itertools.count()
 

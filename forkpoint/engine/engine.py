@@ -40,6 +40,7 @@ from forkpoint.distributed.runner import TensorParallelRunner
 from forkpoint.engine.output_processor import OutputProcessor
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler import ScheduledStep, Scheduler
+from forkpoint.engine.startup import StartupTimer
 from forkpoint.inputs.default_model import DEFAULT_MODEL_NOTICE, ensure_default_model
 from forkpoint.inputs.generation_config import GenerationDefaults
 from forkpoint.inputs.multimodal import image_prompt_processor
@@ -103,6 +104,7 @@ class _PromptGroup:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.startup = StartupTimer()  # each phase's seconds, for the start-up log
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
         model_path = Path(config.model) if config.model else None
@@ -138,6 +140,7 @@ class LLMEngine:
         self.images = image_prompt_processor(vision, model_path, max_images=max_images,
                                              min_pixels=config.image_min_pixels, max_pixels=config.image_max_pixels)
 
+        self.startup.lap("config and tokenizer")
         torch.manual_seed(config.seed)
         parallel = None  # ranks > 0 in worker processes (forkpoint/distributed/runner.py)
         self.graphs_off_reason: str | None = None  # why no CUDA graphs run, when none do
@@ -150,10 +153,13 @@ class LLMEngine:
         else:
             model = build_model(self.model_config, model_path, config.load_format, self.device, self.dtype,
                                 config.seed, with_vision=self.images.processor is not None)
+            self.startup.lap("load weights")
             # graphs before the pools: their pieces never touch the pools, and the pools' sizing then
             # sees the graphs' buffers and memory pool as used
             piecewise = self._capture_graphs(model)
+            self.startup.lap("graphs capture")
             self.block_pool, self.state_pool = self._make_pools(model)
+        self.startup.lap("pools" if parallel is None else "tensor-parallel ranks: weights, pools")
         host = None  # the host tier; with tensor parallelism rank 0's, mirrored by every rank's
         if config.enable_checkpoints and config.checkpoint_host_bytes > 0:
             host = (parallel.host_tier if parallel is not None
@@ -170,6 +176,9 @@ class LLMEngine:
             parallel.serve_images(multimodal)
         self.runner = parallel or ModelRunner(model, self.block_pool, self.state_pool, self.device, multimodal,
                                               piecewise)
+        self.startup.lap("runner")
+        if getattr(self.runner, "warmup", None) is not None:  # measured inside the runner's construction
+            self.startup.split_last("runner, decode graphs", "warm-up", self.runner.warmup.seconds)
         self.sampler = Sampler(self.model_config.vocab_size, self.device)  # penalty counts across steps
         # a plain attribute: benchmarks may switch it between steps (EngineConfig rejects it under TP)
         self.async_scheduling = config.async_scheduling
@@ -178,6 +187,7 @@ class LLMEngine:
         self._seed_counter = config.seed
         self._counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished": 0,
                           "requests_aborted": 0, "requests_failed": 0, "steps": 0}
+        logger.info("%s", self.startup.summary())
 
     # ------------------------------------------------------------------ set-up
     def _capture_graphs(self, model) -> PiecewiseForward | None:
