@@ -395,6 +395,44 @@ SCAN_CHUNK_TOKENS = 64
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """How JSON schemas become grammars; vLLM's `structured_outputs_config` keys, with defaults that give
+    what vLLM's default backend does with additional properties.
+
+    disable_additional_properties: True (default, as vLLM's xgrammar backend): an object schema that
+        lists `properties` and does not mention `additionalProperties` allows no other properties.
+        False: strict JSON Schema semantics (any other property allowed unless the schema forbids it;
+        a model may then add properties until max_tokens).
+    disable_any_whitespace: True (default): compact JSON, no whitespace between tokens. False (vLLM's
+        default): any whitespace between tokens; weak or random models may then write whitespace until
+        max_tokens (on the embedded random-weight model 7 of 8 runs of a one-boolean schema did).
+    """
+
+    disable_additional_properties: bool = True
+    disable_any_whitespace: bool = True
+
+    @classmethod
+    def from_value(cls, value: StructuredOutputsConfig | dict | None) -> StructuredOutputsConfig:
+        """From a `StructuredOutputsConfig`, a dict of its keys (as vLLM's `--structured-outputs-config`),
+        or None (the defaults). Raises ValueError naming unknown keys or non-boolean values."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs_config must be a dict such as "
+                             f"{{\"disable_any_whitespace\": false}}, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs_config has unknown keys {unknown}: known are {sorted(known)}")
+        for key, flag in value.items():
+            if not isinstance(flag, bool):
+                raise ValueError(f"structured_outputs_config[{key!r}] must be true or false, got {flag!r}")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Engine knobs: the keyword arguments of `LLM`, validated.
 
@@ -402,8 +440,13 @@ class EngineConfig:
     CPU (on CUDA, `gpu_memory_utilization` of the free memory is split between them).
     """
 
+    # a local directory or a Hugging Face Hub name (`LLM` resolves names with inputs/hub.py): `revision`
+    # and `tokenizer_revision` pick a branch, tag or commit, `download_dir` the Hub cache to use
     model: str | None = None
     tokenizer: str | None = None
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
@@ -458,9 +501,13 @@ class EngineConfig:
     # (block-wise FP8); "fp8" asks for it (with load_format="dummy", FP8 dummy weights from a bf16 config)
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # the KV cache in the model dtype; FP8 KV caches are not implemented
+    # JSON schemas' reading (StructuredOutputsConfig; a dict of its keys is accepted, as in vLLM)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "structured_outputs_config",
+                           StructuredOutputsConfig.from_value(self.structured_outputs_config))
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in (None, "fp8"):

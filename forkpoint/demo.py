@@ -13,6 +13,10 @@ from dataclasses import dataclass
 
 from forkpoint import LLM, SamplingParams, StructuredOutputsParams
 
+# why a checkpoint exists (cache/checkpoints.py CheckpointKind values), as the table says it
+REASONS = {"marker": "the marker", "shared_prefix": "shared prefix", "junction": "junction with an earlier prompt",
+           "prompt_end": "the same prompt again", "turn_end": "the end of an earlier turn"}
+
 ANCHOR = (
     "Product listing: Stainless steel kettle, 1.7 litres, 2200 W, auto shut-off, boil-dry protection, "
     "cordless 360 degree base, limescale filter, blue LED ring, BPA-free, two year warranty. "
@@ -43,8 +47,10 @@ def main(argv: list[str] | None = None) -> None:
 
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    ledger = [_Step("completions (3 prompts)", llm)]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    ledger[-1].done(llm)
     elapsed = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(f"\n{len(prompts)} completions, {generated} tokens in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s)")
@@ -55,7 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     candidates = (CANDIDATES * (args.questions // len(CANDIDATES) + 1))[: args.questions]
     questions = [f"{ANCHOR}{marker}\nCandidate: {c}\nSame product? Answer:" for c in candidates]
     score = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    ledger.append(_Step(f"1 anchor x {len(questions)} candidates", llm))
     with_ckpt = _one_to_n(llm, questions, score)
+    ledger[-1].done(llm)
 
     start = time.perf_counter()
     plain = LLM(args.model, device=args.device, enable_checkpoints=False)
@@ -76,9 +84,44 @@ def main(argv: list[str] | None = None) -> None:
 
     choice = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=StructuredOutputsParams(
         choice=[" yes", " no"]))
+    ledger.append(_Step("same questions, forced choice", llm))
     answers = [o.outputs[0].text for o in llm.generate(questions, choice, use_tqdm=False)]
+    ledger[-1].done(llm)
     print(f"\nthe same questions with structured_outputs choice [' yes', ' no']: {answers}")
-    print("\nmetrics:", {k: v for k, v in llm.metrics().items() if "checkpoint" in k or k.startswith("requests_")})
+    print("\nwhat the engine with checkpoints computed and reused (prompt tokens), and why:")
+    for line in _ledger_table(ledger):
+        print("  " + line)
+
+
+class _Step:
+    """One part of the demo on one engine: its metrics before and after."""
+
+    def __init__(self, name: str, llm: LLM) -> None:
+        self.name, self.before, self.after = name, llm.metrics(), None
+
+    def done(self, llm: LLM) -> None:
+        self.after = llm.metrics()
+
+    def delta(self, key: str) -> int:
+        return int(self.after.get(key, 0) - self.before.get(key, 0))
+
+    def why(self) -> str:
+        """The checkpoints that supplied the reused tokens, by reason, and those this step created."""
+        used = [f"{REASONS[kind]} x{self.delta(f'checkpoint_hits_{kind}')}" for kind in REASONS
+                if self.delta(f"checkpoint_hits_{kind}")]
+        made = sum(self.delta(f"checkpoints_created_{kind}") for kind in REASONS)
+        parts = [f"reused from: {', '.join(used)}"] if used else ["nothing reusable yet"]
+        return "; ".join(parts + ([f"new checkpoints: {made}"] if made else []))
+
+
+def _ledger_table(steps: list[_Step]) -> list[str]:
+    """A small table: per step, prompt tokens, computed, reused, and why."""
+    rows = [(s.name, s.delta("prompt_tokens_total"), s.delta("prompt_tokens_computed"), s.why()) for s in steps]
+    width = max(len(name) for name, *_ in rows)
+    lines = [f"{'':{width}s} {'prompt':>7s} {'computed':>8s} {'reused':>7s}  why"]
+    lines += [f"{name:{width}s} {total:7d} {computed:8d} {total - computed:7d}  {why}"
+              for name, total, computed, why in rows]
+    return lines
 
 
 @dataclass

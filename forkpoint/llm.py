@@ -1,7 +1,7 @@
 """The offline API, shaped like vLLM's `LLM`: build once, then `generate` or `chat`.
 
     from forkpoint import LLM, SamplingParams
-    llm = LLM()                                   # embedded default model, or LLM(model="hf_dir")
+    llm = LLM()                                   # embedded default model, LLM("hf_dir") or LLM("org/name")
     outs = llm.generate([anchor + "<|mamba_checkpoint|>" + q for q in questions],
                         SamplingParams(temperature=0.0, max_tokens=8))
 """
@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -16,12 +17,20 @@ from tqdm.auto import tqdm
 from forkpoint.config import EngineConfig
 from forkpoint.engine.engine import LLMEngine
 from forkpoint.inputs.chat import render_chat_with_images
+from forkpoint.inputs.default_model import default_cache_root
+from forkpoint.inputs.hub import resolve_engine_paths
+from forkpoint.kernels.cache_dirs import configure_kernel_caches
 from forkpoint.outputs import RequestOutput
 from forkpoint.sampling_params import SamplingParams
 
+logger = logging.getLogger("forkpoint")
+
 
 class LLM:
-    """An engine plus the offline conveniences. Extra keyword arguments go to `EngineConfig`
+    """An engine plus the offline conveniences. `model` and `tokenizer` are local directories or Hugging
+    Face Hub names (`"Qwen/Qwen3.5-35B-A3B"`: downloaded once into the Hub cache, or read from it alone
+    under `HF_HUB_OFFLINE=1`; `revision=`, `tokenizer_revision=` and `download_dir=` as in vLLM).
+    Extra keyword arguments go to `EngineConfig`
     (e.g. `checkpoint_pool_size`, `checkpoint_wait_s`, `num_kv_blocks`, `num_state_slots`, and for
     multimodal checkpoints `max_images_per_prompt`, `image_min_pixels`, `image_max_pixels`,
     `image_embedding_cache_bytes`).
@@ -52,7 +61,11 @@ class LLM:
             max_checkpoints_per_request=max_checkpoints_per_request, load_format=load_format,
             quantization=quantization, kv_cache_dtype=kv_cache_dtype, **kwargs,
         )
-        self.engine = LLMEngine(config)
+        # before anything compiles: kernels and autotune choices persist under the forkpoint cache
+        caches = configure_kernel_caches(default_cache_root() / "kernels")
+        logger.info("kernel caches: Triton %s (autotune choices kept: %s)", caches["TRITON_CACHE_DIR"],
+                    caches["TRITON_CACHE_AUTOTUNING"] == "1")
+        self.engine = LLMEngine(resolve_engine_paths(config))
         self._ids = itertools.count()
 
     @property

@@ -40,6 +40,7 @@ from forkpoint.distributed.runner import TensorParallelRunner
 from forkpoint.engine.output_processor import OutputProcessor
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler import ScheduledStep, Scheduler
+from forkpoint.engine.startup import StartupTimer
 from forkpoint.inputs.default_model import DEFAULT_MODEL_NOTICE, ensure_default_model
 from forkpoint.inputs.generation_config import GenerationDefaults
 from forkpoint.inputs.multimodal import image_prompt_processor
@@ -103,6 +104,7 @@ class _PromptGroup:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.startup = StartupTimer()  # each phase's seconds, for the start-up log
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
         model_path = Path(config.model) if config.model else None
@@ -127,7 +129,8 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
-        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                        options=config.structured_outputs_config)
 
         vision = self.model_config.vision
         max_images = config.max_images_per_prompt
@@ -138,6 +141,7 @@ class LLMEngine:
         self.images = image_prompt_processor(vision, model_path, max_images=max_images,
                                              min_pixels=config.image_min_pixels, max_pixels=config.image_max_pixels)
 
+        self.startup.lap("config and tokenizer")
         torch.manual_seed(config.seed)
         parallel = None  # ranks > 0 in worker processes (forkpoint/distributed/runner.py)
         self.graphs_off_reason: str | None = None  # why no CUDA graphs run, when none do
@@ -150,10 +154,13 @@ class LLMEngine:
         else:
             model = build_model(self.model_config, model_path, config.load_format, self.device, self.dtype,
                                 config.seed, with_vision=self.images.processor is not None)
+            self.startup.lap("load weights")
             # graphs before the pools: their pieces never touch the pools, and the pools' sizing then
             # sees the graphs' buffers and memory pool as used
             piecewise = self._capture_graphs(model)
+            self.startup.lap("graphs capture")
             self.block_pool, self.state_pool = self._make_pools(model)
+        self.startup.lap("pools" if parallel is None else "tensor-parallel ranks: weights, pools")
         host = None  # the host tier; with tensor parallelism rank 0's, mirrored by every rank's
         if config.enable_checkpoints and config.checkpoint_host_bytes > 0:
             host = (parallel.host_tier if parallel is not None
@@ -170,6 +177,9 @@ class LLMEngine:
             parallel.serve_images(multimodal)
         self.runner = parallel or ModelRunner(model, self.block_pool, self.state_pool, self.device, multimodal,
                                               piecewise)
+        self.startup.lap("runner")
+        if getattr(self.runner, "warmup", None) is not None:  # measured inside the runner's construction
+            self.startup.split_last("runner, decode graphs", "warm-up", self.runner.warmup.seconds)
         self.sampler = Sampler(self.model_config.vocab_size, self.device)  # penalty counts across steps
         # a plain attribute: benchmarks may switch it between steps (EngineConfig rejects it under TP)
         self.async_scheduling = config.async_scheduling
@@ -178,6 +188,7 @@ class LLMEngine:
         self._seed_counter = config.seed
         self._counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished": 0,
                           "requests_aborted": 0, "requests_failed": 0, "steps": 0}
+        logger.info("%s", self.startup.summary())
 
     # ------------------------------------------------------------------ set-up
     def _capture_graphs(self, model) -> PiecewiseForward | None:
@@ -316,8 +327,11 @@ class LLMEngine:
             self._score_prompts(step, logits[len(sampled):], by_id)
         except Exception as error:
             raise self._fail_steps([step], error) from error
-        self.scheduler.commit(step)
-        return self._record(step, requests, tokens)
+        try:
+            self.scheduler.commit(step)
+            return self._record(step, requests, tokens)
+        except Exception as error:  # commit or output work raised: the step's prompts end, the engine serves on
+            raise self._fail_steps([step], error) from error
 
     def _record(self, step: ScheduledStep, requests: list[Request], tokens: list) -> list[RequestOutput]:
         """A committed step's sampled tokens onto its sequences (a sequence that has ended since it
@@ -378,8 +392,13 @@ class LLMEngine:
             self._launched.clear()
             raise self._fail_steps(failed + ([ahead] if launch_error is not None else []), error) from error
         self._launched.pop(0)
-        self.scheduler.commit(current.step)
-        outputs = self._record(current.step, current.requests, tokens)
+        try:
+            self.scheduler.commit(current.step)
+            outputs = self._record(current.step, current.requests, tokens)
+        except Exception as error:
+            failed = [current.step] + [launched.step for launched in self._launched]
+            self._launched.clear()
+            raise self._fail_steps(failed + ([ahead] if launch_error is not None else []), error) from error
         if launch_error is not None:
             raise self._fail_steps([ahead], launch_error, outputs) from launch_error
         self._complete_idle_steps()
@@ -393,13 +412,14 @@ class LLMEngine:
             launched = self._launched[0]
             try:
                 launched.sampled.result()
+                self._launched.pop(0)
+                self.scheduler.commit(launched.step)
             except Exception as error:
-                failed = [item.step for item in self._launched]
+                failed = ([] if self._launched and self._launched[0] is launched else [launched.step])
+                failed += [item.step for item in self._launched]
                 self._launched.clear()
                 self._fail_steps(failed, error)
                 return
-            self._launched.pop(0)
-            self.scheduler.commit(launched.step)
 
     def _score_prompts(self, step: ScheduledStep, rows: torch.Tensor, by_id: dict[str, Request]) -> None:
         """Prompt logprobs of the step's segments, in packed order: each scored segment's logits rows
@@ -446,7 +466,10 @@ class LLMEngine:
         failed_ids: list[str] = []
         finished: dict[str, _PromptGroup] = {}
         for step in steps:
-            ended = self.scheduler.fail(step)
+            in_flight = any(step is s for s in self.scheduler.in_flight)
+            ended = self.scheduler.fail(step) if in_flight else self._end_committed(step)
+            if not in_flight:  # prompts of the step that left during the failed output work lost their output
+                failed_ids += [i for i in dict.fromkeys(r.parent_id for r in step.requests) if i not in self._groups]
             for request_id in dict.fromkeys(r.parent_id for r in ended):
                 group = self._groups.pop(request_id)
                 for sequence in group.sequences:
@@ -454,12 +477,20 @@ class LLMEngine:
                         self.scheduler.finish(sequence, "error")
                 self._release(group)
                 failed_ids.append(request_id)
-            finished.update({r.parent_id: self._groups[r.parent_id] for r in step.finished
-                             if r.parent_id in self._groups})
+            reported = step.finished if in_flight else step.requests + step.finished  # + those done before the raise
+            finished.update({r.parent_id: self._groups[r.parent_id] for r in reported if r.parent_id in self._groups})
         self._counters["requests_failed"] += len(failed_ids)
         logger.error("step failed (%s: %s): ended %d request(s): %s", type(error).__name__, error,
                      len(failed_ids), ", ".join(failed_ids))
         return StepFailed(error, failed_ids, (outputs or []) + self._collect(finished))
+
+    def _end_committed(self, step: ScheduledStep) -> list[Request]:
+        """End, with reason "error", the sequences of a step that the scheduler has already committed
+        (the output work after the commit raised); returns those it ended."""
+        ended = [r for r in dict.fromkeys(step.requests) if not r.is_finished]
+        for request in ended:
+            self.scheduler.finish(request, "error")
+        return ended
 
     def _collect(self, touched: dict[str, _PromptGroup]) -> list[RequestOutput]:
         """Outputs of the prompts that progressed; finished prompts leave the engine."""

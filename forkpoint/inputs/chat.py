@@ -18,6 +18,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from forkpoint.inputs.template_sandbox import SandboxedTemplate
+
 # OpenAI-style text content parts are joined with a newline, as vLLM does for templates that
 # take string content.
 TEXT_PART_SEPARATOR = "\n"
@@ -29,7 +31,7 @@ def render_chat(
     messages: Sequence[Mapping[str, Any]],
     *,
     add_generation_prompt: bool = True,
-    chat_template: str | None = None,
+    chat_template: str | SandboxedTemplate | None = None,
     **template_kwargs: Any,
 ) -> str:
     """Render one conversation to prompt text with ``tokenizer.apply_chat_template``.
@@ -38,7 +40,8 @@ def render_chat(
         str or a list of OpenAI-style parts ``{"type": "text", "text": str}``; the text parts
         are joined with a newline, so the template always sees string content. Other keys
         (e.g. ``name``) are passed through to the template.
-    chat_template: a Jinja template that overrides the tokenizer's own.
+    chat_template: a Jinja template that overrides the tokenizer's own; a `SandboxedTemplate` (a
+        request's template) renders in its sandbox instead, with the same variables.
     template_kwargs: extra template variables (e.g. ``enable_thinking=False``).
 
     Raises ValueError naming the message and field when the conversation is malformed or has
@@ -53,7 +56,7 @@ def render_chat_with_images(
     messages: Sequence[Mapping[str, Any]],
     *,
     add_generation_prompt: bool = True,
-    chat_template: str | None = None,
+    chat_template: str | SandboxedTemplate | None = None,
     **template_kwargs: Any,
 ) -> tuple[str, list[Any]]:
     """`render_chat` that also takes image parts (see the module docstring). Returns the prompt
@@ -66,7 +69,7 @@ def render_chat_with_images(
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]], images: list[Any] | None, *,
-            add_generation_prompt: bool, chat_template: str | None, **template_kwargs: Any) -> str:
+            add_generation_prompt: bool, chat_template: str | SandboxedTemplate | None, **template_kwargs: Any) -> str:
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "the tokenizer has no chat template: pass chat_template=... (a Jinja template), "
@@ -75,6 +78,9 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, 
         )
     conversation = [_normalize_message(index, message, images) for index, message in
                     enumerate(_message_list(messages))]
+    if isinstance(chat_template, SandboxedTemplate):  # a request's own template: never in this process
+        return chat_template.render(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                                    **template_kwargs)
     rendered = tokenizer.apply_chat_template(
         conversation,
         chat_template=chat_template,

@@ -49,7 +49,8 @@ def load_tokenizer(path: str | os.PathLike[str], *, checkpoint_token: str | None
     if not directory.is_dir():
         raise ValueError(
             f"tokenizer path {str(directory)!r} is not a directory: pass a Hugging Face model or "
-            "tokenizer directory containing tokenizer.json and tokenizer_config.json"
+            "tokenizer directory containing tokenizer.json and tokenizer_config.json (Hub names resolve to "
+            "one through forkpoint.inputs.hub.resolve_model_dir, as LLM(...) does)"
         )
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(

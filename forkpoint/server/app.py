@@ -26,9 +26,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Scope
 
 from forkpoint.inputs.markers import validate_token_ids
+from forkpoint.inputs.template_sandbox import TemplateLimits, TemplateSandbox
 from forkpoint.llm import LLM
 from forkpoint.server.config import ServerConfig
-from forkpoint.server.errors import RequestTooLarge, install_error_handlers, invalid_request, log_error_response
+from forkpoint.server.errors import (
+    CLIENT_CLOSED_REQUEST,
+    RequestTooLarge,
+    install_error_handlers,
+    invalid_request,
+    log_error_response,
+)
 from forkpoint.server.generation import Admission
 from forkpoint.server.limits import RequestSizeLimit, default_max_request_bytes
 from forkpoint.server.metrics import ServerMetrics
@@ -39,6 +46,7 @@ from forkpoint.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from forkpoint.server.request_params import reject_unencodable_text, template_kwargs
 from forkpoint.server.serving import OpenAIServing
 from forkpoint.server.stats import log_stats_forever, startup_summary
 from forkpoint.server.worker import EngineWorker
@@ -47,7 +55,8 @@ logger = logging.getLogger("forkpoint.server")
 
 # paths whose failures count in forkpoint_requests_total, with their endpoint label
 GENERATION_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-ERROR_OUTCOMES = {400: "invalid_request", 413: "invalid_request", 422: "invalid_request", 503: "rejected"}
+ERROR_OUTCOMES = {400: "invalid_request", 413: "invalid_request", 422: "invalid_request", 503: "rejected",
+                  CLIENT_CLOSED_REQUEST: "aborted"}
 
 
 def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = None) -> FastAPI:
@@ -70,9 +79,13 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
     )
     max_request_bytes = (config.max_request_bytes if config.max_request_bytes is not None else
                          default_max_request_bytes(tokenizer, engine.max_model_len, takes_images=takes_images))
+    # request-supplied chat templates run in a child process with limits (the rendered prompt may be as
+    # long as a request body), only when the operator trusts them
+    sandbox = (TemplateSandbox(TemplateLimits(max_output_chars=max_request_bytes))
+               if config.trust_request_chat_template else None)
     serving = OpenAIServing(model_name=config.served_model_name, max_model_len=engine.max_model_len,
                             prompts=prompts, worker=worker, admission=admission, metrics=metrics,
-                            default_max_tokens=engine.generation_defaults.max_new_tokens)
+                            default_max_tokens=engine.generation_defaults.max_new_tokens, template_sandbox=sandbox)
     created = int(time.time())
 
     @asynccontextmanager
@@ -91,6 +104,8 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
                     await stats
             await asyncio.to_thread(worker.shutdown, config.shutdown_timeout_s)
             tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+            if sandbox is not None:
+                sandbox.close()
 
     app = FastAPI(title="forkpoint", summary="OpenAI-compatible server with prefix checkpoints", lifespan=lifespan)
     app.state.worker = worker
@@ -152,10 +167,12 @@ def add_openai_routes(app: FastAPI, *, serving: OpenAIServing, prompts: PromptBu
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        reject_unencodable_text(body)
         return await serving.completions(body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        reject_unencodable_text(body)
         return await serving.chat(body, request)
 
     @app.post("/tokenize")
@@ -163,14 +180,12 @@ def add_openai_routes(app: FastAPI, *, serving: OpenAIServing, prompts: PromptBu
         """Token ids as the engine will see them (markers removed) and the checkpoint positions
         the markers and flags stand for: send both back as a token-id prompt for the same effect."""
         serving.check_model(body.model)
+        reject_unencodable_text(body)
         if body.prompt is not None:
             prompt = await prompts.run(prompts.from_text, body.prompt)
         else:
-            kwargs = dict(body.chat_template_kwargs or {})
-            if body.tools is not None:
-                kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
             prompt = await prompts.from_messages_async(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                                       template_kwargs=kwargs)
+                                                       template_kwargs=template_kwargs(body, serving.template_sandbox))
         return {"count": len(prompt.token_ids), "max_model_len": max_model_len,
                 "tokens": prompt.token_ids, "checkpoint_positions": list(prompt.checkpoint_positions)}
 

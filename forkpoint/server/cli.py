@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     http.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     http.add_argument("--served-model-name", default=None,
-                      help=f"model id in the API (default: the model directory's name, or {DEFAULT_MODEL_NAME})")
+                      help="model id in the API (default: the Hub name as given, the model directory's name, or "
+                           f"{DEFAULT_MODEL_NAME})")
     http.add_argument("--max-waiting-requests", type=int, default=ServerConfig.max_waiting_requests,
                       help="prompts allowed to wait for their first token; beyond it requests get 503 with "
                            f"Retry-After (default: {ServerConfig.max_waiting_requests})")
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--max-request-bytes", type=int, default=None,
                       help="request bodies above this many bytes get 413 before they are read (default: enough "
                            "for any one prompt that fits --max-model-len, written with the worst JSON escaping)")
+    http.add_argument("--trust-request-chat-template", action="store_true",
+                      help="run chat templates that requests supply (chat_template_kwargs.chat_template) in a "
+                           "sandboxed process with time, memory, loop and output limits; without it they get 400")
     http.add_argument("--disable-log-stats", action="store_true",
                       help="no periodic stats line (throughput, queues, pools, checkpoint reuse) in the log")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -95,7 +99,7 @@ def run_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or _model_name(args.model),
         max_waiting_requests=args.max_waiting_requests, marker_policy=MarkerPolicy(args.marker_in_user_content),
         shutdown_timeout_s=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
-        log_stats=not args.disable_log_stats,
+        log_stats=not args.disable_log_stats, trust_request_chat_template=args.trust_request_chat_template,
     )
     if args.data_parallel_size != 1 or args.ray_address is not None:
         from forkpoint.server.replicas.launch import serve_replicas
@@ -135,9 +139,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _model_name(model: str | None) -> str:
+    """The served name: a local directory's name, a Hub name as given (as vLLM serves it)."""
     if model is None:
         return DEFAULT_MODEL_NAME
-    return Path(model).name or model
+    path = Path(model).expanduser()
+    return (path.name or model) if path.exists() else model
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -41,6 +41,9 @@ class ServerConfig:
         (`limits.default_max_request_bytes`).
     log_stats / log_stats_interval_s: log a stats line (throughput, queues, pools, checkpoint
         reuse) every interval while the engine is busy.
+    trust_request_chat_template: run a chat template that a request supplies
+        (`chat_template_kwargs.chat_template`; vLLM's --trust-request-chat-template), in a sandboxed
+        child process with limits (`inputs/template_sandbox.py`); False (default): such a request is a 400.
     """
 
     served_model_name: str = DEFAULT_MODEL_NAME
@@ -51,6 +54,7 @@ class ServerConfig:
     max_request_bytes: int | None = None
     log_stats: bool = True
     log_stats_interval_s: float = 10.0
+    trust_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

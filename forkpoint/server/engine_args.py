@@ -6,18 +6,28 @@ neither), so the server's modules import in one direction.
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, title: str = "engine") -> None:
     """The engine options (the keyword arguments of `LLM`)."""
     group = parser.add_argument_group(title)
-    model_help = "local Hugging Face model directory (default: the embedded random-weight Qwen3.5-MoE model)"
+    model_help = ("local Hugging Face model directory or Hub name such as Qwen/Qwen3.5-35B-A3B, downloaded into the "
+                  "Hub cache (HF_HUB_OFFLINE=1: the cache only) (default: the embedded random-weight Qwen3.5-MoE "
+                  "model)")
     if positional_model:
         parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help=model_help)
     else:
         group.add_argument("--model", default=None, help=model_help)
-    group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    group.add_argument("--tokenizer", default=None, help="tokenizer directory or Hub name (default: the model's)")
+    group.add_argument("--revision", default=None,
+                       help="branch, tag or commit of a Hub model (default: main)")
+    group.add_argument("--tokenizer-revision", default=None,
+                       help="branch, tag or commit of a Hub tokenizer (default: main)")
+    group.add_argument("--download-dir", default=None,
+                       help="Hub cache directory to read and download models into (default: HF_HUB_CACHE, else "
+                            "~/.cache/huggingface/hub)")
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="weights and activations dtype; auto is float32 on CPU, bfloat16 on CUDA (default: auto)")
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
@@ -56,12 +66,30 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
     group.add_argument("--enforce-eager", action="store_true",
                        help="run every step eagerly: no CUDA graphs of the forward's token-wise parts "
                             "(faster start-up, slower small steps; CUDA only)")
+    group.add_argument("--structured-outputs-config", type=_json_object, default=None, metavar="JSON",
+                       help="how JSON schemas read, as vLLM's: '{\"disable_additional_properties\": false}' gives "
+                            "strict JSON Schema semantics (extra properties allowed unless the schema forbids "
+                            "them; default true: only the listed ones, as vLLM's default backend), "
+                            "'{\"disable_any_whitespace\": false}' lets the model put whitespace between JSON "
+                            "tokens (default true: compact JSON)")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object such as '{\"disable_any_whitespace\": false}'")
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`LLM(**engine_kwargs(args))`."""
     return dict(
-        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, seed=args.seed,
+        model=args.model, tokenizer=args.tokenizer, revision=args.revision,
+        tokenizer_revision=args.tokenizer_revision, download_dir=args.download_dir, dtype=args.dtype,
+        device=args.device, seed=args.seed,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_checkpoints=not args.no_checkpoints, checkpoint_token=args.checkpoint_token,
@@ -69,4 +97,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enforce_eager=args.enforce_eager, auto_checkpoints=args.auto_checkpoints,
         checkpoint_host_bytes=args.checkpoint_host_bytes, checkpoint_exact=args.checkpoint_exact,
         tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
+        structured_outputs_config=args.structured_outputs_config,
     )

@@ -11,8 +11,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 logger = logging.getLogger("forkpoint.server")
+
+# nginx's status for a client that closed the connection before the answer (nobody reads it)
+CLIENT_CLOSED_REQUEST = 499
 
 
 class APIError(Exception):
@@ -125,6 +129,9 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[Request, int], None
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, ClientDisconnect):  # FastAPI's 400 for a body the client stopped sending
+            message = "the client closed the connection while sending the request body"
+            return answer(request, CLIENT_CLOSED_REQUEST, error_body(message, "client_closed_request"))
         if isinstance(exc, RequestTooLarge):
             body = exc.body()
         else:

@@ -15,6 +15,7 @@ from forkpoint.sampling_params import SamplingParams
 from forkpoint.server.errors import APIError, invalid_request, overloaded
 from forkpoint.server.metrics import ServerMetrics
 from forkpoint.server.prompts import EnginePrompt
+from forkpoint.server.request_params import rejected_param
 from forkpoint.server.worker import EngineWorker, NewRequest, OutputSink, ServerShuttingDown
 
 
@@ -105,7 +106,7 @@ class Generation:
             self._started = True
         except ValueError as err:
             self._release_all()
-            raise invalid_request(str(err), param=self._prompt_param) from None
+            raise invalid_request(str(err), param=rejected_param(err, self._prompt_param)) from None
         except ServerShuttingDown as err:
             self._release_all()
             raise APIError(str(err), status=503, type="service_unavailable_error", code="shutting_down") from None

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
-TokenIds = list[int]
+TokenIds = list[StrictInt]  # strict: a JSON true or 1.0 is not a token id
 NO_IMAGES_IN_COMPLETIONS = ("/v1/completions takes text or token-id prompts only (a string, token ids, or a list of "
                             "either): send images to /v1/chat/completions as image_url content parts with data URLs")
 
@@ -81,10 +81,10 @@ class SamplingFields(BaseModel):
     top_k: int = Field(-1, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     # logits processors (OpenAI: logit_bias, keys are token ids as strings; the rest vLLM's)
     logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: TokenIds | None = None
     min_tokens: int = Field(0, ge=0)
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
@@ -119,7 +119,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    checkpoint_positions: list[int] | None = None
+    checkpoint_positions: list[StrictInt] | None = None
     # declared only to refuse them: an image silently dropped would score the wrong prompt
     multi_modal_data: Any = None
     images: Any = None
@@ -168,7 +168,7 @@ class ChatMessage(BaseModel):
     go to the chat template."""
 
     model_config = ConfigDict(extra="allow")
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 
 
@@ -248,4 +248,4 @@ class DetokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds

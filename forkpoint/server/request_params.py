@@ -8,22 +8,95 @@ Every conflict or unusable value is an `APIError` (400) naming the field.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
+from pydantic import BaseModel
+
+from forkpoint.inputs.template_sandbox import SandboxedTemplate, TemplateSandbox
 from forkpoint.sampling_params import SamplingParams, StructuredOutputsParams
 from forkpoint.server.errors import invalid_request
 from forkpoint.server.protocol import (
     ChatCompletionRequest,
     NamedToolChoice,
     SamplingFields,
+    TokenizeRequest,
 )
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# a seed is a 64-bit integer (vLLM's range); the n sequences of a request use seed .. seed + n - 1
+SEED_RANGE = (-(2**63), 2**63 - 1)
+# arguments the chat template's render call passes itself: chat_template_kwargs may not set them
+RENDER_ARGUMENTS = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize",
+    "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "images"})
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def reject_unencodable_text(body: BaseModel) -> None:
+    """400 naming the top-level field of `body` that holds a lone UTF-16 surrogate anywhere inside it
+    (a JSON "\\ud800" escape without its pair, or CESU-8 bytes, which the JSON decoder turns into
+    one): such text has no UTF-8 form, so nothing can tokenise or match it."""
+    fields = dict(body)
+    fields.update(body.model_extra or {})
+    for name, value in fields.items():
+        if _has_surrogate(value):
+            raise invalid_request(f"{name} contains a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape, "
+                                  "or a surrogate written as UTF-8 bytes): send valid Unicode text", param=name)
+
+
+def _has_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        return _SURROGATE.search(value) is not None
+    if isinstance(value, BaseModel):
+        return any(_has_surrogate(v) for v in dict(value).values()) or _has_surrogate(value.model_extra or {})
+    if isinstance(value, dict):
+        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_has_surrogate(v) for v in value)
+    return False
+
+
+def rejected_param(error: ValueError, prompt_param: str) -> str:
+    """The request field a ValueError of the engine's `add_request` is about: the sampling field its
+    message starts with ("logit_bias has token ids outside the vocabulary ..."), else the prompt."""
+    field_name = str(error).split(" ", 1)[0]
+    return field_name if field_name in SAMPLING_FIELDS else prompt_param
+
+
+def template_kwargs(body: ChatCompletionRequest | TokenizeRequest,
+                    sandbox: TemplateSandbox | None = None) -> dict[str, Any]:
+    """The chat template's extra variables: `chat_template_kwargs` plus the request's `tools`.
+    A key that the render call sets itself (`RENDER_ARGUMENTS`) is a 400. A template of the request's
+    own (`chat_template`) runs in `sandbox` (the operator trusts request templates), and without one
+    is a 400."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    clashes = sorted(RENDER_ARGUMENTS.intersection(kwargs))
+    if clashes:
+        raise invalid_request(f"chat_template_kwargs may not set {clashes}: the server passes them to the template "
+                              "itself (tools go in the tools field, add_generation_prompt at the top level)",
+                              param="chat_template_kwargs")
+    if "chat_template" in kwargs and sandbox is not None:
+        if not isinstance(kwargs["chat_template"], str) or not kwargs["chat_template"]:
+            raise invalid_request("chat_template_kwargs.chat_template must be a Jinja template string",
+                                  param="chat_template_kwargs")
+        kwargs["chat_template"] = SandboxedTemplate(kwargs["chat_template"], sandbox)
+    elif "chat_template" in kwargs:
+        raise invalid_request("chat_template_kwargs.chat_template: this server does not run request-supplied chat "
+                              "templates (its operator may allow them with --trust-request-chat-template)",
+                              param="chat_template_kwargs")
+    if body.tools is not None:
+        kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    return kwargs
 
 
 def sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
                     structured: StructuredOutputsParams | None) -> SamplingParams:
     """SamplingParams of a request; SamplingParams' own ValueErrors become 400s naming the field."""
+    if body.seed is not None and not SEED_RANGE[0] <= body.seed <= SEED_RANGE[1]:
+        raise invalid_request(f"seed must be a 64-bit integer ({SEED_RANGE[0]} .. {SEED_RANGE[1]}), got {body.seed}",
+                              param="seed")
     try:
         return SamplingParams(
             n=body.n, temperature=1.0 if body.temperature is None else body.temperature,

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from forkpoint.inputs.template_sandbox import TemplateSandbox
 from forkpoint.outputs import CompletionOutput, RequestOutput
 from forkpoint.sampling_params import SamplingParams
 from forkpoint.server.chat_format import ChatFormat, ChatOptions
@@ -35,6 +36,7 @@ from forkpoint.server.protocol import (
 from forkpoint.server.request_params import (
     sampling_params,
     structured_outputs,
+    template_kwargs,
     tool_constraint,
 )
 from forkpoint.server.responses import (
@@ -102,7 +104,9 @@ class OpenAIServing:
     """Handlers of the two generation endpoints, bound to one engine worker."""
 
     def __init__(self, *, model_name: str, max_model_len: int, prompts: PromptBuilder, worker: EngineWorker,
-                 admission: Admission, metrics: ServerMetrics, default_max_tokens: int | None = None) -> None:
+                 admission: Admission, metrics: ServerMetrics, default_max_tokens: int | None = None,
+                 template_sandbox: TemplateSandbox | None = None) -> None:
+        self.template_sandbox = template_sandbox  # runs request-supplied chat templates (None: they are a 400)
         self.default_max_tokens = default_max_tokens  # the model's generation_config.json max_new_tokens
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -142,11 +146,8 @@ class OpenAIServing:
         self.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise invalid_request("top_logprobs needs logprobs: true", param="top_logprobs")
-        kwargs = dict(body.chat_template_kwargs or {})
-        if body.tools is not None:
-            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
         prompt = await self.prompts.from_messages_async(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                                        template_kwargs=kwargs)
+                                                        template_kwargs=template_kwargs(body, self.template_sandbox))
         max_tokens = self._max_tokens(body.max_new_tokens, [prompt], "messages", self.default_max_tokens)
         top = (body.top_logprobs or 0) if body.logprobs else None
         structured, forced = structured_outputs(body), tool_constraint(body)

@@ -36,6 +36,7 @@ def startup_summary(llm: LLM, config: ServerConfig, max_request_bytes: int, load
     lines = [
         f"model {engine.model_path} (served as {config.served_model_name}), {str(engine.dtype).removeprefix('torch.')} "
         f"on {engine.device}, max_model_len {engine.max_model_len}{loaded}",
+        engine.startup.summary(),
         f"pools: {values['kv_blocks_total']} KV blocks x {cfg.block_size} tokens "
         f"({values['kv_blocks_total'] * cfg.block_size} tokens), {values['state_slots_total']} state slots, "
         f"{values['checkpoint_slots_total']} checkpoint slots; at most {cfg.max_num_seqs} sequences and "

@@ -18,22 +18,24 @@ import llguidance.hf
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from forkpoint.config import StructuredOutputsConfig
 from forkpoint.sampling_params import StructuredOutputsParams
+from forkpoint.structured.json_schema import forbid_additional_properties
 from forkpoint.structured.matcher import GrammarMatcher
 
 DEFAULT_CACHE_SIZE = 128
-# compact JSON (no free whitespace between tokens, as vLLM's disable_any_whitespace): a model that
-# keeps choosing whitespace can then never stall a structure, and the output is still valid JSON
-JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 class GrammarCompiler:
     """tokenizer: the engine's HF tokenizer (fast); vocab_size: the model's logits width (ids
     past the tokenizer's vocabulary are never allowed); eos_token_ids: the ids that end a sequence
-    (allowed once a grammar is complete)."""
+    (allowed once a grammar is complete); options: how JSON schemas read (`StructuredOutputsConfig`:
+    by default no properties beyond those listed unless the schema allows them, compact JSON)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: Iterable[int], *,
-                 cache_size: int = DEFAULT_CACHE_SIZE, num_threads: int | None = None) -> None:
+                 options: StructuredOutputsConfig | None = None, cache_size: int = DEFAULT_CACHE_SIZE,
+                 num_threads: int | None = None) -> None:
+        self.options = options or StructuredOutputsConfig()
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(set(eos_token_ids))
@@ -69,7 +71,7 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         tokenizer = self._llguidance_tokenizer()
-        grammar = _grammar_text(spec)
+        grammar = _grammar_text(spec, self.options)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if is_error:
             raise ValueError(f"structured_outputs.{spec.kind} does not compile: {messages[0] if messages else '?'}")
@@ -89,12 +91,17 @@ class GrammarCompiler:
         return self._lltokenizer
 
 
-def _grammar_text(spec: StructuredOutputsParams) -> str:
+def _grammar_text(spec: StructuredOutputsParams, options: StructuredOutputsConfig) -> str:
     """The llguidance grammar (its JSON form) of a constraint."""
     if spec.json is not None:
         schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+        if options.disable_additional_properties:
+            schema = forbid_additional_properties(schema)
+        # compact JSON (disable_any_whitespace): a model that keeps choosing whitespace can never stall
+        # a structure, and the output is still valid JSON
+        defaults = {"whitespace_flexible": not options.disable_any_whitespace}
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
         except ValueError as err:
             raise ValueError(f"structured_outputs.json is not a usable JSON schema: {err}") from None
     if spec.regex is not None:

@@ -198,3 +198,57 @@ def test_offline_generate_raises_and_the_engine_stays_usable(model_dir):
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for out, ref in zip(outs, expected):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+class FaultyMethod:
+    """Wraps `owner.<name>` (an instance attribute from then on): raises RuntimeError at call `fault_at`
+    (None: never), before the original runs."""
+
+    def __init__(self, owner, name: str) -> None:
+        self._original = getattr(owner, name)
+        self.name = name
+        self.calls = 0
+        self.fault_at: int | None = None
+        setattr(owner, name, self)
+
+    def __call__(self, *args, **kwargs):
+        call, self.calls = self.calls, self.calls + 1
+        if call == self.fault_at:
+            raise RuntimeError(f"injected fault in {self.name} at call {call}")
+        return self._original(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def decodes_beside_prefills(model_dir) -> dict[str, list]:
+    """A fresh engine's outputs of SCENARIOS[2] (decodes beside prefills and a checkpoint)."""
+    expected, _ = drive(LLM(str(model_dir), **SCENARIOS[2].engine_kwargs).engine, SCENARIOS[2])
+    return expected
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("target", ["commit", "append_token"])
+def test_a_fault_in_commit_or_output_work_does_not_wedge_the_engine(model_dir, decodes_beside_prefills, target,
+                                                                     async_scheduling):
+    """A raise in `scheduler.commit` or in the output work after it (`output_processor.append_token`)
+    at its middle and last call: the step's prompts fail, the others finish as on a fresh engine,
+    integrity holds, and the engine then serves the same workload with a fresh engine's outputs (no
+    "a step is still in flight" for ever)."""
+    scenario, expected = SCENARIOS[2], decodes_beside_prefills
+    llm = LLM(str(model_dir), **dict(scenario.engine_kwargs, async_scheduling=async_scheduling))
+    owner = llm.engine.scheduler if target == "commit" else llm.engine.output_processor
+    fault = FaultyMethod(owner, target)
+    drive(llm.engine, scenario)
+    for fault_at in (fault.calls // 2, fault.calls - 1):
+        fault.calls, fault.fault_at = 0, fault_at
+        finished, failed = drive(llm.engine, scenario)
+        assert failed, f"the fault at call {fault_at} of {target} ended no request"
+        assert failed.isdisjoint(finished) and failed | set(finished) == {a.request_id for a in scenario.arrivals}
+        for request_id, outputs in finished.items():
+            assert_outputs_equal(outputs, expected[request_id], f"{target}@{fault_at}:{request_id}")
+        assert_drained(llm)
+        fault.fault_at = None
+        again, none_failed = drive(llm.engine, scenario)
+        assert not none_failed
+        for request_id, outputs in again.items():
+            assert_outputs_equal(outputs, expected[request_id], f"{target}: after the fault at {fault_at}")
+        assert_drained(llm)

@@ -14,11 +14,13 @@ import time
 import httpx
 import pytest
 
-from forkpoint.server.cli import build_parser, main
+from forkpoint.server.cli import _model_name, build_parser, main
+from forkpoint.server.engine_args import engine_kwargs
 
 ENGINE_OPTIONS = ["--dtype", "--device", "--seed", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
                   "--block-size", "--checkpoint-token", "--no-checkpoints", "--max-checkpoints-per-request",
-                  "--load-format", "--enforce-eager", "--tensor-parallel-size", "--async-scheduling"]
+                  "--load-format", "--enforce-eager", "--tensor-parallel-size", "--async-scheduling", "--revision",
+                  "--tokenizer-revision", "--download-dir", "--structured-outputs-config"]
 SERVE_OPTIONS = ["--host", "--port", "--served-model-name", "--max-waiting-requests", "--marker-in-user-content"]
 BENCH_OPTIONS = ["--url", "--anchor-tokens", "--suffix-tokens", "--n", "--max-tokens", "--concurrency", "--out"]
 
@@ -40,6 +42,18 @@ def test_help_documents_every_option(command, options):
     assert all(option in text for option in options), [o for o in options if o not in text]
     undocumented = [a.dest for a in parser._actions if not a.help]
     assert not undocumented
+
+
+def test_hub_names_are_served_as_given_with_their_revision(tmp_path):
+    args = build_parser().parse_args(["serve", "Qwen/Qwen3.5-35B-A3B", "--revision", "v1", "--download-dir",
+                                      str(tmp_path), "--structured-outputs-config",
+                                      '{"disable_additional_properties": false}'])
+    kwargs = engine_kwargs(args)
+    assert (kwargs["model"], kwargs["revision"]) == ("Qwen/Qwen3.5-35B-A3B", "v1")
+    assert kwargs["download_dir"] == str(tmp_path)
+    assert kwargs["structured_outputs_config"] == {"disable_additional_properties": False}
+    assert _model_name("Qwen/Qwen3.5-35B-A3B") == "Qwen/Qwen3.5-35B-A3B"
+    assert _model_name(str(tmp_path)) == tmp_path.name
 
 
 def test_serve_process_answers_and_stops_on_sigint(tmp_path):

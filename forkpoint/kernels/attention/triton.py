@@ -238,9 +238,11 @@ def _prune_prefill(configs, named_args, **kwargs):
     return [triton.Config({"BLOCK_M": _next_pow2(g), "BLOCK_N": 32}, num_warps=8, num_stages=1)]
 
 
+# cache_results: the choices persist in Triton's cache directory (kernels/cache_dirs.py), so a restart
+# loads them instead of timing every tile again
 _paged_attn_prefill = triton.autotune(
     configs=list(PREFILL_CONFIGS), key=["G", "BLOCK_D", "Q_BUCKET"],
-    prune_configs_by={"early_config_prune": _prune_prefill},
+    prune_configs_by={"early_config_prune": _prune_prefill}, cache_results=True,
 )(_paged_attn_kernel)
 
 

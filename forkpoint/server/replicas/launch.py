@@ -22,6 +22,7 @@ except ImportError as err:  # an optional dependency: say how to get it
                       "pip install 'forkpoint[serve]'") from err
 from transformers import PreTrainedTokenizerBase
 
+from forkpoint.inputs.hub import resolve_model_dir
 from forkpoint.inputs.tokenizer import load_tokenizer
 from forkpoint.server.config import ServerConfig
 from forkpoint.server.replicas.cluster import ClusterWorker
@@ -67,7 +68,10 @@ class ReplicaCluster:
         except BaseException:
             self.close()
             raise
-        self._tokenizer_path = engine_kwargs.get("tokenizer") or self.info.model_path
+        tokenizer = engine_kwargs.get("tokenizer")  # a directory or a Hub name, as the replicas resolved it
+        self._tokenizer_path = self.info.model_path if tokenizer is None else resolve_model_dir(
+            tokenizer, revision=engine_kwargs.get("tokenizer_revision"),
+            download_dir=engine_kwargs.get("download_dir"), weights=False, what="tokenizer")
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
         """The engines' tokenizer, with their marker registered under the same id."""
