@@ -67,8 +67,10 @@ class _Usage:
         prompt = sum(len(out.prompt_token_ids) for out in self.last.values())
         completion = sum(len(c.token_ids) for out in self.last.values() for c in out.outputs)
         cached = sum(out.num_cached_tokens for out in self.last.values())
+        # forkpoint's extension: why reuse stopped short (the first prompt's with a reason; None: none did)
+        reason = next((out.cache_miss_reason for _, out in sorted(self.last.items()) if out.cache_miss_reason), None)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+                "prompt_tokens_details": {"cached_tokens": cached, "cache_miss_reason": reason}}
 
 
 class _GenerationStream(StreamingResponse):
