@@ -35,6 +35,10 @@ class ProcessedPrompt:
     turn_positions: tuple[int, ...] = ()
 
 
+class PromptTooLongError(ValueError):
+    """The prompt has max_model_len tokens or more (the server answers code context_length_exceeded)."""
+
+
 @dataclass(frozen=True)
 class PromptLimits:
     """vocab_size: ids must lie below it; max_model_len: prompts must be shorter; max_kv_blocks: the
@@ -82,7 +86,7 @@ class InputProcessor:
         token_ids, packed = parsed.token_ids, parsed.packed  # a fresh list; None beyond int64
         validate_token_ids(token_ids, limits.vocab_size, packed)
         if len(token_ids) >= limits.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, max_model_len is {limits.max_model_len}: "
+            raise PromptTooLongError(f"prompt has {len(token_ids)} tokens, max_model_len is {limits.max_model_len}: "
                              "shorten the prompt or raise max_model_len")
         needed = -(-(len(token_ids) + 1) // limits.block_size)
         if needed > limits.max_kv_blocks:

@@ -46,7 +46,7 @@ from forkpoint.inputs.chat import chat_encoder, render_chat_with_images
 from forkpoint.inputs.images import ImageInput
 from forkpoint.inputs.markers import prompt_to_token_ids, strip_checkpoint_markers
 from forkpoint.inputs.multimodal import ImagePromptProcessor
-from forkpoint.inputs.processor import InputProcessor, ProcessedPrompt
+from forkpoint.inputs.processor import InputProcessor, ProcessedPrompt, PromptTooLongError
 from forkpoint.inputs.turns import Breakpoint, breakpoint_positions, turn_boundaries
 from forkpoint.server.config import MarkerPolicy
 from forkpoint.server.errors import APIError, invalid_request
@@ -138,8 +138,8 @@ class PromptBuilder:
         and positions only, not the engine's processing (for /tokenize: no length limit)."""
         conversation = [self._message(i, message) for i, message in enumerate(messages)]
         token_ids, sources, thinking = self._render(conversation, add_generation_prompt, template_kwargs)
-        turns, breakpoints = self._chat_positions(messages, conversation, token_ids, add_generation_prompt,
-                                                  template_kwargs)
+        turns, breakpoints = self._chat_positions(messages, conversation, token_ids,
+                                                  add_generation_prompt and process, template_kwargs)
         images = self._load_images(sources) if sources else []
         if self.processor is not None and process:
             prompt = self._process({"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}
@@ -165,7 +165,8 @@ class PromptBuilder:
                         token_ids: list[int], add_generation_prompt: bool,
                         template_kwargs: dict[str, Any] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(turn boundaries, cache breakpoint ends) in `token_ids`, the rendered conversation's ids
-        (inputs/turns.py). A 400 for more than MAX_BREAKPOINTS breakpoints."""
+        (inputs/turns.py; boundaries only with `add_generation_prompt`). A 400 for more than
+        MAX_BREAKPOINTS breakpoints."""
         points = [Breakpoint(i, None) for i, message in enumerate(messages) if message.cache_control is not None]
         points += [Breakpoint(i, j) for i, message in enumerate(messages) if isinstance(message.content, list)
                    for j, part in enumerate(message.content) if part.cache_control is not None]
@@ -188,6 +189,8 @@ class PromptBuilder:
         """The engine's processing, here and once: validated, hashed, turn boundaries and breakpoints placed."""
         try:
             processed = self.processor.process(prompt, turn_positions=turns, breakpoints=breakpoints)
+        except PromptTooLongError as err:
+            raise invalid_request(str(err), param=param, code="context_length_exceeded") from None
         except ValueError as err:
             raise invalid_request(str(err), param=param) from None
         data = prompt.get("multi_modal_data")
@@ -221,7 +224,7 @@ class PromptBuilder:
     def _with_images(self, token_ids: list[int], images: list[ImageInput]) -> EnginePrompt:
         """Expand the placeholders, then remove markers; no marker may fall inside an image."""
         try:
-            prompt = self._parse(self.images.expand(token_ids, images), None, "messages")
+            prompt = self._parse(self.images.expand(token_ids, images), None, "messages", process=False)
             self.images.place(prompt.token_ids, prompt.checkpoint_positions, images)
         except ValueError as err:  # (_parse raises APIError itself)
             raise invalid_request(str(err), param="messages") from None
@@ -281,8 +284,9 @@ class PromptBuilder:
             return self._process({"prompt_token_ids": token_ids, "checkpoint_positions": list(positions or ())},
                                  param, breakpoints=_raw_positions(token_ids, self.checkpoint_token_id, breakpoints))
         try:
+            given = list(positions or ())
             parsed = strip_checkpoint_markers(token_ids, self.checkpoint_token_id,
-                                              sorted({*(positions or ()), *breakpoints}), self.max_checkpoints)
+                                              given + [p for p in breakpoints if p not in given], self.max_checkpoints)
         except ValueError as err:
             raise invalid_request(str(err), param=param) from None
         return EnginePrompt(parsed.token_ids, parsed.checkpoint_positions)

@@ -87,3 +87,16 @@ def test_stats_line_rates_and_quiet_when_idle():
     done = {**busy, "num_running": 0, "kv_blocks_used": 0}
     assert "prompt 0.0 tokens/s" in stats.line(done, now=30.0)  # one line that shows it idle
     assert stats.line(done, now=40.0) is None
+
+
+def test_stats_line_reuse_by_kind_evictions_and_misses():
+    before = {"prompt_tokens_total": 0, "prompt_tokens_computed": 0, "checkpoint_tokens_saved_chat_turn": 0,
+              "checkpoint_tokens_saved_marker": 0, "cache_misses_template_divergence": 0,
+              "cache_misses_evicted_device": 0, "checkpoints_evicted": 0, "num_running": 1}
+    stats = StatsLine(before, now=0.0)
+    after = {**before, "prompt_tokens_total": 1000, "prompt_tokens_computed": 300,
+             "checkpoint_tokens_saved_chat_turn": 600, "checkpoint_tokens_saved_marker": 100,
+             "cache_misses_template_divergence": 3, "checkpoints_evicted": 2}
+    line = stats.line(after, now=10.0)
+    assert line.endswith("| by kind chat_turn 60.0%, marker 10.0%; 2 evicted; misses template_divergence 3")
+    assert "evicted_device" not in line  # no new ones in the interval
