@@ -71,7 +71,7 @@ class AutoCheckpointPlanner:
         match = self.index.longest_match(prompt, hasher)
         if match is not None:
             position = min(match.length, len(prompt) - 1)  # a reader computes at least one token
-            turn_end, placed = self._seen.get(match.owner, (len(prompt), []))
+            turn_end, placed = self._seen.get(match.owner, (match.length, []))  # unknown: not inside a turn
             request.checkpointing.shared = SharedPrefix(position, tuple(p for p in placed if p <= position),
                                                         match.length > turn_end)
             partner = live.get(match.owner)
