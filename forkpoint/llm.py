@@ -16,9 +16,10 @@ from tqdm.auto import tqdm
 
 from forkpoint.config import EngineConfig
 from forkpoint.engine.engine import LLMEngine
-from forkpoint.inputs.chat import render_chat_with_images
+from forkpoint.inputs.chat import chat_encoder, render_chat_with_images
 from forkpoint.inputs.default_model import default_cache_root
 from forkpoint.inputs.hub import resolve_engine_paths
+from forkpoint.inputs.turns import turn_boundaries
 from forkpoint.kernels.cache_dirs import configure_kernel_caches
 from forkpoint.outputs import RequestOutput
 from forkpoint.sampling_params import SamplingParams
@@ -112,12 +113,19 @@ class LLM:
         """One conversation (a list of {"role", "content"} dicts) or a list of conversations.
         Content may mix text parts and image parts (`image_url` with a data URL, or `image`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        config = self.engine.config
+        encode = chat_encoder(self.engine.tokenizer, chat_template=chat_template, **template_kwargs)
         prompts = []
         for conversation in conversations:
             text, images = render_chat_with_images(self.engine.tokenizer, conversation,
                                                    add_generation_prompt=add_generation_prompt,
                                                    chat_template=chat_template, **template_kwargs)
-            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
+            prompt = {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+            turns = ()  # where the next turn will leave this one: checkpointed there (inputs/turns.py)
+            if add_generation_prompt and config.enable_checkpoints and config.auto_checkpoints:
+                turns = turn_boundaries(encode, conversation, self.engine.tokenizer.encode(text,
+                                                                                          add_special_tokens=False))
+            prompts.append(self.engine.inputs.process(prompt, turn_positions=turns))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

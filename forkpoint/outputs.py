@@ -42,7 +42,10 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """Output of one prompt. prompt_token_ids never contain the checkpoint marker;
-    num_cached_tokens counts prompt tokens reused from a checkpoint (max over the n samples)."""
+    num_cached_tokens counts prompt tokens reused from a checkpoint (max over the n samples);
+    cache_miss_reason (an extension of vLLM's fields) says why reuse stopped short of the tokens the
+    prompt shares with prompts computed before (a `CacheMissReason` value: "no_checkpoint",
+    "template_divergence", "evicted_device", ...), None when it reused all it could or shares nothing."""
 
     request_id: str
     prompt: str | None
@@ -54,3 +57,4 @@ class RequestOutput:
     # None unless SamplingParams.prompt_logprobs was set; then one entry per prompt token: None for the
     # first, else {token_id: Logprob} holding the actual token and the top k given the tokens before it
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    cache_miss_reason: str | None = None

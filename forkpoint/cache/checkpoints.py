@@ -58,10 +58,26 @@ class CheckpointKind(enum.Enum):
     JUNCTION = "junction"  # where a prompt leaves a prefix computed before
     PROMPT_END = "prompt_end"  # all but the last token of a prompt (the same prompt sent again)
     TURN_END = "turn_end"  # prompt plus all but the last output token of a finished request
+    CHAT_TURN = "chat_turn"  # a chat's rendered history before its generation prompt (or a tool result's end)
 
     @property
     def automatic(self) -> bool:
         return self is not CheckpointKind.MARKER
+
+
+class CacheMissReason(enum.Enum):
+    """Why a request's reuse stopped short of the tokens it shares with prompts computed before
+    (`RequestOutput.cache_miss_reason`; None there when it reused all it could)."""
+
+    DISABLED = "disabled"  # checkpoints are off (enable_checkpoints=False)
+    BELOW_MINIMUM = "below_minimum"  # the shared prefix is shorter than auto_checkpoint_min_tokens
+    NO_CHECKPOINT = "no_checkpoint"  # no state was kept where the prompt leaves the earlier one
+    TEMPLATE_DIVERGENCE = "template_divergence"  # it leaves an earlier turn inside that turn's generation prompt
+    # or output: the template re-rendered it, or the client's text re-tokenised differently
+    EVICTED_DEVICE = "evicted_device"  # a checkpoint stood there and was evicted (no host tier)
+    EVICTED_HOST = "evicted_host"  # ... and is not in the host tier either
+    WAIT_TIMEOUT = "wait_timeout"  # it stopped waiting for an unready checkpoint (checkpoint_wait_s)
+    PROMPT_LOGPROBS = "prompt_logprobs"  # the checkpoint there carries no prompt scores for its top-k
 
 
 @dataclass(eq=False)

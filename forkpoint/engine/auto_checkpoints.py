@@ -11,7 +11,15 @@ Placement (each at an exact token position, never rounded; none shorter than `mi
 - **prompt end**: a prompt without markers also writes its state before its last token, so the
   same prompt sent again computes one token;
 - **turn end**: a request that finishes (stop or length) keeps the state after its prompt and all
-  but its last output token, which the next turn of a conversation (or agent step) starts with.
+  but its last output token, which the next turn of a conversation (or agent step) starts with;
+- **chat turn**: a chat prompt's turn boundaries (`Request.turn_positions`, inputs/turns.py): the end
+  of its rendered history before the generation prompt, where the next turn's rendering leaves it
+  (templates re-render the previous turn, so the turn end above rarely matches a chat's next prompt).
+
+Why reuse stopped (`miss_reason`): each new prompt records what it shares with the sequences seen
+before (`SharedPrefix`); at admission, reuse short of that is explained: below the minimum, a
+checkpoint placed there is gone (evicted), the prompt leaves an earlier turn inside its generation
+prompt or output (template divergence), or no checkpoint was placed there.
 
 Common prefixes are found through `PrefixIndex` (block hash chain, then exact tokens). Markers keep
 priority: a marked position is never re-registered as automatic, and the registry's eviction policy
@@ -20,14 +28,15 @@ takes automatic checkpoints first and never lets one evict a marked checkpoint.
 
 from __future__ import annotations
 
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from forkpoint.cache.checkpoints import CheckpointKind, CheckpointRegistry
+from forkpoint.cache.checkpoints import CacheMissReason, CheckpointKind, CheckpointRegistry
 from forkpoint.cache.hashing import PrefixHasher
 from forkpoint.cache.prefix_index import PrefixIndex
 from forkpoint.cache.state_pool import StatePool
-from forkpoint.engine.request import Request
+from forkpoint.engine.request import Request, SharedPrefix
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,10 @@ class AutoCheckpointPlanner:
         self.block_size = block_size
         self.min_tokens = min_tokens
         self.index = PrefixIndex(block_size)
+        # per indexed sequence: (where its last turn ends: its last turn boundary, else its prompt's end,
+        # the positions checkpoints were placed at on it); bounded like the index
+        self._seen: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()
+        self.misses: Counter[CacheMissReason] = Counter()  # prompts by the reason their reuse stopped short
 
     def placements(self, request: Request, live: dict[str, Request]) -> list[Placement]:
         """Where checkpoints go for a newly added `request` (the first sequence of its prompt), given
@@ -58,17 +71,60 @@ class AutoCheckpointPlanner:
         match = self.index.longest_match(prompt, hasher)
         if match is not None:
             position = min(match.length, len(prompt) - 1)  # a reader computes at least one token
+            turn_end, placed = self._seen.get(match.owner, (match.length, []))  # unknown: not inside a turn
+            request.checkpointing.shared = SharedPrefix(position, tuple(p for p in placed if p <= position),
+                                                        match.length > turn_end)
             partner = live.get(match.owner)
             if (partner is not None and partner.num_computed_tokens < self.state_position(position)
                     and not partner.is_finished):
                 found.append(Placement(partner, position, CheckpointKind.SHARED_PREFIX))
             else:
                 found.append(Placement(request, position, CheckpointKind.JUNCTION))
+        found += [Placement(request, p, CheckpointKind.CHAT_TURN) for p in request.turn_positions]
         if not request.checkpoint_positions:
             found.append(Placement(request, len(prompt) - 1, CheckpointKind.PROMPT_END))
         self.index.add(request.parent_id, prompt, hasher)
-        return [p for p in found if p.position >= self.min_tokens and self.registry.get(
+        kept = [p for p in found if p.position >= self.min_tokens and self.registry.get(
             p.producer.hasher.prefix_hash(p.position)) is None]
+        turn_end = max(request.turn_positions, default=len(prompt))
+        self._remember(request.parent_id, turn_end, [*request.checkpoint_positions,
+                                                     *(p.position for p in kept if p.producer is request)])
+        for placement in kept:
+            if placement.producer is not request and placement.producer.parent_id in self._seen:
+                self._seen[placement.producer.parent_id][1].append(placement.position)
+        return kept
+
+    def miss_reason(self, request: Request, cached: int) -> CacheMissReason | None:
+        """Why `request`, admitted with `cached` prompt tokens from a checkpoint, reuses less than its
+        prompt shares with the sequences seen before it (None: it reuses all it can). Counted in
+        `misses` once per prompt (at its first sequence's first admission)."""
+        progress = request.checkpointing
+        shared = progress.shared
+        if shared is None or cached >= shared.reusable:
+            return None
+        if progress.gave_up_waiting:
+            reason = CacheMissReason.WAIT_TIMEOUT
+        elif shared.reusable < self.min_tokens:
+            reason = CacheMissReason.BELOW_MINIMUM
+        elif any(p > cached and self.registry.get(request.hasher.prefix_hash(p)) is None for p in shared.placed):
+            reason = CacheMissReason.EVICTED_HOST if self.registry.host is not None else CacheMissReason.EVICTED_DEVICE
+        elif request.params.prompt_logprobs is not None and any(
+                p > cached and self.registry.get(request.hasher.prefix_hash(p)) is not None for p in shared.placed):
+            reason = CacheMissReason.PROMPT_LOGPROBS
+        elif shared.in_turn:
+            reason = CacheMissReason.TEMPLATE_DIVERGENCE
+        else:
+            reason = CacheMissReason.NO_CHECKPOINT
+        if request.index == 0 and not progress.miss_counted:
+            progress.miss_counted = True
+            self.misses[reason] += 1
+        return reason
+
+    def _remember(self, owner: str, turn_end: int, placed: list[int]) -> None:
+        self._seen.pop(owner, None)
+        self._seen[owner] = (turn_end, placed)
+        while len(self._seen) > self.index.capacity:
+            self._seen.popitem(last=False)
 
     def keep_turn_end(self, request: Request, now: float) -> None:
         """`request` finished with its state after num_computed_tokens in its slot (not yet freed):
@@ -79,6 +135,8 @@ class AutoCheckpointPlanner:
         hasher = PrefixHasher(tokens, self.block_size, extra_keys=self._image_keys(request))
         self.index.add(request.request_id, tokens, hasher)
         length = len(tokens)
+        turn_end, placed = self._seen.get(request.parent_id, (len(request.prompt_token_ids), []))
+        self._remember(request.request_id, turn_end, [*placed, length])
         if length < self.min_tokens or request.slot is None:
             return
         if self.state_position(length) != length:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from forkpoint.cache.block_pool import BlockPool
-from forkpoint.cache.checkpoints import CheckpointKind, CheckpointRegistry
+from forkpoint.cache.checkpoints import CacheMissReason, CheckpointKind, CheckpointRegistry
 from forkpoint.cache.host_tier import HostTier
 from forkpoint.cache.sizing import build_pools
 from forkpoint.cache.state_pool import StatePool
@@ -44,7 +44,7 @@ from forkpoint.engine.startup import StartupTimer
 from forkpoint.inputs.default_model import DEFAULT_MODEL_NOTICE, ensure_default_model
 from forkpoint.inputs.generation_config import GenerationDefaults
 from forkpoint.inputs.multimodal import image_prompt_processor
-from forkpoint.inputs.processor import InputProcessor, PromptLimits
+from forkpoint.inputs.processor import InputProcessor, ProcessedPrompt, PromptLimits
 from forkpoint.inputs.tokenizer import load_tokenizer
 from forkpoint.models.loader import build_model
 from forkpoint.outputs import RequestOutput
@@ -224,7 +224,7 @@ class LLMEngine:
             params = dataclasses.replace(params, max_tokens=self.generation_defaults.max_new_tokens)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        processed = self.inputs.process(prompt)
+        processed = prompt if isinstance(prompt, ProcessedPrompt) else self.inputs.process(prompt)
         token_ids = processed.token_ids
         positions = list(processed.checkpoint_positions) if self.registry is not None else []
         seq_positions = list(positions)
@@ -249,6 +249,7 @@ class LLMEngine:
                 generator=self._generator(params, index),
                 multimodal=processed.multimodal,
                 processors=processors[index],
+                turn_positions=processed.turn_positions if self.registry is not None else (),
             ))
         self._groups[request_id] = _PromptGroup(request_id, processed.text, token_ids, positions, sequences, stream)
         for sequence in sequences:
@@ -558,6 +559,9 @@ class LLMEngine:
                 values[f"checkpoint_hits_{kind.value}"] = counters.hits[kind]
                 values[f"checkpoint_tokens_saved_{kind.value}"] = counters.tokens_saved[kind]
                 values[f"checkpoints_evicted_{kind.value}"] = counters.evicted[kind]
+            misses = self.scheduler.auto.misses if self.scheduler.auto is not None else {}
+            for reason in CacheMissReason:  # prompts whose reuse stopped short, by why (auto_checkpoints.py)
+                values[f"cache_misses_{reason.value}"] = misses.get(reason, 0)
             if registry.host is not None:
                 tier = registry.host.counters
                 values.update(checkpoints_spilled=tier.spilled, checkpoints_restored=tier.restored,

@@ -108,6 +108,7 @@ class OutputProcessor:
             prompt_token_ids=list(prompt_token_ids),
             outputs=completions,
             num_cached_tokens=max(s.num_cached_tokens for s in sequences),
+            cache_miss_reason=first.cache_miss_reason.value if first.cache_miss_reason is not None else None,
             checkpoint_positions=list(checkpoint_positions),
             finished=finished,
         )

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from forkpoint.cache.checkpoints import Checkpoint, CheckpointKind
+from forkpoint.cache.checkpoints import CacheMissReason, Checkpoint, CheckpointKind
 from forkpoint.cache.hashing import PrefixHasher
 from forkpoint.inputs.multimodal import MultimodalPrompt
 from forkpoint.runner.logits_processors import RequestProcessors
@@ -46,6 +46,22 @@ class CheckpointProgress:
     deferred_since: float | None = None
     was_deferred: bool = False
     gave_up_waiting: bool = False
+    shared: SharedPrefix | None = None  # what the prompt shares with earlier ones (auto_checkpoints.py)
+    miss_counted: bool = False  # its cache miss reason was counted (once, at its first admission)
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """What a new prompt shares with the sequences seen before it, for saying why reuse stopped.
+
+    reusable: the longest prefix a checkpoint could give it (the shared length, less the token a reader
+    computes itself); placed: positions in 1..reusable where checkpoints were placed on that earlier
+    sequence; in_turn: the prompt leaves it after its last turn boundary (in its generation prompt or
+    output: a template or a client re-rendered that turn)."""
+
+    reusable: int
+    placed: tuple[int, ...]
+    in_turn: bool
 
 
 @dataclass(eq=False)
@@ -75,6 +91,10 @@ class Request:
     multimodal: MultimodalPrompt | None = None
     # logits processors and grammar state (None: none asked for); released when the prompt leaves
     processors: RequestProcessors | None = None
+    # a chat's turn boundaries (inputs/turns.py): automatic CHAT_TURN checkpoints, not markers
+    turn_positions: tuple[int, ...] = ()
+    # why reuse stopped short of what the prompt shares with earlier ones (None: it did not), set at admission
+    cache_miss_reason: CacheMissReason | None = None
 
     @property
     def token_ids(self) -> list[int]:

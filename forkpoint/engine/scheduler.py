@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from forkpoint.cache.block_pool import BlockPool
-from forkpoint.cache.checkpoints import Checkpoint, CheckpointKind, CheckpointRegistry, CheckpointState
+from forkpoint.cache.checkpoints import CacheMissReason, Checkpoint, CheckpointKind, CheckpointRegistry, CheckpointState
 from forkpoint.cache.state_pool import ZERO_SLOT, StatePool
 from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig
 from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner, Placement
@@ -412,6 +412,8 @@ class Scheduler:
             self.stats.checkpoint_hits += 1
             if start % self.block_size:
                 planning.kv_copies.append(KVCopy(shared[full], request.blocks[full], start % self.block_size))
+        request.cache_miss_reason = (self.auto.miss_reason(request, start) if self.auto is not None else
+                                     None if self.registry is not None else CacheMissReason.DISABLED)
         self._claim_checkpoints(request, start, now)
         if progress.waiting_on is not None:
             self._stop_waiting(request, now)

@@ -13,7 +13,7 @@ accepted in `image_url`: nothing is fetched over the network.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -166,3 +166,16 @@ def _image_source(part: Mapping[str, Any], where: str) -> Any:
         raise ValueError(f"{where}: image URL {url[:40]!r} is not fetched (no network access): send the image "
                          "inline as a data:image/...;base64 URL")
     return url
+
+
+def chat_encoder(tokenizer: PreTrainedTokenizerBase, *, chat_template: str | None = None,
+                 **template_kwargs: Any) -> Callable[[Sequence[Mapping[str, Any]], bool], list[int]]:
+    """`encode(conversation, add_generation_prompt) -> token ids` of the rendered conversation (image
+    parts as one placeholder each, markers as text), for `inputs/turns.py`."""
+
+    def encode(conversation: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> list[int]:
+        text = _render(tokenizer, conversation, [], add_generation_prompt=add_generation_prompt,
+                       chat_template=chat_template, **template_kwargs)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    return encode

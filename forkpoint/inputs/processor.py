@@ -7,7 +7,10 @@ prefix hasher. It allocates nothing: a ValueError leaves nothing behind.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from forkpoint.cache.hashing import HasherCache, PrefixHasher, pack_tokens
 from forkpoint.inputs.markers import prompt_to_token_ids, strip_checkpoint_markers, validate_token_ids
@@ -17,14 +20,23 @@ from forkpoint.inputs.multimodal import ImagePromptProcessor, MultimodalPrompt
 @dataclass(frozen=True)
 class ProcessedPrompt:
     """text: the prompt text (None for token-id prompts); token_ids: without markers;
-    checkpoint_positions: marked positions (sorted, exact); multimodal: image placement or None;
-    hasher: chained hashes of token_ids' prefixes (plus image content keys)."""
+    checkpoint_positions: marked positions (sorted, exact; cache breakpoints included); multimodal: image
+    placement or None; hasher: chained hashes of token_ids' prefixes (plus image content keys);
+    turn_positions: a chat's turn boundaries (inputs/turns.py), sorted, in 1..len(token_ids)-1, none of
+    them marked: automatic checkpoints of their own kind, outside max_checkpoints.
+
+    The engine takes a `ProcessedPrompt` as it is (the server builds them: prompts are processed once)."""
 
     text: str | None
     token_ids: list[int]
     checkpoint_positions: tuple[int, ...]
     multimodal: MultimodalPrompt | None
     hasher: PrefixHasher
+    turn_positions: tuple[int, ...] = ()
+
+
+class PromptTooLongError(ValueError):
+    """The prompt has max_model_len tokens or more (the server answers code context_length_exceeded)."""
 
 
 @dataclass(frozen=True)
@@ -49,21 +61,32 @@ class InputProcessor:
         self.limits = limits
         self.hashers = HasherCache(limits.block_size)  # a burst behind one anchor hashes it once
 
-    def process(self, prompt) -> ProcessedPrompt:
+    def process(self, prompt, *, turn_positions: Sequence[int] = (),
+                breakpoints: Sequence[int] = ()) -> ProcessedPrompt:
         """`prompt`: a str, {"prompt": str} or {"prompt_token_ids": [...]} (optionally with
-        "checkpoint_positions" and "multi_modal_data"). Raises ValueError naming the problem."""
+        "checkpoint_positions" and "multi_modal_data"). `turn_positions` (chat turn boundaries) and
+        `breakpoints` (cache breakpoints, checkpoints like markers) count the prompt's own tokens as
+        given, markers and one `<|image_pad|>` per image included (inputs/turns.py computes them so).
+        Raises ValueError naming the problem."""
         limits = self.limits
         raw = prompt_to_token_ids(prompt, self.tokenizer)
         images = self.images.load(raw.multi_modal_data)
         raw_ids = self.images.expand(raw.token_ids, images)  # markers count expanded image tokens
         # packed once (or on the way in): the marker scan, the range check and every block hash read it
         packed = raw.packed if raw.packed is not None and not images else _packed(raw_ids)
-        parsed = strip_checkpoint_markers(raw_ids, self.checkpoint_token_id, raw.checkpoint_positions,
-                                          limits.max_checkpoints, packed)
+        if turn_positions or breakpoints:
+            to_final = self._position_map(raw.token_ids, images)
+            turn_positions = [to_final[p] for p in turn_positions if to_final[p] is not None]
+            extra = {to_final[p] for p in breakpoints if to_final[p] is not None}
+            positions = list(raw.checkpoint_positions) + sorted(extra - set(raw.checkpoint_positions))
+        else:
+            positions = raw.checkpoint_positions
+        parsed = strip_checkpoint_markers(raw_ids, self.checkpoint_token_id, positions, limits.max_checkpoints,
+                                          packed)
         token_ids, packed = parsed.token_ids, parsed.packed  # a fresh list; None beyond int64
         validate_token_ids(token_ids, limits.vocab_size, packed)
         if len(token_ids) >= limits.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, max_model_len is {limits.max_model_len}: "
+            raise PromptTooLongError(f"prompt has {len(token_ids)} tokens, max_model_len is {limits.max_model_len}: "
                              "shorten the prompt or raise max_model_len")
         needed = -(-(len(token_ids) + 1) // limits.block_size)
         if needed > limits.max_kv_blocks:
@@ -72,7 +95,34 @@ class InputProcessor:
         multimodal = self.images.place(token_ids, parsed.checkpoint_positions, images)
         hasher = self.hashers.build(token_ids, extra_keys=multimodal.hash_keys() if multimodal is not None else (),
                                     packed=packed)
-        return ProcessedPrompt(raw.text, token_ids, tuple(sorted(parsed.checkpoint_positions)), multimodal, hasher)
+        marked = set(parsed.checkpoint_positions)
+        turns = tuple(sorted({p for p in turn_positions if 0 < p < len(token_ids) and p not in marked}))
+        return ProcessedPrompt(raw.text, token_ids, tuple(sorted(marked)), multimodal, hasher, turns)
+
+    def _position_map(self, raw_ids: list[int], images: list) -> list[int | None]:
+        """For each raw position p (0..len(raw_ids)): the number of processed tokens before it (markers
+        removed, each image's `<|image_pad|>` run expanded), None inside an image's run."""
+        ids = np.asarray(raw_ids, dtype=object if _packed(raw_ids) is None else np.int64)
+        weights = np.ones(len(raw_ids), np.int64)
+        if self.checkpoint_token_id is not None:
+            weights[ids == self.checkpoint_token_id] = 0
+        inside: list[tuple[int, int]] = []
+        if images:
+            pads = np.flatnonzero(ids == self.images.vision.image_token_id).tolist()
+            runs = [[pads[0], pads[0] + 1]] if pads else []
+            for index in pads[1:]:
+                if index == runs[-1][1]:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([index, index + 1])
+            for (start, end), image in zip(runs, images):
+                weights[start:end] = 0
+                weights[start] = image.num_tokens
+                inside.append((start, end))
+        counts: list[int | None] = [0] + np.cumsum(weights).tolist()
+        for start, end in inside:
+            counts[start + 1: end] = [None] * (end - start - 1)
+        return counts
 
 
 def _packed(token_ids: list[int]) -> bytes | None:

@@ -76,6 +76,7 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
         tokenizer, checkpoint_token=engine.config.checkpoint_token, checkpoint_token_id=llm.checkpoint_token_id,
         max_checkpoints=engine.config.max_checkpoints_per_request, policy=config.marker_policy,
         images=engine.images if takes_images else None, executor=tokenizer_thread,
+        processor=engine.inputs, turn_boundaries=engine.config.enable_checkpoints and engine.config.auto_checkpoints,
     )
     max_request_bytes = (config.max_request_bytes if config.max_request_bytes is not None else
                          default_max_request_bytes(tokenizer, engine.max_model_len, takes_images=takes_images))
@@ -182,10 +183,11 @@ def add_openai_routes(app: FastAPI, *, serving: OpenAIServing, prompts: PromptBu
         serving.check_model(body.model)
         reject_unencodable_text(body)
         if body.prompt is not None:
-            prompt = await prompts.run(prompts.from_text, body.prompt)
+            prompt = await prompts.run(prompts.from_text, body.prompt, process=False)
         else:
             prompt = await prompts.from_messages_async(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                                       template_kwargs=template_kwargs(body, serving.template_sandbox))
+                                                       template_kwargs=template_kwargs(body, serving.template_sandbox),
+                                                       process=False)
         return {"count": len(prompt.token_ids), "max_model_len": max_model_len,
                 "tokens": prompt.token_ids, "checkpoint_positions": list(prompt.checkpoint_positions)}
 

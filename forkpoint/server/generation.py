@@ -71,7 +71,8 @@ class Generation:
 
     def __init__(self, worker: EngineWorker, admission: Admission, metrics: ServerMetrics, *,
                  endpoint: str, prompt_param: str, request_id: str, prompts: Sequence[EnginePrompt],
-                 params: SamplingParams) -> None:
+                 params: SamplingParams, cache_key: str | None = None) -> None:
+        self._cache_key = cache_key  # prompt_cache_key: replicas route the group together
         self._endpoint = endpoint
         self._prompt_param = prompt_param
         self._worker = worker
@@ -100,7 +101,8 @@ class Generation:
         for rid in self._ids:
             self._state[rid] = "waiting"
         self._sink = OutputSink(asyncio.get_running_loop())
-        requests = [NewRequest(rid, p.engine_input(), self._params) for rid, p in zip(self._ids, self._prompts)]
+        requests = [NewRequest(rid, p.engine_input(), self._params, self._cache_key)
+                    for rid, p in zip(self._ids, self._prompts)]
         try:
             await self._worker.add_many(requests, self._sink)
             self._started = True

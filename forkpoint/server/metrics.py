@@ -68,6 +68,12 @@ class EngineCollector(Collector):
                 if key.startswith(prefix):
                     family.add_metric([key[len(prefix):]], value)
             yield family
+        misses = CounterMetricFamily("forkpoint_cache_misses", "Prompts whose reuse stopped short of what they "
+                                     "share with earlier prompts, by reason (docs/server.md).", labels=["reason"])
+        for key, value in values.items():
+            if key.startswith("cache_misses_"):
+                misses.add_metric([key.removeprefix("cache_misses_")], value)
+        yield misses
         tier = CounterMetricFamily("forkpoint_host_tier_checkpoints", "Checkpoints moved to or from the host "
                                    "tier, by event.", labels=["event"])
         for event in ("spilled", "restored"):

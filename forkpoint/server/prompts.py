@@ -12,6 +12,14 @@ Where the marker can come from, and what the policy (`MarkerPolicy`) does to it:
     "checkpoint": true on a content part   --always: marker appended after the part's text-->
     checkpoint_positions (completions)     --always: passed as positions-->
 
+Prompts are processed once: with the engine's `InputProcessor` (one server), the builder hands the
+engine a `ProcessedPrompt` (validated, hashed), which `LLMEngine.add_request` takes as it is. Without
+one (the replicas' ingress, whose engines live elsewhere) it hands the marker-free dict.
+
+Chat prompts also carry where the next turn will leave them (`inputs/turns.py`: automatic CHAT_TURN
+checkpoints) and their cache breakpoints (Anthropic's `cache_control` on a message or content part,
+at most `MAX_BREAKPOINTS`, checkpoints at their exact ends like markers).
+
 Images (chat `image_url` parts with data URLs, multimodal models): decoded here, their
 placeholders expanded before the markers are removed, so positions count image tokens as the
 engine does; the engine receives the expanded ids with the decoded images (`multi_modal_data`).
@@ -34,26 +42,34 @@ from typing import Any
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from forkpoint.inputs.chat import render_chat_with_images
+from forkpoint.inputs.chat import chat_encoder, render_chat_with_images
 from forkpoint.inputs.images import ImageInput
 from forkpoint.inputs.markers import prompt_to_token_ids, strip_checkpoint_markers
 from forkpoint.inputs.multimodal import ImagePromptProcessor
+from forkpoint.inputs.processor import InputProcessor, ProcessedPrompt, PromptTooLongError
+from forkpoint.inputs.turns import Breakpoint, breakpoint_positions, turn_boundaries
 from forkpoint.server.config import MarkerPolicy
 from forkpoint.server.errors import APIError, invalid_request
 from forkpoint.server.protocol import ChatMessage
 from forkpoint.server.reasoning import prompt_opens_thinking
 
+MAX_BREAKPOINTS = 4  # cache_control breakpoints per request (Anthropic's limit)
+
 
 @dataclass(frozen=True)
 class EnginePrompt:
-    """A prompt ready for ``LLMEngine.add_request``: marker-free ids and exact positions."""
+    """A prompt ready for ``LLMEngine.add_request``: marker-free ids and exact positions, and the
+    engine's `ProcessedPrompt` of it when the builder has the engine's processor."""
 
     token_ids: list[int]
     checkpoint_positions: tuple[int, ...]
     multi_modal_data: dict[str, Any] | None = None  # {"image": [ImageInput, ...]}, placeholders expanded
     opens_thinking: bool = False  # chat: the rendered prompt ends inside an open <think> (reasoning.py)
+    processed: ProcessedPrompt | None = None
 
-    def engine_input(self) -> dict[str, Any]:
+    def engine_input(self) -> ProcessedPrompt | dict[str, Any]:
+        if self.processed is not None:
+            return self.processed
         prompt = {"prompt_token_ids": self.token_ids, "checkpoint_positions": list(self.checkpoint_positions)}
         if self.multi_modal_data is not None:
             prompt["multi_modal_data"] = self.multi_modal_data
@@ -65,7 +81,9 @@ class PromptBuilder:
 
     checkpoint_token / checkpoint_token_id: the marker string and its id (None when the engine
     has checkpoints disabled: then structured controls are ignored and the marker string is
-    plain text). Every method raises `APIError` (400) naming the request field at fault.
+    plain text). processor: the engine's input processor (prompts leave here processed), or None.
+    turn_boundaries: whether chat prompts get their turn boundaries (the engine places automatic
+    checkpoints). Every method raises `APIError` (400) naming the request field at fault.
     """
 
     def __init__(
@@ -78,7 +96,11 @@ class PromptBuilder:
         policy: MarkerPolicy,
         images: ImagePromptProcessor | None = None,
         executor: concurrent.futures.Executor | None = None,
+        processor: InputProcessor | None = None,
+        turn_boundaries: bool = False,
     ) -> None:
+        self.processor = processor
+        self.turn_boundaries = turn_boundaries and checkpoint_token_id is not None
         self.executor = executor  # where `run` builds prompts (None: asyncio's default thread pool)
         self.images = images  # the engine's image front end (None: image parts are a 400)
         self.tokenizer = tokenizer
@@ -87,7 +109,8 @@ class PromptBuilder:
         self.max_checkpoints = max_checkpoints
         self.policy = policy
 
-    def from_text(self, text: str, positions: Sequence[int] | None = None, *, param: str = "prompt") -> EnginePrompt:
+    def from_text(self, text: str, positions: Sequence[int] | None = None, *, param: str = "prompt",
+                  process: bool = True) -> EnginePrompt:
         """A completion prompt string (markers in it obey the policy)."""
         text = self._client_text(text, param)
         try:
@@ -95,7 +118,7 @@ class PromptBuilder:
         except ValueError as err:
             raise invalid_request(str(err), param=param) from None
         self._no_image_placeholders(raw.token_ids, param)
-        return self._parse(raw.token_ids, positions, param)
+        return self._parse(raw.token_ids, positions, param, process=process)
 
     def from_token_ids(self, token_ids: Sequence[int], positions: Sequence[int] | None = None,
                        *, param: str = "prompt") -> EnginePrompt:
@@ -109,29 +132,74 @@ class PromptBuilder:
         return self._parse(list(token_ids), positions, param)
 
     def from_messages(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
-                      template_kwargs: dict[str, Any] | None = None) -> EnginePrompt:
+                      template_kwargs: dict[str, Any] | None = None, process: bool = True) -> EnginePrompt:
         """A chat conversation, rendered with the tokenizer's chat template (images decoded in
-        this thread: handlers on the event loop use `from_messages_async`)."""
-        token_ids, sources, thinking = self._render(messages, add_generation_prompt, template_kwargs)
-        if not sources:
-            return dataclasses.replace(self._parse(token_ids, None, "messages"), opens_thinking=thinking)
-        return dataclasses.replace(self._with_images(token_ids, self._load_images(sources)), opens_thinking=thinking)
+        this thread: handlers on the event loop use `from_messages_async`). `process=False`: ids
+        and positions only, not the engine's processing (for /tokenize: no length limit)."""
+        conversation = [self._message(i, message) for i, message in enumerate(messages)]
+        token_ids, sources, thinking = self._render(conversation, add_generation_prompt, template_kwargs)
+        turns, breakpoints = self._chat_positions(messages, conversation, token_ids,
+                                                  add_generation_prompt and process, template_kwargs)
+        images = self._load_images(sources) if sources else []
+        if self.processor is not None and process:
+            prompt = self._process({"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}
+                                   if images else {"prompt_token_ids": token_ids}, "messages", turns, breakpoints)
+        elif images:
+            prompt = self._with_images(token_ids, images)
+        else:
+            prompt = self._parse(token_ids, None, "messages", _stripped(token_ids, self.checkpoint_token_id,
+                                                                        breakpoints), process=process)
+        return dataclasses.replace(prompt, opens_thinking=thinking)
 
     async def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """`fn(*args, **kwargs)` in the executor, off the event loop (for the tokenizer's work)."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
 
     async def from_messages_async(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
-                                  template_kwargs: dict[str, Any] | None = None) -> EnginePrompt:
+                                  template_kwargs: dict[str, Any] | None = None, process: bool = True) -> EnginePrompt:
         """`from_messages` for the event loop: rendered, tokenised and its images decoded in the executor."""
         return await self.run(self.from_messages, messages, add_generation_prompt=add_generation_prompt,
-                              template_kwargs=template_kwargs)
+                              template_kwargs=template_kwargs, process=process)
 
-    def _render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
+    def _chat_positions(self, messages: Sequence[ChatMessage], conversation: list[dict[str, Any]],
+                        token_ids: list[int], add_generation_prompt: bool,
+                        template_kwargs: dict[str, Any] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(turn boundaries, cache breakpoint ends) in `token_ids`, the rendered conversation's ids
+        (inputs/turns.py; boundaries only with `add_generation_prompt`). A 400 for more than
+        MAX_BREAKPOINTS breakpoints."""
+        points = [Breakpoint(i, None) for i, message in enumerate(messages) if message.cache_control is not None]
+        points += [Breakpoint(i, j) for i, message in enumerate(messages) if isinstance(message.content, list)
+                   for j, part in enumerate(message.content) if part.cache_control is not None]
+        if len(points) > MAX_BREAKPOINTS:
+            raise invalid_request(f"the messages carry {len(points)} cache_control breakpoints; at most "
+                                  f"{MAX_BREAKPOINTS} are allowed per request: remove some", param="messages")
+        if self.checkpoint_token_id is None or not (points or (self.turn_boundaries and add_generation_prompt)):
+            return (), ()
+        encode = chat_encoder(self.tokenizer, **(template_kwargs or {}))
+        try:
+            breakpoints = breakpoint_positions(encode, conversation, token_ids, sorted(points, key=_order))
+        except ValueError as err:
+            raise invalid_request(str(err), param="messages") from None
+        turns = turn_boundaries(encode, conversation, token_ids) if self.turn_boundaries and add_generation_prompt \
+            else ()
+        return turns, breakpoints
+
+    def _process(self, prompt: dict[str, Any], param: str, turns: Sequence[int] = (),
+                 breakpoints: Sequence[int] = ()) -> EnginePrompt:
+        """The engine's processing, here and once: validated, hashed, turn boundaries and breakpoints placed."""
+        try:
+            processed = self.processor.process(prompt, turn_positions=turns, breakpoints=breakpoints)
+        except PromptTooLongError as err:
+            raise invalid_request(str(err), param=param, code="context_length_exceeded") from None
+        except ValueError as err:
+            raise invalid_request(str(err), param=param) from None
+        data = prompt.get("multi_modal_data")
+        return EnginePrompt(processed.token_ids, processed.checkpoint_positions, data, processed=processed)
+
+    def _render(self, conversation: list[dict[str, Any]], add_generation_prompt: bool,
                 template_kwargs: dict[str, Any] | None) -> tuple[list[int], list[Any], bool]:
         """Token ids of the rendered conversation (markers still in), its image sources in order,
         and whether the prompt leaves a thought open."""
-        conversation = [self._message(i, message) for i, message in enumerate(messages)]
         try:
             text, sources = render_chat_with_images(self.tokenizer, conversation,
                                                     add_generation_prompt=add_generation_prompt,
@@ -156,7 +224,7 @@ class PromptBuilder:
     def _with_images(self, token_ids: list[int], images: list[ImageInput]) -> EnginePrompt:
         """Expand the placeholders, then remove markers; no marker may fall inside an image."""
         try:
-            prompt = self._parse(self.images.expand(token_ids, images), None, "messages")
+            prompt = self._parse(self.images.expand(token_ids, images), None, "messages", process=False)
             self.images.place(prompt.token_ids, prompt.checkpoint_positions, images)
         except ValueError as err:  # (_parse raises APIError itself)
             raise invalid_request(str(err), param="messages") from None
@@ -172,7 +240,7 @@ class PromptBuilder:
         else:
             parts = []
             for part in content:
-                fields = part.model_dump(exclude={"checkpoint"}, exclude_none=True)
+                fields = part.model_dump(exclude={"checkpoint", "cache_control"}, exclude_none=True)
                 if part.type == "text" and part.text is not None:
                     text = self._client_text(part.text, param)
                     if part.checkpoint and self.checkpoint_token_id is not None:
@@ -180,7 +248,7 @@ class PromptBuilder:
                     fields["text"] = text
                 parts.append(fields)
             content = parts
-        fields = message.model_dump(exclude_none=True)
+        fields = message.model_dump(exclude={"cache_control"}, exclude_none=True)
         if "tool_calls" in fields:
             fields["tool_calls"] = _tool_calls_for_template(index, fields["tool_calls"])
         return {**fields, "content": content}
@@ -208,12 +276,40 @@ class PromptBuilder:
             param=param, code="checkpoint_marker_rejected",
         )
 
-    def _parse(self, token_ids: list[int], positions: Sequence[int] | None, param: str) -> EnginePrompt:
+    def _parse(self, token_ids: list[int], positions: Sequence[int] | None, param: str,
+               breakpoints: Sequence[int] = (), *, process: bool = True) -> EnginePrompt:
+        """Marker-free ids and positions (`breakpoints`: more positions, in stripped coordinates);
+        processed by the engine's processor when the builder has it (and `process`)."""
+        if self.processor is not None and process:
+            return self._process({"prompt_token_ids": token_ids, "checkpoint_positions": list(positions or ())},
+                                 param, breakpoints=_raw_positions(token_ids, self.checkpoint_token_id, breakpoints))
         try:
-            parsed = strip_checkpoint_markers(token_ids, self.checkpoint_token_id, positions, self.max_checkpoints)
+            given = list(positions or ())
+            parsed = strip_checkpoint_markers(token_ids, self.checkpoint_token_id,
+                                              given + [p for p in breakpoints if p not in given], self.max_checkpoints)
         except ValueError as err:
             raise invalid_request(str(err), param=param) from None
         return EnginePrompt(parsed.token_ids, parsed.checkpoint_positions)
+
+
+def _order(point: Breakpoint) -> tuple[int, int]:
+    return point.message, -1 if point.part is None else point.part
+
+
+def _stripped(token_ids: Sequence[int], marker_id: int | None, positions: Sequence[int]) -> list[int]:
+    """Positions in `token_ids` (markers in) as positions of the marker-free ids."""
+    if marker_id is None or not positions:
+        return list(positions)
+    return [p - token_ids[:p].count(marker_id) for p in positions]
+
+
+def _raw_positions(token_ids: Sequence[int], marker_id: int | None, positions: Sequence[int]) -> list[int]:
+    """Positions of the marker-free ids as positions in `token_ids` (markers in): the inverse of `_stripped`,
+    at the first raw position with that many real tokens before it."""
+    if marker_id is None or not positions:
+        return list(positions)
+    real = [index for index, token in enumerate(token_ids) if token != marker_id]
+    return [real[p - 1] + 1 for p in positions if 0 < p <= len(real)]
 
 
 def _tool_calls_for_template(index: int, calls: Any) -> list[dict[str, Any]]:

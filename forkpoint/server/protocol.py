@@ -96,6 +96,10 @@ class SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: Literal["auto", "guidance", "llguidance"] | None = None  # llguidance is what runs
+    # OpenAI's prompt caching hints (docs/server.md): requests with one key share a replica; retention
+    # is accepted and has no further effect (checkpoints live until evicted, in every tier)
+    prompt_cache_key: str | None = Field(None, max_length=1024)
+    prompt_cache_retention: Literal["in-memory", "in_memory", "24h"] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -154,22 +158,34 @@ class CompletionRequest(SamplingFields):
         return self
 
 
+class CacheControl(BaseModel):
+    """Anthropic's cache breakpoint, ``{"type": "ephemeral"}`` (``ttl`` "5m" or "1h" is accepted: a
+    checkpoint lives until evicted, whatever it asks for)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
 class ContentPart(BaseModel):
-    """An OpenAI content part; ``checkpoint: true`` (forkpoint) checkpoints after its text."""
+    """An OpenAI content part; ``checkpoint: true`` (forkpoint) checkpoints after its text, and so does
+    ``cache_control`` (Anthropic's breakpoint, at the part's exact end in the rendered prompt)."""
 
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
     checkpoint: bool = False
+    cache_control: CacheControl | None = None
 
 
 class ChatMessage(BaseModel):
     """A message; other keys (``tool_calls``, ``tool_call_id``, ``name``, ``reasoning_content``)
-    go to the chat template."""
+    go to the chat template. ``cache_control`` checkpoints at the message's end in the rendered prompt."""
 
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    cache_control: CacheControl | None = None
 
 
 class FunctionDefinition(BaseModel):

@@ -69,8 +69,10 @@ class _Usage:
         prompt = sum(len(out.prompt_token_ids) for out in self.last.values())
         completion = sum(len(c.token_ids) for out in self.last.values() for c in out.outputs)
         cached = sum(out.num_cached_tokens for out in self.last.values())
+        # forkpoint's extension: why reuse stopped short (the first prompt's with a reason; None: none did)
+        reason = next((out.cache_miss_reason for _, out in sorted(self.last.items()) if out.cache_miss_reason), None)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+                "prompt_tokens_details": {"cached_tokens": cached, "cache_miss_reason": reason}}
 
 
 class _GenerationStream(StreamingResponse):
@@ -186,7 +188,7 @@ class OpenAIServing:
                         request: Request) -> Response:
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         gen = Generation(self.worker, self.admission, self.metrics, endpoint=endpoint, prompt_param=prompt_param,
-                         request_id=request_id, prompts=prompts, params=params)
+                         request_id=request_id, prompts=prompts, params=params, cache_key=body.prompt_cache_key)
         await gen.start()
         header = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         if body.stream:

@@ -63,9 +63,13 @@ class OutputSink:
 
 @dataclass(frozen=True)
 class NewRequest:
+    """One prompt for the engine (`prompt`: a `ProcessedPrompt`, or a prompt dict for replicas);
+    cache_key: the request's prompt_cache_key (replicas route its group together), or None."""
+
     request_id: str
-    prompt: dict[str, Any]
+    prompt: Any
     params: SamplingParams
+    cache_key: str | None = None
 
 
 @dataclass(frozen=True)

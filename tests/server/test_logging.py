@@ -104,3 +104,16 @@ def test_stats_line_and_start_up_summary_show_the_host_tier():
         {k: v for k, v in base.items() if "tier" not in k and "spilled" not in k}, 10.0)
     assert host_tier_summary(later).startswith("host tier: 2.0 GiB of host memory")
     assert host_tier_summary({"host_tier_capacity_bytes": 0}).startswith("host tier: off")
+
+
+def test_stats_line_reuse_by_kind_evictions_and_misses():
+    before = {"prompt_tokens_total": 0, "prompt_tokens_computed": 0, "checkpoint_tokens_saved_chat_turn": 0,
+              "checkpoint_tokens_saved_marker": 0, "cache_misses_template_divergence": 0,
+              "cache_misses_evicted_device": 0, "checkpoints_evicted": 0, "num_running": 1}
+    stats = StatsLine(before, now=0.0)
+    after = {**before, "prompt_tokens_total": 1000, "prompt_tokens_computed": 300,
+             "checkpoint_tokens_saved_chat_turn": 600, "checkpoint_tokens_saved_marker": 100,
+             "cache_misses_template_divergence": 3, "checkpoints_evicted": 2}
+    line = stats.line(after, now=10.0)
+    assert line.endswith("| by kind chat_turn 60.0%, marker 10.0%; 2 evicted; misses template_divergence 3")
+    assert "evicted_device" not in line  # no new ones in the interval

@@ -12,9 +12,12 @@ Policy, per request (keys from `routing_keys.RequestKeys`, loads = requests in f
                   overloaded: load - min_load > balance_abs_threshold and
                   load > balance_rel_threshold * min_load  -> least loaded ("load", as SGLang's
                   cache-aware router bounds the imbalance)
+      none, the request has a prompt_cache_key whose group went to a live replica before
+                                                -> that replica ("cache_key"; the same overload bound)
       none, the prompt has checkpoint positions -> least loaded ("new")
       none, no positions                        -> least loaded ("unkeyed")
-    then every own checkpoint key of the prompt without a live pin is pinned to the chosen replica.
+    then every own checkpoint key of the prompt without a live pin is pinned to the chosen replica,
+    and its prompt_cache_key's group (OpenAI's grouping hint) follows the chosen replica.
 
 Pins: `pinned` when the first request that produces the key is routed; `confirmed` once the
 replica reports the key among its ready checkpoints; dropped when a later report lacks a confirmed
@@ -28,7 +31,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +53,7 @@ class Decision(enum.StrEnum):
     NEW = "new"                  # first request of a new checkpoint: least loaded, pinned there
     LOAD = "load"                # the affine replica was overloaded: least loaded instead
     UNKEYED = "unkeyed"          # no checkpoint to follow: least loaded
+    CACHE_KEY = "cache_key"      # no checkpoint known, to where its prompt_cache_key's group went
     ROUND_ROBIN = "round_robin"  # the baseline router
 
 
@@ -79,6 +83,7 @@ class CheckpointAffinityPolicy:
         if balance_abs_threshold < 0 or balance_rel_threshold < 1.0 or pin_ttl_s <= 0:
             raise ValueError("balance_abs_threshold must be >= 0, balance_rel_threshold >= 1 and pin_ttl_s > 0, "
                              f"got {balance_abs_threshold}, {balance_rel_threshold}, {pin_ttl_s}")
+        self.max_groups = 65536  # prompt_cache_key groups remembered
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.pin_ttl_s = pin_ttl_s
@@ -86,28 +91,38 @@ class CheckpointAffinityPolicy:
         self._lengths: Counter[int] = Counter()
         self._held: dict[str, frozenset[bytes]] = {}
         self.unpinned = Counter()  # reason ("evicted", "expired", "replica_gone") -> pins dropped
+        # prompt_cache_key -> the replica its group's latest request went to (least recently used first)
+        self._groups: OrderedDict[str, str] = OrderedDict()
 
     # ---- decisions --------------------------------------------------------------------------
 
-    def choose(self, keys: RequestKeys | None, loads: Mapping[str, int], now: float) -> RouteChoice:
-        """The replica for a request with `keys` (None: routed by load) among `loads` (replica ->
-        requests in flight; the live replicas, at least one)."""
+    def choose(self, keys: RequestKeys | None, loads: Mapping[str, int], now: float,
+               cache_key: str | None = None) -> RouteChoice:
+        """The replica for a request with `keys` (None: no checkpoint keys) and OpenAI's
+        `prompt_cache_key` (None: none) among `loads` (replica -> requests in flight; the live
+        replicas, at least one)."""
         if not loads:
             raise ValueError("no live replica to route to")
         least = min(loads, key=lambda r: (loads[r], r))
-        if keys is None:
-            return RouteChoice(least, Decision.UNKEYED)
-        target = self._affine_replica(keys, loads, now)
+        target = self._affine_replica(keys, loads, now) if keys is not None else None
+        decision = Decision.AFFINE
+        if target is None and cache_key is not None and self._groups.get(cache_key) in loads:
+            target, decision = self._groups[cache_key], Decision.CACHE_KEY
         if target is None:
-            choice = RouteChoice(least, Decision.NEW if keys.own else Decision.UNKEYED)
+            choice = RouteChoice(least, Decision.NEW if keys is not None and keys.own else Decision.UNKEYED)
         elif self._overloaded(loads[target], loads[least]):
             choice = RouteChoice(least, Decision.LOAD)
         else:
-            choice = RouteChoice(target, Decision.AFFINE)
-        for own in keys.own:
+            choice = RouteChoice(target, decision)
+        for own in keys.own if keys is not None else ():
             pin = self._pins.get(own.key)
             if pin is None or pin.replica not in loads:
                 self._pin(own.key, choice.replica, own.length, now)
+        if cache_key is not None:
+            self._groups.pop(cache_key, None)
+            self._groups[cache_key] = choice.replica
+            while len(self._groups) > self.max_groups:
+                self._groups.popitem(last=False)
         return choice
 
     def _affine_replica(self, keys: RequestKeys, loads: Mapping[str, int], now: float) -> str | None:
@@ -152,6 +167,8 @@ class CheckpointAffinityPolicy:
         for key, pin in list(self._pins.items()):
             if pin.replica not in live:
                 self._unpin(key, "replica_gone")
+        for group in [g for g, replica in self._groups.items() if replica not in live]:
+            del self._groups[group]
 
     def pinned(self, replica: str | None = None) -> dict[bytes, str]:
         """Key -> replica of the pins (of one replica when given)."""
@@ -211,8 +228,9 @@ class CheckpointAffineRouter(RequestRouter):
             return [candidate_replicas]
         now = time.monotonic()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        keys = RequestKeys.from_prompt(pending_request.args[0].prompt, self._block_size)
-        choice = self.policy.choose(keys, self._loads(by_id, now), now)
+        request = pending_request.args[0]
+        keys = RequestKeys.from_prompt(request.prompt, self._block_size)
+        choice = self.policy.choose(keys, self._loads(by_id, now), now, request.cache_key)
         pending_request.kwargs["route"] = choice.decision.value
         self._unsent.setdefault(choice.replica, deque()).append(now)
         return [[by_id[choice.replica]]]

@@ -113,3 +113,19 @@ def test_held_keys_read_the_routing_stats():
 def test_bad_thresholds_are_rejected():
     with pytest.raises(ValueError, match="balance_rel_threshold"):
         CheckpointAffinityPolicy(balance_rel_threshold=0.5)
+
+
+def test_prompt_cache_key_groups_requests_without_checkpoints(policy):
+    """OpenAI's prompt_cache_key: requests of one group follow each other when no checkpoint key decides,
+    within the overload bound; a checkpoint key wins over the group; a gone replica drops the group."""
+    first = policy.choose(None, {"a": 2, "b": 0}, now=0.0, cache_key="user-1")
+    assert (first.replica, first.decision) == ("b", Decision.UNKEYED)
+    follow = policy.choose(None, {"a": 0, "b": 3}, now=0.1, cache_key="user-1")
+    assert (follow.replica, follow.decision) == ("b", Decision.CACHE_KEY)
+    assert policy.choose(None, {"a": 0, "b": 3}, now=0.1, cache_key="user-2").replica == "a"
+    assert policy.choose(None, {"a": 0, "b": 9}, now=0.2, cache_key="user-1").decision is Decision.LOAD
+    # the group followed its last request to "a"; a pinned checkpoint on "b" wins over it
+    policy.choose(consumer(0), {"a": 1, "b": 0}, now=0.3)  # the anchor's key pinned to "b"
+    assert policy.choose(consumer(1), {"a": 0, "b": 1}, now=0.4, cache_key="user-1").decision is Decision.AFFINE
+    policy.retain(["a"])  # the group had followed that request to "b", which left: routed afresh
+    assert policy.choose(None, {"a": 0}, now=0.5, cache_key="user-1").decision is Decision.UNKEYED

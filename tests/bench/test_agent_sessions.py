@@ -1,0 +1,35 @@
+"""bench/agent_sessions.py at tiny size against an in-process server (embedded default model): every
+turn after the first reuses all it shares with the previous one but for the assistant header, the
+nonce phase reuses nothing, and the JSON and PNG are written."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from forkpoint import LLM
+from forkpoint.server.config import ServerConfig
+from tests.server.conftest import TEST_LLM_KWARGS, serve
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+
+import agent_sessions  # noqa: E402
+
+
+def test_agent_sessions_bench(tmp_path):
+    llm = LLM(**{**TEST_LLM_KWARGS, "auto_checkpoints": True})
+    with serve(llm, ServerConfig(served_model_name="agents", log_stats=False)) as running:
+        res = agent_sessions.main(["--url", running.base_url, "--sessions", "2", "--turns", "3", "--system-words",
+                                   "40", "--doc-words", "30", "--tool-words", "15", "--reply-tokens", "3",
+                                   "--out", str(tmp_path)])
+        running.engine_call(lambda engine: engine.check_integrity())
+    for row in res["reuse"]["turns"][1:]:
+        assert row["cached_tokens"] >= row["shared_tokens"] - 4
+        assert set(row["miss_reasons"]) <= {"none", "template_divergence"}
+    assert all(row["cached_tokens"] == 0 for row in res["no_reuse"]["turns"])
+    assert res["reuse"]["computed_tokens"] < res["no_reuse"]["computed_tokens"]
+    assert res["server_misses_reuse_phase"]["template_divergence"] >= 4
+    saved = json.loads((tmp_path / "agent_sessions.json").read_text())
+    assert saved["reuse"]["prompt_tokens"] == res["reuse"]["prompt_tokens"]
+    assert (tmp_path / "agent_sessions.png").stat().st_size > 0

@@ -1,0 +1,83 @@
+"""Chat turn boundaries in the engine (tiny model, its ChatML-like template): a turn whose reply comes
+back as different text still reuses the whole history, outside the marker limit, with outputs equal to
+the run without checkpoints; and the reasons a request says its reuse stopped short."""
+
+from __future__ import annotations
+
+import pytest
+
+from forkpoint import LLM, SamplingParams
+from forkpoint.inputs.chat import chat_encoder
+from forkpoint.inputs.turns import common_prefix_length
+from tests.helpers import assert_same_outputs
+from tests.tiny_models import token_words, words
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
+MARK = "<|mamba_checkpoint|>"
+
+
+@pytest.fixture(scope="module")
+def model_dir(moe_model):
+    return moe_model[0]
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir):
+    return LLM(str(model_dir), enable_checkpoints=False, num_kv_blocks=256)
+
+
+def test_a_reply_sent_back_as_other_text_still_reuses_the_history(model_dir, plain):
+    """The client rewrites each reply (as a client that re-tokenises or edits it): the turn end does not
+    match, the chat-turn boundary does. A marker in the system prompt with max_checkpoints_per_request=1
+    still works: boundaries do not count against it."""
+    llm = LLM(str(model_dir), num_kv_blocks=256, max_checkpoints_per_request=1)
+    encode = chat_encoder(llm.get_tokenizer())
+    messages = [{"role": "system", "content": words(*range(30)) + MARK},
+                {"role": "user", "content": token_words(1, 20)}]
+    previous = None
+    for turn in range(4):
+        outs = llm.chat(messages, GREEDY, use_tqdm=False)
+        ids = encode(messages, True)
+        ids = [t for t in ids if t != llm.checkpoint_token_id]
+        assert outs[0].prompt_token_ids == ids
+        if previous is not None:
+            shared = common_prefix_length(previous, ids)
+            assert shared - 2 <= outs[0].num_cached_tokens <= shared, turn
+        unmarked = [{**m, "content": m["content"].replace(MARK, "")} for m in messages]
+        assert_same_outputs(outs, plain.chat(unmarked, GREEDY, use_tqdm=False))
+        previous = ids
+        reply = token_words(100 + turn, 3)  # not the generated text: another reply of the client's
+        messages = messages + [{"role": "assistant", "content": reply},
+                               {"role": "user", "content": token_words(turn, 9)}]
+    metrics = llm.metrics()
+    assert metrics["checkpoint_hits_chat_turn"] == 3 and metrics["checkpoints_created_chat_turn"] == 4
+    assert metrics["checkpoints_created_marker"] == 1
+    llm.engine.check_integrity()
+
+
+def test_miss_reasons(model_dir):
+    system = {"role": "system", "content": words(*range(40))}
+    first = [system, {"role": "user", "content": token_words(7, 12)}]
+    second = first + [{"role": "assistant", "content": token_words(8, 3)}, {"role": "user", "content": "w1"}]
+
+    off = LLM(str(model_dir), enable_checkpoints=False, num_kv_blocks=256)
+    assert off.chat(first, GREEDY, use_tqdm=False)[0].cache_miss_reason == "disabled"
+
+    llm = LLM(str(model_dir), num_kv_blocks=256)
+    assert llm.chat(first, GREEDY, use_tqdm=False)[0].cache_miss_reason is None  # nothing seen before
+    out = llm.chat(second, GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens > 0 and out.cache_miss_reason == "template_divergence"  # the assistant header
+
+    high = LLM(str(model_dir), num_kv_blocks=256, auto_checkpoint_min_tokens=200)
+    high.chat(first, GREEDY, use_tqdm=False)
+    out = high.chat(second, GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0 and out.cache_miss_reason == "below_minimum"
+    assert high.metrics()["cache_misses_below_minimum"] == 1
+
+    small = LLM(str(model_dir), num_kv_blocks=256, checkpoint_pool_size=2, checkpoint_host_bytes=0)
+    small.chat(first, GREEDY, use_tqdm=False)
+    small.generate([token_words(50 + i, 60) for i in range(3)], GREEDY, use_tqdm=False)  # evicts the chat's
+    out = small.chat(second, GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0 and out.cache_miss_reason == "evicted_device"
+    assert small.metrics()["cache_misses_evicted_device"] == 1
+    small.engine.check_integrity()
