@@ -83,7 +83,8 @@ class _PromptGroup:
 
 
 class LLMEngine:
-    """The step loop over parts built from `config` (engine/builder.py), or over `parts` given."""
+    """The step loop over parts built from `config` (engine/builder.py), or over `parts` given (built
+    from the same config)."""
 
     def __init__(self, config: EngineConfig, parts: EngineParts | None = None) -> None:
         parts = parts or EngineBuilder(config).build()
@@ -98,10 +99,10 @@ class LLMEngine:
         self.scheduler, self.runner = parts.scheduler, parts.runner
         self.graphs_off_reason = parts.graphs_off_reason
         # a plain attribute: benchmarks may switch it between steps (EngineConfig rejects it under TP)
-        self.async_scheduling = config.async_scheduling
+        self.async_scheduling = self.config.async_scheduling
         self._launched: list[_Launched] = []  # enqueued steps whose tokens are not processed; oldest first
         self._groups: dict[str, _PromptGroup] = {}
-        self._seed_counter = config.seed
+        self._seed_counter = self.config.seed
         self._counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished": 0,
                           "requests_aborted": 0, "requests_failed": 0, "steps": 0}
 
