@@ -22,7 +22,8 @@ from forkpoint.step.sampling import PromptScoring, StepSampling, TokenSampling
 
 
 def plan_with_sampling(step: ScheduledStep, num_unseen: int = 0) -> StepPlan:
-    """`step.plan` with its sampling rows and prompt scorings. num_unseen: output tokens each
+    """`step.plan` with its sampling rows and prompt scorings (for the segments of requests that ask
+    for prompt logprobs that score rows or resume at a checkpoint). num_unseen: output tokens each
     sampled sequence has on the device only (1 for a step fed from the step before)."""
     by_id = {request.request_id: request for request in step.requests}
     rows = tuple(_token_sampling(by_id[s.request_id], num_unseen) for s in step.plan.segments if s.samples)
@@ -35,8 +36,10 @@ def plan_with_sampling(step: ScheduledStep, num_unseen: int = 0) -> StepPlan:
         if k is None:
             continue
         first, count = segment.start + 1, segment.prompt_logit_rows
-        boundary = boundary_of = boundary_token = None
         source = _resumed_from(request, segment.start)
+        if not count and source is None:
+            continue  # a decode, or a chunk past the prompt: nothing to score or take
+        boundary = boundary_of = boundary_token = None
         if source is not None and segment.start < len(request.prompt_token_ids):
             boundary_token = request.prompt_token_ids[segment.start]
             if source.prompt_scores is not None:
