@@ -51,7 +51,7 @@ class Probe:
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(engine.scheduler, "schedule_ahead", "schedule")
         self._wrap(engine.runner, "prepare", "prepare")
-        self._wrap(engine.sampler, "sample_async", "sample")
+        self._wrap(engine.runner.sampling.sampler, "sample_async", "sample")
         model = engine.runner.model
         self._model = model
 

@@ -208,7 +208,8 @@ def param_counts(cfg: dict) -> dict:
 
 class EnqueueTimer:
     """Shadows `runner.execute` with an instance attribute: host seconds to build a step's metadata
-    and enqueue its forward (nothing in it waits for the GPU; the sampler's copy to the host does)."""
+    and enqueue its forward and sampling (the runner samples since issue 25: earlier runs did not count
+    the sampler's enqueue here; nothing in it waits for the GPU, `PendingStep.result()` does)."""
 
     def __init__(self, runner) -> None:
         self.runner = runner

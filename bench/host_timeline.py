@@ -42,8 +42,8 @@ class _Timers:
 def _instrumented(engine, timers: _Timers):
     """The engine's step parts timed; everything restored on exit."""
     shadowed = [(engine.scheduler, "schedule_ahead"), (engine.scheduler, "schedule"), (engine.scheduler, "commit"),
-                (engine.runner, "execute"), (engine.runner, "forward"), (engine.sampler, "sample_async"),
-                (engine, "_record")]
+                (engine.runner, "execute"), (engine.runner, "forward"),
+                (engine.runner.sampling.sampler, "sample_async"), (engine, "_record")]
     for owner, name in shadowed:
         setattr(owner, name, timers.wrap(name, getattr(owner, name)))
     build, result = model_runner.build_forward_batch, PendingSample.result

@@ -46,3 +46,17 @@ def test_no_import_runs_upward():
             if parts[0] == "forkpoint" and len(parts) > 1 and RANK[parts[1]] > source:
                 upward.append(f"{path.relative_to(ROOT.parent)}:{line} imports {module}")
     assert not upward, "imports that run upward:\n" + "\n".join(upward)
+
+
+def test_the_engine_touches_no_tensor():
+    """The runner samples and scores (runner/step_sampler.py): the engine imports neither torch nor
+    the sampler nor the prompt scorer. The builder, the composition root, is the one exception for
+    torch (it seeds it and names the device and dtype)."""
+    found = []
+    for path in sorted((ROOT / "engine").rglob("*.py")):
+        for line, module in runtime_imports(ast.parse(path.read_text())):
+            if module in ("forkpoint.runner.sampler", "forkpoint.runner.prompt_logprobs"):
+                found.append(f"{path.relative_to(ROOT.parent)}:{line} imports {module}")
+            if module.split(".")[0] in ("torch", "numpy") and path.name != "builder.py":
+                found.append(f"{path.relative_to(ROOT.parent)}:{line} imports {module}")
+    assert not found, "tensor work above the runner:\n" + "\n".join(found)

@@ -4,7 +4,8 @@ Rank 0 is the engine process: it runs the scheduler, and each step sends the `St
 pool operations made outside the forward since the last step: state-row copies, host-tier spills and
 restores, distributed/pools.py) to every worker over its pipe, then
 runs the same forward on its own shard; the logits come back gathered from all ranks' vocab shares,
-and the engine samples them as with one process. Images: rank 0 holds the whole vision tower, encodes
+and rank 0 samples and scores them as `ModelRunner` does (the workers never sample: the plan's
+`sampling` stays on rank 0). Images: rank 0 holds the whole vision tower, encodes
 a step's images and broadcasts the rows and positions (distributed/images.py). The workers
 (distributed/worker.py) are started
 with torch.multiprocessing (spawn), one per rank > 0; rank r runs on cuda:r on CUDA (NCCL), on the
@@ -24,6 +25,7 @@ import shutil
 import tempfile
 import time
 import weakref
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,8 +44,10 @@ from forkpoint.distributed.sharding import ShardLayout, check_shardable
 from forkpoint.distributed.worker import WorkerSpec, caches_of, run_worker
 from forkpoint.runner.errors import RunnerUnusable
 from forkpoint.runner.model_runner import build_forward_batch
+from forkpoint.runner.step_sampler import PendingStep, StepSampler
 from forkpoint.step.batch import ForwardBatch
 from forkpoint.step.plan import Segment, StepPlan
+from forkpoint.step.sampling import StepSampling
 
 if TYPE_CHECKING:
     from forkpoint.runner.multimodal import MultimodalInputs
@@ -59,7 +63,7 @@ class TensorParallelError(RunnerUnusable):
 
 
 class TensorParallelRunner:
-    """Rank 0's runner: `execute(plan) -> (logits [R, vocab] float32, segments)`, as `ModelRunner`.
+    """Rank 0's runner: `execute(plan) -> PendingStep` (sampled and scored on rank 0), as `ModelRunner`.
 
     Built in two steps, as the engine builds its parts: `start` spawns the workers and loads rank 0's
     shard (`model`); `make_pools` sizes the pools, builds rank 0's and has every worker build its own
@@ -70,9 +74,10 @@ class TensorParallelRunner:
     piecewise = None  # no CUDA graphs: each step runs eagerly on every rank
 
     def __init__(self, model, group: TensorParallelGroup, processes: list, conns: list, store_dir: str,
-                 block_size: int, dtype: torch.dtype) -> None:
+                 block_size: int, dtype: torch.dtype, vocab_size: int) -> None:
         self.model = model
         self.device = group.device
+        self.sampling = StepSampler(vocab_size, group.device)  # the whole vocabulary: logits are gathered
         self.block_size = block_size
         self.group = group
         self._dtype = dtype
@@ -120,7 +125,7 @@ class TensorParallelRunner:
             if reported:
                 raise TensorParallelError(f"tensor-parallel start-up failed: {reported}") from error
             raise
-        return cls(model, group, processes, conns, store_dir, config.block_size, dtype)
+        return cls(model, group, processes, conns, store_dir, config.block_size, dtype, model_config.vocab_size)
 
     def make_pools(self, config: EngineConfig, max_model_len: int) -> tuple[BlockPool, StatePool]:
         """Rank 0's pools (its heads), sized by `plan_pools`; every worker builds its own with the same
@@ -168,6 +173,7 @@ class TensorParallelRunner:
             # the workers take the rows and positions from the broadcast, not the pixels from the plan
             plan = dataclasses.replace(plan, segments=tuple(dataclasses.replace(s, multimodal=None)
                                                             for s in plan.segments))
+        plan = dataclasses.replace(plan, sampling=StepSampling())  # rank 0 samples
         self._send(("step", plan, self.state_pool.take_ops(), image_rows(batch) if images else None))
         if images:
             try:
@@ -176,10 +182,19 @@ class TensorParallelRunner:
                 raise self._fail(error) from error
         return batch, sampled
 
-    def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[Segment]]:
-        """Run one step on every rank. Returns logits [R, vocab] (float32) and the R segments they belong to."""
+    def execute(self, plan: StepPlan) -> PendingStep:
+        """Run one step on every rank; rank 0 samples and scores the gathered logits."""
         batch, sampled = self.prepare(plan)
-        return self.forward(batch), sampled
+        return self.sampling.launch(plan, sampled, self.forward(batch))
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        self.sampling.release(request_ids)
+
+    def check_integrity(self, live_ids: set[str]) -> None:
+        self.sampling.check_integrity(live_ids)
+
+    def metrics(self) -> dict[str, int | float]:
+        return self.multimodal.metrics() if self.multimodal is not None else {}
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Rank 0's forward of a batch from `prepare` (meeting the workers' in the collectives)."""

@@ -1,4 +1,6 @@
-"""The step loop: admit requests, schedule, run the model, sample, finish, report.
+"""The step loop: admit requests, schedule, have the runner execute the plan (forward, sampling,
+prompt scores: one `StepResult`), commit, finish, report. The parts come from engine/builder.py;
+the engine touches no tensor.
 
 `LLMEngine` is single-threaded: one caller (the offline `LLM`, or the server's engine thread)
 drives `add_request` / `step` / `abort_request`.
@@ -26,46 +28,27 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from forkpoint.cache.block_pool import BlockPool
-from forkpoint.cache.checkpoints import CacheMissReason, CheckpointKind, CheckpointRegistry
-from forkpoint.cache.host_tier import HostTier
-from forkpoint.cache.sizing import build_pools
-from forkpoint.cache.state_pool import StatePool
-from forkpoint.config import EngineConfig, ModelConfig, VisionConfig
-from forkpoint.distributed.runner import TensorParallelRunner
-from forkpoint.engine.output_processor import OutputProcessor
-from forkpoint.engine.request import Request, RequestStatus
-from forkpoint.engine.scheduler import ScheduledStep, Scheduler
-from forkpoint.engine.startup import StartupTimer
-from forkpoint.inputs.default_model import DEFAULT_MODEL_NOTICE, ensure_default_model
-from forkpoint.inputs.generation_config import GenerationDefaults
-from forkpoint.inputs.multimodal import image_prompt_processor
-from forkpoint.inputs.processor import InputProcessor, ProcessedPrompt, PromptLimits
-from forkpoint.inputs.tokenizer import load_tokenizer
-from forkpoint.models.loader import build_model
+from forkpoint.cache.checkpoints import CacheMissReason
+from forkpoint.config import EngineConfig
+from forkpoint.engine.builder import EngineBuilder, EngineParts
+from forkpoint.engine.holdings import check_holdings
+from forkpoint.engine.metrics import checkpoint_metrics, pool_metrics
+from forkpoint.engine.request import Request
+from forkpoint.engine.scheduler import ScheduledStep
+from forkpoint.engine.step_io import plan_with_sampling, record_prompt_scores
+from forkpoint.inputs.processor import ProcessedPrompt
 from forkpoint.outputs import RequestOutput
 from forkpoint.runner.logits_processors import build_request_processors
-from forkpoint.runner.model_runner import ModelRunner
-from forkpoint.runner.multimodal import MultimodalInputs
-from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_sizes, graph_blocker
-from forkpoint.runner.prompt_logprobs import PromptScores, score_tokens, truncate
-from forkpoint.runner.sampler import PendingSample, Sampler, SamplingRow
 from forkpoint.sampling_params import SamplingParams
 from forkpoint.step.plan import SegmentKind
-from forkpoint.structured import GrammarCompiler
+from forkpoint.step.result import StepResult
+
+if TYPE_CHECKING:
+    from forkpoint.runner.step_sampler import PendingStep
 
 logger = logging.getLogger("forkpoint")
-
-
-def _tokenizer_spells_images(tokenizer, vision: VisionConfig) -> bool:
-    """Whether the tokenizer spells the image placeholder with the ids config.json gives the model."""
-    placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
-    ids = tokenizer.encode(placeholder, add_special_tokens=False)
-    return ids == [vision.vision_start_token_id, vision.image_token_id, vision.vision_end_token_id]
 
 
 class StepFailed(RuntimeError):
@@ -82,11 +65,11 @@ class StepFailed(RuntimeError):
 
 @dataclass
 class _Launched:
-    """A step whose forward and sampling are enqueued: `requests[i]` owns sampled row i."""
+    """A step whose forward and sampling are enqueued: `pending.feed` holds its sampled ids on the
+    device, `pending.result()` waits for its `StepResult`."""
 
     step: ScheduledStep
-    requests: list[Request]
-    sampled: PendingSample
+    pending: PendingStep
 
 
 @dataclass
@@ -102,115 +85,30 @@ class _PromptGroup:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.startup = StartupTimer()  # each phase's seconds, for the start-up log
-        self.device = config.torch_device()
-        self.dtype = config.torch_dtype()
-        model_path = Path(config.model) if config.model else None
-        if model_path is None:
-            model_path = ensure_default_model()
-            logger.warning(DEFAULT_MODEL_NOTICE)
-        self.model_path = model_path
-        self.model_config = ModelConfig.from_hf_dir(model_path).with_quantization(config.quantization,
-                                                                                 config.load_format)
-        self.generation_defaults = GenerationDefaults.from_model_dir(model_path)
-        marker = config.checkpoint_token if config.enable_checkpoints else None
-        loaded = load_tokenizer(Path(config.tokenizer) if config.tokenizer else model_path, checkpoint_token=marker)
-        if loaded.base_vocab_size > self.model_config.vocab_size:
-            raise ValueError(
-                f"tokenizer has {loaded.base_vocab_size} tokens but the model's embedding only "
-                f"{self.model_config.vocab_size}: tokenizer and model do not belong together"
-            )
-        self.tokenizer = loaded.tokenizer
-        self.checkpoint_token_id = loaded.checkpoint_token_id
-        self.eos_token_ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
-        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-                                        options=config.structured_outputs_config)
+    """The step loop over parts built from `config` (engine/builder.py), or over `parts` given (built
+    from the same config)."""
 
-        vision = self.model_config.vision
-        max_images = config.max_images_per_prompt
-        if vision is not None and max_images > 0 and not _tokenizer_spells_images(self.tokenizer, vision):
-            logger.warning("the tokenizer does not encode <|vision_start|><|image_pad|><|vision_end|> as the ids in "
-                           "config.json: serving this multimodal checkpoint text-only (images are rejected)")
-            max_images = 0
-        self.images = image_prompt_processor(vision, model_path, max_images=max_images,
-                                             min_pixels=config.image_min_pixels, max_pixels=config.image_max_pixels)
-
-        self.startup.lap("config and tokenizer")
-        torch.manual_seed(config.seed)
-        parallel = None  # ranks > 0 in worker processes (forkpoint/distributed/runner.py)
-        self.graphs_off_reason: str | None = None  # why no CUDA graphs run, when none do
-        if config.tensor_parallel_size > 1:
-            self.graphs_off_reason = "tensor parallelism runs eagerly"
-            parallel = TensorParallelRunner.start(config, self.model_config, model_path, self.device, self.dtype,
-                                                  with_vision=self.images.processor is not None)
-            model, piecewise = parallel.model, None
-            self.block_pool, self.state_pool = parallel.make_pools(config, self.max_model_len)
-        else:
-            model = build_model(self.model_config, model_path, config.load_format, self.device, self.dtype,
-                                config.seed, with_vision=self.images.processor is not None)
-            self.startup.lap("load weights")
-            # graphs before the pools: their pieces never touch the pools, and the pools' sizing then
-            # sees the graphs' buffers and memory pool as used
-            piecewise = self._capture_graphs(model)
-            self.startup.lap("graphs capture")
-            self.block_pool, self.state_pool = self._make_pools(model)
-        self.startup.lap("pools" if parallel is None else "tensor-parallel ranks: weights, pools")
-        host = None  # the host tier; with tensor parallelism rank 0's, mirrored by every rank's
-        if config.enable_checkpoints and config.checkpoint_host_bytes > 0:
-            host = (parallel.host_tier if parallel is not None
-                    else HostTier(config.checkpoint_host_bytes, self.state_pool, self.block_pool))
-        self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool, host)
-                         if config.enable_checkpoints else None)
-        self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry)
-        self.inputs = InputProcessor(self.tokenizer, self.checkpoint_token_id, self.images, PromptLimits(
-            vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len, block_size=config.block_size,
-            max_kv_blocks=self.block_pool.num_blocks, max_checkpoints=config.max_checkpoints_per_request))
-        multimodal = None if model.visual is None else MultimodalInputs(
-            model.visual, self.images.processor, config.image_embedding_cache_bytes, self.device)
-        if parallel is not None:
-            parallel.serve_images(multimodal)
-        self.runner = parallel or ModelRunner(model, self.block_pool, self.state_pool, self.device, multimodal,
-                                              piecewise)
-        self.startup.lap("runner")
-        if getattr(self.runner, "warmup", None) is not None:  # measured inside the runner's construction
-            self.startup.split_last("runner, decode graphs", "warm-up", self.runner.warmup.seconds)
-        self.sampler = Sampler(self.model_config.vocab_size, self.device)  # penalty counts across steps
+    def __init__(self, config: EngineConfig, parts: EngineParts | None = None) -> None:
+        parts = parts or EngineBuilder(config).build()
+        self.parts = parts
+        self.config, self.device, self.dtype = parts.config, parts.device, parts.dtype
+        self.model_path, self.model_config = parts.model_path, parts.model_config
+        self.generation_defaults, self.max_model_len = parts.generation_defaults, parts.max_model_len
+        self.tokenizer, self.checkpoint_token_id = parts.tokenizer, parts.checkpoint_token_id
+        self.eos_token_ids, self.grammars, self.images = parts.eos_token_ids, parts.grammars, parts.images
+        self.inputs, self.output_processor = parts.inputs, parts.output_processor
+        self.block_pool, self.state_pool, self.registry = parts.block_pool, parts.state_pool, parts.registry
+        self.scheduler, self.runner = parts.scheduler, parts.runner
+        self.graphs_off_reason = parts.graphs_off_reason
+        self.startup = parts.startup
         # a plain attribute: benchmarks may switch it between steps (EngineConfig rejects it under TP)
-        self.async_scheduling = config.async_scheduling
+        self.async_scheduling = self.config.async_scheduling
         self._launched: list[_Launched] = []  # enqueued steps whose tokens are not processed; oldest first
         self._groups: dict[str, _PromptGroup] = {}
-        self._seed_counter = config.seed
+        self._seed_counter = self.config.seed
         self._counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished": 0,
                           "requests_aborted": 0, "requests_failed": 0, "steps": 0}
         logger.info("%s", self.startup.summary())
-
-    # ------------------------------------------------------------------ set-up
-    def _capture_graphs(self, model) -> PiecewiseForward | None:
-        """CUDA graphs of the forward's token-wise pieces (CUDA only, unless `enforce_eager`)."""
-        cfg = self.config
-        if self.device.type != "cuda" or cfg.enforce_eager:
-            self.graphs_off_reason = "enforce_eager" if cfg.enforce_eager else f"no CUDA device ({self.device})"
-            return None
-        reason = graph_blocker(self.model_config, self.dtype)
-        if reason is not None:
-            logger.warning("CUDA graphs off, every step runs eagerly: %s", reason)
-            self.graphs_off_reason = reason
-            return None
-        sizes = cfg.cuda_graph_sizes or default_cuda_graph_sizes(cfg.max_num_batched_tokens)
-        return PiecewiseForward(model, sizes, self.device, capture=True)
-
-    def _make_pools(self, model) -> tuple[BlockPool, StatePool]:
-        """The pools, sized from the model's declarations (cache/sizing.py)."""
-        # the image embedding cache fills later on this device (runner/multimodal.py): set it aside
-        reserved = self.config.image_embedding_cache_bytes if self.images.processor is not None else 0
-        return build_pools(self.config, model.pool_shapes(self.dtype), self.max_model_len, self.device,
-                           reserved if self.device.type == "cuda" else 0)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
@@ -246,7 +144,7 @@ class LLMEngine:
                 params=params,
                 arrival_time=now,
                 hasher=processed.hasher,
-                generator=self._generator(params, index),
+                seed=self._seed(params, index),
                 multimodal=processed.multimodal,
                 processors=processors[index],
                 turn_positions=processed.turn_positions if self.registry is not None else (),
@@ -261,16 +159,14 @@ class LLMEngine:
         max_new = self.generation_defaults.max_new_tokens
         return SamplingParams() if max_new is None else SamplingParams(max_tokens=max_new)
 
-    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+    def _seed(self, params: SamplingParams, index: int) -> int | None:
+        """The seed of sequence `index`'s sampling generator (None: greedy, none needed)."""
         if params.greedy:
             return None
-        generator = torch.Generator(device=self.device)
         if params.seed is not None:
-            generator.manual_seed(params.seed + index)
-        else:
-            self._seed_counter += 1
-            generator.manual_seed(self._seed_counter * 1_000_003 + index)
-        return generator
+            return params.seed + index
+        self._seed_counter += 1
+        return self._seed_counter * 1_000_003 + index
 
     def abort_request(self, request_id: str) -> None:
         """Abort a prompt (all its sequences); unknown or finished ids are ignored."""
@@ -319,24 +215,22 @@ class LLMEngine:
                 raise self._fail_steps([step], error) from error
             return self._advance()
         try:
-            logits, sampled = self.runner.execute(step.plan)
-            by_id = {request.request_id: request for request in step.requests}
-            requests = [by_id[segment.request_id] for segment in sampled]
-            tokens = self.sampler.sample(logits[: len(sampled)], [
-                SamplingRow(r.request_id, r.params, r.generator, r.prompt_token_ids, r.output_token_ids, r.processors)
-                for r in requests])
-            self._score_prompts(step, logits[len(sampled):], by_id)
+            result = self.runner.execute(plan_with_sampling(step)).result()
+            record_prompt_scores(step, result, self.registry)
         except Exception as error:
             raise self._fail_steps([step], error) from error
         try:
             self.scheduler.commit(step)
-            return self._record(step, requests, tokens)
+            return self._record(step, result)
         except Exception as error:  # commit or output work raised: the step's prompts end, the engine serves on
             raise self._fail_steps([step], error) from error
 
-    def _record(self, step: ScheduledStep, requests: list[Request], tokens: list) -> list[RequestOutput]:
+    def _record(self, step: ScheduledStep, result: StepResult) -> list[RequestOutput]:
         """A committed step's sampled tokens onto its sequences (a sequence that has ended since it
         was scheduled drops its token); the outputs of the prompts it touched."""
+        by_id = {request.request_id: request for request in step.requests}
+        requests = [by_id[request_id] for request_id in result.request_ids]
+        tokens = result.tokens
         touched: dict[str, _PromptGroup] = {}
         for request in step.requests + step.finished:
             group = self._groups.get(request.parent_id)
@@ -359,18 +253,13 @@ class LLMEngine:
         """Whether these sequences can be sampled while their last token is still on the device."""
         return not any(r.processors is not None and r.processors.needs_output_tokens for r in requests)
 
-    def _launch(self, step: ScheduledStep, feed: torch.Tensor | None = None) -> _Launched:
-        """Enqueue a decode step's forward and sampling; `feed`: the token ids the step before sampled
-        (on the device), the inputs of a step scheduled ahead."""
-        logits, sampled = (self.runner.execute(step.plan) if feed is None
-                           else self.runner.execute(step.plan, feed=feed))
-        by_id = {request.request_id: request for request in step.requests}
-        requests = [by_id[segment.request_id] for segment in sampled]
-        unseen = 0 if feed is None else 1
-        pending = self.sampler.sample_async(logits[: len(sampled)], [
-            SamplingRow(r.request_id, r.params, r.generator, r.prompt_token_ids, r.output_token_ids, r.processors,
-                        unseen) for r in requests])
-        return _Launched(step, requests, pending)
+    def _launch(self, step: ScheduledStep, ahead_of: _Launched | None = None) -> _Launched:
+        """Enqueue a decode step's forward and sampling; `ahead_of`: the step in flight whose sampled
+        ids (on the device) are this step's inputs."""
+        if ahead_of is None:
+            return _Launched(step, self.runner.execute(plan_with_sampling(step)))
+        return _Launched(step, self.runner.execute(plan_with_sampling(step, num_unseen=1),
+                                                   feed=ahead_of.pending.feed))
 
     def _advance(self) -> list[RequestOutput]:
         """Schedule and enqueue the next decode step ahead if steady decoding allows, then complete
@@ -383,11 +272,11 @@ class LLMEngine:
         if ahead is not None:
             self._counters["steps"] += 1
             try:
-                self._launched.append(self._launch(ahead, current.sampled.token_ids))
+                self._launched.append(self._launch(ahead, current))
             except Exception as error:
                 launch_error = error
         try:
-            tokens = current.sampled.result()
+            result = current.pending.result()
         except Exception as error:
             failed = [launched.step for launched in self._launched]
             self._launched.clear()
@@ -395,7 +284,7 @@ class LLMEngine:
         self._launched.pop(0)
         try:
             self.scheduler.commit(current.step)
-            outputs = self._record(current.step, current.requests, tokens)
+            outputs = self._record(current.step, result)
         except Exception as error:
             failed = [current.step] + [launched.step for launched in self._launched]
             self._launched.clear()
@@ -412,7 +301,7 @@ class LLMEngine:
         while self._launched and all(r.is_finished for launched in self._launched for r in launched.step.requests):
             launched = self._launched[0]
             try:
-                launched.sampled.result()
+                launched.pending.result()
                 self._launched.pop(0)
                 self.scheduler.commit(launched.step)
             except Exception as error:
@@ -421,44 +310,6 @@ class LLMEngine:
                 self._launched.clear()
                 self._fail_steps(failed, error)
                 return
-
-    def _score_prompts(self, step: ScheduledStep, rows: torch.Tensor, by_id: dict[str, Request]) -> None:
-        """Prompt logprobs of the step's segments, in packed order: each scored segment's logits rows
-        (after the sampled rows) score its tokens; a segment that starts at a checkpoint first takes
-        the prefix's scores the checkpoint carries; a segment that ends where a checkpoint it writes
-        keeps its state leaves the prefix's scores with that checkpoint."""
-        writes = {(id(producer), c.state_tokens): c for c, producer in step.written}
-        offset = 0
-        for segment in step.plan.ordered():
-            request = by_id[segment.request_id]
-            k = request.params.prompt_logprobs
-            if k is None:
-                continue
-            source = request.checkpointing.read_from
-            if source is not None and segment.start == source.state_tokens and source.prompt_scores is not None:
-                self._take_prefix_scores(request, source.prompt_scores, segment.start, k)
-            count = segment.prompt_logit_rows
-            if count:
-                first = segment.start + 1  # row i scores the prompt token at start + 1 + i
-                targets = torch.tensor(request.prompt_token_ids[first: first + count], device=rows.device)
-                request.prompt_logprobs.update(zip(range(first, first + count),
-                                                   score_tokens(rows[offset: offset + count], targets, k)))
-            written = writes.get((id(request), segment.end))
-            if written is not None and written.prompt_scores_k is not None and count:
-                entries = {p: request.prompt_logprobs.get(p) for p in range(1, segment.end)}
-                if None not in entries.values():  # complete (always, unless a fault interrupted a chain)
-                    self.registry.attach_prompt_scores(written, PromptScores(k, entries,
-                                                                             rows[offset + count - 1].clone()))
-            offset += count
-
-    @staticmethod
-    def _take_prefix_scores(request: Request, scores: PromptScores, start: int, k: int) -> None:
-        """Scores of prompt tokens 1 .. start from a checkpoint ending at `start` (top-k cut to `k`)."""
-        tokens = request.prompt_token_ids
-        request.prompt_logprobs.update({p: truncate(e, tokens[p], k) for p, e in scores.entries.items()})
-        if start < len(tokens):
-            target = torch.tensor([tokens[start]], device=scores.boundary_logits.device)
-            request.prompt_logprobs[start] = score_tokens(scores.boundary_logits[None], target, k)[0]
 
     def _fail_steps(self, steps: list[ScheduledStep], error: Exception,
                     outputs: list[RequestOutput] | None = None) -> StepFailed:
@@ -509,8 +360,8 @@ class LLMEngine:
     def _release(self, group: _PromptGroup) -> None:
         """Drop the per-sequence state of a prompt that has left the engine: penalty counts, text
         and grammar matchers (every path out: finished, aborted, failed)."""
+        self.runner.release(s.request_id for s in group.sequences)
         for sequence in group.sequences:
-            self.sampler.free(sequence.request_id)
             self.output_processor.free(sequence.request_id)
             sequence.processors = None
 
@@ -526,58 +377,16 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ introspection
     def metrics(self) -> dict[str, int | float]:
-        stats = self.scheduler.stats
-        registry = self.registry
+        """The engine's counters merged with those of the parts that own theirs."""
         values: dict[str, int | float] = dict(self._counters)
-        values.update(
-            checkpoints_created=registry.num_created if registry is not None else 0,
-            checkpoints_evicted=registry.num_evicted if registry is not None else 0,
-            checkpoints_pending=registry.num_pending if registry is not None else 0,
-            checkpoints_live=len(registry) if registry is not None else 0,
-            checkpoint_hits=stats.checkpoint_hits,
-            requests_deferred=stats.requests_deferred,
-            producer_promotions=stats.producer_promotions,
-            checkpoint_wait_timeouts=stats.checkpoint_wait_timeouts,
-            deferral_wait_s_total=stats.deferral_wait_s_total,
-            preemptions=stats.preemptions,
-            prompt_tokens_computed=stats.prompt_tokens_computed,
-            prompt_tokens_cached=self._counters["prompt_tokens_total"] - stats.prompt_tokens_computed,
-            failed_steps=stats.failed_steps,
-            num_waiting=len(self.scheduler.waiting),
-            num_running=len(self.scheduler.running),
-            kv_blocks_used=self.block_pool.num_used,
-            kv_blocks_total=self.block_pool.num_blocks,
-            state_slots_used=self.state_pool.requests.num_used,
-            state_slots_total=self.state_pool.requests.count,
-            checkpoint_slots_used=self.state_pool.checkpoints.num_used,
-            checkpoint_slots_total=self.state_pool.checkpoints.count,
-        )
-        if registry is not None:
-            counters = registry.counters
-            for kind in CheckpointKind:
-                values[f"checkpoints_created_{kind.value}"] = counters.created[kind]
-                values[f"checkpoint_hits_{kind.value}"] = counters.hits[kind]
-                values[f"checkpoint_tokens_saved_{kind.value}"] = counters.tokens_saved[kind]
-                values[f"checkpoints_evicted_{kind.value}"] = counters.evicted[kind]
-            misses = self.scheduler.auto.misses if self.scheduler.auto is not None else {}
-            for reason in CacheMissReason:  # prompts whose reuse stopped short, by why (auto_checkpoints.py)
-                values[f"cache_misses_{reason.value}"] = misses.get(reason, 0)
-            if registry.host is not None:
-                tier = registry.host.counters
-                values.update(checkpoints_spilled=tier.spilled, checkpoints_restored=tier.restored,
-                              checkpoints_dropped_from_host=tier.dropped, host_tier_checkpoints=len(registry.host),
-                              host_tier_bytes=registry.host.num_bytes,
-                              host_tier_capacity_bytes=registry.host.capacity_bytes)
-        piecewise = self.runner.piecewise
-        if piecewise is not None:
-            values.update(cuda_graph_core_capture_failures=piecewise.core_capture_failures,
-                          cuda_graph_core_replay_steps=piecewise.core_graph_steps)
-        vision = self.runner.multimodal
-        if vision is not None:
-            values.update(vision_encoder_calls=vision.stats.encoder_calls,
-                          images_encoded=vision.stats.images_encoded,
-                          image_cache_hits=vision.stats.image_cache_hits,
-                          image_cache_bytes=vision.cache.num_bytes)
+        values.update(checkpoint_metrics(self.registry))
+        values.update(self.scheduler.metrics())
+        values["prompt_tokens_cached"] = self._counters["prompt_tokens_total"] - values["prompt_tokens_computed"]
+        values.update(pool_metrics(self.block_pool, self.state_pool))
+        values.update(self.runner.metrics())
+        misses = self.scheduler.auto.misses if self.scheduler.auto is not None else {}
+        for reason in CacheMissReason:  # prompts whose reuse stopped short, by why (auto_checkpoints.py)
+            values[f"cache_misses_{reason.value}"] = misses.get(reason, 0)
         return values
 
     def checkpoint_keys(self) -> frozenset[bytes]:
@@ -589,31 +398,10 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """Cross-check pools, registry and requests; raises AssertionError on any inconsistency."""
         live = {s.request_id for group in self._groups.values() for s in group.sequences}
-        self.sampler.check_integrity(live)
+        self.runner.check_integrity(live)
         self.output_processor.check_integrity(live)
-        self.state_pool.check_integrity()
         self.scheduler.check_integrity()
-        expected: dict[int, int] = {}
-        holders = self.scheduler.running + [r for r, _, _ in self.scheduler.releasing]
-        for request in holders:
-            for block in request.blocks:
-                expected[block] = expected.get(block, 0) + 1
-            if request.slot is None:
-                raise AssertionError(f"running request {request.request_id} has no state slot")
-        if self.registry is not None:
-            if self.registry.host is not None:
-                self.registry.host.check_integrity()
-            for block, count in self.registry.block_refs().items():
-                expected[block] = expected.get(block, 0) + count
-        self.block_pool.check_integrity(expected)
-        slots = [r.slot for r in holders]
-        if self.state_pool.requests.num_used != len(slots) or len(set(slots)) != len(slots):
-            raise AssertionError("request state slots leaked or shared")
-        for request in self.scheduler.waiting:
-            if request.slot is not None or request.blocks:
-                raise AssertionError(f"waiting request {request.request_id} holds resources")
-        if any(r.status is not RequestStatus.RUNNING for r in self.scheduler.running):
-            raise AssertionError("non-running request in the running list")
+        check_holdings(self.scheduler)
         live = {r.parent_id for r in list(self.scheduler.waiting) + self.scheduler.running}
         if not live <= set(self._groups):
             raise AssertionError("a queued sequence belongs to no prompt")

@@ -11,8 +11,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from forkpoint.cache.checkpoints import CacheMissReason, Checkpoint, CheckpointKind
 from forkpoint.cache.hashing import PrefixHasher
 from forkpoint.inputs.multimodal import MultimodalPrompt
@@ -74,7 +72,7 @@ class Request:
     params: SamplingParams
     arrival_time: float
     hasher: PrefixHasher
-    generator: torch.Generator | None
+    seed: int | None  # the sampling generator's seed (None: greedy); the runner holds the generator
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)

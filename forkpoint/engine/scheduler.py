@@ -27,7 +27,7 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.checkpoints import CacheMissReason, Checkpoint, CheckpointKind, CheckpointRegistry, CheckpointState
@@ -566,7 +566,11 @@ class Scheduler:
                 0, min(end, len(request.prompt_token_ids) - 1) - start)))
         planning.requests.append(request)
 
-    # ------------------------------------------------------------------ integrity
+    # ------------------------------------------------------------------ metrics and integrity
+    def metrics(self) -> dict[str, int | float]:
+        """The scheduler's counters (`stats`) and queue lengths."""
+        return dict(asdict(self.stats), num_waiting=len(self.waiting), num_running=len(self.running))
+
     def check_integrity(self) -> None:
         """Requests against the registry: pins, waiters and producers each match a live request."""
         held = {id(r) for step in self.in_flight for r in step.requests}

@@ -1,4 +1,5 @@
-"""Turns a `StepPlan` into one `ForwardBatch`, runs the model and returns the logits to sample.
+"""Turns a `StepPlan` into one `ForwardBatch`, runs the model, samples and scores its logits
+(runner/step_sampler.py) and hands back a pending `StepResult`.
 
 All metadata is built here, once per step, on the host (numpy, no per-token Python loop over long
 segments), packed into one int64 buffer and moved to the device in a single copy (pinned,
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,6 +22,7 @@ from forkpoint.cache.state_pool import StatePool
 from forkpoint.models.interface import CausalLM
 from forkpoint.runner.decode_graphs import DecodeGraphs, decode_bucket_sizes
 from forkpoint.runner.piecewise import PiecewiseForward
+from forkpoint.runner.step_sampler import PendingStep, StepSampler
 from forkpoint.runner.warmup import WarmupReport, warm_up
 from forkpoint.step.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
 from forkpoint.step.caches import LayerCaches
@@ -228,7 +230,7 @@ def _copy_slots(copies: Sequence[KVCopy], block_size: int) -> tuple[np.ndarray, 
 
 
 class ModelRunner:
-    """Owns the model; reads the pools' tensors for each forward.
+    """Owns the model and the sampling state (`sampling`); reads the pools' tensors for each forward.
 
     With `piecewise` (CUDA graphs, runner/piecewise.py), the steps it accepts run through it (text
     and image steps alike) and the others (more tokens than its largest bucket) through the model's
@@ -249,6 +251,7 @@ class ModelRunner:
                                   conv_stack=state_pool.conv_stack, ssm_stack=state_pool.ssm_stack)
         self.multimodal = multimodal  # image positions and vision-tower rows; None for text-only engines
         self.piecewise = piecewise
+        self.sampling = StepSampler(model.config.vocab_size, device)  # penalty counts, generators across steps
         self.scratch_block, self.scratch_slot = block_pool.scratch_block, state_pool.scratch_slot
         self.decode_graphs: DecodeGraphs | None = None
         self.warmup: WarmupReport | None = None
@@ -300,12 +303,13 @@ class ModelRunner:
             batch = self.multimodal.attach(plan.ordered(), batch)
         return batch, sampled
 
-    def execute(self, plan: StepPlan, feed: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Segment]]:
-        """Run one step (enqueue it: nothing here waits for the device). Returns logits [R, vocab]
-        (float32) and the R segments they belong to. `feed`: the token ids the step before sampled,
-        on the device, for a plan scheduled while that step ran (see `build_forward_batch`)."""
+    def execute(self, plan: StepPlan, feed: torch.Tensor | None = None) -> PendingStep:
+        """Run one step: forward, then sample and score as `plan.sampling` says (runner/step_sampler.py).
+        Enqueues the step; only prompt scores are read back here. `feed`: the token ids the step before
+        sampled (its `PendingStep.feed`), for a plan scheduled while that step ran (see
+        `build_forward_batch`)."""
         batch, sampled = self.prepare(plan, feed)
-        return self.forward(batch), sampled
+        return self.sampling.launch(plan, sampled, self.forward(batch))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [R, vocab] float32 of one prepared batch, through the graphs when they take it."""
@@ -314,3 +318,23 @@ class ModelRunner:
         if self.piecewise is not None and self.piecewise.accepts(batch):
             return self.piecewise(batch, self.caches)
         return self.model(batch, self.caches)
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Drop the sampling state of sequences that have ended (every path out)."""
+        self.sampling.release(request_ids)
+
+    def check_integrity(self, live_ids: set[str]) -> None:
+        """Sampling state is held only for live sequences; raises AssertionError."""
+        self.sampling.check_integrity(live_ids)
+
+    def metrics(self) -> dict[str, int | float]:
+        """The CUDA-graph and image-encoder counters (none when neither runs)."""
+        values: dict[str, int | float] = {}
+        piecewise = self.piecewise
+        if piecewise is not None:
+            values.update(cuda_graph_core_capture_failures=piecewise.core_capture_failures,
+                          cuda_graph_core_replay_steps=piecewise.core_graph_steps)
+        vision = self.multimodal
+        if vision is not None:
+            values.update(vision.metrics())
+        return values

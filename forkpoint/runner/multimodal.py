@@ -102,6 +102,11 @@ class MultimodalInputs:
         return dataclasses.replace(batch, positions=torch.from_numpy(positions[0].copy()).to(self.device),
                                    mrope_positions=mrope, embedding_overrides=overrides)
 
+    def metrics(self) -> dict[str, int]:
+        """Vision-tower calls, images encoded, embedding-cache hits and bytes."""
+        return dict(vision_encoder_calls=self.stats.encoder_calls, images_encoded=self.stats.images_encoded,
+                    image_cache_hits=self.stats.image_cache_hits, image_cache_bytes=self.cache.num_bytes)
+
     def _embeddings(self, images: Sequence[ImageInput]) -> dict[bytes, torch.Tensor]:
         """Embeddings [num_tokens, hidden] of each distinct image, encoding the uncached ones in one call."""
         found: dict[bytes, torch.Tensor] = {}

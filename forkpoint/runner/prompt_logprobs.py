@@ -1,8 +1,7 @@
-"""Prompt log-probabilities: how likely each prompt token was given the tokens before it."""
+"""Prompt log-probabilities: how likely each prompt token was given the tokens before it (the
+runner's scoring, runner/step_sampler.py; what a checkpoint keeps of them: step/result.py `PromptScores`)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -26,19 +25,3 @@ def score_tokens(logits: torch.Tensor, next_tokens: torch.Tensor, k: int) -> lis
         entry[token] = Logprob(value, rank)
         entries.append(entry)
     return entries
-
-
-@dataclass(frozen=True)
-class PromptScores:
-    """Prompt logprobs a checkpoint carries for its readers: `entries[p]` for the prefix tokens
-    p = 1 .. state_tokens - 1 (top `k`), and `boundary_logits` [vocab] float32, the logits at
-    position state_tokens - 1, which score each reader's own token at state_tokens."""
-
-    k: int
-    entries: dict[int, dict[int, Logprob]]
-    boundary_logits: torch.Tensor
-
-
-def truncate(entry: dict[int, Logprob], token: int, k: int) -> dict[int, Logprob]:
-    """`entry` (the actual `token` and a top-k' with k' >= k) cut to the actual token and the top k."""
-    return {t: v for t, v in entry.items() if t == token or v.rank <= k}

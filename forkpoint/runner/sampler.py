@@ -33,18 +33,13 @@ import torch
 from forkpoint.outputs import Logprob
 from forkpoint.runner.logits_processors import ProcessorRow, RequestProcessors, apply_logits_processors
 from forkpoint.sampling_params import SamplingParams
+from forkpoint.step.result import SampledToken
 
 
 def _on(device: torch.device, values: Sequence, dtype: torch.dtype) -> torch.Tensor:
     """`values` as a tensor on `device`, copied without a host synchronisation (`torch.tensor(...,
     device=cuda)` would wait for the queued forward)."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    token_id: int
-    logprobs: dict[int, Logprob] | None
 
 
 @dataclass(frozen=True)
@@ -156,8 +151,9 @@ class PenaltyCounts:
 
 
 class Sampler:
-    """The engine's sampler. It keeps per-request penalty counts across steps: the engine calls
-    `free(request_id)` whenever a sequence finishes or is aborted, and `check_integrity(live ids)`."""
+    """The runner's sampler (runner/step_sampler.py). It keeps per-request penalty counts across
+    steps: its owner calls `free(request_id)` whenever a sequence finishes or is aborted, and
+    `check_integrity(live ids)`."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.penalties = PenaltyCounts(vocab_size, device)

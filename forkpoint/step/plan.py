@@ -3,7 +3,9 @@
 A plan names, for every request that computes tokens in the step, the tokens, the KV block table,
 the recurrent state row each segment starts from and the rows its final state goes to. It holds no
 engine objects (requests, checkpoints): the runner needs nothing else, and a plan can be sent to
-another process as it is.
+another process as it is, except `sampling` (step/sampling.py: how to sample and score, read where
+the logits are; it refers to the requests' logits-processor state and is dropped before a plan
+crosses processes).
 
 Packed order in the forward (see `ordered`)::
 
@@ -19,6 +21,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from forkpoint.step.sampling import StepSampling
 
 if TYPE_CHECKING:
     from forkpoint.inputs.multimodal import MultimodalPrompt
@@ -84,6 +88,7 @@ class KVCopy:
 class StepPlan:
     segments: tuple[Segment, ...] = ()
     kv_copies: tuple[KVCopy, ...] = ()
+    sampling: StepSampling = StepSampling()
 
     @property
     def empty(self) -> bool:

@@ -1,6 +1,6 @@
 """Asynchronous scheduling on CUDA (skipped without): the same outputs as synchronous steps on one
 engine (whole-step decode graphs, bf16), no host synchronisation while a step is enqueued ahead of the
-one running (`torch.cuda.set_sync_debug_mode("error")` around the runner and the sampler's enqueue),
+one running (`torch.cuda.set_sync_debug_mode("error")` around the runner, its sampler's enqueue inside),
 and the decode step times of both modes printed (`pytest -s`, lines starting with GPU_ASYNC)."""
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def test_async_scheduling_on_cuda(model_dir):  # noqa: F811
 
     engine.async_scheduling = True
     runner = NoSyncAhead(engine.runner, "execute")
-    sampler = NoSyncAhead(engine.sampler, "sample_async", probe=runner)
+    sampler = NoSyncAhead(engine.runner.sampling.sampler, "sample_async", probe=runner)
     overlapped = llm.generate(prompts, params, use_tqdm=False)
     assert runner.checked > 10 and sampler.checked == runner.checked
     for ours, theirs in zip(overlapped, synchronous, strict=True):

@@ -1,0 +1,193 @@
+"""The engine's composition root: from an `EngineConfig` to the parts `LLMEngine` loops over.
+
+    config -> model dir, config.json, generation defaults, tokenizer (marker registered)
+           -> output processor, grammar compiler, image prompt processor
+           -> model (or tensor-parallel ranks), CUDA graphs, pools, host tier, checkpoint registry
+           -> scheduler, input processor, runner (sampling state inside)
+
+Graphs are captured before the pools: their pieces never touch the pools, and the pools' sizing then
+sees the graphs' buffers and memory pool as used.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from forkpoint.cache.block_pool import BlockPool
+from forkpoint.cache.checkpoints import CheckpointRegistry
+from forkpoint.cache.host_tier import HostTier
+from forkpoint.cache.sizing import build_pools
+from forkpoint.cache.state_pool import StatePool
+from forkpoint.config import EngineConfig, ModelConfig, VisionConfig
+from forkpoint.distributed.runner import TensorParallelRunner
+from forkpoint.engine.output_processor import OutputProcessor
+from forkpoint.engine.scheduler import Scheduler
+from forkpoint.engine.startup import StartupTimer
+from forkpoint.inputs.default_model import DEFAULT_MODEL_NOTICE, ensure_default_model
+from forkpoint.inputs.generation_config import GenerationDefaults
+from forkpoint.inputs.multimodal import ImagePromptProcessor, image_prompt_processor
+from forkpoint.inputs.processor import InputProcessor, PromptLimits
+from forkpoint.inputs.tokenizer import load_tokenizer
+from forkpoint.models.loader import build_model
+from forkpoint.runner.model_runner import ModelRunner
+from forkpoint.runner.multimodal import MultimodalInputs
+from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_sizes, graph_blocker
+from forkpoint.structured import GrammarCompiler
+
+logger = logging.getLogger("forkpoint")
+
+
+def _tokenizer_spells_images(tokenizer, vision: VisionConfig) -> bool:
+    """Whether the tokenizer spells the image placeholder with the ids config.json gives the model."""
+    placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
+    ids = tokenizer.encode(placeholder, add_special_tokens=False)
+    return ids == [vision.vision_start_token_id, vision.image_token_id, vision.vision_end_token_id]
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """Everything an engine is built from. runner: a `ModelRunner`, or rank 0's
+    `TensorParallelRunner`; registry: None without checkpoints; graphs_off_reason: why no CUDA graphs
+    run (None when some do)."""
+
+    config: EngineConfig
+    device: torch.device
+    dtype: torch.dtype
+    model_path: Path
+    model_config: ModelConfig
+    generation_defaults: GenerationDefaults
+    tokenizer: object
+    checkpoint_token_id: int | None
+    eos_token_ids: set[int]
+    max_model_len: int
+    output_processor: OutputProcessor
+    grammars: GrammarCompiler
+    images: ImagePromptProcessor
+    block_pool: BlockPool
+    state_pool: StatePool
+    registry: CheckpointRegistry | None
+    scheduler: Scheduler
+    inputs: InputProcessor
+    runner: ModelRunner | TensorParallelRunner
+    graphs_off_reason: str | None
+    startup: StartupTimer  # each start-up phase's seconds, for the start-up log
+
+
+class EngineBuilder:
+    """Builds `EngineParts` from a config (`build()`, once)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    def build(self) -> EngineParts:
+        config = self.config
+        startup = StartupTimer()
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype()
+        model_path = Path(config.model) if config.model else None
+        if model_path is None:
+            model_path = ensure_default_model()
+            logger.warning(DEFAULT_MODEL_NOTICE)
+        self.model_path = model_path
+        self.model_config = ModelConfig.from_hf_dir(model_path).with_quantization(config.quantization,
+                                                                                 config.load_format)
+        self.generation_defaults = GenerationDefaults.from_model_dir(model_path)
+        marker = config.checkpoint_token if config.enable_checkpoints else None
+        loaded = load_tokenizer(Path(config.tokenizer) if config.tokenizer else model_path, checkpoint_token=marker)
+        if loaded.base_vocab_size > self.model_config.vocab_size:
+            raise ValueError(
+                f"tokenizer has {loaded.base_vocab_size} tokens but the model's embedding only "
+                f"{self.model_config.vocab_size}: tokenizer and model do not belong together"
+            )
+        self.tokenizer = loaded.tokenizer
+        self.checkpoint_token_id = loaded.checkpoint_token_id
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                        options=config.structured_outputs_config)
+
+        vision = self.model_config.vision
+        max_images = config.max_images_per_prompt
+        if vision is not None and max_images > 0 and not _tokenizer_spells_images(self.tokenizer, vision):
+            logger.warning("the tokenizer does not encode <|vision_start|><|image_pad|><|vision_end|> as the ids in "
+                           "config.json: serving this multimodal checkpoint text-only (images are rejected)")
+            max_images = 0
+        self.images = image_prompt_processor(vision, model_path, max_images=max_images,
+                                             min_pixels=config.image_min_pixels, max_pixels=config.image_max_pixels)
+
+        startup.lap("config and tokenizer")
+        torch.manual_seed(config.seed)
+        parallel = None  # ranks > 0 in worker processes (forkpoint/distributed/runner.py)
+        self.graphs_off_reason: str | None = None  # why no CUDA graphs run, when none do
+        if config.tensor_parallel_size > 1:
+            self.graphs_off_reason = "tensor parallelism runs eagerly"
+            parallel = TensorParallelRunner.start(config, self.model_config, model_path, self.device, self.dtype,
+                                                  with_vision=self.images.processor is not None)
+            model, piecewise = parallel.model, None
+            self.block_pool, self.state_pool = parallel.make_pools(config, self.max_model_len)
+        else:
+            model = build_model(self.model_config, model_path, config.load_format, self.device, self.dtype,
+                                config.seed, with_vision=self.images.processor is not None)
+            startup.lap("load weights")
+            # graphs before the pools: their pieces never touch the pools, and the pools' sizing then
+            # sees the graphs' buffers and memory pool as used
+            piecewise = self._capture_graphs(model)
+            startup.lap("graphs capture")
+            self.block_pool, self.state_pool = self._make_pools(model)
+        startup.lap("pools" if parallel is None else "tensor-parallel ranks: weights, pools")
+        host = None  # the host tier; with tensor parallelism rank 0's, mirrored by every rank's
+        if config.enable_checkpoints and config.checkpoint_host_bytes > 0:
+            host = (parallel.host_tier if parallel is not None
+                    else HostTier(config.checkpoint_host_bytes, self.state_pool, self.block_pool))
+        self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool, host)
+                         if config.enable_checkpoints else None)
+        self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry)
+        self.inputs = InputProcessor(self.tokenizer, self.checkpoint_token_id, self.images, PromptLimits(
+            vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len, block_size=config.block_size,
+            max_kv_blocks=self.block_pool.num_blocks, max_checkpoints=config.max_checkpoints_per_request))
+        multimodal = None if model.visual is None else MultimodalInputs(
+            model.visual, self.images.processor, config.image_embedding_cache_bytes, self.device)
+        if parallel is not None:
+            parallel.serve_images(multimodal)
+        self.runner = parallel or ModelRunner(model, self.block_pool, self.state_pool, self.device, multimodal,
+                                              piecewise)
+        startup.lap("runner")
+        if getattr(self.runner, "warmup", None) is not None:  # measured inside the runner's construction
+            startup.split_last("runner, decode graphs", "warm-up", self.runner.warmup.seconds)
+        return EngineParts(
+            config=config, device=self.device, dtype=self.dtype, model_path=self.model_path,
+            model_config=self.model_config, generation_defaults=self.generation_defaults, tokenizer=self.tokenizer,
+            checkpoint_token_id=self.checkpoint_token_id, eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len, output_processor=self.output_processor, grammars=self.grammars,
+            images=self.images, block_pool=self.block_pool, state_pool=self.state_pool, registry=self.registry,
+            scheduler=self.scheduler, inputs=self.inputs, runner=self.runner,
+            graphs_off_reason=self.graphs_off_reason, startup=startup)
+
+    # ------------------------------------------------------------------ set-up
+    def _capture_graphs(self, model) -> PiecewiseForward | None:
+        """CUDA graphs of the forward's token-wise pieces (CUDA only, unless `enforce_eager`)."""
+        cfg = self.config
+        if self.device.type != "cuda" or cfg.enforce_eager:
+            self.graphs_off_reason = "enforce_eager" if cfg.enforce_eager else f"no CUDA device ({self.device})"
+            return None
+        reason = graph_blocker(self.model_config, self.dtype)
+        if reason is not None:
+            logger.warning("CUDA graphs off, every step runs eagerly: %s", reason)
+            self.graphs_off_reason = reason
+            return None
+        sizes = cfg.cuda_graph_sizes or default_cuda_graph_sizes(cfg.max_num_batched_tokens)
+        return PiecewiseForward(model, sizes, self.device, capture=True)
+
+    def _make_pools(self, model) -> tuple[BlockPool, StatePool]:
+        """The pools, sized from the model's declarations (cache/sizing.py)."""
+        # the image embedding cache fills later on this device (runner/multimodal.py): set it aside
+        reserved = self.config.image_embedding_cache_bytes if self.images.processor is not None else 0
+        return build_pools(self.config, model.pool_shapes(self.dtype), self.max_model_len, self.device,
+                           reserved if self.device.type == "cuda" else 0)

@@ -1,0 +1,38 @@
+"""The checkpoint registry's and the pools' numbers for `LLMEngine.metrics` (the scheduler and the
+runner report their own: `Scheduler.metrics`, `ModelRunner.metrics`)."""
+
+from __future__ import annotations
+
+from forkpoint.cache.block_pool import BlockPool
+from forkpoint.cache.checkpoints import CheckpointKind, CheckpointRegistry
+from forkpoint.cache.state_pool import StatePool
+
+
+def checkpoint_metrics(registry: CheckpointRegistry | None) -> dict[str, int]:
+    """Checkpoints created, evicted, pending and live (zero without checkpoints); with checkpoints,
+    the same per kind and the host tier's counters."""
+    if registry is None:
+        return dict(checkpoints_created=0, checkpoints_evicted=0, checkpoints_pending=0, checkpoints_live=0)
+    values = dict(checkpoints_created=registry.num_created, checkpoints_evicted=registry.num_evicted,
+                  checkpoints_pending=registry.num_pending, checkpoints_live=len(registry))
+    counters = registry.counters
+    for kind in CheckpointKind:
+        values[f"checkpoints_created_{kind.value}"] = counters.created[kind]
+        values[f"checkpoint_hits_{kind.value}"] = counters.hits[kind]
+        values[f"checkpoint_tokens_saved_{kind.value}"] = counters.tokens_saved[kind]
+        values[f"checkpoints_evicted_{kind.value}"] = counters.evicted[kind]
+    if registry.host is not None:
+        tier = registry.host.counters
+        values.update(checkpoints_spilled=tier.spilled, checkpoints_restored=tier.restored,
+                      checkpoints_dropped_from_host=tier.dropped, host_tier_checkpoints=len(registry.host),
+                      host_tier_bytes=registry.host.num_bytes,
+                      host_tier_capacity_bytes=registry.host.capacity_bytes)
+    return values
+
+
+def pool_metrics(block_pool: BlockPool, state_pool: StatePool) -> dict[str, int]:
+    """KV blocks, request state slots and checkpoint state slots: used and total."""
+    return dict(kv_blocks_used=block_pool.num_used, kv_blocks_total=block_pool.num_blocks,
+                state_slots_used=state_pool.requests.num_used, state_slots_total=state_pool.requests.count,
+                checkpoint_slots_used=state_pool.checkpoints.num_used,
+                checkpoint_slots_total=state_pool.checkpoints.count)
