@@ -25,6 +25,11 @@ request still on its way to read it: waiters keep counting after it becomes read
 checkpoints (kind other than MARKER) before marked ones; least recently used first within a class.
 An automatic checkpoint can never evict a marked one: `register(..., kind=auto)` evicts only
 automatic checkpoints to make room.
+
+Device memory: the registry touches no tensor. The writes its transitions imply (a spill to the
+host tier on eviction, a restore on a hit in the host tier, a row copy into a kept turn end) are
+recorded, in order, as the step plan's device writes (step/plan.py); the scheduler takes them
+(`take_writes`) into the next plan, which the runner applies before that step's forward.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from dataclasses import dataclass, field
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.host_tier import HostTier
 from forkpoint.cache.state_pool import SlotAllocator
+from forkpoint.step.plan import DeviceWrite, HostDrop, Restore, Spill, StateCopy
 
 logger = logging.getLogger("forkpoint.checkpoints")
 
@@ -121,6 +127,12 @@ class CheckpointRegistry:
         self._lengths: Counter[int] = Counter()
         self._clock = itertools.count(1)
         self.counters = CheckpointCounters()
+        self._writes: list[DeviceWrite] = []
+
+    def take_writes(self) -> tuple[DeviceWrite, ...]:
+        """The device writes recorded since the last call, in order (for the next step plan)."""
+        writes, self._writes = tuple(self._writes), []
+        return writes
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -185,12 +197,15 @@ class CheckpointRegistry:
                     return None
             return self._blocks.allocate(count)
 
-        slot = self._slots.allocate()
-        restored = self.host.restore(key, slot, allocate)
-        if restored is None:
-            self._slots.free(slot)
+        blocks = allocate(self.host.entry(key).num_blocks)
+        if blocks is None:
             return None
-        entry, blocks = restored
+        if key not in self.host:  # the evictions' spills pushed it out of the host tier
+            self._blocks.release(blocks)
+            return None
+        slot = self._slots.allocate()
+        entry = self.host.take(key)
+        self._writes.append(Restore(entry.entry_id, slot, tuple(blocks)))
         checkpoint = Checkpoint(key, entry.num_tokens, slot, entry.kind, CheckpointState.READY, None,
                                 state_tokens=entry.state_tokens, blocks=blocks)
         self._touch(checkpoint)
@@ -258,6 +273,13 @@ class CheckpointRegistry:
         self.counters.created[checkpoint.kind] += 1
         self._touch(checkpoint)
         logger.debug("ready: %d tokens (%s)", checkpoint.num_tokens, checkpoint.kind.value)
+
+    def keep_state(self, checkpoint: Checkpoint, slot: int, blocks: list[int]) -> None:
+        """A PENDING checkpoint whose state is already in request row `slot` (a finished request's
+        turn end): record the row copy into its own row, then mark it ready with `blocks`."""
+        self._expect(checkpoint, CheckpointState.PENDING)
+        self._writes.append(StateCopy(slot, checkpoint.slot))
+        self.mark_ready(checkpoint, blocks)
 
     def producer_left(self, checkpoint: Checkpoint) -> None:
         """The producer left before writing: ORPHANED while requests wait for it, else removed."""
@@ -329,7 +351,11 @@ class CheckpointRegistry:
             return False
         victim = min(idle, key=lambda c: (not c.kind.automatic, c.last_used))
         if self.host is not None:
-            self.host.spill(victim.key, victim.num_tokens, victim.state_tokens, victim.kind, victim.slot, victim.blocks)
+            entry, dropped = self.host.spill(victim.key, victim.num_tokens, victim.state_tokens, victim.kind,
+                                             len(victim.blocks))
+            self._writes.extend(HostDrop(entry_id) for entry_id in dropped)
+            if entry is not None:
+                self._writes.append(Spill(entry.entry_id, victim.slot, tuple(victim.blocks)))
         self._remove(victim)
         self.counters.evicted[victim.kind] += 1
         logger.debug("evicted: %d-token %s checkpoint", victim.num_tokens, victim.kind.value)

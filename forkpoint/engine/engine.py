@@ -30,11 +30,9 @@ from pathlib import Path
 
 import torch
 
-from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.checkpoints import CheckpointKind, CheckpointRegistry
 from forkpoint.cache.host_tier import HostTier
-from forkpoint.cache.sizing import build_pools
-from forkpoint.cache.state_pool import StatePool
+from forkpoint.cache.sizing import pools_of_sizes
 from forkpoint.config import EngineConfig, ModelConfig, VisionConfig
 from forkpoint.distributed.runner import TensorParallelRunner
 from forkpoint.engine.output_processor import OutputProcessor
@@ -53,6 +51,7 @@ from forkpoint.runner.multimodal import MultimodalInputs
 from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_sizes, graph_blocker
 from forkpoint.runner.prompt_logprobs import PromptScores, score_tokens, truncate
 from forkpoint.runner.sampler import PendingSample, Sampler, SamplingRow
+from forkpoint.runner.storage import DeviceStorage, plan_storage
 from forkpoint.sampling_params import SamplingParams
 from forkpoint.step.plan import SegmentKind
 from forkpoint.structured import GrammarCompiler
@@ -152,11 +151,12 @@ class LLMEngine:
             # graphs before the pools: their pieces never touch the pools, and the pools' sizing then
             # sees the graphs' buffers and memory pool as used
             piecewise = self._capture_graphs(model)
-            self.block_pool, self.state_pool = self._make_pools(model)
-        host = None  # the host tier; with tensor parallelism rank 0's, mirrored by every rank's
+            storage = self._make_storage(model)
+        # bookkeeping only: the host tier's directory (its copies are the step plans' device writes)
+        host = None
         if config.enable_checkpoints and config.checkpoint_host_bytes > 0:
-            host = (parallel.host_tier if parallel is not None
-                    else HostTier(config.checkpoint_host_bytes, self.state_pool, self.block_pool))
+            shapes = model.pool_shapes(self.dtype)
+            host = HostTier(config.checkpoint_host_bytes, shapes.slot_bytes, shapes.block_bytes(config.block_size))
         self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool, host)
                          if config.enable_checkpoints else None)
         self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry)
@@ -167,8 +167,7 @@ class LLMEngine:
             model.visual, self.images.processor, config.image_embedding_cache_bytes, self.device)
         if parallel is not None:
             parallel.serve_images(multimodal)
-        self.runner = parallel or ModelRunner(model, self.block_pool, self.state_pool, self.device, multimodal,
-                                              piecewise)
+        self.runner = parallel or ModelRunner(model, storage, self.device, multimodal, piecewise)
         self.sampler = Sampler(self.model_config.vocab_size, self.device)  # penalty counts across steps
         # a plain attribute: benchmarks may switch it between steps (EngineConfig rejects it under TP)
         self.async_scheduling = config.async_scheduling
@@ -193,12 +192,15 @@ class LLMEngine:
         sizes = cfg.cuda_graph_sizes or default_cuda_graph_sizes(cfg.max_num_batched_tokens)
         return PiecewiseForward(model, sizes, self.device, capture=True)
 
-    def _make_pools(self, model) -> tuple[BlockPool, StatePool]:
-        """The pools, sized from the model's declarations (cache/sizing.py)."""
+    def _make_storage(self, model) -> DeviceStorage:
+        """The pools' bookkeeping (`block_pool`, `state_pool`) and the runner's storage, sized from the
+        model's declarations (cache/sizing.py)."""
         # the image embedding cache fills later on this device (runner/multimodal.py): set it aside
         reserved = self.config.image_embedding_cache_bytes if self.images.processor is not None else 0
-        return build_pools(self.config, model.pool_shapes(self.dtype), self.max_model_len, self.device,
-                           reserved if self.device.type == "cuda" else 0)
+        shapes = model.pool_shapes(self.dtype)
+        sizes = plan_storage(self.config, shapes, self.max_model_len, self.device, reserved)
+        self.block_pool, self.state_pool = pools_of_sizes(sizes, self.config.block_size)
+        return DeviceStorage(sizes, self.config.block_size, shapes, self.device)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
@@ -555,6 +557,7 @@ class LLMEngine:
         self.sampler.check_integrity(live)
         self.output_processor.check_integrity(live)
         self.state_pool.check_integrity()
+        self.runner.storage.check_integrity()
         self.scheduler.check_integrity()
         expected: dict[int, int] = {}
         holders = self.scheduler.running + [r for r, _, _ in self.scheduler.releasing]

@@ -35,7 +35,7 @@ from forkpoint.cache.state_pool import ZERO_SLOT, StatePool
 from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig
 from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner, Placement
 from forkpoint.engine.request import Request, RequestStatus
-from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan
+from forkpoint.step.plan import DeviceWrite, KVCopy, Segment, SegmentKind, StepPlan
 
 logger = logging.getLogger("forkpoint.checkpoints")
 
@@ -100,7 +100,7 @@ class Scheduler:
         # ended sequences whose slot and blocks a step in flight still computes on, with whether their
         # turn-end checkpoint is kept (the sequence ended normally) and when they ended
         self.releasing: list[tuple[Request, bool, float]] = []
-        self.auto = (AutoCheckpointPlanner(registry, state_pool, self.block_size, config.auto_checkpoint_min_tokens,
+        self.auto = (AutoCheckpointPlanner(registry, self.block_size, config.auto_checkpoint_min_tokens,
                                            self.state_position)
                      if registry is not None and config.auto_checkpoints else None)
         self._live: dict[str, Request] = {}
@@ -216,11 +216,18 @@ class Scheduler:
                 budget -= admitted
         self._reserve_for_queued()
 
-        step = ScheduledStep(StepPlan(tuple(planning.segments), tuple(planning.kv_copies)), planning.requests,
-                             planning.written, planning.consumed, planning.finished)
+        step = ScheduledStep(StepPlan(tuple(planning.segments), tuple(planning.kv_copies),
+                                      self._take_writes() if planning.segments else ()),
+                             planning.requests, planning.written, planning.consumed, planning.finished)
         if not step.empty:
             self.in_flight.append(step)
         return step
+
+    def _take_writes(self) -> tuple[DeviceWrite, ...]:
+        """The device writes the registry recorded since the last plan (applied before its forward);
+        a step with nothing to compute leaves them for the next plan, before which no row or block
+        they touch can be reused."""
+        return self.registry.take_writes() if self.registry is not None else ()
 
     def schedule_ahead(self, leave_out: Callable[[Request], bool]) -> ScheduledStep | None:
         """The next decode step, planned while the one decode step in flight runs: every running
@@ -262,7 +269,8 @@ class Scheduler:
                 kind=SegmentKind.DECODE, phase=0, samples=True, multimodal=request.multimodal,
                 fed_row=rows[request.request_id]))
             planning.requests.append(request)
-        step = ScheduledStep(StepPlan(tuple(planning.segments)), planning.requests, [], [], [])
+        step = ScheduledStep(StepPlan(tuple(planning.segments), writes=self._take_writes()), planning.requests,
+                             [], [], [])
         self.in_flight.append(step)
         return step
 

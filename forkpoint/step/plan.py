@@ -3,7 +3,23 @@
 A plan names, for every request that computes tokens in the step, the tokens, the KV block table,
 the recurrent state row each segment starts from and the rows its final state goes to. It holds no
 engine objects (requests, checkpoints): the runner needs nothing else, and a plan can be sent to
-another process as it is.
+another process as it is (a tensor-parallel rank applies the same plan to its own storage).
+
+A plan is the complete description of what the step does to device memory (runner/storage.py);
+nothing else writes it. The kinds of write, in the order the runner applies them:
+
+    1. `writes`, in list order, before the forward (the bookkeeping's writes since the last plan:
+       a later one may reuse a row or block an earlier one reads, so the order is kept):
+         StateCopy(src_slot, dst_slot)    every recurrent layer's state row src -> dst (a finished
+                                          request's state kept as a turn-end checkpoint)
+         Spill(entry, slot, blocks)       a checkpoint's state row and KV blocks -> host entry
+                                          `entry` (it leaves the device pools; cache/host_tier.py)
+         Restore(entry, slot, blocks)     host entry `entry` -> a state row and KV blocks (it comes
+                                          back as a READY checkpoint); the entry leaves the host
+         HostDrop(entry)                  host entry `entry` is freed (the host tier's LRU)
+    2. the forward: each segment's KV rows (`block_table`, positions start .. end) and its final
+       state into `dest_slots`;
+    3. `kv_copies`, in list order, after the step's KV write (copy-on-write of partial blocks).
 
 Packed order in the forward (see `ordered`)::
 
@@ -81,9 +97,50 @@ class KVCopy:
 
 
 @dataclass(frozen=True)
+class StateCopy:
+    """Every recurrent layer's state row `src_slot` copied into row `dst_slot`."""
+
+    src_slot: int
+    dst_slot: int
+
+
+@dataclass(frozen=True)
+class Spill:
+    """State row `slot` and KV `blocks` (every layer) copied to host entry `entry` (a new id)."""
+
+    entry: int
+    slot: int
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Restore:
+    """Host entry `entry` copied back into state row `slot` and KV `blocks` (as many as it holds);
+    the entry is freed."""
+
+    entry: int
+    slot: int
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class HostDrop:
+    """Host entry `entry` is freed without being restored."""
+
+    entry: int
+
+
+DeviceWrite = StateCopy | Spill | Restore | HostDrop
+
+
+@dataclass(frozen=True)
 class StepPlan:
+    """segments: what the forward computes; kv_copies: copy-on-write after its KV write; writes:
+    the device writes applied, in order, before it (see the module docstring)."""
+
     segments: tuple[Segment, ...] = ()
     kv_copies: tuple[KVCopy, ...] = ()
+    writes: tuple[DeviceWrite, ...] = ()
 
     @property
     def empty(self) -> bool:
