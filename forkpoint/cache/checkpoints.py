@@ -28,8 +28,9 @@ automatic checkpoints to make room.
 
 Device memory: the registry touches no tensor. The writes its transitions imply (a spill to the
 host tier on eviction, a restore on a hit in the host tier, a row copy into a kept turn end) are
-recorded, in order, as the step plan's device writes (step/plan.py); the scheduler takes them
-(`take_writes`) into the next plan, which the runner applies before that step's forward.
+recorded, in order and numbered, as the step plan's device writes (step/plan.py); the scheduler
+takes them (`take_writes`) into the next plan, which the runner applies before that step's forward,
+and gives a failed plan's back (`give_back_writes`).
 """
 
 from __future__ import annotations
@@ -127,12 +128,24 @@ class CheckpointRegistry:
         self._lengths: Counter[int] = Counter()
         self._clock = itertools.count(1)
         self.counters = CheckpointCounters()
-        self._writes: list[DeviceWrite] = []
+        self._writes: list[tuple[int, DeviceWrite]] = []  # (number, write) not yet taken, in order
+        self._next_number = 0
 
-    def take_writes(self) -> tuple[DeviceWrite, ...]:
-        """The device writes recorded since the last call, in order (for the next step plan)."""
-        writes, self._writes = tuple(self._writes), []
-        return writes
+    def take_writes(self) -> tuple[int, tuple[DeviceWrite, ...]]:
+        """(the number of the first, the writes) recorded and not yet taken, in order, numbered
+        consecutively (for the next step plan; step/plan.py)."""
+        taken, self._writes = self._writes, []
+        return (taken[0][0] if taken else self._next_number), tuple(write for _, write in taken)
+
+    def give_back_writes(self, first: int, writes: tuple[DeviceWrite, ...]) -> None:
+        """A plan holding `writes` (numbered from `first`) failed: they go to the next plan again, in
+        their place (a storage skips those it applied already)."""
+        merged = self._writes + [(first + i, write) for i, write in enumerate(writes)]
+        self._writes = sorted(merged, key=lambda numbered: numbered[0])
+
+    def _record(self, write: DeviceWrite) -> None:
+        self._writes.append((self._next_number, write))
+        self._next_number += 1
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -190,6 +203,8 @@ class CheckpointRegistry:
         have no room for it even after evicting idle checkpoints (it stays on the host)."""
         if self._slots.num_free == 0 and not self.evict_one():
             return None
+        if key not in self.host:  # that eviction's spill pushed it out of the host tier
+            return None
 
         def allocate(count: int) -> list[int] | None:
             while self._blocks.num_free < count:
@@ -200,12 +215,12 @@ class CheckpointRegistry:
         blocks = allocate(self.host.entry(key).num_blocks)
         if blocks is None:
             return None
-        if key not in self.host:  # the evictions' spills pushed it out of the host tier
+        if key not in self.host:  # the evictions' spills pushed it out of the host tier too
             self._blocks.release(blocks)
             return None
         slot = self._slots.allocate()
         entry = self.host.take(key)
-        self._writes.append(Restore(entry.entry_id, slot, tuple(blocks)))
+        self._record(Restore(entry.entry_id, slot, tuple(blocks)))
         checkpoint = Checkpoint(key, entry.num_tokens, slot, entry.kind, CheckpointState.READY, None,
                                 state_tokens=entry.state_tokens, blocks=blocks)
         self._touch(checkpoint)
@@ -278,7 +293,7 @@ class CheckpointRegistry:
         """A PENDING checkpoint whose state is already in request row `slot` (a finished request's
         turn end): record the row copy into its own row, then mark it ready with `blocks`."""
         self._expect(checkpoint, CheckpointState.PENDING)
-        self._writes.append(StateCopy(slot, checkpoint.slot))
+        self._record(StateCopy(slot, checkpoint.slot))
         self.mark_ready(checkpoint, blocks)
 
     def producer_left(self, checkpoint: Checkpoint) -> None:
@@ -353,9 +368,10 @@ class CheckpointRegistry:
         if self.host is not None:
             entry, dropped = self.host.spill(victim.key, victim.num_tokens, victim.state_tokens, victim.kind,
                                              len(victim.blocks))
-            self._writes.extend(HostDrop(entry_id) for entry_id in dropped)
+            for entry_id in dropped:
+                self._record(HostDrop(entry_id))
             if entry is not None:
-                self._writes.append(Spill(entry.entry_id, victim.slot, tuple(victim.blocks)))
+                self._record(Spill(entry.entry_id, victim.slot, tuple(victim.blocks)))
         self._remove(victim)
         self.counters.evicted[victim.kind] += 1
         logger.debug("evicted: %d-token %s checkpoint", victim.num_tokens, victim.kind.value)

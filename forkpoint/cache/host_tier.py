@@ -59,6 +59,10 @@ class HostTier:
     def lengths(self) -> set[int]:
         return {entry.num_tokens for entry in self._entries.values()}
 
+    def entry_ids(self) -> set[int]:
+        """The ids of the entries held (a storage that applied every plan holds exactly these)."""
+        return {entry.entry_id for entry in self._entries.values()}
+
     def entry(self, key: bytes) -> HostEntry:
         return self._entries[key]
 

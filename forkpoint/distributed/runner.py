@@ -152,18 +152,15 @@ class TensorParallelRunner:
     def prepare(self, plan: StepPlan) -> tuple[ForwardBatch, list[Segment]]:
         """Rank 0's batch (images encoded and attached), after the plan went to every worker (they
         apply its device writes and start their forward at once): the batch must then be passed to
-        `forward`. Every rank applies the plan's writes first, even when the batch cannot be built."""
+        `forward`."""
         self._check_running()
-        self.storage.apply(plan.writes)
-        try:  # raises before any send; the workers then apply the writes alone, to stay in step
-            batch, sampled = build_forward_batch(plan, self.block_size, self.device)
-            images = self.multimodal is not None and any(s.multimodal is not None for s in plan.segments)
-            if images:  # the tower runs here, before any send: its errors leave the ranks in step
-                batch = self.multimodal.attach(plan.ordered(), batch)
-        except Exception:
-            self._send(("writes", plan.writes))
-            raise
-        if images:
+        self.storage.apply(plan.writes, plan.first_write)
+        # raises before any send: the next plan carries the writes again, which the workers then apply
+        # and rank 0 skips
+        batch, sampled = build_forward_batch(plan, self.block_size, self.device)
+        images = self.multimodal is not None and any(s.multimodal is not None for s in plan.segments)
+        if images:  # the tower runs here, before any send: its errors leave the ranks in step
+            batch = self.multimodal.attach(plan.ordered(), batch)
             # the workers take the rows and positions from the broadcast, not the pixels from the plan
             plan = dataclasses.replace(plan, segments=tuple(dataclasses.replace(s, multimodal=None)
                                                             for s in plan.segments))

@@ -9,8 +9,6 @@ Protocol over the rank's pipe to rank 0 (the engine process)::
                                                               forward runs), and M: None for a text step,
                                                               else the number of image rows rank 0
                                                               broadcasts (distributed/images.py)
-    rank 0 -> worker   ("writes", (DeviceWrite, ...))         a plan whose batch rank 0 could not build:
-                                                              its device writes only (rank 0 applied them)
     rank 0 -> worker   ("stop",)                              leave the loop
     worker -> rank 0   ("error", "Type: message", traceback)  anything raised; the process then exits
 
@@ -89,11 +87,8 @@ def _serve(spec: WorkerSpec, conn) -> None:
         message = conn.recv()
         if message[0] == "stop":
             return
-        if message[0] == "writes":
-            storage.apply(message[1])
-            continue
         _, plan, num_image_rows = message
-        storage.apply(plan.writes)
+        storage.apply(plan.writes, plan.first_write)
         batch, _ = build_forward_batch(plan, spec.block_size, device)
         if num_image_rows is not None:
             batch = receive_image_inputs(group, batch, num_image_rows, spec.model_config.hidden_size, spec.dtype)

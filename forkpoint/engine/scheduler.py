@@ -216,18 +216,18 @@ class Scheduler:
                 budget -= admitted
         self._reserve_for_queued()
 
-        step = ScheduledStep(StepPlan(tuple(planning.segments), tuple(planning.kv_copies),
-                                      self._take_writes() if planning.segments else ()),
+        first, writes = self._take_writes() if planning.segments else (0, ())
+        step = ScheduledStep(StepPlan(tuple(planning.segments), tuple(planning.kv_copies), writes, first),
                              planning.requests, planning.written, planning.consumed, planning.finished)
         if not step.empty:
             self.in_flight.append(step)
         return step
 
-    def _take_writes(self) -> tuple[DeviceWrite, ...]:
-        """The device writes the registry recorded since the last plan (applied before its forward);
-        a step with nothing to compute leaves them for the next plan, before which no row or block
-        they touch can be reused."""
-        return self.registry.take_writes() if self.registry is not None else ()
+    def _take_writes(self) -> tuple[int, tuple[DeviceWrite, ...]]:
+        """(number of the first, the device writes) the registry recorded since the last plan (applied
+        before its forward); a step with nothing to compute leaves them for the next plan, before
+        which no row or block they touch can be reused."""
+        return self.registry.take_writes() if self.registry is not None else (0, ())
 
     def schedule_ahead(self, leave_out: Callable[[Request], bool]) -> ScheduledStep | None:
         """The next decode step, planned while the one decode step in flight runs: every running
@@ -269,7 +269,8 @@ class Scheduler:
                 kind=SegmentKind.DECODE, phase=0, samples=True, multimodal=request.multimodal,
                 fed_row=rows[request.request_id]))
             planning.requests.append(request)
-        step = ScheduledStep(StepPlan(tuple(planning.segments), writes=self._take_writes()), planning.requests,
+        first, writes = self._take_writes()
+        step = ScheduledStep(StepPlan(tuple(planning.segments), writes=writes, first_write=first), planning.requests,
                              [], [], [])
         self.in_flight.append(step)
         return step
@@ -296,6 +297,8 @@ class Scheduler:
         waiters of those checkpoints are promoted when next scheduled). Returns the ended requests."""
         self._settle(step)
         self.stats.failed_steps += 1
+        if step.plan.writes:  # the runner may not have applied them: the next plan carries them again
+            self.registry.give_back_writes(step.plan.first_write, step.plan.writes)
         for checkpoint in step.consumed:
             self.registry.unpin(checkpoint)
         self._release_ended(step, computed=False)

@@ -292,10 +292,10 @@ class ModelRunner:
                             pool=piecewise.memory_pool, stream=piecewise.capture_stream)
 
     def prepare(self, plan: StepPlan, feed: torch.Tensor | None = None) -> tuple[ForwardBatch, list[Segment]]:
-        """Apply the plan's device writes (first: the bookkeeping counts on them even when the step
-        then fails), then the step's batch (images encoded and attached) and the segments its logits
+        """Apply the plan's device writes (first; a failed step's come again and are skipped), then
+        the step's batch (images encoded and attached) and the segments its logits
         rows belong to; `feed` as in `build_forward_batch`."""
-        self.storage.apply(plan.writes)
+        self.storage.apply(plan.writes, plan.first_write)
         batch, sampled = build_forward_batch(plan, self.block_size, self.device, feed)
         if self.multimodal is not None:
             batch = self.multimodal.attach(plan.ordered(), batch)

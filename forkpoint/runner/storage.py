@@ -26,7 +26,7 @@ memory on CUDA), ordered before any later kernel that reuses the rows and blocks
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -67,24 +67,34 @@ class DeviceStorage:
         self.conv = [self.conv_stack[i] for i in range(layers)]
         self.ssm = [self.ssm_stack[i] for i in range(layers)]
         self.host: dict[int, HostCopy] = {}
+        self.writes_applied = 0  # the number of the next device write to apply (step/plan.py)
         self._pinned = device.type == "cuda"
         self.caches = LayerCaches(conv=self.conv, ssm=self.ssm, k=self.k, v=self.v, conv_stack=self.conv_stack,
                                   ssm_stack=self.ssm_stack)
 
     # ------------------------------------------------------------------ the plan's writes
-    def apply(self, writes: Iterable[DeviceWrite]) -> None:
-        """Apply a plan's device writes in order (enqueued on the device stream)."""
-        for write in writes:
-            if isinstance(write, StateCopy):
-                self.copy_slot(write.src_slot, write.dst_slot)
-            elif isinstance(write, Spill):
-                self._spill(write)
-            elif isinstance(write, Restore):
-                self._restore(write)
-            elif isinstance(write, HostDrop):
-                del self.host[write.entry]
-            else:
-                raise TypeError(f"unknown device write {write!r}")
+    def apply(self, writes: Sequence[DeviceWrite], first: int = 0) -> None:
+        """Apply a plan's device writes (numbered `first`, `first` + 1, ...) in order, enqueued on the
+        device stream. Each number is applied once: those below `writes_applied` (a failed step's,
+        given again) are skipped; a number past it means a write was lost and raises."""
+        skip = self.writes_applied - first
+        if skip < 0:
+            raise RuntimeError(f"device writes {self.writes_applied} .. {first - 1} were never applied")
+        for write in writes[skip:]:
+            self._apply(write)
+            self.writes_applied += 1
+
+    def _apply(self, write: DeviceWrite) -> None:
+        if isinstance(write, StateCopy):
+            self.copy_slot(write.src_slot, write.dst_slot)
+        elif isinstance(write, Spill):
+            self._spill(write)
+        elif isinstance(write, Restore):
+            self._restore(write)
+        elif isinstance(write, HostDrop):
+            del self.host[write.entry]
+        else:
+            raise TypeError(f"unknown device write {write!r}")
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy the state of every layer from row `src` to row `dst`."""

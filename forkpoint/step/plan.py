@@ -17,6 +17,10 @@ nothing else writes it. The kinds of write, in the order the runner applies them
          Restore(entry, slot, blocks)     host entry `entry` -> a state row and KV blocks (it comes
                                           back as a READY checkpoint); the entry leaves the host
          HostDrop(entry)                  host entry `entry` is freed (the host tier's LRU)
+       Writes are numbered in the order they were recorded: writes[i] is number first_write + i.
+       A storage applies each number once (`DeviceStorage.apply`): the writes of a step that failed
+       come again in the next plan (whether or not the runner got to them), and a storage skips
+       the ones it applied already, so a failure anywhere in a step loses and repeats none.
     2. the forward: each segment's KV rows (`block_table`, positions start .. end) and its final
        state into `dest_slots`;
     3. `kv_copies`, in list order, after the step's KV write (copy-on-write of partial blocks).
@@ -136,11 +140,13 @@ DeviceWrite = StateCopy | Spill | Restore | HostDrop
 @dataclass(frozen=True)
 class StepPlan:
     """segments: what the forward computes; kv_copies: copy-on-write after its KV write; writes:
-    the device writes applied, in order, before it (see the module docstring)."""
+    the device writes applied, in order, before it, numbered from first_write (see the module
+    docstring)."""
 
     segments: tuple[Segment, ...] = ()
     kv_copies: tuple[KVCopy, ...] = ()
     writes: tuple[DeviceWrite, ...] = ()
+    first_write: int = 0  # the number of writes[0] (writes are numbered consecutively from 0)
 
     @property
     def empty(self) -> bool:

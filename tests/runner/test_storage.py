@@ -89,13 +89,18 @@ def test_writes_copy_spill_restore_and_drop_in_order():
     assert not storage.conv_stack[:, 3].any() and sorted(storage.host) == [0, 1]
     for t in storage.k + storage.v:
         t[[2, 4]] = 0.0
-    storage.apply([HostDrop(1), Restore(0, 4, (5, 1))])
+    storage.apply([HostDrop(1), Restore(0, 4, (5, 1))], first=4)
     assert list(storage.host) == []
     assert (storage.conv_stack[:, 4] == 3.0).all() and (storage.ssm_stack[:, 4] == 4.0).all()
     for saved, t in zip(kv, storage.k + storage.v):
         assert torch.equal(t[[5, 1]], saved)
+    # a failed step's writes come again in the next plan: the applied ones are skipped, once each
+    storage.apply([Restore(0, 4, (5, 1)), StateCopy(4, 2)], first=5)
+    assert storage.writes_applied == 7 and (storage.conv_stack[:, 2] == 3.0).all()
+    with pytest.raises(RuntimeError, match="never applied"):
+        storage.apply([StateCopy(1, 3)], first=8)
     with pytest.raises(ValueError, match="zero state row"):
-        storage.apply([StateCopy(1, 0)])
+        storage.apply([StateCopy(1, 0)], first=7)
     storage.check_integrity()
 
 
