@@ -35,7 +35,7 @@ from forkpoint.cache.state_pool import ZERO_SLOT, StatePool
 from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig
 from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner, Placement
 from forkpoint.engine.request import Request, RequestStatus
-from forkpoint.step.plan import DeviceWrite, KVCopy, Segment, SegmentKind, StepPlan
+from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan
 
 logger = logging.getLogger("forkpoint.checkpoints")
 
@@ -216,18 +216,16 @@ class Scheduler:
                 budget -= admitted
         self._reserve_for_queued()
 
-        first, writes = self._take_writes() if planning.segments else (0, ())
+        return self._scheduled(planning)
+
+    def _scheduled(self, planning: _Planning) -> ScheduledStep:
+        """The step, in flight unless empty; its plan takes the device writes recorded since the last one."""
+        first, writes = self.registry.take_writes() if self.registry is not None and planning.segments else (0, ())
         step = ScheduledStep(StepPlan(tuple(planning.segments), tuple(planning.kv_copies), writes, first),
                              planning.requests, planning.written, planning.consumed, planning.finished)
         if not step.empty:
             self.in_flight.append(step)
         return step
-
-    def _take_writes(self) -> tuple[int, tuple[DeviceWrite, ...]]:
-        """(number of the first, the device writes) the registry recorded since the last plan (applied
-        before its forward); a step with nothing to compute leaves them for the next plan, before
-        which no row or block they touch can be reused."""
-        return self.registry.take_writes() if self.registry is not None else (0, ())
 
     def schedule_ahead(self, leave_out: Callable[[Request], bool]) -> ScheduledStep | None:
         """The next decode step, planned while the one decode step in flight runs: every running
@@ -269,11 +267,7 @@ class Scheduler:
                 kind=SegmentKind.DECODE, phase=0, samples=True, multimodal=request.multimodal,
                 fed_row=rows[request.request_id]))
             planning.requests.append(request)
-        first, writes = self._take_writes()
-        step = ScheduledStep(StepPlan(tuple(planning.segments), writes=writes, first_write=first), planning.requests,
-                             [], [], [])
-        self.in_flight.append(step)
-        return step
+        return self._scheduled(planning)
 
     def commit(self, step: ScheduledStep) -> None:
         """The forward ran: advance the requests, mark written checkpoints ready, release the pins
