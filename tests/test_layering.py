@@ -60,3 +60,38 @@ def test_the_engine_touches_no_tensor():
             if module.split(".")[0] in ("torch", "numpy") and path.name != "builder.py":
                 found.append(f"{path.relative_to(ROOT.parent)}:{line} imports {module}")
     assert not found, "tensor work above the runner:\n" + "\n".join(found)
+
+
+def test_cache_imports_no_torch():
+    """cache/ is bookkeeping (ids, counts, the checkpoint life cycle): the tensors are the runner's."""
+    found = [f"{path.relative_to(ROOT.parent)}:{line} imports {module}"
+             for path in sorted((ROOT / "cache").rglob("*.py"))
+             for line, module in runtime_imports(ast.parse(path.read_text()))
+             if module.split(".")[0] == "torch"]
+    assert not found, "cache/ imports torch:\n" + "\n".join(found)
+
+
+# the packages that own device tensors; every other package writes device memory only through the
+# step plan (step/plan.py), which the runner applies
+TENSOR_OWNERS = {"runner", "models", "kernels", "distributed"}
+# structured/bitmask.py masks a step's logits rows for the runner's sampler: no cache memory
+IN_PLACE_ALLOWED = {"structured/bitmask.py"}
+POOL_TENSORS = {"k", "v", "conv", "ssm", "conv_stack", "ssm_stack"}
+
+
+def test_only_the_tensor_owners_write_device_memory():
+    """Outside runner/, models/, kernels/ and distributed/, no module calls a tensor's in-place copy
+    (`copy_`, `index_copy_`) or indexes a device pool's tensors (`.k[...]`, `.conv_stack[...]`, ...)."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        name = path.relative_to(ROOT).as_posix()
+        if name.split("/")[0] in TENSOR_OWNERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("copy_", "index_copy_") and name not in IN_PLACE_ALLOWED):
+                found.append(f"{name}:{node.lineno} calls {node.func.attr}")
+            if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute)
+                    and node.value.attr in POOL_TENSORS):
+                found.append(f"{name}:{node.lineno} indexes .{node.value.attr}")
+    assert not found, "device writes outside the tensor owners (put them in the step plan):\n" + "\n".join(found)

@@ -1,42 +1,37 @@
-"""Paged KV cache: block storage for every attention layer plus block accounting.
+"""Paged KV cache accounting: which blocks are free, and how many holders each used block has.
 
 Blocks are reference counted: a request holds one reference on each block of its table, and a
 checkpoint holds one on each block covering its prefix. A block returns to the free list when its
-count drops to zero.
+count drops to zero. The blocks' tensors are the runner's (runner/storage.py); this class only
+hands out their indices.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-import torch
-
 
 class BlockPool:
-    """`k[j]`, `v[j]`: [num_blocks + 1, block_size, num_kv_heads, head_dim] for attention layer j.
-
-    Blocks 0 .. num_blocks-1 are allocated and counted; block `scratch_block` (= num_blocks) is
+    """Blocks 0 .. num_blocks-1 are allocated and counted; block `scratch_block` (= num_blocks) is
     outside the accounting: the padding rows of captured decode steps and the start-up warm-up
     write and read only it (runner/decode_graphs.py, runner/warmup.py), so its content is
-    meaningless (finite) and no request's table ever holds it.
-    """
+    meaningless (finite) and no request's table ever holds it. The storage holds num_blocks + 1
+    blocks per attention layer."""
 
-    def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block: raise kv_cache_bytes or num_kv_blocks")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.scratch_block = num_blocks
-        shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
 
     @staticmethod
-    def bytes_per_block(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    def bytes_per_block(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+        """K and V of one block over `num_layers` layers; `dtype` is anything with `itemsize`
+        (a torch.dtype)."""
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
     @property
     def num_free(self) -> int:

@@ -25,6 +25,12 @@ request still on its way to read it: waiters keep counting after it becomes read
 checkpoints (kind other than MARKER) before marked ones; least recently used first within a class.
 An automatic checkpoint can never evict a marked one: `register(..., kind=auto)` evicts only
 automatic checkpoints to make room.
+
+Device memory: the registry touches no tensor. The writes its transitions imply (a spill to the
+host tier on eviction, a restore on a hit in the host tier, a row copy into a kept turn end) are
+recorded, in order and numbered, as the step plan's device writes (step/plan.py); the scheduler
+takes them (`take_writes`) into the next plan, which the runner applies before that step's forward,
+and gives a failed plan's back (`give_back_writes`).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from dataclasses import dataclass, field
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.host_tier import HostTier
 from forkpoint.cache.state_pool import SlotAllocator
+from forkpoint.step.plan import DeviceWrite, HostDrop, Restore, Spill, StateCopy
 
 logger = logging.getLogger("forkpoint.checkpoints")
 
@@ -137,6 +144,24 @@ class CheckpointRegistry:
         self._lengths: Counter[int] = Counter()
         self._clock = itertools.count(1)
         self.counters = CheckpointCounters()
+        self._writes: list[tuple[int, DeviceWrite]] = []  # (number, write) not yet taken, in order
+        self._next_number = 0
+
+    def take_writes(self) -> tuple[int, tuple[DeviceWrite, ...]]:
+        """(the number of the first, the writes) recorded and not yet taken, in order, numbered
+        consecutively (for the next step plan; step/plan.py)."""
+        taken, self._writes = self._writes, []
+        return (taken[0][0] if taken else self._next_number), tuple(write for _, write in taken)
+
+    def give_back_writes(self, first: int, writes: tuple[DeviceWrite, ...]) -> None:
+        """A plan holding `writes` (numbered from `first`) failed: they go to the next plan again, in
+        their place (a storage skips those it applied already)."""
+        merged = self._writes + [(first + i, write) for i, write in enumerate(writes)]
+        self._writes = sorted(merged, key=lambda numbered: numbered[0])
+
+    def _record(self, write: DeviceWrite) -> None:
+        self._writes.append((self._next_number, write))
+        self._next_number += 1
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -194,6 +219,8 @@ class CheckpointRegistry:
         have no room for it even after evicting idle checkpoints (it stays on the host)."""
         if self._slots.num_free == 0 and not self.evict_one():
             return None
+        if key not in self.host:  # that eviction's spill pushed it out of the host tier
+            return None
 
         def allocate(count: int) -> list[int] | None:
             while self._blocks.num_free < count:
@@ -201,12 +228,15 @@ class CheckpointRegistry:
                     return None
             return self._blocks.allocate(count)
 
-        slot = self._slots.allocate()
-        restored = self.host.restore(key, slot, allocate)
-        if restored is None:
-            self._slots.free(slot)
+        blocks = allocate(self.host.entry(key).num_blocks)
+        if blocks is None:
             return None
-        entry, blocks = restored
+        if key not in self.host:  # the evictions' spills pushed it out of the host tier too
+            self._blocks.release(blocks)
+            return None
+        slot = self._slots.allocate()
+        entry = self.host.take(key)
+        self._record(Restore(entry.entry_id, slot, tuple(blocks)))
         checkpoint = Checkpoint(key, entry.num_tokens, slot, entry.kind, CheckpointState.READY, None,
                                 state_tokens=entry.state_tokens, blocks=blocks)
         self._touch(checkpoint)
@@ -274,6 +304,13 @@ class CheckpointRegistry:
         self.counters.created[checkpoint.kind] += 1
         self._touch(checkpoint)
         logger.debug("ready: %d tokens (%s)", checkpoint.num_tokens, checkpoint.kind.value)
+
+    def keep_state(self, checkpoint: Checkpoint, slot: int, blocks: list[int]) -> None:
+        """A PENDING checkpoint whose state is already in request row `slot` (a finished request's
+        turn end): record the row copy into its own row, then mark it ready with `blocks`."""
+        self._expect(checkpoint, CheckpointState.PENDING)
+        self._record(StateCopy(slot, checkpoint.slot))
+        self.mark_ready(checkpoint, blocks)
 
     def producer_left(self, checkpoint: Checkpoint) -> None:
         """The producer left before writing: ORPHANED while requests wait for it, else removed."""
@@ -345,7 +382,12 @@ class CheckpointRegistry:
             return False
         victim = min(idle, key=lambda c: (not c.kind.automatic, c.last_used))
         if self.host is not None:
-            self.host.spill(victim.key, victim.num_tokens, victim.state_tokens, victim.kind, victim.slot, victim.blocks)
+            entry, dropped = self.host.spill(victim.key, victim.num_tokens, victim.state_tokens, victim.kind,
+                                             len(victim.blocks))
+            for entry_id in dropped:
+                self._record(HostDrop(entry_id))
+            if entry is not None:
+                self._record(Spill(entry.entry_id, victim.slot, tuple(victim.blocks)))
         self._remove(victim)
         self.counters.evicted[victim.kind] += 1
         logger.debug("evicted: %d-token %s checkpoint", victim.num_tokens, victim.kind.value)

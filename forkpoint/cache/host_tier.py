@@ -1,46 +1,36 @@
-"""The host tier: checkpoints evicted from the device pools, kept in (pinned) host memory.
+"""The host tier's directory: which evicted checkpoints are kept in (pinned) host memory.
 
-A spilled checkpoint holds copies of its recurrent state rows (every layer's conv and SSM state)
-and of the KV blocks covering its prefix. Spilling and restoring are copies enqueued on the device
-stream (non-blocking into and out of pinned memory on CUDA), ordered before any later kernel that
-reuses the freed rows and blocks; nothing waits on the host. Least recently used entries leave
-first when `capacity_bytes` would be exceeded; an entry larger than the whole tier is not kept.
-A miss in both tiers is a recompute, never wrong data.
+A spilled checkpoint is a host entry holding copies of its recurrent state row (every layer's conv
+and SSM state) and of the KV blocks covering its prefix. The copies themselves are device writes of
+the step plan (step/plan.py `Spill`, `Restore`, `HostDrop`), applied by the runner's storage
+(runner/storage.py) before the next forward, in the order they were decided: a spill reads its row
+and blocks before any later write reuses them. This class decides and counts: least recently used
+entries leave first when `capacity_bytes` would be exceeded; an entry larger than the whole tier is
+not kept. A miss in both tiers is a recompute, never wrong data.
+
+Entry sizes are computed from the declarations (`slot_bytes`: one state row over every recurrent
+layer; `block_bytes`: K and V of one block over every attention layer), equal to the bytes the
+storage copies.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
-
-from forkpoint.cache.block_pool import BlockPool
-from forkpoint.cache.state_pool import StatePool
 
 
 @dataclass(frozen=True)
-class SpilledCheckpoint:
-    """conv: [L, conv...]; ssm: [L, ssm...]; k, v: one [n_blocks, block_size, HKV, Dh] tensor per
-    attention layer; `kind` is the checkpoint's CheckpointKind (kept opaque here)."""
+class HostEntry:
+    """Entry `entry_id` (the id the plan's writes name); `kind` is the checkpoint's CheckpointKind
+    (kept opaque here)."""
 
+    entry_id: int
     num_tokens: int
     state_tokens: int
     kind: object
-    conv: torch.Tensor
-    ssm: torch.Tensor
-    k: tuple[torch.Tensor, ...]
-    v: tuple[torch.Tensor, ...]
-
-    @property
-    def num_bytes(self) -> int:
-        tensors = (self.conv, self.ssm, *self.k, *self.v)
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.k[0].shape[0] if self.k else 0
+    num_blocks: int
+    num_bytes: int
 
 
 @dataclass
@@ -51,12 +41,12 @@ class TierCounters:
 
 
 class HostTier:
-    def __init__(self, capacity_bytes: int, states: StatePool, blocks: BlockPool) -> None:
+    def __init__(self, capacity_bytes: int, slot_bytes: int, block_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
-        self._states = states
-        self._blocks = blocks
-        self._pinned = states.conv_stack.device.type == "cuda"
-        self._entries: OrderedDict[bytes, SpilledCheckpoint] = OrderedDict()
+        self.slot_bytes = slot_bytes
+        self.block_bytes = block_bytes
+        self._entries: OrderedDict[bytes, HostEntry] = OrderedDict()
+        self._ids = itertools.count()
         self.num_bytes = 0
         self.counters = TierCounters()
 
@@ -69,60 +59,46 @@ class HostTier:
     def lengths(self) -> set[int]:
         return {entry.num_tokens for entry in self._entries.values()}
 
-    def spill(self, key: bytes, num_tokens: int, state_tokens: int, kind: object, slot: int, blocks: list[int]) -> None:
-        """Copy a checkpoint's state row `slot` and KV `blocks` to the host (before the device pools
-        free them), evicting least recently used host entries to make room."""
-        index = torch.tensor(blocks, dtype=torch.long, device=self._states.conv_stack.device)
-        entry = SpilledCheckpoint(
-            num_tokens, state_tokens, kind, self._to_host(self._states.conv_stack[:, slot]),
-            self._to_host(self._states.ssm_stack[:, slot]),
-            tuple(self._to_host(k.index_select(0, index)) for k in self._blocks.k),
-            tuple(self._to_host(v.index_select(0, index)) for v in self._blocks.v))
-        if entry.num_bytes > self.capacity_bytes:
+    def entry_ids(self) -> set[int]:
+        """The ids of the entries held (a storage that applied every plan holds exactly these)."""
+        return {entry.entry_id for entry in self._entries.values()}
+
+    def entry(self, key: bytes) -> HostEntry:
+        return self._entries[key]
+
+    def spill(self, key: bytes, num_tokens: int, state_tokens: int, kind: object,
+              num_blocks: int) -> tuple[HostEntry | None, list[int]]:
+        """Keep a checkpoint of `num_blocks` KV blocks, evicting least recently used entries to make
+        room. Returns (the new entry, or None when it is larger than the tier; the ids of the
+        entries that left to make room): the caller records the `HostDrop`s and the `Spill`."""
+        num_bytes = self.slot_bytes + num_blocks * self.block_bytes
+        if num_bytes > self.capacity_bytes:
             self.counters.dropped += 1
-            return
-        self.discard(key)
-        while self.num_bytes + entry.num_bytes > self.capacity_bytes:
-            self._drop_oldest()
+            return None, []
+        dropped = [] if key not in self._entries else [self.discard(key)]
+        while self.num_bytes + num_bytes > self.capacity_bytes:
+            _, oldest = self._entries.popitem(last=False)
+            self.num_bytes -= oldest.num_bytes
+            self.counters.dropped += 1
+            dropped.append(oldest.entry_id)
+        entry = HostEntry(next(self._ids), num_tokens, state_tokens, kind, num_blocks, num_bytes)
         self._entries[key] = entry
-        self.num_bytes += entry.num_bytes
+        self.num_bytes += num_bytes
         self.counters.spilled += 1
+        return entry, dropped
 
-    def restore(self, key: bytes, slot: int, allocate_blocks: Callable[[int], list[int] | None]
-                ) -> tuple[SpilledCheckpoint, list[int]] | None:
-        """Copy entry `key` back into state row `slot` and freshly allocated KV blocks (from
-        `allocate_blocks(n)`, None when the pool cannot give n). The entry leaves the host tier.
-        Returns (entry, blocks) or None when no blocks could be had (the entry stays)."""
-        entry = self._entries[key]
-        blocks = allocate_blocks(entry.num_blocks)
-        if blocks is None:
-            return None
-        del self._entries[key]
+    def take(self, key: bytes) -> HostEntry:
+        """Entry `key` leaves the tier to be restored (the caller records the `Restore`)."""
+        entry = self._entries.pop(key)
         self.num_bytes -= entry.num_bytes
-        device = self._states.conv_stack.device
-        self._states.conv_stack[:, slot].copy_(entry.conv, non_blocking=True)
-        self._states.ssm_stack[:, slot].copy_(entry.ssm, non_blocking=True)
-        if blocks:
-            index = torch.tensor(blocks, dtype=torch.long, device=device)
-            for cache, saved in zip(self._blocks.k + self._blocks.v, entry.k + entry.v):
-                cache.index_copy_(0, index, saved.to(device, non_blocking=True))
         self.counters.restored += 1
-        return entry, blocks
+        return entry
 
-    def discard(self, key: bytes) -> None:
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self.num_bytes -= entry.num_bytes
-
-    def _drop_oldest(self) -> None:
-        _, entry = self._entries.popitem(last=False)
+    def discard(self, key: bytes) -> int:
+        """Entry `key` leaves without a restore; returns its id (the caller records the `HostDrop`)."""
+        entry = self._entries.pop(key)
         self.num_bytes -= entry.num_bytes
-        self.counters.dropped += 1
-
-    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pinned)
-        host.copy_(tensor, non_blocking=self._pinned)
-        return host
+        return entry.entry_id
 
     def check_integrity(self) -> None:
         if self.num_bytes != sum(e.num_bytes for e in self._entries.values()) or self.num_bytes > self.capacity_bytes:

@@ -5,17 +5,22 @@ recurrent layers' `RecurrentStateSpec`); the engine's knobs (`EngineConfig`) bou
 CPU the pools take at most `kv_cache_bytes` / `state_cache_bytes` (capped further below); on CUDA,
 `gpu_memory_utilization` of the memory free after the weights (minus what the caller reserves) is
 split: states first (one slot per running sequence and per checkpoint), the rest for KV blocks.
+Byte counts come from the declarations alone (dtypes are read for their `itemsize`); the caller
+that owns the device says how much memory is free (runner/storage.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.state_pool import RecurrentStateSpec, StatePool
-from forkpoint.config import EngineConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from forkpoint.config import EngineConfig
 
 CPU_KV_BYTES = 256 << 20
 CPU_STATE_BYTES = 512 << 20
@@ -37,6 +42,16 @@ class PoolShapes:
     num_recurrent_layers: int
     state: RecurrentStateSpec
 
+    @property
+    def slot_bytes(self) -> int:
+        """One state row over every recurrent layer."""
+        return StatePool.bytes_per_slot(self.num_recurrent_layers, self.state)
+
+    def block_bytes(self, block_size: int) -> int:
+        """K and V of one block over every attention layer."""
+        return BlockPool.bytes_per_block(block_size, self.num_attention_layers, self.num_kv_heads, self.head_dim,
+                                         self.kv_dtype)
+
 
 @dataclass(frozen=True)
 class PoolSizes:
@@ -47,21 +62,22 @@ class PoolSizes:
     num_checkpoint_slots: int
 
 
-def plan_pools(config: EngineConfig, shapes: PoolShapes, max_model_len: int, device: torch.device,
+def plan_pools(config: EngineConfig, shapes: PoolShapes, max_model_len: int, free_device_bytes: int | None,
                reserved_bytes: int = 0) -> PoolSizes:
-    """Sizes within the budget. `reserved_bytes` (CUDA only) is set aside from the usable memory
-    for caches that fill later on the device (the image embedding cache)."""
+    """Sizes within the budget. `free_device_bytes`: the memory free on a CUDA device after the
+    weights (None on the CPU); `reserved_bytes` (CUDA only) is set aside from the usable memory for
+    caches that fill later on the device (the image embedding cache)."""
     per_block = BlockPool.bytes_per_block(config.block_size, max(shapes.num_attention_layers, 1), shapes.num_kv_heads,
                                           shapes.head_dim, shapes.kv_dtype)
-    per_slot = StatePool.bytes_per_slot(shapes.num_recurrent_layers, shapes.state)
+    per_slot = shapes.slot_bytes
     checkpoint_slots = 0
     if config.enable_checkpoints:
         checkpoint_slots = config.checkpoint_pool_size or DEFAULT_CHECKPOINT_SLOTS
     kv_bytes, state_bytes = config.kv_cache_bytes, config.state_cache_bytes
-    if device.type == "cpu":
+    if free_device_bytes is None:
         kv_bytes, state_bytes = min(kv_bytes, CPU_KV_BYTES), min(state_bytes, CPU_STATE_BYTES)
     else:
-        free, _ = torch.cuda.mem_get_info(device)
+        free = free_device_bytes
         usable = int(free * config.gpu_memory_utilization) - reserved_bytes
         if usable <= 0:
             raise ValueError(
@@ -78,19 +94,6 @@ def plan_pools(config: EngineConfig, shapes: PoolShapes, max_model_len: int, dev
     return PoolSizes(num_blocks, request_slots, checkpoint_slots)
 
 
-def build_pools(config: EngineConfig, shapes: PoolShapes, max_model_len: int, device: torch.device,
-                reserved_bytes: int = 0) -> tuple[BlockPool, StatePool]:
-    """The two pools, sized by `plan_pools`."""
-    return pools_of_sizes(plan_pools(config, shapes, max_model_len, device, reserved_bytes), config.block_size,
-                          shapes, device)
-
-
-def pools_of_sizes(sizes: PoolSizes, block_size: int, shapes: PoolShapes, device: torch.device,
-                   state_pool: type[StatePool] = StatePool) -> tuple[BlockPool, StatePool]:
-    """The two pools with the given sizes (a tensor-parallel rank: rank 0's sizes, its own shapes);
-    `state_pool` is the state pool class (a `StatePool` subclass)."""
-    blocks = BlockPool(sizes.num_kv_blocks, block_size, shapes.num_attention_layers, shapes.num_kv_heads,
-                       shapes.head_dim, shapes.kv_dtype, device)
-    states = state_pool(sizes.num_request_slots, sizes.num_checkpoint_slots, shapes.num_recurrent_layers,
-                        shapes.state, device)
-    return blocks, states
+def pools_of_sizes(sizes: PoolSizes, block_size: int) -> tuple[BlockPool, StatePool]:
+    """The bookkeeping of the two pools with the given sizes."""
+    return BlockPool(sizes.num_kv_blocks, block_size), StatePool(sizes.num_request_slots, sizes.num_checkpoint_slots)

@@ -1,10 +1,9 @@
-"""Recurrent state storage: conv and SSM state rows for every recurrent layer.
+"""Recurrent state rows: which row of the state tensors belongs to which request or checkpoint.
 
 What a row holds is declared by the model's recurrent mixer as a `RecurrentStateSpec` (Gated
 DeltaNet: conv [conv_dim, W-1] and SSM [HV, K, V]; Mamba2: conv [conv_dim, W-1] and SSM
-[H, P, N]); the pool knows nothing else about the mixer.
-
-Row layout of every state tensor (one row = one sequence's or checkpoint's state)::
+[H, P, N]); the rows' tensors are the runner's (runner/storage.py), this module hands out row
+indices. Row layout of every state tensor (one row = one sequence's or checkpoint's state)::
 
     row 0                      always zero: the initial state of a fresh sequence
     rows 1 .. R                request slots (one per running request)
@@ -15,18 +14,15 @@ Row layout of every state tensor (one row = one sequence's or checkpoint's state
 
 Keeping requests and checkpoints in one tensor lets a layer gather any segment's initial state
 with a single `index_select` and scatter final states with one `index_copy_`.
-
-The states of all L recurrent layers are one tensor each, `conv_stack` [L, S, ...] and
-`ssm_stack` [L, S, ...]; `conv[i]` and `ssm[i]` are views of layer i's slice. Flattened to
-[L * S, ...], layer i's rows are i * S .. i * S + S - 1: the same slot indices plus a row offset
-address any layer, so one CUDA graph of the GDN core serves every layer (runner/piecewise.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 ZERO_SLOT = 0
 
@@ -73,19 +69,19 @@ class RecurrentStateSpec:
     """The per-sequence state of one recurrent layer, as its mixer declares it.
 
     conv_shape: one row of the causal-conv state (e.g. (conv_dim, W-1)), in conv_dtype;
-    ssm_shape: one row of the SSM state (GDN (HV, K, V); Mamba2 (H, P, N)), in ssm_dtype.
+    ssm_shape: one row of the SSM state (GDN (HV, K, V); Mamba2 (H, P, N)), in ssm_dtype (float32
+    for both mixers). The dtypes are only read for their `itemsize` here.
     """
 
     conv_shape: tuple[int, ...]
     conv_dtype: torch.dtype
     ssm_shape: tuple[int, ...]
-    ssm_dtype: torch.dtype = torch.float32
+    ssm_dtype: torch.dtype
 
     @property
     def bytes(self) -> int:
         """Bytes of one row of both states."""
-        conv = _numel(self.conv_shape) * torch.finfo(self.conv_dtype).bits // 8
-        return conv + _numel(self.ssm_shape) * torch.finfo(self.ssm_dtype).bits // 8
+        return _numel(self.conv_shape) * self.conv_dtype.itemsize + _numel(self.ssm_shape) * self.ssm_dtype.itemsize
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -96,32 +92,16 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 class StatePool:
-    """conv_stack: [L, rows, *spec.conv_shape] (spec.conv_dtype); ssm_stack: [L, rows, *spec.ssm_shape]
-    (spec.ssm_dtype, float32 for both mixers); conv[i] / ssm[i]: views of layer i's slice (contiguous,
-    sharing the stacks' storage). All L recurrent layers share one spec (one stacked tensor each).
-    rows = 1 + R + C + 1 (zero row, requests, checkpoints, `scratch_slot`)."""
+    """The rows of the state tensors: `requests` and `checkpoints` allocate rows 1 .. R and
+    R+1 .. R+C; rows = 1 + R + C + 1 (zero row, requests, checkpoints, `scratch_slot`)."""
 
-    def __init__(self, num_request_slots: int, num_checkpoint_slots: int, num_layers: int,
-                 spec: RecurrentStateSpec, device: torch.device) -> None:
+    def __init__(self, num_request_slots: int, num_checkpoint_slots: int) -> None:
         if num_request_slots < 1:
             raise ValueError("the state pool needs at least one request slot")
-        rows = 1 + num_request_slots + num_checkpoint_slots + 1
-        self.spec = spec
-        self.conv_stack = torch.zeros(num_layers, rows, *spec.conv_shape, dtype=spec.conv_dtype, device=device)
-        self.ssm_stack = torch.zeros(num_layers, rows, *spec.ssm_shape, dtype=spec.ssm_dtype, device=device)
-        # single views (not unbind's multi-output views, which autograd forbids writing in place)
-        self.conv = [self.conv_stack[i] for i in range(num_layers)]
-        self.ssm = [self.ssm_stack[i] for i in range(num_layers)]
+        self.num_rows = 1 + num_request_slots + num_checkpoint_slots + 1
         self.requests = SlotAllocator(1, num_request_slots, "request state")
         self.checkpoints = SlotAllocator(1 + num_request_slots, num_checkpoint_slots, "checkpoint state")
-        self.scratch_slot = rows - 1  # see the row layout above
-
-    def copy_slot(self, src: int, dst: int) -> None:
-        """Copy the state of every layer from row `src` to row `dst` (asynchronous on the device)."""
-        if dst == ZERO_SLOT:
-            raise ValueError("the zero state row is never written")
-        self.conv_stack[:, dst].copy_(self.conv_stack[:, src])
-        self.ssm_stack[:, dst].copy_(self.ssm_stack[:, src])
+        self.scratch_slot = self.num_rows - 1  # see the row layout above
 
     @staticmethod
     def bytes_per_slot(num_layers: int, spec: RecurrentStateSpec) -> int:
@@ -131,10 +111,3 @@ class StatePool:
     def check_integrity(self) -> None:
         self.requests.check_integrity()
         self.checkpoints.check_integrity()
-        for layer, (conv, ssm) in enumerate(zip(self.conv, self.ssm)):
-            stacked = self.conv_stack[layer], self.ssm_stack[layer]
-            if conv.data_ptr() != stacked[0].data_ptr() or ssm.data_ptr() != stacked[1].data_ptr():
-                raise AssertionError(f"the states of recurrent layer {layer} are no longer views of the stacked "
-                                     "tensors")
-        if self.conv_stack[:, ZERO_SLOT].any() or self.ssm_stack[:, ZERO_SLOT].any():
-            raise AssertionError("the zero state row was written")

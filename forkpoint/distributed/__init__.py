@@ -10,10 +10,9 @@
                       vocab-parallel embedding / lm_head, the gated norm of a split norm group)
     parallel_mamba2.py  a Mamba2 hybrid's family class on one rank, with those modules swapped in
     loading.py        each rank reads only its slices of the safetensors files; dummy weights per shard
-    pools.py          rank 0's pool writes outside the forward (row copies, host-tier spills and
-                      restores), logged and replayed by every worker
     images.py         rank 0 encodes a step's images; rows and positions broadcast to the workers
-    worker.py         the loop of ranks > 0: receive a StepPlan, run the same forward on the shard
+    worker.py         the loop of ranks > 0: receive a StepPlan, apply its device writes to the rank's
+                      storage and run the same forward on the shard
     runner.py         TensorParallelRunner: ModelRunner's interface on rank 0 (the engine process)
 
 Routing among engine replicas (the checkpoint-affine router) composes the server, so it lives in

@@ -1,11 +1,11 @@
 """`TensorParallelRunner`: ModelRunner's interface on rank 0 of a tensor-parallel engine.
 
-Rank 0 is the engine process: it runs the scheduler, and each step sends the `StepPlan` (with the
-pool operations made outside the forward since the last step: state-row copies, host-tier spills and
-restores, distributed/pools.py) to every worker over its pipe, then
-runs the same forward on its own shard; the logits come back gathered from all ranks' vocab shares,
-and rank 0 samples and scores them as `ModelRunner` does (the workers never sample: the plan's
-`sampling` stays on rank 0). Images: rank 0 holds the whole vision tower, encodes
+Rank 0 is the engine process: it runs the scheduler, and each step sends the `StepPlan` (which
+names every device write of the step: state-row copies, host-tier spills and restores, step/plan.py)
+to every worker over its pipe, then applies it to its own storage and runs the same forward on its
+own shard; the logits come back gathered from all ranks' vocab shares, and rank 0 samples and scores
+them as `ModelRunner` does (the workers never sample: the plan's `sampling` stays on rank 0).
+Images: rank 0 holds the whole vision tower, encodes
 a step's images and broadcasts the rows and positions (distributed/images.py). The workers
 (distributed/worker.py) are started
 with torch.multiprocessing (spawn), one per rank > 0; rank r runs on cuda:r on CUDA (NCCL), on the
@@ -33,18 +33,18 @@ import torch
 import torch.multiprocessing as mp
 
 from forkpoint.cache.block_pool import BlockPool
-from forkpoint.cache.sizing import plan_pools, pools_of_sizes
+from forkpoint.cache.sizing import pools_of_sizes
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.config import EngineConfig, ModelConfig
 from forkpoint.distributed.collectives import TensorParallelGroup
 from forkpoint.distributed.images import image_rows, send_image_inputs
 from forkpoint.distributed.loading import build_shard
-from forkpoint.distributed.pools import MirroredHostTier, MirroredStatePool
 from forkpoint.distributed.sharding import ShardLayout, check_shardable
-from forkpoint.distributed.worker import WorkerSpec, caches_of, run_worker
+from forkpoint.distributed.worker import WorkerSpec, run_worker
 from forkpoint.runner.errors import RunnerUnusable
 from forkpoint.runner.model_runner import build_forward_batch
 from forkpoint.runner.step_sampler import PendingStep, StepSampler
+from forkpoint.runner.storage import DeviceStorage, plan_storage
 from forkpoint.step.batch import ForwardBatch
 from forkpoint.step.plan import Segment, StepPlan
 from forkpoint.step.sampling import StepSampling
@@ -66,8 +66,8 @@ class TensorParallelRunner:
     """Rank 0's runner: `execute(plan) -> PendingStep` (sampled and scored on rank 0), as `ModelRunner`.
 
     Built in two steps, as the engine builds its parts: `start` spawns the workers and loads rank 0's
-    shard (`model`); `make_pools` sizes the pools, builds rank 0's and has every worker build its own
-    (and its host tier, which `host_tier` then returns rank 0's of).
+    shard (`model`); `make_pools` sizes the pools, builds rank 0's storage and has every worker build
+    its own with the same rows and blocks.
     `close()` stops the workers (also run when the runner is garbage-collected or the process exits).
     """
 
@@ -84,10 +84,8 @@ class TensorParallelRunner:
         self._processes = processes
         self._conns = conns
         self._failure: TensorParallelError | None = None
-        self.block_pool: BlockPool | None = None
-        self.state_pool: MirroredStatePool | None = None
+        self.storage: DeviceStorage | None = None
         self.caches = None
-        self.host_tier: MirroredHostTier | None = None
         self.multimodal: MultimodalInputs | None = None  # rank 0's image inputs (`serve_images`)
         self._finalizer = weakref.finalize(self, _stop_workers, processes, conns, store_dir)
 
@@ -128,21 +126,16 @@ class TensorParallelRunner:
         return cls(model, group, processes, conns, store_dir, config.block_size, dtype, model_config.vocab_size)
 
     def make_pools(self, config: EngineConfig, max_model_len: int) -> tuple[BlockPool, StatePool]:
-        """Rank 0's pools (its heads), sized by `plan_pools`; every worker builds its own with the same
-        sizes, and each rank a host tier of `checkpoint_host_bytes` for its shards when checkpoints
-        spill (`host_tier`: rank 0's). Returns once all ranks are ready (raises `TensorParallelError`
-        when one fails)."""
+        """The pools' bookkeeping and rank 0's storage (its heads), sized by `plan_pools`; every worker
+        builds its storage with the same sizes. Returns once all ranks are ready (raises
+        `TensorParallelError` when one fails)."""
         shapes = self.model.pool_shapes(self._dtype)
         # the image embedding cache fills later on rank 0's device: set it aside there (CUDA)
         reserved = config.image_embedding_cache_bytes if self.model.visual is not None else 0
-        sizes = plan_pools(config, shapes, max_model_len, self.device, reserved if self.device.type == "cuda" else 0)
-        self.block_pool, self.state_pool = pools_of_sizes(sizes, config.block_size, shapes, self.device,
-                                                          MirroredStatePool)
-        self.caches = caches_of(self.block_pool, self.state_pool)
-        host_bytes = config.checkpoint_host_bytes if config.enable_checkpoints else 0
-        if host_bytes > 0:
-            self.host_tier = MirroredHostTier(host_bytes, self.state_pool, self.block_pool)
-        self._send(("pools", sizes, host_bytes))
+        sizes = plan_storage(config, shapes, max_model_len, self.device, reserved)
+        self.storage = DeviceStorage(sizes, config.block_size, shapes, self.device)
+        self.caches = self.storage.caches
+        self._send(("pools", sizes))
         deadline = time.monotonic() + START_TIMEOUT_S
         for rank, (process, conn) in enumerate(zip(self._processes, self._conns), start=1):
             while not conn.poll(0.05):
@@ -154,7 +147,7 @@ class TensorParallelRunner:
                 raise self._fail(RuntimeError(f"rank {rank} exited while loading")) from None
             if message[0] != "ready":
                 raise self._fail(RuntimeError(f"rank {rank} failed while loading"), {rank: message})
-        return self.block_pool, self.state_pool
+        return pools_of_sizes(sizes, config.block_size)
 
     def serve_images(self, multimodal: MultimodalInputs | None) -> None:
         """Rank 0's image inputs over its vision tower (built by the engine, as for `ModelRunner`);
@@ -163,10 +156,14 @@ class TensorParallelRunner:
 
     # ------------------------------------------------------------------ steps
     def prepare(self, plan: StepPlan) -> tuple[ForwardBatch, list[Segment]]:
-        """Rank 0's batch (images encoded and attached), after the plan went to every worker (they start
-        their forward at once): the batch must then be passed to `forward`."""
+        """Rank 0's batch (images encoded and attached), after the plan went to every worker (they
+        apply its device writes and start their forward at once): the batch must then be passed to
+        `forward`."""
         self._check_running()
-        batch, sampled = build_forward_batch(plan, self.block_size, self.device)  # raises before any send
+        self.storage.apply(plan.writes, plan.first_write)
+        # raises before any send: the next plan carries the writes again, which the workers then apply
+        # and rank 0 skips
+        batch, sampled = build_forward_batch(plan, self.block_size, self.device)
         images = self.multimodal is not None and any(s.multimodal is not None for s in plan.segments)
         if images:  # the tower runs here, before any send: its errors leave the ranks in step
             batch = self.multimodal.attach(plan.ordered(), batch)
@@ -174,7 +171,7 @@ class TensorParallelRunner:
             plan = dataclasses.replace(plan, segments=tuple(dataclasses.replace(s, multimodal=None)
                                                             for s in plan.segments))
         plan = dataclasses.replace(plan, sampling=StepSampling())  # rank 0 samples
-        self._send(("step", plan, self.state_pool.take_ops(), image_rows(batch) if images else None))
+        self._send(("step", plan, image_rows(batch) if images else None))
         if images:
             try:
                 send_image_inputs(self.group, batch, self._dtype)

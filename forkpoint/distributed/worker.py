@@ -2,13 +2,13 @@
 
 Protocol over the rank's pipe to rank 0 (the engine process)::
 
-    rank 0 -> worker   ("pools", PoolSizes, host_bytes)       once, after both loaded their shards
-    worker -> rank 0   ("ready",)                             pools (and host tier) built: steps may come
-    rank 0 -> worker   ("step", StepPlan, (op, ...), M)       each step: rank 0's pool operations since
-                                                              the last step (distributed/pools.py), the
-                                                              plan, and M: None for a text step, else the
-                                                              number of image rows rank 0 broadcasts
-                                                              (distributed/images.py)
+    rank 0 -> worker   ("pools", PoolSizes)                   once, after both loaded their shards
+    worker -> rank 0   ("ready",)                             storage built: steps may come
+    rank 0 -> worker   ("step", StepPlan, M)                  each step: the plan (its device writes are
+                                                              applied to this rank's storage, then its
+                                                              forward runs), and M: None for a text step,
+                                                              else the number of image rows rank 0
+                                                              broadcasts (distributed/images.py)
     rank 0 -> worker   ("stop",)                              leave the loop
     worker -> rank 0   ("error", "Type: message", traceback)  anything raised; the process then exits
 
@@ -27,16 +27,13 @@ from pathlib import Path
 
 import torch
 
-from forkpoint.cache.host_tier import HostTier
-from forkpoint.cache.sizing import pools_of_sizes
 from forkpoint.config import ModelConfig
 from forkpoint.distributed.collectives import TensorParallelGroup
 from forkpoint.distributed.images import receive_image_inputs
 from forkpoint.distributed.loading import build_shard
-from forkpoint.distributed.pools import apply_pool_ops
 from forkpoint.distributed.sharding import ShardLayout
 from forkpoint.runner.model_runner import build_forward_batch
-from forkpoint.step.caches import LayerCaches
+from forkpoint.runner.storage import DeviceStorage
 
 
 @dataclass(frozen=True)
@@ -54,12 +51,6 @@ class WorkerSpec:
     device: str
     block_size: int
     timeout_s: float
-
-
-def caches_of(block_pool, state_pool) -> LayerCaches:
-    """The pools' tensors as the model reads them."""
-    return LayerCaches(conv=state_pool.conv, ssm=state_pool.ssm, k=block_pool.k, v=block_pool.v,
-                       conv_stack=state_pool.conv_stack, ssm_stack=state_pool.ssm_stack)
 
 
 def run_worker(spec: WorkerSpec, conn) -> None:
@@ -87,20 +78,18 @@ def _serve(spec: WorkerSpec, conn) -> None:
     layout = ShardLayout(spec.model_config, spec.rank, spec.world)
     torch.manual_seed(spec.seed)
     model = build_shard(layout, group, spec.model_path, spec.load_format, spec.dtype, spec.seed)
-    kind, sizes, host_bytes = conn.recv()
+    kind, sizes = conn.recv()
     if kind != "pools":
         raise RuntimeError(f"expected the pool sizes from rank 0, got {kind!r}")
-    block_pool, state_pool = pools_of_sizes(sizes, spec.block_size, model.pool_shapes(spec.dtype), device)
-    host = HostTier(host_bytes, state_pool, block_pool) if host_bytes > 0 else None
-    caches = caches_of(block_pool, state_pool)
+    storage = DeviceStorage(sizes, spec.block_size, model.pool_shapes(spec.dtype), device)
     conn.send(("ready",))
     while True:
         message = conn.recv()
         if message[0] == "stop":
             return
-        _, plan, ops, num_image_rows = message
-        apply_pool_ops(ops, state_pool, host)
+        _, plan, num_image_rows = message
+        storage.apply(plan.writes, plan.first_write)
         batch, _ = build_forward_batch(plan, spec.block_size, device)
         if num_image_rows is not None:
             batch = receive_image_inputs(group, batch, num_image_rows, spec.model_config.hidden_size, spec.dtype)
-        model(batch, caches)
+        model(batch, storage.caches)

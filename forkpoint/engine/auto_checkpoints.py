@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from forkpoint.cache.checkpoints import CacheMissReason, CheckpointKind, CheckpointRegistry
 from forkpoint.cache.hashing import PrefixHasher
 from forkpoint.cache.prefix_index import PrefixIndex
-from forkpoint.cache.state_pool import StatePool
 from forkpoint.engine.request import Request, SharedPrefix
 
 
@@ -49,11 +48,10 @@ class Placement:
 
 
 class AutoCheckpointPlanner:
-    def __init__(self, registry: CheckpointRegistry, states: StatePool, block_size: int, min_tokens: int,
+    def __init__(self, registry: CheckpointRegistry, block_size: int, min_tokens: int,
                  state_position: Callable[[int], int]) -> None:
         self.registry = registry
         self.state_position = state_position  # where a checkpoint at a position keeps its state
-        self.states = states
         self.block_size = block_size
         self.min_tokens = min_tokens
         self.index = PrefixIndex(block_size)
@@ -129,8 +127,9 @@ class AutoCheckpointPlanner:
     def keep_turn_end(self, request: Request, now: float) -> None:
         """`request` finished with its state after num_computed_tokens in its slot (not yet freed):
         prompt + all but the last output token, or with asynchronous scheduling, when a step ran
-        ahead of the one that ended it, all output tokens. Copy it into a READY turn-end checkpoint
-        (a miss when no slot can be freed), and index the sequence so later prompts find the junction."""
+        ahead of the one that ended it, all output tokens. Keep it as a READY turn-end checkpoint (the
+        registry records the row copy for the next step plan; a miss when no slot can be freed), and
+        index the sequence so later prompts find the junction."""
         tokens = request.tokens(0, request.num_computed_tokens)
         hasher = PrefixHasher(tokens, self.block_size, extra_keys=self._image_keys(request))
         self.index.add(request.request_id, tokens, hasher)
@@ -147,8 +146,7 @@ class AutoCheckpointPlanner:
         checkpoint = self.registry.register(key, length, request.request_id, now, CheckpointKind.TURN_END)
         if checkpoint is None:
             return
-        self.states.copy_slot(request.slot, checkpoint.slot)
-        self.registry.mark_ready(checkpoint, request.blocks[: -(-length // self.block_size)])
+        self.registry.keep_state(checkpoint, request.slot, request.blocks[: -(-length // self.block_size)])
 
     @staticmethod
     def _image_keys(request: Request) -> list[tuple[int, bytes]]:

@@ -20,7 +20,7 @@ import torch
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.checkpoints import CheckpointRegistry
 from forkpoint.cache.host_tier import HostTier
-from forkpoint.cache.sizing import build_pools
+from forkpoint.cache.sizing import pools_of_sizes
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.config import EngineConfig, ModelConfig, VisionConfig
 from forkpoint.distributed.runner import TensorParallelRunner
@@ -36,6 +36,7 @@ from forkpoint.models.loader import build_model
 from forkpoint.runner.model_runner import ModelRunner
 from forkpoint.runner.multimodal import MultimodalInputs
 from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_sizes, graph_blocker
+from forkpoint.runner.storage import DeviceStorage, plan_storage
 from forkpoint.structured import GrammarCompiler
 
 logger = logging.getLogger("forkpoint")
@@ -140,12 +141,13 @@ class EngineBuilder:
             # sees the graphs' buffers and memory pool as used
             piecewise = self._capture_graphs(model)
             startup.lap("graphs capture")
-            self.block_pool, self.state_pool = self._make_pools(model)
+            storage = self._make_storage(model)
         startup.lap("pools" if parallel is None else "tensor-parallel ranks: weights, pools")
-        host = None  # the host tier; with tensor parallelism rank 0's, mirrored by every rank's
+        # bookkeeping only: the host tier's directory (its copies are the step plans' device writes)
+        host = None
         if config.enable_checkpoints and config.checkpoint_host_bytes > 0:
-            host = (parallel.host_tier if parallel is not None
-                    else HostTier(config.checkpoint_host_bytes, self.state_pool, self.block_pool))
+            shapes = model.pool_shapes(self.dtype)
+            host = HostTier(config.checkpoint_host_bytes, shapes.slot_bytes, shapes.block_bytes(config.block_size))
         self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool, host)
                          if config.enable_checkpoints else None)
         self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry)
@@ -156,8 +158,7 @@ class EngineBuilder:
             model.visual, self.images.processor, config.image_embedding_cache_bytes, self.device)
         if parallel is not None:
             parallel.serve_images(multimodal)
-        self.runner = parallel or ModelRunner(model, self.block_pool, self.state_pool, self.device, multimodal,
-                                              piecewise)
+        self.runner = parallel or ModelRunner(model, storage, self.device, multimodal, piecewise)
         startup.lap("runner")
         if getattr(self.runner, "warmup", None) is not None:  # measured inside the runner's construction
             startup.split_last("runner, decode graphs", "warm-up", self.runner.warmup.seconds)
@@ -185,9 +186,12 @@ class EngineBuilder:
         sizes = cfg.cuda_graph_sizes or default_cuda_graph_sizes(cfg.max_num_batched_tokens)
         return PiecewiseForward(model, sizes, self.device, capture=True)
 
-    def _make_pools(self, model) -> tuple[BlockPool, StatePool]:
-        """The pools, sized from the model's declarations (cache/sizing.py)."""
+    def _make_storage(self, model) -> DeviceStorage:
+        """The pools' bookkeeping (`block_pool`, `state_pool`) and the runner's storage, sized from the
+        model's declarations (cache/sizing.py)."""
         # the image embedding cache fills later on this device (runner/multimodal.py): set it aside
         reserved = self.config.image_embedding_cache_bytes if self.images.processor is not None else 0
-        return build_pools(self.config, model.pool_shapes(self.dtype), self.max_model_len, self.device,
-                           reserved if self.device.type == "cuda" else 0)
+        shapes = model.pool_shapes(self.dtype)
+        sizes = plan_storage(self.config, shapes, self.max_model_len, self.device, reserved)
+        self.block_pool, self.state_pool = pools_of_sizes(sizes, self.config.block_size)
+        return DeviceStorage(sizes, self.config.block_size, shapes, self.device)

@@ -400,6 +400,8 @@ class LLMEngine:
         live = {s.request_id for group in self._groups.values() for s in group.sequences}
         self.runner.check_integrity(live)
         self.output_processor.check_integrity(live)
+        self.state_pool.check_integrity()
+        self.runner.storage.check_integrity()
         self.scheduler.check_integrity()
         check_holdings(self.scheduler)
         live = {r.parent_id for r in list(self.scheduler.waiting) + self.scheduler.running}

@@ -100,7 +100,7 @@ class Scheduler:
         # ended sequences whose slot and blocks a step in flight still computes on, with whether their
         # turn-end checkpoint is kept (the sequence ended normally) and when they ended
         self.releasing: list[tuple[Request, bool, float]] = []
-        self.auto = (AutoCheckpointPlanner(registry, state_pool, self.block_size, config.auto_checkpoint_min_tokens,
+        self.auto = (AutoCheckpointPlanner(registry, self.block_size, config.auto_checkpoint_min_tokens,
                                            self.state_position)
                      if registry is not None and config.auto_checkpoints else None)
         self._live: dict[str, Request] = {}
@@ -216,8 +216,14 @@ class Scheduler:
                 budget -= admitted
         self._reserve_for_queued()
 
-        step = ScheduledStep(StepPlan(tuple(planning.segments), tuple(planning.kv_copies)), planning.requests,
-                             planning.written, planning.consumed, planning.finished)
+        return self._scheduled(planning)
+
+    def _scheduled(self, planning: _Planning) -> ScheduledStep:
+        """The step, in flight unless empty; its plan takes the device writes recorded since the last one."""
+        first, writes = self.registry.take_writes() if self.registry is not None and planning.segments else (0, ())
+        step = ScheduledStep(StepPlan(tuple(planning.segments), tuple(planning.kv_copies), writes=writes,
+                                              first_write=first),
+                             planning.requests, planning.written, planning.consumed, planning.finished)
         if not step.empty:
             self.in_flight.append(step)
         return step
@@ -262,9 +268,7 @@ class Scheduler:
                 kind=SegmentKind.DECODE, phase=0, samples=True, multimodal=request.multimodal,
                 fed_row=rows[request.request_id]))
             planning.requests.append(request)
-        step = ScheduledStep(StepPlan(tuple(planning.segments)), planning.requests, [], [], [])
-        self.in_flight.append(step)
-        return step
+        return self._scheduled(planning)
 
     def commit(self, step: ScheduledStep) -> None:
         """The forward ran: advance the requests, mark written checkpoints ready, release the pins
@@ -288,6 +292,8 @@ class Scheduler:
         waiters of those checkpoints are promoted when next scheduled). Returns the ended requests."""
         self._settle(step)
         self.stats.failed_steps += 1
+        if step.plan.writes:  # the runner may not have applied them: the next plan carries them again
+            self.registry.give_back_writes(step.plan.first_write, step.plan.writes)
         for checkpoint in step.consumed:
             self.registry.unpin(checkpoint)
         self._release_ended(step, computed=False)

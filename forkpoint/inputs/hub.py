@@ -59,6 +59,10 @@ def resolve_model_dir(model: str, *, revision: str | None = None, download_dir: 
     if path.exists():
         raise ValueError(f"{what} path {model!r} is a file, not a directory: pass a Hugging Face model directory "
                          "(config.json, weights, tokenizer files) or a Hub name such as 'Qwen/Qwen3.5-35B-A3B'")
+    if path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1:
+        raise ValueError(f"{what} path {model!r} does not exist (no config.json there), so it is neither a local "
+                         "directory nor a Hugging Face Hub name ('org/name'): pass an existing model directory, or a "
+                         "Hub name such as 'Qwen/Qwen3.5-35B-A3B'")
     try:
         validate_repo_id(model)
     except HFValidationError as err:

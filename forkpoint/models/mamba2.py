@@ -134,7 +134,8 @@ class Mamba2Mixer(nn.Module):
     def state_spec(config: ModelConfig, dtype: torch.dtype) -> RecurrentStateSpec:
         """Per-sequence state: conv [conv_dim, W-1] in the model dtype, SSM [H, P, N] float32."""
         m = config.mamba2.mamba
-        return RecurrentStateSpec((m.conv_dim, m.conv_kernel - 1), dtype, (m.num_heads, m.head_dim, m.state_size))
+        return RecurrentStateSpec((m.conv_dim, m.conv_kernel - 1), dtype, (m.num_heads, m.head_dim, m.state_size),
+                                  torch.float32)
 
     def projection_width(self) -> int:
         """Columns of the in_proj GEMM output [z | xBC | dt] (the `stacked_out` of `project`)."""

@@ -103,7 +103,7 @@ class GatedDeltaNet(StackedProjections):
         """Per-sequence state: conv [conv_dim, W-1] in the model dtype, SSM [HV, K, V] float32."""
         return RecurrentStateSpec((config.conv_dim, config.linear_conv_kernel_dim - 1), dtype,
                                   (config.linear_num_value_heads, config.linear_key_head_dim,
-                                   config.linear_value_head_dim))
+                                   config.linear_value_head_dim), torch.float32)
 
     def _split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """mixed: [n, conv_dim] -> q, k: [n, H, K]; v: [n, HV, V]."""

@@ -1,5 +1,5 @@
-"""Turns a `StepPlan` into one `ForwardBatch`, runs the model, samples and scores its logits
-(runner/step_sampler.py) and hands back a pending `StepResult`.
+"""Applies a `StepPlan`'s device writes, turns it into one `ForwardBatch`, runs the model, samples and
+scores its logits (runner/step_sampler.py) and hands back a pending `StepResult`.
 
 All metadata is built here, once per step, on the host (numpy, no per-token Python loop over long
 segments), packed into one int64 buffer and moved to the device in a single copy (pinned,
@@ -17,15 +17,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from forkpoint.cache.block_pool import BlockPool
-from forkpoint.cache.state_pool import StatePool
 from forkpoint.models.interface import CausalLM
 from forkpoint.runner.decode_graphs import DecodeGraphs, decode_bucket_sizes
 from forkpoint.runner.piecewise import PiecewiseForward
 from forkpoint.runner.step_sampler import PendingStep, StepSampler
+from forkpoint.runner.storage import DeviceStorage
 from forkpoint.runner.warmup import WarmupReport, warm_up
 from forkpoint.step.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
-from forkpoint.step.caches import LayerCaches
 from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan
 
 logger = logging.getLogger("forkpoint")
@@ -230,7 +228,8 @@ def _copy_slots(copies: Sequence[KVCopy], block_size: int) -> tuple[np.ndarray, 
 
 
 class ModelRunner:
-    """Owns the model and the sampling state (`sampling`); reads the pools' tensors for each forward.
+    """Owns the model, the cache tensors (`storage`) and the sampling state (`sampling`); each step
+    applies the plan's device writes to the storage, then runs the forward on it and samples.
 
     With `piecewise` (CUDA graphs, runner/piecewise.py), the steps it accepts run through it (text
     and image steps alike) and the others (more tokens than its largest bucket) through the model's
@@ -241,26 +240,25 @@ class ModelRunner:
     (runner/warmup.py; `warmup` reports it), so no served step compiles.
     """
 
-    def __init__(self, model: CausalLM, block_pool: BlockPool, state_pool: StatePool,
-                 device: torch.device, multimodal: MultimodalInputs | None = None,
-                 piecewise: PiecewiseForward | None = None) -> None:
+    def __init__(self, model: CausalLM, storage: DeviceStorage, device: torch.device,
+                 multimodal: MultimodalInputs | None = None, piecewise: PiecewiseForward | None = None) -> None:
         self.model = model
         self.device = device
-        self.block_size = block_pool.block_size
-        self.caches = LayerCaches(conv=state_pool.conv, ssm=state_pool.ssm, k=block_pool.k, v=block_pool.v,
-                                  conv_stack=state_pool.conv_stack, ssm_stack=state_pool.ssm_stack)
+        self.storage = storage
+        self.block_size = storage.block_size
+        self.caches = storage.caches
         self.multimodal = multimodal  # image positions and vision-tower rows; None for text-only engines
         self.piecewise = piecewise
         self.sampling = StepSampler(model.config.vocab_size, device)  # penalty counts, generators across steps
-        self.scratch_block, self.scratch_slot = block_pool.scratch_block, state_pool.scratch_slot
+        self.scratch_block, self.scratch_slot = storage.scratch_block, storage.scratch_slot
         self.decode_graphs: DecodeGraphs | None = None
         self.warmup: WarmupReport | None = None
         if piecewise is not None and piecewise.captured:
-            self.decode_graphs = self._capture_decode_graphs(block_pool, state_pool)
+            self.decode_graphs = self._capture_decode_graphs()
             # synthetic contexts live in the scratch block (every table entry), so only the model's
             # context length bounds them
             max_context = min(WARMUP_MAX_CONTEXT, model.config.max_position_embeddings - piecewise.sizes[-1])
-            self.warmup = warm_up(self, max_tokens=piecewise.sizes[-1], max_seqs=state_pool.requests.count,
+            self.warmup = warm_up(self, max_tokens=piecewise.sizes[-1], max_seqs=storage.num_request_slots,
                                   max_context=max_context)
             logger.info("warm-up: %d synthetic steps (%d tokens) in %.1f s", self.warmup.steps, self.warmup.tokens,
                         self.warmup.seconds)
@@ -285,19 +283,21 @@ class ModelRunner:
             parts.append(f"recurrent core graph captured per step ({piecewise.core_graph_steps} steps so far)")
         return ", ".join(parts)
 
-    def _capture_decode_graphs(self, block_pool: BlockPool, state_pool: StatePool) -> DecodeGraphs:
+    def _capture_decode_graphs(self) -> DecodeGraphs:
         """Decode buckets up to the number of request slots (the most sequences a decode step can
         hold), block tables as wide as the model's context (or the whole pool, if smaller)."""
-        piecewise = self.piecewise
-        max_blocks = min(block_pool.num_blocks, -(-self.model.config.max_position_embeddings // self.block_size))
-        return DecodeGraphs(self.model, self.caches, decode_bucket_sizes(piecewise.sizes, state_pool.requests.count),
-                            max_blocks, scratch_block=block_pool.scratch_block, block_size=self.block_size,
-                            scratch_state_slot=state_pool.scratch_slot, device=self.device, capture=True,
+        piecewise, storage = self.piecewise, self.storage
+        max_blocks = min(storage.num_blocks, -(-self.model.config.max_position_embeddings // self.block_size))
+        return DecodeGraphs(self.model, self.caches, decode_bucket_sizes(piecewise.sizes, storage.num_request_slots),
+                            max_blocks, scratch_block=storage.scratch_block, block_size=self.block_size,
+                            scratch_state_slot=storage.scratch_slot, device=self.device, capture=True,
                             pool=torch.cuda.graph_pool_handle(), stream=piecewise.capture_stream)
 
     def prepare(self, plan: StepPlan, feed: torch.Tensor | None = None) -> tuple[ForwardBatch, list[Segment]]:
-        """The step's batch (images encoded and attached) and the segments its logits rows belong to;
-        `feed` as in `build_forward_batch`."""
+        """Apply the plan's device writes (first; a failed step's come again and are skipped), then
+        the step's batch (images encoded and attached) and the segments its logits
+        rows belong to; `feed` as in `build_forward_batch`."""
+        self.storage.apply(plan.writes, plan.first_write)
         batch, sampled = build_forward_batch(plan, self.block_size, self.device, feed)
         if self.multimodal is not None:
             batch = self.multimodal.attach(plan.ordered(), batch)

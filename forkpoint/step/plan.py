@@ -7,6 +7,26 @@ another process as it is, except `sampling` (step/sampling.py: how to sample and
 the logits are; it refers to the requests' logits-processor state and is dropped before a plan
 crosses processes).
 
+A plan is the complete description of what the step does to device memory (runner/storage.py);
+nothing else writes it. The kinds of write, in the order the runner applies them:
+
+    1. `writes`, in list order, before the forward (the bookkeeping's writes since the last plan:
+       a later one may reuse a row or block an earlier one reads, so the order is kept):
+         StateCopy(src_slot, dst_slot)    every recurrent layer's state row src -> dst (a finished
+                                          request's state kept as a turn-end checkpoint)
+         Spill(entry, slot, blocks)       a checkpoint's state row and KV blocks -> host entry
+                                          `entry` (it leaves the device pools; cache/host_tier.py)
+         Restore(entry, slot, blocks)     host entry `entry` -> a state row and KV blocks (it comes
+                                          back as a READY checkpoint); the entry leaves the host
+         HostDrop(entry)                  host entry `entry` is freed (the host tier's LRU)
+       Writes are numbered in the order they were recorded: writes[i] is number first_write + i.
+       A storage applies each number once (`DeviceStorage.apply`): the writes of a step that failed
+       come again in the next plan (whether or not the runner got to them), and a storage skips
+       the ones it applied already, so a failure anywhere in a step loses and repeats none.
+    2. the forward: each segment's KV rows (`block_table`, positions start .. end) and its final
+       state into `dest_slots`;
+    3. `kv_copies`, in list order, after the step's KV write (copy-on-write of partial blocks).
+
 Packed order in the forward (see `ordered`)::
 
     [ decodes | phase 0 prefills | phase 1 prefills | ... ]
@@ -85,9 +105,52 @@ class KVCopy:
 
 
 @dataclass(frozen=True)
+class StateCopy:
+    """Every recurrent layer's state row `src_slot` copied into row `dst_slot`."""
+
+    src_slot: int
+    dst_slot: int
+
+
+@dataclass(frozen=True)
+class Spill:
+    """State row `slot` and KV `blocks` (every layer) copied to host entry `entry` (a new id)."""
+
+    entry: int
+    slot: int
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Restore:
+    """Host entry `entry` copied back into state row `slot` and KV `blocks` (as many as it holds);
+    the entry is freed."""
+
+    entry: int
+    slot: int
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class HostDrop:
+    """Host entry `entry` is freed without being restored."""
+
+    entry: int
+
+
+DeviceWrite = StateCopy | Spill | Restore | HostDrop
+
+
+@dataclass(frozen=True)
 class StepPlan:
+    """segments: what the forward computes; kv_copies: copy-on-write after its KV write; writes:
+    the device writes applied, in order, before it, numbered from first_write (see the module
+    docstring)."""
+
     segments: tuple[Segment, ...] = ()
     kv_copies: tuple[KVCopy, ...] = ()
+    writes: tuple[DeviceWrite, ...] = ()
+    first_write: int = 0  # the number of writes[0] (writes are numbered consecutively from 0)
     sampling: StepSampling = StepSampling()
 
     @property

@@ -23,6 +23,7 @@ from forkpoint.distributed.sharding import ShardLayout, check_shardable
 from forkpoint.engine.engine import StepFailed
 from forkpoint.models.loader import build_model
 from forkpoint.server.worker import EngineFailure, EngineWorker, NewRequest, OutputSink
+from forkpoint.step.plan import StateCopy
 from tests.engine.test_multimodal_checkpoints import make_llm, suffix_prompt
 from tests.helpers import assert_same_outputs
 from tests.models.test_gpu_mamba2 import GPU_DIMS
@@ -117,9 +118,18 @@ def _kill_idle_worker(llm: LLM) -> None:
 
 
 def _make_worker_raise(llm: LLM) -> None:
-    """The next plan carries a state-row copy that only the worker applies, to a row it lacks: its
-    forward raises while rank 0 waits in the first all-reduce."""
-    llm.engine.state_pool.record(("copy", 1, 10**6))
+    """The next plan carries a state-row copy that only the worker applies (added to what rank 0
+    sends), to a row it lacks: it raises while rank 0 waits in the first all-reduce."""
+    runner = llm.engine.runner
+    send = runner._send
+
+    def corrupted(message: tuple) -> None:
+        if message[0] == "step":
+            plan = message[1]
+            message = ("step", dataclasses.replace(plan, writes=(*plan.writes, StateCopy(1, 10**6))), *message[2:])
+        send(message)
+
+    runner._send = corrupted
 
 
 # one fault per family: each ends its family's engine

@@ -72,7 +72,7 @@ def test_outputs_always_equal_the_no_checkpoint_run(nemotron, nemotron_reference
 
 def test_engine_state_pool_is_shaped_by_the_mamba2_declaration(nemotron):
     llm = LLM(str(nemotron[0]), num_kv_blocks=16, max_num_seqs=2, checkpoint_pool_size=3)
-    pool = llm.engine.state_pool
+    pool = llm.engine.runner.storage
     assert pool.ssm_stack.shape == (2, 1 + 2 + 3 + 1, 8, 8, 16)  # [L, rows, H, P, N]; rows: zero, 2+3, scratch
     assert pool.conv_stack.shape == (2, 7, 64 + 2 * 2 * 16, 3)  # [L, rows, conv_dim, W-1]
     llm.engine.check_integrity()

@@ -50,7 +50,7 @@ def test_falcon_parallel_layers_hold_state_and_kv(tiny_model_factory):
     config = ModelConfig.from_hf_dir(directory)
     assert config.recurrent_layer_ids == config.attention_layer_ids == (0, 1, 2)
     llm = LLM(str(directory), num_kv_blocks=32, max_num_seqs=2)
-    assert llm.engine.state_pool.ssm_stack.shape[0] == 3 and len(llm.engine.block_pool.k) == 3
+    assert llm.engine.runner.storage.ssm_stack.shape[0] == 3 and len(llm.engine.runner.storage.k) == 3
 
 
 def test_unknown_types_and_inconsistent_architectures_are_clear_errors(tiny_model_factory):

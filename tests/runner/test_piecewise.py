@@ -162,7 +162,7 @@ def test_stacked_state_core_equals_each_layers_core(tiny_model_factory, model_ty
     prompts = [f"{anchor} {MARK} w20 w21", f"{anchor} {MARK} w22", words(30, 20)]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(llm.engine.model_config.recurrent_layer_ids) >= 2 and check.phases >= 2 and check.steps >= 3
-    assert llm.engine.state_pool.ssm_stack[:, 1:].abs().sum() > 0  # the checks ran on non-trivial states
+    assert llm.engine.runner.storage.ssm_stack[:, 1:].abs().sum() > 0  # the checks ran on non-trivial states
     llm.engine.check_integrity()
 
 

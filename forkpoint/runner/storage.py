@@ -1,0 +1,163 @@
+"""`DeviceStorage`: the one owner of the cache tensors, and the only place the plan's writes land.
+
+The bookkeeping (cache/: block ids, slot ids, the checkpoint life cycle, the host tier's directory)
+decides which row and block holds what; this class holds the tensors those indices address and
+applies each step plan's device writes (step/plan.py: state-row copies, spills to the host tier,
+restores from it, host frees) in order. The forward then reads and writes the same tensors through
+`caches` (the model's view). A tensor-parallel rank holds its own storage (its heads) with the same
+rows and blocks, and applies the same plans.
+
+Tensors::
+
+    k[j], v[j]        [num_blocks + 1, block_size, HKV, Dh]  attention layer j (last block: scratch)
+    conv_stack        [L, rows, *spec.conv_shape]            spec.conv_dtype; L recurrent layers
+    ssm_stack         [L, rows, *spec.ssm_shape]             spec.ssm_dtype (float32)
+    conv[i], ssm[i]   views of layer i's slice of the stacks (contiguous, sharing their storage)
+    host[entry]       a spilled checkpoint: conv [L, ...], ssm [L, ...], k / v per attention layer
+                      [n_blocks, block_size, HKV, Dh] (pinned on CUDA)
+
+rows = 1 + R + C + 1 (cache/state_pool.py's row layout). Flattened to [L * rows, ...], layer i's rows
+are i * rows .. i * rows + rows - 1: the same slot indices plus a row offset address any layer, so
+one CUDA graph of the recurrent core serves every layer (runner/piecewise.py).
+
+Copies to and from the host are enqueued on the device stream (non-blocking into and out of pinned
+memory on CUDA), ordered before any later kernel that reuses the rows and blocks; nothing waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from forkpoint.cache.sizing import PoolShapes, PoolSizes, plan_pools
+from forkpoint.cache.state_pool import ZERO_SLOT
+from forkpoint.config import EngineConfig
+from forkpoint.models.qwen3_5 import LayerCaches
+from forkpoint.step.plan import DeviceWrite, HostDrop, Restore, Spill, StateCopy
+
+
+@dataclass(frozen=True)
+class HostCopy:
+    """One host entry's tensors (see the module docstring)."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+    k: tuple[torch.Tensor, ...]
+    v: tuple[torch.Tensor, ...]
+
+
+class DeviceStorage:
+    def __init__(self, sizes: PoolSizes, block_size: int, shapes: PoolShapes, device: torch.device) -> None:
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = sizes.num_kv_blocks
+        self.scratch_block = sizes.num_kv_blocks
+        self.num_request_slots = sizes.num_request_slots
+        rows = 1 + sizes.num_request_slots + sizes.num_checkpoint_slots + 1
+        self.scratch_slot = rows - 1
+        shape = (sizes.num_kv_blocks + 1, block_size, shapes.num_kv_heads, shapes.head_dim)
+        self.k = [torch.zeros(shape, dtype=shapes.kv_dtype, device=device) for _ in range(shapes.num_attention_layers)]
+        self.v = [torch.zeros(shape, dtype=shapes.kv_dtype, device=device) for _ in range(shapes.num_attention_layers)]
+        spec, layers = shapes.state, shapes.num_recurrent_layers
+        self.conv_stack = torch.zeros(layers, rows, *spec.conv_shape, dtype=spec.conv_dtype, device=device)
+        self.ssm_stack = torch.zeros(layers, rows, *spec.ssm_shape, dtype=spec.ssm_dtype, device=device)
+        # single views (not unbind's multi-output views, which autograd forbids writing in place)
+        self.conv = [self.conv_stack[i] for i in range(layers)]
+        self.ssm = [self.ssm_stack[i] for i in range(layers)]
+        self.host: dict[int, HostCopy] = {}
+        self.writes_applied = 0  # the number of the next device write to apply (step/plan.py)
+        self._pinned = device.type == "cuda"
+        self.caches = LayerCaches(conv=self.conv, ssm=self.ssm, k=self.k, v=self.v, conv_stack=self.conv_stack,
+                                  ssm_stack=self.ssm_stack)
+
+    # ------------------------------------------------------------------ the plan's writes
+    def apply(self, writes: Sequence[DeviceWrite], first: int = 0) -> None:
+        """Apply a plan's device writes (numbered `first`, `first` + 1, ...) in order, enqueued on the
+        device stream. Each number is applied once: those below `writes_applied` (a failed step's,
+        given again) are skipped; a number past it means a write was lost and raises."""
+        skip = self.writes_applied - first
+        if skip < 0:
+            raise RuntimeError(f"device writes {self.writes_applied} .. {first - 1} were never applied")
+        for write in writes[skip:]:
+            self._apply(write)
+            self.writes_applied += 1
+
+    def _apply(self, write: DeviceWrite) -> None:
+        if isinstance(write, StateCopy):
+            self.copy_slot(write.src_slot, write.dst_slot)
+        elif isinstance(write, Spill):
+            self._spill(write)
+        elif isinstance(write, Restore):
+            self._restore(write)
+        elif isinstance(write, HostDrop):
+            del self.host[write.entry]
+        else:
+            raise TypeError(f"unknown device write {write!r}")
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy the state of every layer from row `src` to row `dst`."""
+        if dst == ZERO_SLOT:
+            raise ValueError("the zero state row is never written")
+        self.conv_stack[:, dst].copy_(self.conv_stack[:, src])
+        self.ssm_stack[:, dst].copy_(self.ssm_stack[:, src])
+
+    def _spill(self, write: Spill) -> None:
+        if write.entry in self.host:
+            raise RuntimeError(f"host entry {write.entry} written twice")
+        index = torch.tensor(write.blocks, dtype=torch.long, device=self.device)
+        self.host[write.entry] = HostCopy(
+            self._to_host(self.conv_stack[:, write.slot]), self._to_host(self.ssm_stack[:, write.slot]),
+            tuple(self._to_host(k.index_select(0, index)) for k in self.k),
+            tuple(self._to_host(v.index_select(0, index)) for v in self.v))
+
+    def _restore(self, write: Restore) -> None:
+        if write.slot == ZERO_SLOT:
+            raise ValueError("the zero state row is never written")
+        saved = self.host.pop(write.entry)
+        self.conv_stack[:, write.slot].copy_(saved.conv, non_blocking=True)
+        self.ssm_stack[:, write.slot].copy_(saved.ssm, non_blocking=True)
+        if write.blocks:
+            index = torch.tensor(write.blocks, dtype=torch.long, device=self.device)
+            for cache, kept in zip(self.k + self.v, saved.k + saved.v):
+                cache.index_copy_(0, index, kept.to(self.device, non_blocking=True))
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pinned)
+        host.copy_(tensor, non_blocking=self._pinned)
+        return host
+
+    # ------------------------------------------------------------------ checks
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor by name (device pools and host entries), for comparing two storages."""
+        named = {"conv_stack": self.conv_stack, "ssm_stack": self.ssm_stack}
+        named.update({f"k{j}": k for j, k in enumerate(self.k)})
+        named.update({f"v{j}": v for j, v in enumerate(self.v)})
+        for entry, copy in self.host.items():
+            named.update({f"host{entry}.conv": copy.conv, f"host{entry}.ssm": copy.ssm})
+            named.update({f"host{entry}.k{j}": k for j, k in enumerate(copy.k)})
+            named.update({f"host{entry}.v{j}": v for j, v in enumerate(copy.v)})
+        return named
+
+    def check_integrity(self) -> None:
+        """The per-layer states are views of the stacks, and the zero row is zero."""
+        for layer, (conv, ssm) in enumerate(zip(self.conv, self.ssm)):
+            stacked = self.conv_stack[layer], self.ssm_stack[layer]
+            if conv.data_ptr() != stacked[0].data_ptr() or ssm.data_ptr() != stacked[1].data_ptr():
+                raise AssertionError(f"the states of recurrent layer {layer} are no longer views of the stacked "
+                                     "tensors")
+        if self.conv_stack[:, ZERO_SLOT].any() or self.ssm_stack[:, ZERO_SLOT].any():
+            raise AssertionError("the zero state row was written")
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """The memory free on a CUDA device (None on the CPU), for `plan_pools`."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
+def plan_storage(config: EngineConfig, shapes: PoolShapes, max_model_len: int, device: torch.device,
+                 reserved_bytes: int = 0) -> PoolSizes:
+    """`plan_pools` with this device's free memory (`reserved_bytes`: CUDA only)."""
+    free = free_device_bytes(device)
+    return plan_pools(config, shapes, max_model_len, free, reserved_bytes if free is not None else 0)
