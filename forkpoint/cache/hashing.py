@@ -82,6 +82,12 @@ class PrefixHasher:
         self.block_hashes: list[bytes] = reuse.block_hashes[:shared] if shared else []
         self._hash_blocks(shared)
 
+    @property
+    def extra(self) -> bytes:
+        """The bytes every hash of this chain includes (e.g. a cache salt): a hasher for a longer
+        sequence of the same request must be built with them."""
+        return self._extra
+
     def _hash_blocks(self, first: int) -> None:
         """Append the hashes of full blocks `first`, `first + 1`, ... (the chain from block `first - 1`)."""
         size = self._block_size

@@ -131,7 +131,7 @@ class AutoCheckpointPlanner:
         registry records the row copy for the next step plan; a miss when no slot can be freed), and
         index the sequence so later prompts find the junction."""
         tokens = request.tokens(0, request.num_computed_tokens)
-        hasher = PrefixHasher(tokens, self.block_size, extra_keys=self._image_keys(request))
+        hasher = PrefixHasher(tokens, self.block_size, request.hasher.extra, extra_keys=self._image_keys(request))
         self.index.add(request.request_id, tokens, hasher)
         length = len(tokens)
         turn_end, placed = self._seen.get(request.parent_id, (len(request.prompt_token_ids), []))

@@ -23,7 +23,8 @@ from typing import Any, NamedTuple
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "checkpoint_positions", "multi_modal_data"})
+# "cache_salt" is read by inputs/processor.py (the hash root), not here
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "checkpoint_positions", "multi_modal_data", "cache_salt"})
 
 
 class RawPrompt(NamedTuple):

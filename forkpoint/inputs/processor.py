@@ -64,8 +64,8 @@ class InputProcessor:
     def process(self, prompt, *, turn_positions: Sequence[int] = (),
                 breakpoints: Sequence[int] = ()) -> ProcessedPrompt:
         """`prompt`: a str, {"prompt": str} or {"prompt_token_ids": [...]} (optionally with
-        "checkpoint_positions" and "multi_modal_data"). `turn_positions` (chat turn boundaries) and
-        `breakpoints` (cache breakpoints, checkpoints like markers) count the prompt's own tokens as
+        "checkpoint_positions", "multi_modal_data" and "cache_salt", as in vLLM). `turn_positions` (chat turn
+        boundaries) and `breakpoints` (cache breakpoints, checkpoints like markers) count the prompt's own tokens as
         given, markers and one `<|image_pad|>` per image included (inputs/turns.py computes them so).
         Raises ValueError naming the problem."""
         limits = self.limits
@@ -93,8 +93,8 @@ class InputProcessor:
             raise ValueError(f"prompt needs {needed} KV blocks but the pool has {limits.max_kv_blocks}: "
                              "raise kv_cache_bytes / num_kv_blocks")
         multimodal = self.images.place(token_ids, parsed.checkpoint_positions, images)
-        hasher = self.hashers.build(token_ids, extra_keys=multimodal.hash_keys() if multimodal is not None else (),
-                                    packed=packed)
+        hasher = self.hashers.build(token_ids, cache_salt_key(prompt),
+                                    extra_keys=multimodal.hash_keys() if multimodal is not None else (), packed=packed)
         marked = set(parsed.checkpoint_positions)
         turns = tuple(sorted({p for p in turn_positions if 0 < p < len(token_ids) and p not in marked}))
         return ProcessedPrompt(raw.text, token_ids, tuple(sorted(marked)), multimodal, hasher, turns)
@@ -123,6 +123,21 @@ class InputProcessor:
         for start, end in inside:
             counts[start + 1: end] = [None] * (end - start - 1)
         return counts
+
+
+def cache_salt_key(prompt) -> bytes:
+    """The hash root's extra bytes for a prompt's `cache_salt` (b"" without one). Prompts with different
+    salts share no checkpoint and no KV block: the salt is part of every block's chained hash, so no
+    lookup, junction or reuse count crosses salts. Raises ValueError for a salt that is not a non-empty str."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is None:
+        return b""
+    if not isinstance(salt, str) or not salt:
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    try:
+        return b"cache_salt\x00" + salt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"cache_salt is not valid UTF-8 text ({err.reason} at {err.start})") from err
 
 
 def _packed(token_ids: list[int]) -> bytes | None:

@@ -199,3 +199,31 @@ def test_host_tier_spills_and_restores_exactly(model_dir, plain):
     outs = [tiny.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts[:3] + prompts[:1]]
     assert [o.num_cached_tokens for o in outs] == [0, 37, 0, 0]
     assert tiny.metrics()["checkpoints_dropped_from_host"] >= 1
+
+
+def test_cache_salts_share_nothing_and_reuse_within_a_salt(model_dir, plain):
+    """vLLM's `cache_salt`: a prompt reuses only what prompts of its own salt computed (a shared prefix,
+    the same prompt again, a turn end, a marker), so `num_cached_tokens` says nothing across tenants."""
+    generator = torch.Generator().manual_seed(9)
+    llm = LLM(str(model_dir), num_kv_blocks=256)
+    marker = llm.checkpoint_token_id
+    secret = random_ids(generator, 90)
+    victim = {"prompt_token_ids": secret + [marker] + random_ids(generator, 6), "cache_salt": "tenant-a"}
+    first = llm.generate(victim, GREEDY, use_tqdm=False)
+    turn = secret + random_ids(generator, 6) + first[0].outputs[0].token_ids + random_ids(generator, 3)
+    for salt in ("tenant-b", None):  # another tenant, and no salt at all, guess the victim's exact prompt
+        guess = {"prompt_token_ids": secret + random_ids(generator, 4)} | ({"cache_salt": salt} if salt else {})
+        outs, cost = computed(llm, lambda g=guess: llm.generate(g, GREEDY, use_tqdm=False))
+        assert outs[0].num_cached_tokens == 0 and cost == 94, salt
+        assert_same_outputs(outs, plain.generate({"prompt_token_ids": guess["prompt_token_ids"]}, GREEDY,
+                                                 use_tqdm=False))
+        outs = llm.generate({"prompt_token_ids": turn} | ({"cache_salt": salt} if salt else {}), GREEDY,
+                            use_tqdm=False)
+        assert outs[0].num_cached_tokens == 0, salt
+    again = llm.generate({"prompt_token_ids": secret + random_ids(generator, 4), "cache_salt": "tenant-a"}, GREEDY,
+                         use_tqdm=False)
+    assert again[0].num_cached_tokens == 90  # the victim's own marker checkpoint
+    for bad in ("", 7):
+        with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+            llm.generate({"prompt_token_ids": secret, "cache_salt": bad}, GREEDY, use_tqdm=False)
+    llm.engine.check_integrity()
