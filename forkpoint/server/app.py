@@ -86,7 +86,8 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
                if config.trust_request_chat_template else None)
     serving = OpenAIServing(model_name=config.served_model_name, max_model_len=engine.max_model_len,
                             prompts=prompts, worker=worker, admission=admission, metrics=metrics,
-                            default_max_tokens=engine.generation_defaults.max_new_tokens, template_sandbox=sandbox)
+                            default_max_tokens=engine.generation_defaults.max_new_tokens, template_sandbox=sandbox,
+                            cache_isolation=config.cache_isolation)
     created = int(time.time())
 
     @asynccontextmanager

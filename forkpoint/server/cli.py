@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--trust-request-chat-template", action="store_true",
                       help="run chat templates that requests supply (chat_template_kwargs.chat_template) in a "
                            "sandboxed process with time, memory, loop and output limits; without it they get 400")
+    http.add_argument("--cache-isolation", choices=("none", "user"), default="none",
+                      help="'user': a request without cache_salt is salted by its user field, so tenants share no "
+                           "checkpoint or KV block and cached_tokens reveals nothing across them (default: none)")
     http.add_argument("--disable-log-stats", action="store_true",
                       help="no periodic stats line (throughput, queues, pools, checkpoint reuse) in the log")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -100,6 +103,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests, marker_policy=MarkerPolicy(args.marker_in_user_content),
         shutdown_timeout_s=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
         log_stats=not args.disable_log_stats, trust_request_chat_template=args.trust_request_chat_template,
+        cache_isolation=args.cache_isolation,
     )
     if args.data_parallel_size != 1 or args.ray_address is not None:
         from forkpoint.server.replicas.launch import serve_replicas

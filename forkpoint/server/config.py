@@ -44,6 +44,8 @@ class ServerConfig:
     trust_request_chat_template: run a chat template that a request supplies
         (`chat_template_kwargs.chat_template`; vLLM's --trust-request-chat-template), in a sandboxed
         child process with limits (`inputs/template_sandbox.py`); False (default): such a request is a 400.
+    cache_isolation: "none" (requests share reuse unless they send different `cache_salt`s) or "user"
+        (a request without `cache_salt` is salted by its `user` field: tenants share no checkpoint).
     """
 
     served_model_name: str = DEFAULT_MODEL_NAME
@@ -55,6 +57,7 @@ class ServerConfig:
     log_stats: bool = True
     log_stats_interval_s: float = 10.0
     trust_request_chat_template: bool = False
+    cache_isolation: str = "none"
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -70,3 +73,5 @@ class ServerConfig:
         if self.log_stats_interval_s <= 0:
             raise ValueError(f"log_stats_interval_s must be > 0, got {self.log_stats_interval_s}")
         object.__setattr__(self, "marker_policy", MarkerPolicy(self.marker_policy))
+        if self.cache_isolation not in ("none", "user"):
+            raise ValueError(f"cache_isolation must be 'none' or 'user', got {self.cache_isolation!r}")

@@ -66,6 +66,7 @@ class EnginePrompt:
     multi_modal_data: dict[str, Any] | None = None  # {"image": [ImageInput, ...]}, placeholders expanded
     opens_thinking: bool = False  # chat: the rendered prompt ends inside an open <think> (reasoning.py)
     processed: ProcessedPrompt | None = None
+    cache_salt: str | None = None  # vLLM's cache_salt: part of every block hash (already in `processed`)
 
     def engine_input(self) -> ProcessedPrompt | dict[str, Any]:
         if self.processed is not None:
@@ -73,6 +74,8 @@ class EnginePrompt:
         prompt = {"prompt_token_ids": self.token_ids, "checkpoint_positions": list(self.checkpoint_positions)}
         if self.multi_modal_data is not None:
             prompt["multi_modal_data"] = self.multi_modal_data
+        if self.cache_salt is not None:
+            prompt["cache_salt"] = self.cache_salt
         return prompt
 
 
@@ -110,7 +113,7 @@ class PromptBuilder:
         self.policy = policy
 
     def from_text(self, text: str, positions: Sequence[int] | None = None, *, param: str = "prompt",
-                  process: bool = True) -> EnginePrompt:
+                  process: bool = True, cache_salt: str | None = None) -> EnginePrompt:
         """A completion prompt string (markers in it obey the policy)."""
         text = self._client_text(text, param)
         try:
@@ -118,10 +121,10 @@ class PromptBuilder:
         except ValueError as err:
             raise invalid_request(str(err), param=param) from None
         self._no_image_placeholders(raw.token_ids, param)
-        return self._parse(raw.token_ids, positions, param, process=process)
+        return self._parse(raw.token_ids, positions, param, process=process, cache_salt=cache_salt)
 
     def from_token_ids(self, token_ids: Sequence[int], positions: Sequence[int] | None = None,
-                       *, param: str = "prompt") -> EnginePrompt:
+                       *, param: str = "prompt", cache_salt: str | None = None) -> EnginePrompt:
         """A token-id prompt; a marker id in it counts as client marker text."""
         self._no_image_placeholders(token_ids, param)
         if self.checkpoint_token_id is not None and self.checkpoint_token_id in token_ids:
@@ -129,10 +132,11 @@ class PromptBuilder:
                 raise self._rejected(param)
             if self.policy is MarkerPolicy.STRIP:
                 token_ids = [t for t in token_ids if t != self.checkpoint_token_id]
-        return self._parse(list(token_ids), positions, param)
+        return self._parse(list(token_ids), positions, param, cache_salt=cache_salt)
 
     def from_messages(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
-                      template_kwargs: dict[str, Any] | None = None, process: bool = True) -> EnginePrompt:
+                      template_kwargs: dict[str, Any] | None = None, process: bool = True,
+                      cache_salt: str | None = None) -> EnginePrompt:
         """A chat conversation, rendered with the tokenizer's chat template (images decoded in
         this thread: handlers on the event loop use `from_messages_async`). `process=False`: ids
         and positions only, not the engine's processing (for /tokenize: no length limit)."""
@@ -141,25 +145,28 @@ class PromptBuilder:
         turns, breakpoints = self._chat_positions(messages, conversation, token_ids,
                                                   add_generation_prompt and process, template_kwargs)
         images = self._load_images(sources) if sources else []
+        salt = {"cache_salt": cache_salt} if cache_salt is not None else {}
         if self.processor is not None and process:
-            prompt = self._process({"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}
-                                   if images else {"prompt_token_ids": token_ids}, "messages", turns, breakpoints)
+            prompt = self._process({"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}} | salt
+                                   if images else {"prompt_token_ids": token_ids} | salt, "messages", turns,
+                                   breakpoints)
         elif images:
             prompt = self._with_images(token_ids, images)
         else:
             prompt = self._parse(token_ids, None, "messages", _stripped(token_ids, self.checkpoint_token_id,
                                                                         breakpoints), process=process)
-        return dataclasses.replace(prompt, opens_thinking=thinking)
+        return dataclasses.replace(prompt, opens_thinking=thinking, cache_salt=cache_salt)
 
     async def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """`fn(*args, **kwargs)` in the executor, off the event loop (for the tokenizer's work)."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
 
     async def from_messages_async(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
-                                  template_kwargs: dict[str, Any] | None = None, process: bool = True) -> EnginePrompt:
+                                  template_kwargs: dict[str, Any] | None = None, process: bool = True,
+                                  cache_salt: str | None = None) -> EnginePrompt:
         """`from_messages` for the event loop: rendered, tokenised and its images decoded in the executor."""
         return await self.run(self.from_messages, messages, add_generation_prompt=add_generation_prompt,
-                              template_kwargs=template_kwargs, process=process)
+                              template_kwargs=template_kwargs, process=process, cache_salt=cache_salt)
 
     def _chat_positions(self, messages: Sequence[ChatMessage], conversation: list[dict[str, Any]],
                         token_ids: list[int], add_generation_prompt: bool,
@@ -194,7 +201,8 @@ class PromptBuilder:
         except ValueError as err:
             raise invalid_request(str(err), param=param) from None
         data = prompt.get("multi_modal_data")
-        return EnginePrompt(processed.token_ids, processed.checkpoint_positions, data, processed=processed)
+        return EnginePrompt(processed.token_ids, processed.checkpoint_positions, data, processed=processed,
+                            cache_salt=prompt.get("cache_salt"))
 
     def _render(self, conversation: list[dict[str, Any]], add_generation_prompt: bool,
                 template_kwargs: dict[str, Any] | None) -> tuple[list[int], list[Any], bool]:
@@ -277,19 +285,22 @@ class PromptBuilder:
         )
 
     def _parse(self, token_ids: list[int], positions: Sequence[int] | None, param: str,
-               breakpoints: Sequence[int] = (), *, process: bool = True) -> EnginePrompt:
+               breakpoints: Sequence[int] = (), *, process: bool = True, cache_salt: str | None = None) -> EnginePrompt:
         """Marker-free ids and positions (`breakpoints`: more positions, in stripped coordinates);
         processed by the engine's processor when the builder has it (and `process`)."""
         if self.processor is not None and process:
-            return self._process({"prompt_token_ids": token_ids, "checkpoint_positions": list(positions or ())},
-                                 param, breakpoints=_raw_positions(token_ids, self.checkpoint_token_id, breakpoints))
+            prompt = {"prompt_token_ids": token_ids, "checkpoint_positions": list(positions or ())}
+            if cache_salt is not None:
+                prompt["cache_salt"] = cache_salt
+            return self._process(prompt, param,
+                                 breakpoints=_raw_positions(token_ids, self.checkpoint_token_id, breakpoints))
         try:
             given = list(positions or ())
             parsed = strip_checkpoint_markers(token_ids, self.checkpoint_token_id,
                                               given + [p for p in breakpoints if p not in given], self.max_checkpoints)
         except ValueError as err:
             raise invalid_request(str(err), param=param) from None
-        return EnginePrompt(parsed.token_ids, parsed.checkpoint_positions)
+        return EnginePrompt(parsed.token_ids, parsed.checkpoint_positions, cache_salt=cache_salt)
 
 
 def _order(point: Breakpoint) -> tuple[int, int]:

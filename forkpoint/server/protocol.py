@@ -99,6 +99,9 @@ class SamplingFields(BaseModel):
     # OpenAI's prompt caching hints (docs/server.md): requests with one key share a replica; retention
     # is accepted and has no further effect (checkpoints live until evicted, in every tier)
     prompt_cache_key: str | None = Field(None, max_length=1024)
+    # vLLM's cache_salt: requests with different salts share no checkpoint and no KV block, so reuse
+    # (usage.prompt_tokens_details.cached_tokens) reveals nothing across salts (docs/server.md)
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     prompt_cache_retention: Literal["in-memory", "in_memory", "24h"] | None = None
 
     @field_validator("logit_bias")

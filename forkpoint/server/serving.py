@@ -107,7 +107,8 @@ class OpenAIServing:
 
     def __init__(self, *, model_name: str, max_model_len: int, prompts: PromptBuilder, worker: EngineWorker,
                  admission: Admission, metrics: ServerMetrics, default_max_tokens: int | None = None,
-                 template_sandbox: TemplateSandbox | None = None) -> None:
+                 template_sandbox: TemplateSandbox | None = None, cache_isolation: str = "none") -> None:
+        self.cache_isolation = cache_isolation  # "user": requests without cache_salt are salted by `user`
         self.template_sandbox = template_sandbox  # runs request-supplied chat templates (None: they are a 400)
         self.default_max_tokens = default_max_tokens  # the model's generation_config.json max_new_tokens
         self.model_name = model_name
@@ -122,13 +123,23 @@ class OpenAIServing:
             raise invalid_request(f"model {model!r} does not exist: this server serves {self.model_name!r}",
                                   param="model", code="model_not_found")
 
+    def cache_salt(self, body: CompletionRequest | ChatCompletionRequest) -> str | None:
+        """The request's cache namespace: its `cache_salt`; with `--cache-isolation user`, the `user`
+        field's (a request without one shares the unsalted namespace), so tenants never share reuse."""
+        if body.cache_salt is not None:
+            return body.cache_salt
+        if self.cache_isolation == "user" and body.user:
+            return f"user:{body.user}"
+        return None
+
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         prompt = body.prompt
         batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+        salt = self.cache_salt(body)
         prompts = await self.prompts.run(lambda: [
-            self.prompts.from_text(p, body.checkpoint_positions) if isinstance(p, str)
-            else self.prompts.from_token_ids(p, body.checkpoint_positions) for p in batch])
+            self.prompts.from_text(p, body.checkpoint_positions, cache_salt=salt) if isinstance(p, str)
+            else self.prompts.from_token_ids(p, body.checkpoint_positions, cache_salt=salt) for p in batch])
         score_only = body.echo and body.max_tokens == 0  # vLLM: one token is sampled, then dropped
         default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, self.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
         max_tokens = 1 if score_only else self._max_tokens(body.max_tokens, prompts, "prompt", default)
@@ -149,7 +160,8 @@ class OpenAIServing:
         if body.top_logprobs is not None and not body.logprobs:
             raise invalid_request("top_logprobs needs logprobs: true", param="top_logprobs")
         prompt = await self.prompts.from_messages_async(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                                        template_kwargs=template_kwargs(body, self.template_sandbox))
+                                                        template_kwargs=template_kwargs(body, self.template_sandbox),
+                                                        cache_salt=self.cache_salt(body))
         max_tokens = self._max_tokens(body.max_new_tokens, [prompt], "messages", self.default_max_tokens)
         top = (body.top_logprobs or 0) if body.logprobs else None
         structured, forced = structured_outputs(body), tool_constraint(body)
