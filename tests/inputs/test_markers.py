@@ -245,7 +245,7 @@ def test_text_prompt_adds_no_bos(qwen: LoadedTokenizer):
         ("", "'prompt' is an empty string"),
         ({}, "a prompt dict needs 'prompt' .* or 'prompt_token_ids'"),
         ({"prompt": "x", "prompt_token_ids": [1]}, "both 'prompt' and 'prompt_token_ids'"),
-        ({"prompt": "x", "cache_salt": "s"}, r"unknown prompt field\(s\) \['cache_salt'\]"),
+        ({"prompt": "x", "salt": "s"}, r"unknown prompt field\(s\) \['salt'\]"),  # cache_salt is a field (vLLM's)
         ({"prompt": 3}, "'prompt' must be a str, not int"),
         ({"prompt": ""}, "'prompt' is an empty string"),
         ({"prompt_token_ids": []}, "'prompt_token_ids' is empty"),
