@@ -21,10 +21,10 @@ activation rounding).
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.nn.functional as F
+
+from forkpoint.kernels.moe.reference import routed_sum
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -139,24 +139,14 @@ def fused_moe_fp8(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.T
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[:1] != x.shape[:1]:
         raise ValueError(f"topk_ids and topk_weights must both be [T, k] with T = {x.shape[0]}, "
                          f"got {tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
-    flat_ids = topk_ids.flatten()
-    counts = torch.bincount(flat_ids, minlength=num_experts)
-    if counts.numel() > num_experts:
-        raise ValueError(f"topk_ids must lie in [0, {num_experts}), got {int(flat_ids.max())}")
-    order = flat_ids.argsort(stable=True)  # routes grouped by expert
-    tokens = order // topk_ids.shape[1]
-    weights = topk_weights.flatten()[order].float()
-    counts_host = counts.tolist()
-    starts = list(itertools.accumulate(counts_host, initial=0))
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in counts.nonzero().flatten().tolist():
-        routes = slice(starts[e], starts[e] + counts_host[e])
-        tok = tokens[routes]
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
         w1 = dequantize_blocks(gate_up[e], gate_up_scale[e], block, x.dtype).float()
         w2 = dequantize_blocks(down[e], down_scale[e], block, x.dtype).float()
-        gate, up = (x[tok].float() @ w1.T).chunk(2, dim=-1)
-        out.index_add_(0, tok, (F.silu(gate) * up) @ w2.T * weights[routes, None])
-    out = out.to(x.dtype)
+        gate, up = (rows @ w1.T).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ w2.T
+
+    out = routed_sum(x, num_experts, topk_weights, topk_ids, expert)
     if shared is not None:
         out = out + torch.sigmoid(shared_gate) * shared
     return out if residual is None else residual + out

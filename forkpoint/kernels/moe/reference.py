@@ -16,6 +16,7 @@ Non-gated ReLU^2 experts (``fused_moe_relu2``, Nemotron-H / Nemotron-3: ``up[e]`
 """
 
 import itertools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -160,9 +161,12 @@ def _relu2(h: torch.Tensor) -> torch.Tensor:
     return torch.square(F.relu(h))
 
 
-def _routed(x, w1, down, topk_weights, topk_ids, activation, *, gated: bool) -> torch.Tensor:
-    """The routed experts' sum: y_t = sum_j w_j down[e_j] @ activation(w1[e_j] @ x_t), in fp32."""
-    num_experts, _, _ = check_shapes(x, w1, down, topk_weights, topk_ids, gated=gated)
+def routed_sum(x: torch.Tensor, num_experts: int, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+               expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The routed experts' weighted sum in fp32, rounded to x.dtype: y_t = sum_j w_j expert(e_j, x_t).
+    x: [T, Hd]; topk_weights, topk_ids: [T, k]; expert(e, rows): rows [n, Hd] fp32 -> [n, Hd] fp32, called
+    once per expert that was hit, on its tokens in route order. Raises ValueError for an id outside
+    [0, num_experts)."""
     flat_ids = topk_ids.flatten()
     counts = torch.bincount(flat_ids, minlength=num_experts)
     if counts.numel() > num_experts:
@@ -176,6 +180,12 @@ def _routed(x, w1, down, topk_weights, topk_ids, activation, *, gated: bool) -> 
     for e in counts.nonzero().flatten().tolist():
         routes = slice(starts[e], starts[e] + counts_host[e])
         tok = tokens[routes]
-        y = activation(x[tok].float() @ w1[e].float().T) @ down[e].float().T
-        out.index_add_(0, tok, y * weights[routes, None])
+        out.index_add_(0, tok, expert(e, x[tok].float()) * weights[routes, None])
     return out.to(x.dtype)
+
+
+def _routed(x, w1, down, topk_weights, topk_ids, activation, *, gated: bool) -> torch.Tensor:
+    """The routed experts' sum: y_t = sum_j w_j down[e_j] @ activation(w1[e_j] @ x_t), in fp32."""
+    num_experts, _, _ = check_shapes(x, w1, down, topk_weights, topk_ids, gated=gated)
+    return routed_sum(x, num_experts, topk_weights, topk_ids,
+                      lambda e, rows: activation(rows @ w1[e].float().T) @ down[e].float().T)
