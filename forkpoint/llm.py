@@ -83,6 +83,10 @@ class LLM:
         """Keys of the ready checkpoints (what a router needs to send consumers to this engine)."""
         return self.engine.checkpoint_keys()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every checkpoint and indexed prompt (vLLM's method); False while requests run."""
+        return self.engine.reset_prefix_cache()
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list; outputs come back in prompt order."""

@@ -400,6 +400,19 @@ class CheckpointRegistry:
             count += 1
         return count
 
+    def reset(self) -> bool:
+        """Forget every checkpoint, on the device and in the host tier, without spilling (vLLM's
+        `reset_prefix_cache`). Only when all of them are idle and READY: False, and nothing changed,
+        while any is being written, pinned, waited on or reserved."""
+        if any(not c.ready or c.pins or c.waiters or c.reserved for c in self._by_key.values()):
+            return False
+        for checkpoint in list(self._by_key.values()):
+            self._remove(checkpoint)
+        if self.host is not None:
+            for entry_id in self.host.clear():
+                self._record(HostDrop(entry_id))
+        return True
+
     def _touch(self, checkpoint: Checkpoint) -> None:
         checkpoint.last_used = next(self._clock)
 

@@ -100,6 +100,13 @@ class HostTier:
         self.num_bytes -= entry.num_bytes
         return entry.entry_id
 
+    def clear(self) -> list[int]:
+        """Every entry leaves without a restore; returns their ids (the caller records the `HostDrop`s)."""
+        ids = [entry.entry_id for entry in self._entries.values()]
+        self._entries.clear()
+        self.num_bytes = 0
+        return ids
+
     def check_integrity(self) -> None:
         if self.num_bytes != sum(e.num_bytes for e in self._entries.values()) or self.num_bytes > self.capacity_bytes:
             raise AssertionError("host tier byte count is wrong or over capacity")

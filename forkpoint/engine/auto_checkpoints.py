@@ -60,6 +60,11 @@ class AutoCheckpointPlanner:
         self._seen: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()
         self.misses: Counter[CacheMissReason] = Counter()  # prompts by the reason their reuse stopped short
 
+    def forget(self) -> None:
+        """Forget every indexed prompt (a prefix-cache reset: later prompts find no partner)."""
+        self.index = PrefixIndex(self.block_size)
+        self._seen.clear()
+
     def placements(self, request: Request, live: dict[str, Request]) -> list[Placement]:
         """Where checkpoints go for a newly added `request` (the first sequence of its prompt), given
         the live requests by id. Indexes the prompt for later arrivals."""

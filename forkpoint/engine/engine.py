@@ -389,6 +389,21 @@ class LLMEngine:
             values[f"cache_misses_{reason.value}"] = misses.get(reason, 0)
         return values
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every checkpoint (device and host tier) and every prompt the automatic checkpoints
+        indexed, so the next prompts compute from scratch (vLLM's `reset_prefix_cache`: benchmarks,
+        tests that compare two runs on one engine). False, and nothing changed, while requests are
+        unfinished."""
+        if self._groups or self._launched:
+            return False
+        if self.registry is None:
+            return True
+        if not self.registry.reset():
+            return False
+        if self.scheduler.auto is not None:
+            self.scheduler.auto.forget()
+        return True
+
     def checkpoint_keys(self) -> frozenset[bytes]:
         """Keys (chained prefix hashes, cache/hashing.py) of the checkpoints this engine holds ready."""
         if self.registry is None:

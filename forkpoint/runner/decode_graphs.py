@@ -28,10 +28,7 @@ The forward inside the graph is `HybridForCausalLM.forward` itself on a ForwardB
 views, so graph and eager decodes run the same code; they differ only where kernels see Nb instead
 of N rows (GEMM tiling), i.e. to bf16 rounding. The decode graphs share one memory pool of their own
 (largest bucket first; they never run concurrently, and nothing allocated in a capture outlives it:
-the logits are copied into the static buffer). Not the piecewise graphs' pool: with the two sharing
-one pool, Nemotron-H generations through both kinds of graphs drifted from the eager path (top-5
-logprobs 6.2e-2 apart on the H200, Granite-4.0-H 2.1e-6) while each kind alone, and the piecewise
-graphs without their per-step core graphs, matched eager bit for bit (docs/gpu_test_log.md, issue 24).
+the logits are copied into the static buffer), apart from the piecewise graphs' pool.
 
 `capture=False` runs the same static-buffer path eagerly (CPU tests of the plumbing and padding).
 """

@@ -201,6 +201,31 @@ def test_host_tier_spills_and_restores_exactly(model_dir, plain):
     assert tiny.metrics()["checkpoints_dropped_from_host"] >= 1
 
 
+def test_reset_prefix_cache_forgets_every_checkpoint_and_prompt(model_dir, plain):
+    """vLLM's `reset_prefix_cache`: after it, the same prompts compute from scratch exactly as the
+    first time (markers, automatic shared prefixes, the host tier); refused while a request runs."""
+    generator = torch.Generator().manual_seed(12)
+    anchors = [words(*random_ids(generator, 37)) for _ in range(2)]
+    prompts = [f"{anchors[0]} {MARK} {words(1)}", f"{anchors[0]} {MARK} {words(2)}",
+               f"{anchors[1]} {words(3)}", f"{anchors[1]} {words(4)}", f"{anchors[1]} {words(5)}"]
+    llm = LLM(str(model_dir), num_kv_blocks=256, checkpoint_pool_size=2, checkpoint_host_bytes=64 << 20)
+    first = [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert [o.num_cached_tokens for o in first] == [0, 37, 0, 37, 37]
+    assert llm.metrics()["host_tier_checkpoints"] >= 1  # a pool of two: spills
+    assert llm.metrics()["host_tier_checkpoints"] >= 1
+    llm.engine.add_request("running", prompts[0], GREEDY)
+    assert not llm.reset_prefix_cache()  # a request is unfinished: nothing changes
+    llm.engine.abort_request("running")
+    assert llm.reset_prefix_cache()
+    assert len(llm.engine.registry) == 0 and llm.metrics()["host_tier_checkpoints"] == 0
+    again = [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert [o.num_cached_tokens for o in again] == [o.num_cached_tokens for o in first]
+    assert_same_outputs(again, first)
+    refs = plain.generate([{"prompt_token_ids": o.prompt_token_ids} for o in again], GREEDY, use_tqdm=False)
+    assert_same_outputs(again, refs)
+    llm.engine.check_integrity()
+
+
 def test_cache_salts_share_nothing_and_reuse_within_a_salt(model_dir, plain):
     """vLLM's `cache_salt`: a prompt reuses only what prompts of its own salt computed (a shared prefix,
     the same prompt again, a turn end, a marker), so `num_cached_tokens` says nothing across tenants."""
