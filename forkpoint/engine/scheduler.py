@@ -211,6 +211,9 @@ class Scheduler:
                 if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                     break
                 admitted = self._try_admit(planning, request, budget, now)
+                while admitted is None and not self.running and self._evict_waited_on():
+                    # nothing runs to free memory later: blocks only queued requests wait on go first
+                    admitted = self._try_admit(planning, request, budget, now)
                 if admitted is None:
                     break  # out of memory: keep FCFS order
                 budget -= admitted
@@ -347,6 +350,8 @@ class Scheduler:
             if self.registry is not None and self._evict_for_memory():
                 continue
             if self.running == [request]:
+                if self._evict_waited_on():
+                    continue
                 # alone with every evictable block freed: recomputing could never fit, so stop here
                 self.finish(request, "length")
                 return False
@@ -460,6 +465,16 @@ class Scheduler:
         for request in reserving:
             self._unreserve(request)
         return bool(reserving) and self.registry.evict_one()
+
+    def _evict_waited_on(self) -> bool:
+        """Last resort when nothing else frees memory (a request running alone, or none running): evict a
+        READY checkpoint that only queued requests wait on (they look it up afresh when admitted and
+        compute the prefix themselves: a miss, not a request ended without output or a stalled queue)."""
+        ready_waits = [r for r in self.waiting
+                       if r.checkpointing.waiting_on is not None and r.checkpointing.waiting_on.ready]
+        for request in ready_waits:
+            self._stop_waiting(request)
+        return bool(ready_waits) and self.registry.evict_one()
 
     @staticmethod
     def _readable_by(request: Request) -> Callable[[Checkpoint], bool] | None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -190,18 +189,17 @@ def _three(inner_marker: int) -> list[dict]:
     return [dict(spec, anchor=0), dict(spec, anchor=0), dict(spec, anchor=1, inner_marker=inner_marker)]
 
 
-@pytest.mark.xfail(strict=True, reason="known scheduler bug (also in the full engine before the plan redesign): "
-                   "the 18-token request ends 'length' with no output, though the KV pool was sized for it "
-                   "(tests/engine/test_checkpoint_properties.py's sizing)")
-def test_known_bug_a_request_that_fits_ends_without_output():
+def test_a_request_running_alone_evicts_a_checkpoint_only_queued_requests_wait_on():
+    """Found by the property test: the 18-token request, alone and short of one block, ended 'length' with
+    no output while a READY checkpoint held two blocks for a queued request that waited on it."""
     test_scheduler_plans_always_read_the_right_states.hypothesis.inner_test(
         requests=_three(0), budget=6, chunk_cap=4, block_size=8, spare_blocks=1, checkpoint_slots=1, host_bytes=0,
         fault_at=None, fault_in="runner", auto_min_tokens=4)
 
 
-@pytest.mark.xfail(strict=True, reason="known scheduler bug (also in the full engine before the plan redesign): "
-                   "with a host tier, two of the three requests never finish (400 steps)")
-def test_known_bug_host_tier_restores_and_evictions_livelock():
+def test_an_idle_engine_frees_what_only_queued_requests_wait_on():
+    """Found by the property test: nothing running, the queue's head (restored from the host tier) short of
+    a block held by a READY checkpoint that the request behind it waited on: every step was empty."""
     test_scheduler_plans_always_read_the_right_states.hypothesis.inner_test(
         requests=_three(5), budget=7, chunk_cap=4, block_size=8, spare_blocks=1, checkpoint_slots=2, host_bytes=12,
         fault_at=None, fault_in="runner", auto_min_tokens=4)
