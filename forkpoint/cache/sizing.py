@@ -12,9 +12,9 @@ One budget, three consumers (request state rows, checkpoint state rows, KV block
                         min(kv_cache_bytes, CPU_KV_BYTES) for the blocks (the CPU keeps two caps)
     R  request rows     max_num_seqs, within REQUEST_STATE_MAX_SHARE of the budget (num_state_slots
                         overrides)
-    C  checkpoint rows  CUDA: CHECKPOINT_SHARE of what the request rows leave; CPU: the state budget
-                        the request rows leave; at most MAX_CHECKPOINTS_PER_REQUEST_ROW x R either
-                        way (checkpoint_pool_size overrides)
+    C  checkpoint rows  CHECKPOINT_SHARE of what the request rows leave (on the CPU, of the state
+                        budget), at most MAX_CHECKPOINTS_PER_REQUEST_ROW x R (checkpoint_pool_size
+                        overrides)
     KV blocks           the rest, at most R full-length sequences' blocks (num_kv_blocks overrides)
 
 Why half of what requests leave: a conversation's reusable memory is its checkpoint rows (one state
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 CPU_KV_BYTES = 256 << 20
 CPU_STATE_BYTES = 512 << 20
 REQUEST_STATE_MAX_SHARE = 0.5  # request rows take at most this share of the budget
-CHECKPOINT_SHARE = 0.5  # checkpoint rows' share of what the request rows leave (CUDA; see above)
+CHECKPOINT_SHARE = 0.5  # checkpoint rows' share of what the request rows leave (see above)
 # a bound for small models, whose budget would give millions of rows (bookkeeping lists and a
 # [L, rows, ...] stack that size are no use): 8 checkpoints per request row
 MAX_CHECKPOINTS_PER_REQUEST_ROW = 8
@@ -113,8 +113,7 @@ def plan_pools(config: EngineConfig, shapes: PoolShapes, max_model_len: int, fre
     if free_device_bytes is None:
         state_bytes = min(config.state_cache_bytes, CPU_STATE_BYTES)
         request_slots = _request_slots(config, state_bytes, per_slot)
-        checkpoint_slots = _checkpoint_slots(config, state_bytes - request_slots * per_slot, per_slot, request_slots,
-                                             share=1.0)
+        checkpoint_slots = _checkpoint_slots(config, state_bytes - request_slots * per_slot, per_slot, request_slots)
         kv_bytes = min(config.kv_cache_bytes, CPU_KV_BYTES)
     else:
         usable = int(free_device_bytes * config.gpu_memory_utilization) - reserved_bytes
@@ -126,7 +125,7 @@ def plan_pools(config: EngineConfig, shapes: PoolShapes, max_model_len: int, fre
                 "image_embedding_cache_bytes or raise gpu_memory_utilization")
         request_slots = _request_slots(config, usable, per_slot)
         rest = usable - request_slots * per_slot
-        checkpoint_slots = _checkpoint_slots(config, rest, per_slot, request_slots, share=CHECKPOINT_SHARE)
+        checkpoint_slots = _checkpoint_slots(config, rest, per_slot, request_slots)
         kv_bytes = rest - checkpoint_slots * per_slot
         if kv_bytes < per_block and config.num_kv_blocks is None:
             raise ValueError(
@@ -145,14 +144,15 @@ def _request_slots(config: EngineConfig, budget: int, per_slot: int) -> int:
     return max(1, min(config.max_num_seqs, int(budget * REQUEST_STATE_MAX_SHARE) // per_slot))
 
 
-def _checkpoint_slots(config: EngineConfig, left: int, per_slot: int, request_slots: int, *, share: float) -> int:
-    """Checkpoint rows: 0 without checkpoints, checkpoint_pool_size when given, else `share` of the
-    `left` bytes (at least one row, at most MAX_CHECKPOINTS_PER_REQUEST_ROW per request row)."""
+def _checkpoint_slots(config: EngineConfig, left: int, per_slot: int, request_slots: int) -> int:
+    """Checkpoint rows: 0 without checkpoints, checkpoint_pool_size when given, else CHECKPOINT_SHARE
+    of the `left` bytes (at least one row, at most MAX_CHECKPOINTS_PER_REQUEST_ROW per request row)."""
     if not config.enable_checkpoints:
         return 0
     if config.checkpoint_pool_size is not None:
         return config.checkpoint_pool_size
-    return max(1, min(int(max(left, 0) * share) // per_slot, MAX_CHECKPOINTS_PER_REQUEST_ROW * request_slots))
+    share = int(max(left, 0) * CHECKPOINT_SHARE) // per_slot
+    return max(1, min(share, MAX_CHECKPOINTS_PER_REQUEST_ROW * request_slots))
 
 
 def pools_of_sizes(sizes: PoolSizes, block_size: int) -> tuple[BlockPool, StatePool]:

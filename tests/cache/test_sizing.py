@@ -69,7 +69,7 @@ def test_small_models_are_bounded_per_request_row():
     assert cpu.num_checkpoint_slots == MAX_CHECKPOINTS_PER_REQUEST_ROW * 4
     # a CPU state budget of a few rows: the request rows first, the checkpoints get what is left
     few = plan_pools(EngineConfig(max_num_seqs=4, state_cache_bytes=10 * tiny.slot_bytes), tiny, 512, None)
-    assert (few.num_request_slots, few.num_checkpoint_slots) == (4, 6)
+    assert (few.num_request_slots, few.num_checkpoint_slots) == (4, 3)
 
 
 def test_host_tier_default_from_the_machine():
