@@ -157,12 +157,14 @@ class Checkpoint:
 
 @dataclass
 class CheckpointCounters:
-    """Per kind: created (became ready), hits (segments that read it), tokens_saved, evicted."""
+    """Per kind: created (became ready), hits (segments that read it), tokens_saved, evicted;
+    evicted_session_latest: evictions of a live session's latest checkpoint (the last resort)."""
 
     created: Counter[CheckpointKind] = field(default_factory=Counter)
     hits: Counter[CheckpointKind] = field(default_factory=Counter)
     tokens_saved: Counter[CheckpointKind] = field(default_factory=Counter)
     evicted: Counter[CheckpointKind] = field(default_factory=Counter)
+    evicted_session_latest: int = 0
 
 
 class CheckpointRegistry:
@@ -437,6 +439,8 @@ class CheckpointRegistry:
 
         victim = min(idle, key=order)
         self._inflation = max(self._inflation, victim.value)
+        if victim.key in heads:
+            self.counters.evicted_session_latest += 1
         if self.host is not None:
             entry, dropped = self.host.spill(victim.key, victim.num_tokens, victim.state_tokens, victim.kind,
                                              len(victim.blocks))

@@ -68,6 +68,7 @@ def test_many_sessions_small_pool_keep_each_live_sessions_latest_checkpoint():
     latest = {pools.registry.get(_key(s, turns - 1, "chat")).key for s in range(sessions)}
     assert pools.registry.session_heads() == latest
     assert len(pools.registry) == 40 and pools.registry.num_evicted == sessions * turns * 3 - 40
+    assert pools.registry.counters.evicted_session_latest == 0
 
 
 def test_a_session_that_never_comes_back_goes_first_among_the_latest():
@@ -79,6 +80,7 @@ def test_a_session_that_never_comes_back_goes_first_among_the_latest():
     assert pools.registry.get(_key(0, 0, "chat")) is None
     pools.ready(_key(3, 0, "chat"), 500, "s3", CheckpointKind.CHAT_TURN)  # only latest ones left: idle longest
     assert pools.registry.get(_key(1, 0, "chat")) is None
+    assert pools.registry.counters.evicted_session_latest == 1
     assert pools.registry.session_heads() == {_key(2, 0, "chat"), _key(0, 1, "chat"), _key(3, 0, "chat")}
     pools.check()
 
