@@ -458,6 +458,7 @@ class EngineConfig:
     checkpoint_token: str = "<|mamba_checkpoint|>"
     max_checkpoints_per_request: int = 4
     load_format: str = "auto"
+    # checkpoint state rows on the device (None: a share of the memory budget, cache/sizing.py)
     checkpoint_pool_size: int | None = None
     checkpoint_wait_s: float = 30.0
     # automatic checkpoints (engine/auto_checkpoints.py): exact positions the engine picks itself where
@@ -465,8 +466,10 @@ class EngineConfig:
     # than auto_checkpoint_min_tokens tokens
     auto_checkpoints: bool = True
     auto_checkpoint_min_tokens: int = 32
-    # bytes of host memory that checkpoints evicted from the device pool spill to (0: no host tier)
-    checkpoint_host_bytes: int = 0
+    # bytes of host memory that checkpoints evicted from the device pool spill to (0: no host tier;
+    # None: sized from the machine, cache/sizing.py default_host_tier_bytes: a quarter of the memory,
+    # at most 64 GiB, none on the CPU)
+    checkpoint_host_bytes: int | None = None
     # keep every checkpoint's state at a multiple of SCAN_CHUNK_TOKENS at or before its position, and
     # end prefill chunks there, so the chunked recurrent scans of a consumer run over the same chunks
     # as without checkpoints (bf16 results bit-identical; each consumer recomputes < 64 tokens)
@@ -529,7 +532,7 @@ class EngineConfig:
             raise ValueError(f"auto_checkpoint_min_tokens must be >= 1, got {self.auto_checkpoint_min_tokens}")
         if self.checkpoint_exact and self.max_num_batched_tokens < SCAN_CHUNK_TOKENS:
             raise ValueError(f"checkpoint_exact needs max_num_batched_tokens >= {SCAN_CHUNK_TOKENS} (one scan chunk)")
-        if self.checkpoint_host_bytes < 0:
+        if self.checkpoint_host_bytes is not None and self.checkpoint_host_bytes < 0:
             raise ValueError(f"checkpoint_host_bytes must be >= 0, got {self.checkpoint_host_bytes}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")

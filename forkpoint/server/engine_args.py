@@ -48,9 +48,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
     group.add_argument("--auto-checkpoints", action=argparse.BooleanOptionalAction, default=True,
                        help="let the engine checkpoint shared prefixes, junctions, prompt ends and turn ends "
                             "without markers (default: on)")
-    group.add_argument("--checkpoint-host-bytes", type=int, default=0,
+    group.add_argument("--checkpoint-host-bytes", type=int, default=None,
                        help="bytes of host memory that checkpoints evicted from the device spill to and return "
-                            "from on a hit (default: 0, no host tier)")
+                            "from on a hit; 0: no host tier (default: a quarter of the machine's memory, at most "
+                            "64 GiB, split over the tensor-parallel ranks; none on the CPU)")
     group.add_argument("--checkpoint-exact", action="store_true",
                        help="GPU: keep checkpoint states at scan-chunk boundaries so consumers' bf16 results are "
                             "bit-identical to a run without checkpoints (recomputes up to 63 tokens per consumer)")
