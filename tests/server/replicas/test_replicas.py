@@ -150,6 +150,29 @@ def test_round_robin_computes_the_prefix_on_both_replicas(round_robin, single):
     assert_same_as_one_engine(single, prompts, [r.json()["choices"][0] for r in responses])
 
 
+def test_prompt_cache_key_routes_a_group_together(affine):
+    """OpenAI's prompt_cache_key through HTTP: prompts of one group that share no checkpoint follow the group's
+    replica ("cache_key" decisions), while a prompt without the key is routed by load alone ("unkeyed")."""
+    before = {s.replica: dict(s.routes) for s in affine.worker.snapshots()}
+    group = [words(*range(100 + i, 130 + i)) for i in range(4)]  # no shared prefix with anything pinned
+    for prompt in group:  # one after another: each request sees the group's replica
+        (response,) = completions(affine.url, [prompt], prompt_cache_key="session-7", max_tokens=1)
+        assert response.status_code == 200, response.text
+    (response,) = completions(affine.url, [words(*range(60, 90))], max_tokens=1)
+    assert response.status_code == 200, response.text
+    deadline = time.monotonic() + 10
+    while True:
+        added = {s.replica: {d: n - before[s.replica].get(d, 0) for d, n in s.routes.items()}
+                 for s in affine.worker.snapshots()}
+        if sum(sum(a.values()) for a in added.values()) >= 5 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert sum(a["cache_key"] for a in added.values()) == 3
+    assert sum(a["unkeyed"] for a in added.values()) == 2  # the group's first request and the one without a key
+    (home,) = [r for r, a in added.items() if a["cache_key"]]  # all three followers on one replica
+    assert added[home]["cache_key"] == 3
+
+
 def test_a_replica_killed_mid_run_leaves_no_request_hanging(affine):
     _, prompts, _, _ = one_to_n(10, 7)
     before = {s.replica: s.routes["new"] for s in affine.worker.snapshots()}
