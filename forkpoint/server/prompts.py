@@ -67,6 +67,10 @@ class EnginePrompt:
     opens_thinking: bool = False  # chat: the rendered prompt ends inside an open <think> (reasoning.py)
     processed: ProcessedPrompt | None = None
     cache_salt: str | None = None  # vLLM's cache_salt: part of every block hash (already in `processed`)
+    # a chat's turn boundaries in token_ids and whether its turn end can start the next turn (inputs/turns.py),
+    # for engines that process the prompt themselves (replicas); already in `processed` when it is set
+    turn_positions: tuple[int, ...] = ()
+    turn_end_reusable: bool = True
 
     def engine_input(self) -> ProcessedPrompt | dict[str, Any]:
         if self.processed is not None:
@@ -155,6 +159,9 @@ class PromptBuilder:
         else:
             prompt = self._parse(token_ids, None, "messages", _stripped(token_ids, self.checkpoint_token_id,
                                                                         breakpoints), process=process)
+            if self.processor is None and process:  # the replicas' engines process it: the turns travel with it
+                prompt = dataclasses.replace(prompt, turn_positions=tuple(_stripped(
+                    token_ids, self.checkpoint_token_id, turns)), turn_end_reusable=reusable)
         return dataclasses.replace(prompt, opens_thinking=thinking, cache_salt=cache_salt)
 
     async def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
