@@ -148,6 +148,7 @@ class LLMEngine:
                 multimodal=processed.multimodal,
                 processors=processors[index],
                 turn_positions=processed.turn_positions if self.registry is not None else (),
+                turn_end_reusable=processed.turn_end_reusable,
             ))
         self._groups[request_id] = _PromptGroup(request_id, processed.text, token_ids, positions, sequences, stream)
         for sequence in sequences:

@@ -101,8 +101,8 @@ class Generation:
         for rid in self._ids:
             self._state[rid] = "waiting"
         self._sink = OutputSink(asyncio.get_running_loop())
-        requests = [NewRequest(rid, p.engine_input(), self._params, self._cache_key)
-                    for rid, p in zip(self._ids, self._prompts)]
+        requests = [NewRequest(rid, p.engine_input(), self._params, self._cache_key, p.turn_positions,
+                               p.turn_end_reusable) for rid, p in zip(self._ids, self._prompts)]
         try:
             await self._worker.add_many(requests, self._sink)
             self._started = True

@@ -47,7 +47,7 @@ from forkpoint.inputs.images import ImageInput
 from forkpoint.inputs.markers import prompt_to_token_ids, strip_checkpoint_markers
 from forkpoint.inputs.multimodal import ImagePromptProcessor
 from forkpoint.inputs.processor import InputProcessor, ProcessedPrompt, PromptTooLongError
-from forkpoint.inputs.turns import Breakpoint, breakpoint_positions, turn_boundaries
+from forkpoint.inputs.turns import Breakpoint, breakpoint_positions, reply_continues, turn_boundaries
 from forkpoint.server.config import MarkerPolicy
 from forkpoint.server.errors import APIError, invalid_request
 from forkpoint.server.protocol import ChatMessage
@@ -67,6 +67,10 @@ class EnginePrompt:
     opens_thinking: bool = False  # chat: the rendered prompt ends inside an open <think> (reasoning.py)
     processed: ProcessedPrompt | None = None
     cache_salt: str | None = None  # vLLM's cache_salt: part of every block hash (already in `processed`)
+    # a chat's turn boundaries in token_ids and whether its turn end can start the next turn (inputs/turns.py),
+    # for engines that process the prompt themselves (replicas); already in `processed` when it is set
+    turn_positions: tuple[int, ...] = ()
+    turn_end_reusable: bool = True
 
     def engine_input(self) -> ProcessedPrompt | dict[str, Any]:
         if self.processed is not None:
@@ -142,19 +146,22 @@ class PromptBuilder:
         and positions only, not the engine's processing (for /tokenize: no length limit)."""
         conversation = [self._message(i, message) for i, message in enumerate(messages)]
         token_ids, sources, thinking = self._render(conversation, add_generation_prompt, template_kwargs)
-        turns, breakpoints = self._chat_positions(messages, conversation, token_ids,
-                                                  add_generation_prompt and process, template_kwargs)
+        turns, breakpoints, reusable = self._chat_positions(messages, conversation, token_ids,
+                                                            add_generation_prompt and process, template_kwargs)
         images = self._load_images(sources) if sources else []
         salt = {"cache_salt": cache_salt} if cache_salt is not None else {}
         if self.processor is not None and process:
             prompt = self._process({"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}} | salt
                                    if images else {"prompt_token_ids": token_ids} | salt, "messages", turns,
-                                   breakpoints)
+                                   breakpoints, turn_end_reusable=reusable)
         elif images:
             prompt = self._with_images(token_ids, images)
         else:
             prompt = self._parse(token_ids, None, "messages", _stripped(token_ids, self.checkpoint_token_id,
                                                                         breakpoints), process=process)
+            if self.processor is None and process:  # the replicas' engines process it: the turns travel with it
+                prompt = dataclasses.replace(prompt, turn_positions=tuple(_stripped(
+                    token_ids, self.checkpoint_token_id, turns)), turn_end_reusable=reusable)
         return dataclasses.replace(prompt, opens_thinking=thinking, cache_salt=cache_salt)
 
     async def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
@@ -170,10 +177,10 @@ class PromptBuilder:
 
     def _chat_positions(self, messages: Sequence[ChatMessage], conversation: list[dict[str, Any]],
                         token_ids: list[int], add_generation_prompt: bool,
-                        template_kwargs: dict[str, Any] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(turn boundaries, cache breakpoint ends) in `token_ids`, the rendered conversation's ids
-        (inputs/turns.py; boundaries only with `add_generation_prompt`). A 400 for more than
-        MAX_BREAKPOINTS breakpoints."""
+                        template_kwargs: dict[str, Any] | None) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+        """(turn boundaries, cache breakpoint ends, whether the turn end can start the next turn) in
+        `token_ids`, the rendered conversation's ids (inputs/turns.py; boundaries only with
+        `add_generation_prompt`). A 400 for more than MAX_BREAKPOINTS breakpoints."""
         points = [Breakpoint(i, None) for i, message in enumerate(messages) if message.cache_control is not None]
         points += [Breakpoint(i, j) for i, message in enumerate(messages) if isinstance(message.content, list)
                    for j, part in enumerate(message.content) if part.cache_control is not None]
@@ -181,21 +188,23 @@ class PromptBuilder:
             raise invalid_request(f"the messages carry {len(points)} cache_control breakpoints; at most "
                                   f"{MAX_BREAKPOINTS} are allowed per request: remove some", param="messages")
         if self.checkpoint_token_id is None or not (points or (self.turn_boundaries and add_generation_prompt)):
-            return (), ()
+            return (), (), True
         encode = chat_encoder(self.tokenizer, **(template_kwargs or {}))
         try:
             breakpoints = breakpoint_positions(encode, conversation, token_ids, sorted(points, key=_order))
         except ValueError as err:
             raise invalid_request(str(err), param="messages") from None
-        turns = turn_boundaries(encode, conversation, token_ids) if self.turn_boundaries and add_generation_prompt \
-            else ()
-        return turns, breakpoints
+        if not (self.turn_boundaries and add_generation_prompt):
+            return (), breakpoints, True
+        return turn_boundaries(encode, conversation, token_ids), breakpoints, reply_continues(encode, conversation,
+                                                                                               token_ids)
 
     def _process(self, prompt: dict[str, Any], param: str, turns: Sequence[int] = (),
-                 breakpoints: Sequence[int] = ()) -> EnginePrompt:
+                 breakpoints: Sequence[int] = (), *, turn_end_reusable: bool = True) -> EnginePrompt:
         """The engine's processing, here and once: validated, hashed, turn boundaries and breakpoints placed."""
         try:
-            processed = self.processor.process(prompt, turn_positions=turns, breakpoints=breakpoints)
+            processed = self.processor.process(prompt, turn_positions=turns, breakpoints=breakpoints,
+                                               turn_end_reusable=turn_end_reusable)
         except PromptTooLongError as err:
             raise invalid_request(str(err), param=param, code="context_length_exceeded") from None
         except ValueError as err:
