@@ -150,7 +150,8 @@ class EngineBuilder:
             host = HostTier(config.checkpoint_host_bytes, shapes.slot_bytes, shapes.block_bytes(config.block_size))
         self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool, host)
                          if config.enable_checkpoints else None)
-        self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry)
+        self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry,
+                                   vocab_size=self.model_config.vocab_size)
         self.inputs = InputProcessor(self.tokenizer, self.checkpoint_token_id, self.images, PromptLimits(
             vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len, block_size=config.block_size,
             max_kv_blocks=self.block_pool.num_blocks, max_checkpoints=config.max_checkpoints_per_request))
