@@ -24,7 +24,7 @@ Images (chat `image_url` parts with data URLs, multimodal models): decoded here,
 placeholders expanded before the markers are removed, so positions count image tokens as the
 engine does; the engine receives the expanded ids with the decoded images (`multi_modal_data`).
 The handlers build prompts through `run` (and `from_messages_async`), in the server's tokenizer
-thread: rendering, tokenising (seconds for a prompt of megabytes) and decoding images never stall
+threads (a pool): rendering, tokenising (seconds for a prompt of megabytes) and decoding images never stall
 the event loop that streams every other request's tokens.
 """
 

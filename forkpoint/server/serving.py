@@ -200,7 +200,8 @@ class OpenAIServing:
                         request: Request) -> Response:
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         gen = Generation(self.worker, self.admission, self.metrics, endpoint=endpoint, prompt_param=prompt_param,
-                         request_id=request_id, prompts=prompts, params=params, cache_key=body.prompt_cache_key)
+                         request_id=request_id, prompts=prompts, params=params, cache_key=body.prompt_cache_key,
+                         client=body.user or "")
         await gen.start()
         header = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         if body.stream:
