@@ -141,7 +141,10 @@ class PromptBuilder:
         this thread: handlers on the event loop use `from_messages_async`). `process=False`: ids
         and positions only, not the engine's processing (for /tokenize: no length limit)."""
         conversation = [self._message(i, message) for i, message in enumerate(messages)]
+        template_kwargs = {key: self._client_value(value, "tools" if key == "tools" else "chat_template_kwargs")
+                           for key, value in (template_kwargs or {}).items()}
         token_ids, sources, thinking = self._render(conversation, add_generation_prompt, template_kwargs)
+        self._only_placed_markers(messages, token_ids)
         turns, breakpoints = self._chat_positions(messages, conversation, token_ids,
                                                   add_generation_prompt and process, template_kwargs)
         images = self._load_images(sources) if sources else []
@@ -248,7 +251,8 @@ class PromptBuilder:
         else:
             parts = []
             for part in content:
-                fields = part.model_dump(exclude={"checkpoint", "cache_control"}, exclude_none=True)
+                fields = self._client_value(part.model_dump(exclude={"checkpoint", "cache_control"},
+                                                            exclude_none=True), param)
                 if part.type == "text" and part.text is not None:
                     text = self._client_text(part.text, param)
                     if part.checkpoint and self.checkpoint_token_id is not None:
@@ -256,9 +260,11 @@ class PromptBuilder:
                     fields["text"] = text
                 parts.append(fields)
             content = parts
-        fields = message.model_dump(exclude={"cache_control"}, exclude_none=True)
+        fields = self._client_value(message.model_dump(exclude={"cache_control", "content"}, exclude_none=True),
+                                    f"messages[{index}]")
         if "tool_calls" in fields:
-            fields["tool_calls"] = _tool_calls_for_template(index, fields["tool_calls"])
+            fields["tool_calls"] = self._client_value(_tool_calls_for_template(index, fields["tool_calls"]),
+                                                      f"messages[{index}].tool_calls")
         return {**fields, "content": content}
 
     def _no_image_placeholders(self, token_ids: Sequence[int], param: str) -> None:
@@ -270,11 +276,43 @@ class PromptBuilder:
                                   "content parts with data URLs", param=param)
 
     def _client_text(self, text: str, param: str) -> str:
+        """`text` under the marker policy; strip removes markers to a fixed point (removing one may
+        join the halves of another: `<|mamba_<|mamba_checkpoint|>checkpoint|>`)."""
         if self.checkpoint_token not in text or self.policy is MarkerPolicy.ALLOW:
             return text
         if self.policy is MarkerPolicy.REJECT:
             raise self._rejected(param)
-        return text.replace(self.checkpoint_token, "")
+        while self.checkpoint_token in text:
+            text = text.replace(self.checkpoint_token, "")
+        return text
+
+    def _client_value(self, value: Any, param: str) -> Any:
+        """Every string in a JSON-like value (dict keys too: tool schemas, tool call arguments, template
+        kwargs) under the marker policy; other objects (a sandboxed template) as they are."""
+        if self.policy is MarkerPolicy.ALLOW:
+            return value
+        if isinstance(value, str):
+            return self._client_text(value, param)
+        if isinstance(value, dict):
+            return {self._client_value(k, param): self._client_value(v, param) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self._client_value(item, param) for item in value]
+        return value
+
+    def _only_placed_markers(self, messages: Sequence[ChatMessage], token_ids: Sequence[int]) -> None:
+        """Under strip and reject, the rendered prompt holds only the markers that structured controls
+        placed (`"checkpoint": true` parts): a 400 when the template joined others out of client text
+        (a request template, or halves in adjacent fields) - there is no client text left to strip."""
+        if self.policy is MarkerPolicy.ALLOW or self.checkpoint_token_id is None:
+            return
+        placed = sum(1 for message in messages if isinstance(message.content, list) for part in message.content
+                     if part.type == "text" and part.text is not None and part.checkpoint)
+        if token_ids.count(self.checkpoint_token_id) > placed:
+            raise invalid_request(
+                f"the rendered chat prompt contains the checkpoint marker {self.checkpoint_token!r} where no "
+                "checkpoint control placed it (the chat template joined it out of request text), which this "
+                f"server does not accept (--marker-in-user-content {self.policy.value}): place checkpoints with "
+                "a content part's \"checkpoint\": true", param="messages", code="checkpoint_marker_rejected")
 
     def _rejected(self, param: str) -> APIError:
         return invalid_request(
