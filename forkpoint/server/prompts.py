@@ -50,6 +50,7 @@ from forkpoint.inputs.processor import InputProcessor, ProcessedPrompt, PromptTo
 from forkpoint.inputs.turns import Breakpoint, breakpoint_positions, turn_boundaries
 from forkpoint.server.config import MarkerPolicy
 from forkpoint.server.errors import APIError, invalid_request
+from forkpoint.server.prompt_length import tokens_beyond
 from forkpoint.server.protocol import ChatMessage
 from forkpoint.server.reasoning import prompt_opens_thinking
 
@@ -116,6 +117,8 @@ class PromptBuilder:
                   process: bool = True, cache_salt: str | None = None) -> EnginePrompt:
         """A completion prompt string (markers in it obey the policy)."""
         text = self._client_text(text, param)
+        if process:
+            self._within_length(text, param)
         try:
             raw = prompt_to_token_ids(text, self.tokenizer)
         except ValueError as err:
@@ -143,7 +146,7 @@ class PromptBuilder:
         conversation = [self._message(i, message) for i, message in enumerate(messages)]
         template_kwargs = {key: self._client_value(value, "tools" if key == "tools" else "chat_template_kwargs")
                            for key, value in (template_kwargs or {}).items()}
-        token_ids, sources, thinking = self._render(conversation, add_generation_prompt, template_kwargs)
+        token_ids, sources, thinking = self._render(conversation, add_generation_prompt, template_kwargs, process)
         self._only_placed_markers(messages, token_ids)
         turns, breakpoints = self._chat_positions(messages, conversation, token_ids,
                                                   add_generation_prompt and process, template_kwargs)
@@ -208,13 +211,16 @@ class PromptBuilder:
                             cache_salt=prompt.get("cache_salt"))
 
     def _render(self, conversation: list[dict[str, Any]], add_generation_prompt: bool,
-                template_kwargs: dict[str, Any] | None) -> tuple[list[int], list[Any], bool]:
+                template_kwargs: dict[str, Any] | None, check_length: bool) -> tuple[list[int], list[Any], bool]:
         """Token ids of the rendered conversation (markers still in), its image sources in order,
-        and whether the prompt leaves a thought open."""
+        and whether the prompt leaves a thought open. check_length: refuse a rendering that cannot
+        fit max_model_len before tokenising all of it."""
         try:
             text, sources = render_chat_with_images(self.tokenizer, conversation,
                                                     add_generation_prompt=add_generation_prompt,
                                                     **(template_kwargs or {}))
+            if check_length:
+                self._within_length(text, "messages")
             raw = prompt_to_token_ids(text, self.tokenizer)
         except ValueError as err:
             raise invalid_request(str(err), param="messages") from None
@@ -274,6 +280,21 @@ class PromptBuilder:
             raise invalid_request(f"{param} contains the image placeholder <|image_pad|>, but text and token-id "
                                   "prompts carry no images: send images to /v1/chat/completions as image_url "
                                   "content parts with data URLs", param=param)
+
+    def _within_length(self, text: str, param: str) -> None:
+        """A 400 (context_length_exceeded) for a text that cannot fit max_model_len, found by
+        tokenising little more than max_model_len tokens of it (prompt_length.py); the engine's
+        processor checks the exact length of the rest. Markers are counted (at most max_checkpoints
+        of them are removed later)."""
+        if self.processor is None:
+            return
+        max_model_len = self.processor.limits.max_model_len
+        count = tokens_beyond(text, self.tokenizer, max_model_len - 1 + self.max_checkpoints)
+        if count is not None:
+            raise invalid_request(
+                f"prompt has more than {max_model_len - 1} tokens (the first part of its text alone has {count}), "
+                f"max_model_len is {max_model_len}: shorten the prompt or raise max_model_len",
+                param=param, code="context_length_exceeded")
 
     def _client_text(self, text: str, param: str) -> str:
         """`text` under the marker policy; strip removes markers to a fixed point (removing one may
