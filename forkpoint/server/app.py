@@ -99,6 +99,12 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         for line in startup_summary(llm, config, max_request_bytes, load_time_s):
             logger.info("%s", line)
+        # structured outputs' vocabulary view, built here and not on the first constrained request (which
+        # held the engine thread and the GIL for seconds: every stream and /health stalled)
+        try:
+            await asyncio.to_thread(engine.grammars.prepare)
+        except ValueError as err:  # a slow tokenizer: constrained requests get this error as a 400
+            logger.info("structured outputs unavailable: %s", err)
         worker.start()
         stats = (asyncio.create_task(log_stats_forever(worker.metrics_snapshot, config.log_stats_interval_s))
                  if config.log_stats else None)
