@@ -157,7 +157,8 @@ class EngineBuilder:
                             block_bytes=shapes.block_bytes(config.block_size), host_bytes=host_bytes,
                             on_gpu=self.device.type == "cuda")
         logger.info("%s", memory.summary())
-        self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry)
+        self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry,
+                                   vocab_size=self.model_config.vocab_size)
         self.inputs = InputProcessor(self.tokenizer, self.checkpoint_token_id, self.images, PromptLimits(
             vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len, block_size=config.block_size,
             max_kv_blocks=self.block_pool.num_blocks, max_checkpoints=config.max_checkpoints_per_request))

@@ -15,11 +15,17 @@ forkpoint extensions (pass them with the openai client's ``extra_body``):
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 TokenIds = list[StrictInt]  # strict: a JSON true or 1.0 is not a token id
+# stop strings are matched against every new token's text on the engine thread: bounded in number and
+# length (OpenAI takes 4; lm-eval-harness and agents send a handful)
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 1024
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+
 NO_IMAGES_IN_COMPLETIONS = ("/v1/completions takes text or token-id prompts only (a string, token ids, or a list of "
                             "either): send images to /v1/chat/completions as image_url content parts with data URLs")
 
@@ -73,7 +79,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     n: int = Field(1, ge=1, le=128)
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
