@@ -100,7 +100,7 @@ class LLMEngine:
         self.block_pool, self.state_pool, self.registry = parts.block_pool, parts.state_pool, parts.registry
         self.scheduler, self.runner = parts.scheduler, parts.runner
         self.graphs_off_reason = parts.graphs_off_reason
-        self.startup = parts.startup
+        self.startup, self.memory = parts.startup, parts.memory
         # a plain attribute: benchmarks may switch it between steps (EngineConfig rejects it under TP)
         self.async_scheduling = self.config.async_scheduling
         self._launched: list[_Launched] = []  # enqueued steps whose tokens are not processed; oldest first
