@@ -317,7 +317,9 @@ async def run_case(case: Case, client: httpx.AsyncClient, model: str, pid: int |
                rss_before, max(probes.rss, default=rss_before), rss_after, gap, bystander.errors, note)
 
 
-async def run_all(args: argparse.Namespace, url: str, pid: int | None) -> dict:
+async def run_all(args: argparse.Namespace, url: str, pid: int | None, code: dict) -> dict:
+    """code: `code_version()` when the server started (not the checkout at the end of a long run)."""
+    machine = machine_info()  # the load average before the cases
     async with httpx.AsyncClient(base_url=url, timeout=900,
                                  limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)) as client:
         info = (await client.get("/v1/models")).json()["data"][0]
@@ -337,7 +339,7 @@ async def run_all(args: argparse.Namespace, url: str, pid: int | None) -> dict:
                   flush=True)
             rows.append(row)
     return {"url": url, "model": model, "max_model_len": max_model_len, "server_args": args.server_arg,
-            "limits": LIMITS, "code": code_version(), "machine": machine_info(), "rows": [asdict(r) for r in rows]}
+            "limits": LIMITS, "code": code, "machine": machine, "rows": [asdict(r) for r in rows]}
 
 
 # ---------------------------------------------------------------------------------------- output
@@ -420,12 +422,13 @@ def main() -> int:
 
     process = None
     url, pid = args.url, args.server_pid
+    code = code_version()
     if url is None:
         process, url = start_server(args)
         pid = process.pid
     print(HEADER, flush=True)
     try:
-        result = asyncio.run(run_all(args, url, pid))
+        result = asyncio.run(run_all(args, url, pid, code))
     finally:
         if process is not None:
             process.terminate()

@@ -478,8 +478,9 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None
     # bytes of float32 prompt-logit rows ([rows, vocab]) one step computes for prompt logprobs: a scored
     # prompt runs in chunks of that many rows (`prompt_score_rows`), so its memory is O(chunk x vocab)
-    # per step plus O(prompt x k) of kept scores, not O(prompt x vocab)
-    prompt_score_bytes: int = 64 << 20
+    # per step plus O(prompt x k) of kept scores, not O(prompt x vocab). None: 64 MiB on the CPU (64
+    # rows of a 248k vocabulary: small steps next to other streams), 1 GiB on CUDA (1,024 rows)
+    prompt_score_bytes: int | None = None
     num_kv_blocks: int | None = None
     num_state_slots: int | None = None
     kv_cache_bytes: int = 2 << 30
@@ -536,7 +537,7 @@ class EngineConfig:
             raise ValueError(f"auto_checkpoint_min_tokens must be >= 1, got {self.auto_checkpoint_min_tokens}")
         if self.checkpoint_exact and self.max_num_batched_tokens < SCAN_CHUNK_TOKENS:
             raise ValueError(f"checkpoint_exact needs max_num_batched_tokens >= {SCAN_CHUNK_TOKENS} (one scan chunk)")
-        if self.prompt_score_bytes < 1:
+        if self.prompt_score_bytes is not None and self.prompt_score_bytes < 1:
             raise ValueError(f"prompt_score_bytes must be >= 1, got {self.prompt_score_bytes}")
         if self.checkpoint_host_bytes is not None and self.checkpoint_host_bytes < 0:
             raise ValueError(f"checkpoint_host_bytes must be >= 0, got {self.checkpoint_host_bytes}")
@@ -579,8 +580,11 @@ class EngineConfig:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
 
     def prompt_score_rows(self, vocab_size: int) -> int:
-        """Prompt-logit rows one step computes: `prompt_score_bytes` of float32 [rows, vocab_size],
-        rounded down to a multiple of SCAN_CHUNK_TOKENS (so checkpoint_exact chunks stay aligned), at
-        least one scan chunk."""
-        rows = self.prompt_score_bytes // (4 * vocab_size)
+        """Prompt-logit rows one step computes: `prompt_score_bytes` (or the device's default) of
+        float32 [rows, vocab_size], rounded down to a multiple of SCAN_CHUNK_TOKENS (so checkpoint_exact
+        chunks stay aligned), at least one scan chunk."""
+        budget = self.prompt_score_bytes
+        if budget is None:
+            budget = 1 << 30 if self.torch_device().type == "cuda" else 64 << 20
+        rows = budget // (4 * vocab_size)
         return max(SCAN_CHUNK_TOKENS, rows - rows % SCAN_CHUNK_TOKENS)

@@ -42,10 +42,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
                        help="most prefill tokens of one request per step, so a long prompt shares steps with "
                             "other streams instead of stalling them (vLLM's name; default: no cap beyond "
                             "--max-num-batched-tokens)")
-    group.add_argument("--prompt-score-bytes", type=int, default=64 << 20, metavar="BYTES",
+    group.add_argument("--prompt-score-bytes", type=int, default=None, metavar="BYTES",
                        help="bytes of float32 prompt-logit rows one step computes for prompt logprobs (echo + "
                             "logprobs, prompt_logprobs): a scored prompt runs in chunks of that many rows, so its "
-                            "memory does not grow with prompt length x vocabulary (default: 64 MiB)")
+                            "memory does not grow with prompt length x vocabulary (default: 64 MiB on the CPU, "
+                            "1 GiB on CUDA)")
     group.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default: 16)")
     group.add_argument("--checkpoint-token", default="<|mamba_checkpoint|>",
                        help="the checkpoint marker string (default: <|mamba_checkpoint|>)")

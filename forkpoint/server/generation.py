@@ -34,7 +34,9 @@ class Admission:
                  max_waiting_per_client: int | None = None) -> None:
         self.max_waiting = max_waiting
         self.retry_after_s = retry_after_s
-        self.max_per_request = max_waiting if max_per_request is None else min(max_waiting, max_per_request)
+        # a request over any of the three bounds could never be admitted: a 400, not a 503
+        self.max_per_request = min(bound for bound in (max_waiting, max_per_request, max_waiting_per_client)
+                                   if bound is not None)
         self.max_waiting_per_client = max_waiting_per_client
         self.waiting = 0
         self.running = 0
@@ -48,7 +50,7 @@ class Admission:
             raise invalid_request(
                 f"the request asks for {prompts} prompt(s) x n={n} = {count} sequences but at most "
                 f"{self.max_per_request} are taken per request (--max-num-seqs-per-request, "
-                "--max-waiting-requests): lower n or send fewer prompts per request",
+                "--max-waiting-requests, --max-waiting-per-user): lower n or send fewer prompts per request",
                 param="n" if n > 1 else "prompt")
         held = self.waiting_by_client.get(client, 0)
         cap = self.max_waiting_per_client

@@ -15,7 +15,7 @@ forkpoint extensions (pass them with the openai client's ``extra_body``):
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
@@ -24,7 +24,6 @@ TokenIds = list[StrictInt]  # strict: a JSON true or 1.0 is not a token id
 # length (OpenAI takes 4; lm-eval-harness and agents send a handful)
 MAX_STOP_STRINGS = 128
 MAX_STOP_CHARS = 1024
-StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 NO_IMAGES_IN_COMPLETIONS = ("/v1/completions takes text or token-id prompts only (a string, token ids, or a list of "
                             "either): send images to /v1/chat/completions as image_url content parts with data URLs")
@@ -79,7 +78,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     n: int = Field(1, ge=1, le=128)
-    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -109,6 +108,17 @@ class SamplingFields(BaseModel):
     # (usage.prompt_tokens_details.cached_tokens) reveals nothing across salts (docs/server.md)
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     prompt_cache_retention: Literal["in-memory", "in_memory", "24h"] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_bounds(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(strings)} strings; at most {MAX_STOP_STRINGS} are taken")
+        longest = max(strings, key=len, default="")
+        if len(longest) > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string has {len(longest)} characters; at most {MAX_STOP_CHARS} are taken")
+        return stop
 
     @field_validator("logit_bias")
     @classmethod

@@ -112,3 +112,15 @@ def test_scored_prompts_run_in_bounded_chunks_with_the_one_chunk_numbers(model):
     for ours, theirs in zip(chunked, whole):
         for a, b in zip(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:]):
             assert a.keys() == b.keys() and all(abs(a[t] - b[t]) <= 1e-5 for t in a)
+
+
+def test_prompt_score_rows_per_device_and_budget():
+    from forkpoint.config import EngineConfig
+
+    vocab = 248320  # Qwen3.5's
+    assert EngineConfig(device="cpu").prompt_score_rows(vocab) == 64
+    assert EngineConfig(device="cuda").prompt_score_rows(vocab) == 1024
+    assert EngineConfig(device="cpu", prompt_score_bytes=300 << 20).prompt_score_rows(vocab) == 256  # 316 rows
+    assert EngineConfig(device="cpu", prompt_score_bytes=1).prompt_score_rows(vocab) == 64  # one scan chunk
+    with pytest.raises(ValueError, match="prompt_score_bytes"):
+        EngineConfig(prompt_score_bytes=0)

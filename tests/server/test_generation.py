@@ -35,3 +35,6 @@ def test_one_client_cannot_fill_the_queue_for_everyone():
     admission.release("waiting", client="greedy")
     admission.admit(1, n=2, client="greedy")  # a place came back
     assert admission.waiting_by_client == {"greedy": 3, "polite": 3, "": 1} and admission.waiting == 7
+    with pytest.raises(APIError) as info:  # more than one client may ever hold: never fits
+        admission.admit(1, n=4, client="new")
+    assert info.value.status == 400 and info.value.param == "n"
