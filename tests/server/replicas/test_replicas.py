@@ -30,7 +30,7 @@ from tests.tiny_models import token_words, words
 
 MARKER = "<|mamba_checkpoint|>"
 ENGINE = {"device": "cpu", "max_model_len": 512, "num_kv_blocks": 512, "checkpoint_pool_size": 8}
-CONFIG = ServerConfig(served_model_name="tiny")
+CONFIG = ServerConfig(served_model_name="tiny", max_num_seqs_per_request=64)
 
 
 @dataclass
@@ -149,6 +149,15 @@ def test_round_robin_computes_the_prefix_on_both_replicas(round_robin, single):
     assert sum(per_replica.values()) >= 2 * p + sum(s) - 2
     assert [x.routes["round_robin"] for x in snaps.values()] == [4, 4]
     assert_same_as_one_engine(single, prompts, [r.json()["choices"][0] for r in responses])
+
+
+def test_the_ingress_counts_n_in_admission(affine):
+    """The replicas' front end admits like one server's: 2 prompts x n=40 are 80 sequences, over
+    --max-num-seqs-per-request (64 here) though under --max-waiting-requests: a 400 naming n, before any
+    replica sees them."""
+    (response,) = completions(affine.url, [[words(*range(i, i + 5)) for i in range(2)]], n=40, max_tokens=1)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "n"
 
 
 def test_prompt_cache_key_routes_a_group_together(affine):
