@@ -91,7 +91,8 @@ class PromptBuilder:
     has checkpoints disabled: then structured controls are ignored and the marker string is
     plain text). processor: the engine's input processor (prompts leave here processed), or None.
     turn_boundaries: whether chat prompts get their turn boundaries (the engine places automatic
-    checkpoints). Every method raises `APIError` (400) naming the request field at fault.
+    checkpoints). max_model_len: without a processor (the replicas' front end), the length a prompt
+    text is refused beyond before it is tokenised whole (with one, the processor's). Every method raises `APIError` (400) naming the request field at fault.
     """
 
     def __init__(
@@ -106,8 +107,10 @@ class PromptBuilder:
         executor: concurrent.futures.Executor | None = None,
         processor: InputProcessor | None = None,
         turn_boundaries: bool = False,
+        max_model_len: int | None = None,
     ) -> None:
         self.processor = processor
+        self.max_model_len = processor.limits.max_model_len if processor is not None else max_model_len
         self.turn_boundaries = turn_boundaries and checkpoint_token_id is not None
         self.executor = executor  # where `run` builds prompts (None: asyncio's default thread pool)
         self.images = images  # the engine's image front end (None: image parts are a 400)
@@ -295,9 +298,9 @@ class PromptBuilder:
         tokenising little more than max_model_len tokens of it (prompt_length.py); the engine's
         processor checks the exact length of the rest. Markers are counted (at most max_checkpoints
         of them are removed later)."""
-        if self.processor is None:
+        if self.max_model_len is None:
             return
-        max_model_len = self.processor.limits.max_model_len
+        max_model_len = self.max_model_len
         count = tokens_beyond(text, self.tokenizer, max_model_len - 1 + self.max_checkpoints)
         if count is not None:
             raise invalid_request(

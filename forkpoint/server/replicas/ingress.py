@@ -95,7 +95,8 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
     prompts = PromptBuilder(tokenizer, checkpoint_token=info.checkpoint_token,
                             checkpoint_token_id=info.checkpoint_token_id,
                             max_checkpoints=info.max_checkpoints_per_request, policy=config.marker_policy,
-                            executor=tokenizer_thread, turn_boundaries=info.turn_boundaries)
+                            executor=tokenizer_thread, turn_boundaries=info.turn_boundaries,
+                            max_model_len=info.max_model_len)
     max_request_bytes = (config.max_request_bytes if config.max_request_bytes is not None else
                          default_max_request_bytes(tokenizer, info.max_model_len, takes_images=False))
     serving = OpenAIServing(model_name=config.served_model_name, max_model_len=info.max_model_len,

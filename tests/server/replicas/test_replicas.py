@@ -30,7 +30,7 @@ from tests.tiny_models import token_words, words
 
 MARKER = "<|mamba_checkpoint|>"
 ENGINE = {"device": "cpu", "max_model_len": 512, "num_kv_blocks": 512, "checkpoint_pool_size": 8}
-CONFIG = ServerConfig(served_model_name="tiny", max_num_seqs_per_request=64)
+CONFIG = ServerConfig(served_model_name="tiny", max_num_seqs_per_request=64, max_request_bytes=1 << 20)
 
 
 @dataclass
@@ -158,6 +158,15 @@ def test_the_ingress_counts_n_in_admission(affine):
     (response,) = completions(affine.url, [[words(*range(i, i + 5)) for i in range(2)]], n=40, max_tokens=1)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "n"
+
+
+def test_the_ingress_refuses_a_text_that_cannot_fit_before_tokenising_it_all(affine):
+    """Like one server (server/prompt_length.py): the front end refuses a prompt text longer than
+    max_model_len after tokenising little more than max_model_len tokens of it."""
+    (response,) = completions(affine.url, ["many words here " * 5_000], max_tokens=1)  # 80 KB, 15k tokens
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "the first part of its text alone has" in error["message"]
 
 
 def test_prompt_cache_key_routes_a_group_together(affine):
