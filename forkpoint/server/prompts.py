@@ -92,7 +92,8 @@ class PromptBuilder:
     plain text). processor: the engine's input processor (prompts leave here processed), or None.
     turn_boundaries: whether chat prompts get their turn boundaries (the engine places automatic
     checkpoints). max_model_len: without a processor (the replicas' front end), the length a prompt
-    text is refused beyond before it is tokenised whole (with one, the processor's). Every method raises `APIError` (400) naming the request field at fault.
+    text is refused beyond before it is tokenised whole (with one, the processor's). Every method
+    raises `APIError` (400) naming the request field at fault.
     """
 
     def __init__(
