@@ -26,8 +26,6 @@ import asyncio
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from host_info import code_version, machine_info  # noqa: E402
 from plots import write_results  # noqa: E402
+from served import start_server  # noqa: E402
 
 from forkpoint.inputs.turns import common_prefix_length  # noqa: E402
 from forkpoint.server.bench_cli import percentile  # noqa: E402
@@ -175,27 +174,9 @@ def scrape_misses(url: str) -> dict[str, float]:
     return values
 
 
-def start_server(args: argparse.Namespace, model: str | None) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "forkpoint.server.cli", "serve", "--port", str(port), "--log-level",
-               args.server_log_level, "--max-waiting-requests", str(max(args.sessions * 4, 64))]
-    if model:
-        command.append(model)
-    process = subprocess.Popen(command + args.server_arg, stdout=sys.stderr, stderr=sys.stderr)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.start_timeout
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError("the server did not start")
-        time.sleep(0.5)
+def server_options(args: argparse.Namespace) -> list[str]:
+    return ["--log-level", args.server_log_level, "--max-waiting-requests", str(max(args.sessions * 4, 64)),
+            *args.server_arg]
 
 
 def model_dir_for(args: argparse.Namespace, scratch: Path) -> str | None:
@@ -277,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         url = args.url
         if url is None:
-            process, url = start_server(args, model_dir_for(args, Path(scratch)))
+            process, url = start_server(server_options(args), model_dir_for(args, Path(scratch)), args.start_timeout)
         try:
             model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
             before = scrape_misses(url)

@@ -30,8 +30,6 @@ import asyncio
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -44,6 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from host_info import VOCAB_LIMIT, code_version, machine_info, machine_line  # noqa: E402
 from plots import write_results  # noqa: E402
+from served import start_server  # noqa: E402
 
 MARKER = "<|mamba_checkpoint|>"
 HEALTH_EVERY_S = 0.1
@@ -87,27 +86,6 @@ def rss_mib(pid: int | None) -> float | None:
     except OSError:
         return None
     return None
-
-
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "forkpoint.server.cli", "serve", "--port", str(port), "--log-level", "warning"]
-    if args.model:
-        command.append(args.model)
-    process = subprocess.Popen(command + args.server_arg, stdout=sys.stderr, stderr=sys.stderr)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the server did not start")
-        time.sleep(0.5)
 
 
 # ---------------------------------------------------------------------------------------- probes
@@ -424,7 +402,7 @@ def main() -> int:
     url, pid = args.url, args.server_pid
     code = code_version()
     if url is None:
-        process, url = start_server(args)
+        process, url = start_server(["--log-level", "warning", *args.server_arg], args.model, 600)
         pid = process.pid
     print(HEADER, flush=True)
     try:

@@ -27,8 +27,6 @@ import json
 import os
 import platform
 import random
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -36,6 +34,7 @@ from pathlib import Path
 
 import httpx
 from openai import AsyncOpenAI
+from served import start_server
 
 from forkpoint.server.bench_cli import percentile
 
@@ -75,28 +74,6 @@ def cpu_seconds(pid: int) -> float | None:
 
 def pct(values: list[float], q: float) -> float:
     return percentile(values, q) if values else float("nan")
-
-
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "forkpoint.server.cli", "serve", "--port", str(port), "--log-level", "warning",
-               "--max-waiting-requests", str(args.clients * 4)]
-    if args.model:
-        command.append(args.model)
-    process = subprocess.Popen(command + args.server_arg, stdout=sys.stderr, stderr=sys.stderr)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the server did not start")
-        time.sleep(0.5)
 
 
 def make_work(args: argparse.Namespace):
@@ -235,7 +212,8 @@ def main() -> int:
     process = None
     url, pid = args.url, args.server_pid
     if url is None:
-        process, url = start_server(args)
+        process, url = start_server(["--log-level", "warning", "--max-waiting-requests", str(args.clients * 4),
+                                             *args.server_arg], args.model, 300)
         pid = process.pid
     try:
         result = asyncio.run(run_load(args, url, pid))

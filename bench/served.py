@@ -1,0 +1,37 @@
+"""`forkpoint serve` in a child process on a free local port, for the benchmarks that drive the HTTP
+server as a client would (agent_sessions.py, hostile.py, server_load.py)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import httpx
+
+
+def start_server(options: Sequence[str], model: str | None, timeout_s: float) -> tuple[subprocess.Popen, str]:
+    """Start `forkpoint serve [model] --port P options...` (its output goes to stderr) and wait until
+    `/health` answers 200. Returns (the process, its base URL); the caller stops the process. Raises
+    RuntimeError, the process killed, when it exits or does not answer within `timeout_s`."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "forkpoint.server.cli", "serve", "--port", str(port)]
+    if model:
+        command.append(model)
+    process = subprocess.Popen(command + list(options), stdout=sys.stderr, stderr=sys.stderr)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError("the server did not start")
+        time.sleep(0.5)
