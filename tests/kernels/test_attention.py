@@ -141,3 +141,27 @@ def test_rejects_seq_len_shorter_than_queries():
     args["seq_lens_host"] = [2]
     with pytest.raises(ValueError, match="must be >= its 3 queries"):
         paged_attention(**args, scale=1.0)
+
+
+def test_long_prefill_runs_its_queries_in_chunks_with_the_same_result(monkeypatch):
+    """Scores are materialised per query chunk (reference.SCORE_BYTES), so a long prompt's prefill
+    stays within a budget; the chunks give the one-pass result."""
+    from forkpoint.kernels.attention import reference
+
+    args, (keys, values, _) = make_scenario([6, 0], [37, 21], seed=3)
+    whole = paged_attention(**args, scale=0.3)
+    passes = []
+    einsum = torch.einsum
+
+    def counting(equation, *operands):
+        if equation == "qhgd,khd->hgqk":
+            passes.append(operands[0].shape[0])
+        return einsum(equation, *operands)
+
+    monkeypatch.setattr(reference, "SCORE_BYTES", 4 * 4 * 43 * 5)  # 5 queries over 43 keys, 10 over 21
+    monkeypatch.setattr(reference.torch, "einsum", counting)
+    chunked = paged_attention(**args, scale=0.3)
+    assert passes == [5] * 7 + [2] + [10, 10, 1]
+    assert rel_rms(chunked, whole) <= FP32_REL_RMS
+    ref = dense_attention(args["q"], keys, values, args["cu_seqlens_q_host"], args["seq_lens_host"], 0.3)
+    assert rel_rms(chunked, ref) <= FP32_REL_RMS

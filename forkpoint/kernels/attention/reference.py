@@ -15,6 +15,10 @@ import torch
 
 from forkpoint.kernels import check_cu_seqlens
 
+# float32 scores ([HQ, queries, kv_len]) one pass of `paged_attention` materialises: a long prefill runs
+# its queries in chunks under it, so the longest legal prompt's prefill fits a CPU (rows are independent)
+SCORE_BYTES = 128 << 20
+
 
 def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -114,10 +118,14 @@ def paged_attention(
             )
         slots = (block_tables[n, :num_blocks, None].long() * block_size + block_offsets).flatten()[:kv_len]
         k, v = k_flat[slots].float(), v_flat[slots].float()  # [L, HKV, Dh]
-        qs = q[start:end].float().view(q_len, num_kv_heads, group, head_dim)
-        scores = torch.einsum("qhgd,khd->hgqk", qs, k) * scale
-        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-        future = torch.arange(kv_len, device=q.device) > q_pos[:, None]  # [q_len, L]
-        probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
-        o[start:end] = torch.einsum("hgqk,khd->qhgd", probs, v).reshape(q_len, num_q_heads, head_dim).to(q.dtype)
+        chunk = max(1, SCORE_BYTES // (4 * num_q_heads * kv_len))
+        for lo in range(0, q_len, chunk):
+            hi = min(q_len, lo + chunk)
+            qs = q[start + lo:start + hi].float().view(hi - lo, num_kv_heads, group, head_dim)
+            scores = torch.einsum("qhgd,khd->hgqk", qs, k) * scale
+            q_pos = torch.arange(kv_len - q_len + lo, kv_len - q_len + hi, device=q.device)
+            future = torch.arange(kv_len, device=q.device) > q_pos[:, None]  # [chunk, L]
+            probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+            o[start + lo:start + hi] = torch.einsum("hgqk,khd->qhgd", probs, v).reshape(
+                hi - lo, num_q_heads, head_dim).to(q.dtype)
     return o
