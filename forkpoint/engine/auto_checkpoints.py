@@ -110,7 +110,8 @@ class AutoCheckpointPlanner:
         elif shared.reusable < self.min_tokens:
             reason = CacheMissReason.BELOW_MINIMUM
         elif any(p > cached and self.registry.get(request.hasher.prefix_hash(p)) is None for p in shared.placed):
-            reason = CacheMissReason.EVICTED_HOST if self.registry.host is not None else CacheMissReason.EVICTED_DEVICE
+            reason = (CacheMissReason.EVICTED_DISK if self.registry.disk is not None else CacheMissReason.EVICTED_HOST
+                      if self.registry.host is not None else CacheMissReason.EVICTED_DEVICE)
         elif request.params.prompt_logprobs is not None and any(
                 p > cached and self.registry.get(request.hasher.prefix_hash(p)) is not None for p in shared.placed):
             reason = CacheMissReason.PROMPT_LOGPROBS

@@ -33,6 +33,7 @@ from forkpoint.inputs.multimodal import ImagePromptProcessor, image_prompt_proce
 from forkpoint.inputs.processor import InputProcessor, PromptLimits
 from forkpoint.inputs.tokenizer import load_tokenizer
 from forkpoint.models.loader import build_model
+from forkpoint.runner.disk_io import open_disk_tier
 from forkpoint.runner.model_runner import ModelRunner
 from forkpoint.runner.multimodal import MultimodalInputs
 from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_sizes, graph_blocker
@@ -148,7 +149,12 @@ class EngineBuilder:
         if config.enable_checkpoints and config.checkpoint_host_bytes > 0:
             shapes = model.pool_shapes(self.dtype)
             host = HostTier(config.checkpoint_host_bytes, shapes.slot_bytes, shapes.block_bytes(config.block_size))
-        self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool, host)
+        disk = None  # the disk tier: its directory here, its writer in the storage (tensor_parallel_size 1)
+        if config.enable_checkpoints and config.checkpoint_dir is not None:
+            disk, writer = open_disk_tier(config, model_path, Path(config.tokenizer or model_path),
+                                          model.pool_shapes(self.dtype), self.device, self.dtype)
+            storage.attach_disk(writer)
+        self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool, host, disk)
                          if config.enable_checkpoints else None)
         self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry)
         self.inputs = InputProcessor(self.tokenizer, self.checkpoint_token_id, self.images, PromptLimits(
