@@ -390,10 +390,10 @@ class LLMEngine:
         return values
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every checkpoint (device and host tier) and every prompt the automatic checkpoints
-        indexed, so the next prompts compute from scratch (vLLM's `reset_prefix_cache`: benchmarks,
-        tests that compare two runs on one engine). False, and nothing changed, while requests are
-        unfinished."""
+        """Forget every checkpoint (device, host and disk tier: its files are deleted) and every prompt
+        the automatic checkpoints indexed, so the next prompts compute from scratch (vLLM's
+        `reset_prefix_cache`: benchmarks, tests that compare two runs on one engine). False, and
+        nothing changed, while requests are unfinished."""
         if self._groups or self._launched:
             return False
         if self.registry is None:

@@ -424,10 +424,9 @@ class Scheduler:
             if start % self.block_size:
                 planning.kv_copies.append(KVCopy(shared[full], request.blocks[full], start % self.block_size))
         request.cache_miss_reason = (
-            self.registry is not None and self.registry.disk_miss(request.hasher.prefix_hash, start,
-                                                                  len(request.prompt_token_ids))
-            or (self.auto.miss_reason(request, start) if self.auto is not None else
-                None if self.registry is not None else CacheMissReason.DISABLED))
+            self.auto.miss_reason(request, start) if self.auto is not None else CacheMissReason.DISABLED
+            if self.registry is None else self.registry.disk_miss(request.hasher.prefix_hash, start,
+                                                                  len(request.prompt_token_ids)))
         self._claim_checkpoints(request, start, now)
         if progress.waiting_on is not None:
             self._stop_waiting(request, now)

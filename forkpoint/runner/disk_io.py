@@ -130,6 +130,11 @@ class DiskWriter:
         self._queue.put(_Save(name, header, tuple(tensors), ready, num_bytes))
         return True
 
+    def metrics(self) -> dict[str, int]:
+        return dict(disk_files_written=self.counters.written, disk_write_errors=self.counters.write_errors,
+                    disk_saves_skipped=self.counters.skipped, disk_files_deleted=self.counters.deleted,
+                    disk_pending_bytes=self.pending_bytes)
+
     def drop(self, name: str) -> None:
         """Queue the deletion of the file `name` (after every write queued before)."""
         self._queue.put(_Drop(name))

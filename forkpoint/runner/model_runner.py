@@ -328,8 +328,10 @@ class ModelRunner:
         self.sampling.check_integrity(live_ids)
 
     def metrics(self) -> dict[str, int | float]:
-        """The CUDA-graph and image-encoder counters (none when neither runs)."""
+        """The CUDA-graph, image-encoder and disk-writer counters (none when none runs)."""
         values: dict[str, int | float] = {}
+        if self.storage.disk is not None:
+            values.update(self.storage.disk.metrics())
         piecewise = self.piecewise
         if piecewise is not None:
             values.update(cuda_graph_core_capture_failures=piecewise.core_capture_failures,

@@ -105,6 +105,7 @@ def test_a_damaged_file_is_a_miss_with_its_reason_and_is_deleted(model_dir, plai
     assert out.num_cached_tokens == 0 and count == len(out.prompt_token_ids)
     assert out.cache_miss_reason == reason
     assert second.metrics()[f"disk_files_rejected_{reason.removeprefix('disk_')}"] == 1
+    assert second.metrics()[f"cache_misses_{reason}"] == 1
     second.engine.check_integrity()  # the slot and blocks taken for the file were released
     settle(second)
     assert not path.exists()  # deleted (after any pending write)
@@ -175,3 +176,13 @@ def test_disk_restores_that_evict_each_other_stay_exact(model_dir, plain, tmp_pa
     refs = plain.generate([{"prompt_token_ids": o.prompt_token_ids} for o in outs], GREEDY, use_tqdm=False)
     assert_same_outputs(outs, refs)
     assert_same_outputs(batch, refs)
+
+
+def test_reset_prefix_cache_deletes_the_files(model_dir, tmp_path):
+    first = first_run(model_dir, tmp_path)
+    assert first.metrics()["disk_files_written"] >= 3 and system_files(tmp_path)
+    assert first.reset_prefix_cache()
+    settle(first)
+    assert first.metrics()["disk_tier_checkpoints"] == 0 and not system_files(tmp_path)
+    out, count = computed(disk_llm(model_dir, tmp_path), f"{SYSTEM} {words(3, 8, 9)}")
+    assert out.num_cached_tokens == 0 and count == len(out.prompt_token_ids)
