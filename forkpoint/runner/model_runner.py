@@ -24,7 +24,7 @@ from forkpoint.runner.step_sampler import PendingStep, StepSampler
 from forkpoint.runner.storage import DeviceStorage
 from forkpoint.runner.warmup import WarmupReport, warm_up
 from forkpoint.step.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
-from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan
+from forkpoint.step.plan import DeviceWrite, KVCopy, Segment, SegmentKind, StepPlan
 
 logger = logging.getLogger("forkpoint")
 
@@ -302,6 +302,10 @@ class ModelRunner:
         if self.multimodal is not None:
             batch = self.multimodal.attach(plan.ordered(), batch)
         return batch, sampled
+
+    def apply_writes(self, writes: Sequence[DeviceWrite], first: int) -> None:
+        """Apply device writes outside a step (an idle engine's last ones; step/plan.py numbering)."""
+        self.storage.apply(writes, first)
 
     def execute(self, plan: StepPlan, feed: torch.Tensor | None = None) -> PendingStep:
         """Run one step: forward, then sample and score as `plan.sampling` says (runner/step_sampler.py).

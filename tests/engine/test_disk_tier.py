@@ -4,10 +4,15 @@ read, is a miss with its reason and leaves nothing behind (float32 CPU, tiny mod
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from forkpoint import LLM, SamplingParams
 from forkpoint.cache.disk_format import HEADER_BYTES, SUFFIX
+from forkpoint.config import EngineConfig
 from tests.helpers import assert_same_outputs
 from tests.tiny_models import token_words, words
 
@@ -31,9 +36,8 @@ def disk_llm(model_dir, directory, **kwargs) -> LLM:
 
 
 def settle(llm: LLM) -> None:
-    """The checkpoints made so far are on disk: their saves were applied (the next plan applies the
-    writes the last commit recorded, so run one tiny step) and the writer has finished."""
-    llm.generate({"prompt_token_ids": [5]}, SamplingParams(max_tokens=1), use_tqdm=False)
+    """The checkpoints made so far are on disk: an engine that went idle applied its last saves
+    (`_persist_when_idle`), and the writer has finished them."""
     llm.engine.runner.storage.disk.flush()
 
 
@@ -186,3 +190,24 @@ def test_reset_prefix_cache_deletes_the_files(model_dir, tmp_path):
     assert first.metrics()["disk_tier_checkpoints"] == 0 and not system_files(tmp_path)
     out, count = computed(disk_llm(model_dir, tmp_path), f"{SYSTEM} {words(3, 8, 9)}")
     assert out.num_cached_tokens == 0 and count == len(out.prompt_token_ids)
+
+
+def test_a_process_that_exits_leaves_its_files_written(model_dir, plain, tmp_path):
+    """No flush: the writer drains its queue at interpreter exit, so a restart finds the files."""
+    script = (f"from forkpoint import LLM, SamplingParams\n"
+              f"llm = LLM({str(model_dir)!r}, num_kv_blocks=256, checkpoint_dir={str(tmp_path)!r})\n"
+              f"llm.generate([{SYSTEM + ' ' + MARK + ' ' + words(1)!r}, {SYSTEM + ' ' + MARK + ' ' + words(2)!r}],"
+              f" SamplingParams(max_tokens=1), use_tqdm=False)\n")
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300, cwd=Path(__file__).parents[2])
+    assert len(system_files(tmp_path)) == 1
+    out, count = computed(disk_llm(model_dir, tmp_path), f"{SYSTEM} {words(3, 8, 9)}")
+    assert out.num_cached_tokens == 70 and count == len(out.prompt_token_ids) - 70
+    ref = plain.generate({"prompt_token_ids": out.prompt_token_ids}, GREEDY, use_tqdm=False)
+    assert_same_outputs([out], ref)
+
+
+def test_bad_disk_tier_settings_are_value_errors(tmp_path):
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        EngineConfig(checkpoint_dir=str(tmp_path), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="checkpoint_dir_bytes must be >= 1"):
+        EngineConfig(checkpoint_dir=str(tmp_path), checkpoint_dir_bytes=0)
