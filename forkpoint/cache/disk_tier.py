@@ -13,10 +13,11 @@ This class keeps the index and decides; the bytes move elsewhere:
 - **load** (`load`): on a lookup that misses the device and host tiers, the file is read whole here
   and verified (identity, key, length, header and payload checksums) before anything uses it; the
   payload then travels in a `DiskRestore` plan write. A file that is missing, truncated, corrupt,
-  foreign or unreadable is a miss (`reject`): it leaves the index, damaged and foreign ones are
+  foreign or unreadable is a miss (`reject`): it leaves the index, all but unreadable ones are
   deleted, and the damage is remembered per key for the request's `cache_miss_reason`.
 
-A save is recorded before its file exists: a load in between finds nothing (MISSING), a miss.
+A save is recorded before its file exists: a load in between finds nothing (MISSING), a miss, and
+the deletion it records follows the pending write, so no file outlives its index entry.
 """
 
 from __future__ import annotations
@@ -181,8 +182,9 @@ class DiskTier:
 
     def reject(self, key: bytes, damage: FileDamage) -> str | None:
         """Checkpoint `key`'s file was not usable: it leaves the index and `damage` is remembered.
-        Returns its name when the caller should delete it (truncated, corrupt, foreign), else None
-        (missing already, or unreadable: left alone)."""
+        Returns its name when the caller should delete it, else None (unreadable: left alone). A
+        missing file is deleted too: its save may still be queued, and the deletion, queued behind it,
+        keeps the directory equal to the index."""
         entry = self._by_key[key]
         self._discard(entry)
         self.counters.damaged[damage] += 1
@@ -190,7 +192,7 @@ class DiskTier:
         while len(self._failures) > _REMEMBERED_FAILURES:
             self._failures.popitem(last=False)
         logger.warning("disk tier: checkpoint file %s not used (%s)", entry.name, damage.value)
-        return entry.name if damage in (FileDamage.TRUNCATED, FileDamage.CORRUPT, FileDamage.FOREIGN) else None
+        return None if damage is FileDamage.READ_ERROR else entry.name
 
     def clear(self) -> list[str]:
         """Every file of this identity leaves; returns their names (the caller records `DiskDrop`s)."""

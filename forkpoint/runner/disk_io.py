@@ -204,8 +204,10 @@ def open_disk_tier(config: EngineConfig, model_dir: Path, tokenizer_dir: Path, s
     root = Path(config.checkpoint_dir).expanduser()
     try:
         root.mkdir(parents=True, exist_ok=True)
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PermissionError("not writable")
     except OSError as error:
-        raise ValueError(f"checkpoint_dir {str(root)!r} cannot be created ({error}): pass a writable directory") \
+        raise ValueError(f"checkpoint_dir {str(root)!r} cannot be used ({error}): pass a writable directory") \
             from None
     capacity = config.checkpoint_dir_bytes or shutil.disk_usage(root).free // 4
     where = f"{device.type}:{torch.cuda.get_device_name(device)}" if device.type == "cuda" else device.type

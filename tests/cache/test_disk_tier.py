@@ -139,7 +139,7 @@ def test_reject_forgets_the_file_and_remembers_the_damage(tmp_path):
     (own / file_name(10, key(0))).unlink()
     with pytest.raises(DamagedFile) as caught:
         disk.load(key(0))
-    assert caught.value.damage is FileDamage.MISSING and disk.reject(key(0), FileDamage.MISSING) is None
+    assert caught.value.damage is FileDamage.MISSING and disk.reject(key(0), FileDamage.MISSING) is not None
     assert disk.failure(key(3)) == (13, FileDamage.FOREIGN) and disk.failure_lengths() == {10, 13, 14}
     assert disk.counters.damaged[FileDamage.CORRUPT] == 1 and len(disk) == 2
     disk.save(key(3), 13, 1)

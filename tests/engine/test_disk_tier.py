@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from forkpoint import LLM, SamplingParams
 from forkpoint.cache.disk_format import HEADER_BYTES, SUFFIX
@@ -68,6 +69,8 @@ def test_a_restarted_engine_reuses_the_system_prompt_exactly(model_dir, plain, t
 
     second = disk_llm(model_dir, tmp_path)
     assert second.metrics()["disk_tier_checkpoints"] >= 2
+    salted, _ = computed(second, {"prompt": f"{SYSTEM} {words(3)}", "cache_salt": "tenant"})
+    assert salted.num_cached_tokens == 0  # the salt is part of every key: the files are another tenant's
     fresh, fresh_count = computed(second, f"{SYSTEM} {words(3)}")
     assert fresh.num_cached_tokens == 70 and fresh.cache_miss_reason is None
     assert fresh_count == len(fresh.prompt_token_ids) - 70
@@ -206,8 +209,41 @@ def test_a_process_that_exits_leaves_its_files_written(model_dir, plain, tmp_pat
     assert_same_outputs([out], ref)
 
 
-def test_bad_disk_tier_settings_are_value_errors(tmp_path):
+def test_bad_disk_tier_settings_are_value_errors(model_dir, tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(ValueError, match="cannot be used .* pass a writable directory"):
+        disk_llm(model_dir, tmp_path / "file")
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         EngineConfig(checkpoint_dir=str(tmp_path), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="checkpoint_dir_bytes must be >= 1"):
         EngineConfig(checkpoint_dir=str(tmp_path), checkpoint_dir_bytes=0)
+
+
+@pytest.mark.gpu
+def test_gpu_a_disk_restore_gives_the_device_checkpoints_bits(model_dir, tmp_path):
+    """CUDA (bfloat16, pinned copies waited on by the writer): the second engine's checkpoint, read
+    from the file, holds the bits of the first engine's device checkpoint (state rows, and KV over the
+    70 prefix tokens), and a consumer of it samples what the first engine's device-hit consumer did."""
+    first = disk_llm(model_dir, tmp_path, device="cuda")
+    first.generate(f"{SYSTEM} {MARK} {words(1)}", GREEDY, use_tqdm=False)
+    [kept] = [c for c in first.engine.registry if c.num_tokens == 70]
+    key = kept.key
+
+    def bits(llm: LLM) -> list:
+        checkpoint = llm.engine.registry.get(key)
+        storage = llm.engine.runner.storage
+        index = torch.tensor(checkpoint.blocks, device="cuda")
+        kv = [t.index_select(0, index).flatten(0, 1)[:70].cpu() for t in storage.k + storage.v]
+        return [storage.conv_stack[:, checkpoint.slot].cpu(), storage.ssm_stack[:, checkpoint.slot].cpu(), *kv]
+
+    expected = bits(first)
+    device_hit = first.generate(f"{SYSTEM} {words(3, 8, 9)}", GREEDY, use_tqdm=False)[0]
+    settle(first)
+    second = disk_llm(model_dir, tmp_path, device="cuda")
+    disk_hit = second.generate(f"{SYSTEM} {words(3, 8, 9)}", GREEDY, use_tqdm=False)[0]
+    assert device_hit.num_cached_tokens == disk_hit.num_cached_tokens == 70
+    assert second.metrics()["checkpoints_loaded_from_disk"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(expected, bits(second)))
+    assert disk_hit.outputs[0].token_ids == device_hit.outputs[0].token_ids
+    assert_same_outputs([disk_hit], [device_hit], tol=1e-3)
+    second.engine.check_integrity()
