@@ -3,7 +3,8 @@
 The bookkeeping (cache/: block ids, slot ids, the checkpoint life cycle, the host tier's directory)
 decides which row and block holds what; this class holds the tensors those indices address and
 applies each step plan's device writes (step/plan.py: state-row copies, spills to the host tier,
-restores from it, host frees) in order. The forward then reads and writes the same tensors through
+restores from it, host frees; the disk tier's saves, restores and deletions, whose file work is
+runner/disk_io.py's) in order. The forward then reads and writes the same tensors through
 `caches` (the model's view). A tensor-parallel rank holds its own storage (its heads) with the same
 rows and blocks, and applies the same plans.
 
