@@ -456,6 +456,8 @@ class CheckpointRegistry:
         """Bring a checkpoint back from its file as READY; None when the device pools have no room for
         it (the file stays) or the file is not usable (a miss: rejected, the slot and blocks released)."""
         num_blocks = self.disk.num_blocks(key)
+        if num_blocks > self._blocks.num_blocks:  # written by an engine with a larger KV pool: never fits
+            return None
         if self._slots.num_free == 0 and not self.evict_one():
             return None
         while self._blocks.num_free < num_blocks:

@@ -84,8 +84,11 @@ class FileHeader:
             raise DamagedFile(FileDamage.CORRUPT, f"magic {magic!r} is not {MAGIC!r}")
         if zlib.crc32(data[: HEADER_BYTES - 4]) != crc:
             raise DamagedFile(FileDamage.CORRUPT, "header checksum mismatch")
-        return FileHeader(identity, key, num_tokens, state_tokens, num_blocks, kind.rstrip(b"\0").decode("ascii"),
-                          payload_bytes, digest)
+        try:
+            name = kind.rstrip(b"\0").decode("ascii")
+        except UnicodeDecodeError:
+            raise DamagedFile(FileDamage.CORRUPT, f"kind {kind!r} is not ASCII") from None
+        return FileHeader(identity, key, num_tokens, state_tokens, num_blocks, name, payload_bytes, digest)
 
 
 def payload_digest(chunks) -> bytes:
