@@ -71,3 +71,21 @@ def test_a_drop_follows_the_write_queued_before_it_and_a_failed_write_leaves_not
     storage.disk.flush()  # no such directory: counted, logged, nothing left behind
     assert storage.disk.counters.write_errors == 1 and not (tmp_path / "gone").exists()
     storage.disk.close()
+
+
+class _BrokenEvent:
+    def synchronize(self) -> None:
+        raise ValueError("injected: the copy never completed")
+
+
+def test_the_writer_thread_outlives_a_failed_job(tmp_path):
+    writer = DiskWriter(tmp_path, IDENTITY)
+    tensors = [torch.arange(6, dtype=torch.float32), torch.ones(2, dtype=torch.bfloat16)]
+    assert writer.save(file_name(3, KEY), KEY, 3, 3, 0, "marker", tensors, ready=_BrokenEvent())
+    assert writer.save(file_name(4, KEY), KEY, 4, 4, 0, "marker", tensors)
+    writer.flush()
+    assert writer.counters.write_errors == 1 and writer.counters.written == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [file_name(4, KEY)] and writer.pending_bytes == 0
+    header, payload = read_file(tmp_path / file_name(4, KEY))
+    assert header.num_tokens == 4 and len(payload) == 6 * 4 + 2 * 2
+    writer.close()
