@@ -247,3 +247,21 @@ def test_gpu_a_disk_restore_gives_the_device_checkpoints_bits(model_dir, tmp_pat
     assert disk_hit.outputs[0].token_ids == device_hit.outputs[0].token_ids
     assert_same_outputs([disk_hit], [device_hit], tol=1e-3)
     second.engine.check_integrity()
+
+
+def test_the_directory_stays_within_its_bytes_and_equal_to_the_index(model_dir, tmp_path):
+    """checkpoint_dir_bytes of about three files: the least recently used leave (deleted in order
+    after their writes), and the files on disk are exactly those the tier counts."""
+    probe = first_run(model_dir, tmp_path / "probe")
+    size = max(p.stat().st_size for p in (tmp_path / "probe").glob(f"*/*{SUFFIX}"))
+    capacity = 3 * size + size // 2
+    llm = disk_llm(model_dir, tmp_path / "bounded", checkpoint_dir_bytes=capacity)
+    for seed in range(5):
+        llm.generate(f"{token_words(20 + seed, 60)} {MARK} {words(1)}", GREEDY, use_tqdm=False)
+    settle(llm)
+    files = list((tmp_path / "bounded").glob(f"*/*{SUFFIX}*"))
+    metrics = llm.metrics()
+    assert metrics["checkpoints_dropped_from_disk"] > 0 and len(files) == metrics["disk_tier_checkpoints"]
+    assert sum(p.stat().st_size for p in files) == metrics["disk_tier_bytes"] <= capacity
+    llm.engine.check_integrity()
+    probe.engine.check_integrity()
