@@ -485,6 +485,22 @@ class CheckpointRegistry:
         logger.debug("restored from the disk tier: %d-token %s checkpoint", header.num_tokens, kind.value)
         return checkpoint
 
+    def read_ahead(self, prefix_hash: Callable[[int], bytes], max_length: int) -> None:
+        """A prompt was queued: when its longest checkpoint (length < max_length) is only on disk, start
+        reading that file now, so that its admission's lookup finds it in memory (cache/disk_tier.py)."""
+        if self.disk is None or not len(self.disk):
+            return
+        lengths = set(self._lengths) | self.disk.lengths() | (self.host.lengths() if self.host is not None else set())
+        for length in sorted(lengths, reverse=True):
+            if length >= max_length:
+                continue
+            key = prefix_hash(length)
+            if key in self._by_key or (self.host is not None and key in self.host):
+                return
+            if key in self.disk:
+                self.disk.read_ahead(key)
+                return
+
     def disk_miss(self, prefix_hash: Callable[[int], bytes], cached: int, max_length: int) -> CacheMissReason | None:
         """The reason a prompt (its prefix hashes) missed a file of the disk tier that would have
         given it more than `cached` tokens: the damage of the longest such file rejected recently."""

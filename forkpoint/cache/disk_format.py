@@ -2,7 +2,7 @@
 
 One checkpoint is one file, `<checkpoint_dir>/<identity hex[:32]>/<num_tokens>-<key hex>.fkpt`::
 
-    header   HEADER_BYTES (112), little-endian:
+    header   HEADER_BYTES (124), little-endian:
              magic 8s "FKPTCKP1" | identity 32s | key 16s | num_tokens Q | state_tokens Q | num_blocks Q
              | kind 16s (ASCII, NUL-padded) | payload_bytes Q | payload xxh3-128 16s | header crc32 I
     payload  the state row of every recurrent layer, then the KV blocks covering the prefix:

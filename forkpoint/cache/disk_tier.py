@@ -16,6 +16,11 @@ This class keeps the index and decides; the bytes move elsewhere:
   foreign or unreadable is a miss (`reject`): it leaves the index, all but unreadable ones are
   deleted, and the damage is remembered per key for the request's `cache_miss_reason`.
 
+- **read ahead** (`read_ahead`): when a request is queued whose longest checkpoint is only on disk,
+  its file is read and verified on a reader thread while the engine runs other steps; the load at
+  its admission then takes that result (waiting for it if the read is still running). Results held
+  are bounded by `read_ahead_bytes` (oldest dropped); a file that leaves the index drops its result.
+
 A save is recorded before its file exists: a load in between finds nothing (MISSING), a miss, and
 the deletion it records follows the pending write, so no file outlives its index entry.
 """
@@ -26,6 +31,7 @@ import logging
 import os
 import time
 from collections import Counter, OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +50,7 @@ from forkpoint.cache.disk_format import (
 logger = logging.getLogger("forkpoint.checkpoints")
 
 STALE_TEMPORARY_S = 3600.0  # a temporary file this old is a crashed writer's: deleted at start-up
+DEFAULT_READ_AHEAD_BYTES = 2 << 30  # files read ahead and not yet taken, at most
 _REMEMBERED_FAILURES = 1024
 
 
@@ -64,12 +71,14 @@ class DiskCounters:
     loaded: int = 0  # files read, verified and restored
     dropped: int = 0  # files deleted to stay within capacity (or by reset)
     not_saved: int = 0  # checkpoints larger than the whole tier
+    read_ahead: int = 0  # reads started before the request's admission
+    read_ahead_used: int = 0  # loads that took such a read's result
     damaged: Counter[FileDamage] = field(default_factory=Counter)  # files rejected on load, by damage
 
 
 class DiskTier:
     def __init__(self, root: Path, identity: bytes, capacity_bytes: int, slot_bytes: int, block_bytes: int,
-                 block_size: int) -> None:
+                 block_size: int, read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES) -> None:
         self.root = Path(root)
         self.identity = identity
         self.capacity_bytes = capacity_bytes
@@ -82,6 +91,10 @@ class DiskTier:
         self._by_key: dict[bytes, DiskEntry] = {}
         self._lengths: Counter[int] = Counter()
         self._failures: OrderedDict[bytes, tuple[int, FileDamage]] = OrderedDict()
+        self.read_ahead_bytes = read_ahead_bytes
+        self._ahead: OrderedDict[bytes, tuple[Future, int]] = OrderedDict()  # key -> (read, its file's bytes)
+        self._ahead_bytes = 0
+        self._reader: ThreadPoolExecutor | None = None  # started on the first read ahead
         self.num_bytes = 0
         self.counters = DiskCounters()
         self._scan()
@@ -159,11 +172,38 @@ class DiskTier:
         self.counters.saved += 1
         return name, dropped
 
+    def read_ahead(self, key: bytes) -> None:
+        """Start reading checkpoint `key`'s file on the reader thread (unless it is being read or the
+        results held would exceed `read_ahead_bytes`, oldest dropped first)."""
+        entry = self._by_key.get(key)
+        if entry is None or key in self._ahead or entry.num_bytes > self.read_ahead_bytes:
+            return
+        while self._ahead_bytes + entry.num_bytes > self.read_ahead_bytes:
+            self._drop_ahead(next(iter(self._ahead)))
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forkpoint-disk-reader")
+        self._ahead[key] = (self._reader.submit(read_file, self.path(entry.name)), entry.num_bytes)
+        self._ahead_bytes += entry.num_bytes
+        self.counters.read_ahead += 1
+
+    def _take_ahead(self, key: bytes) -> Future:
+        read, num_bytes = self._ahead.pop(key)
+        self._ahead_bytes -= num_bytes
+        return read
+
+    def _drop_ahead(self, key: bytes) -> None:
+        self._take_ahead(key).cancel()  # a read that already runs finishes and its result is dropped
+
     def load(self, key: bytes) -> tuple[FileHeader, bytearray]:
         """The verified header and payload of checkpoint `key`'s file (the file stays; it becomes the
-        most recently used). Raises DamagedFile; the caller then calls `reject`."""
+        most recently used): the result of its read ahead if one was started (waited for), else read
+        now. Raises DamagedFile; the caller then calls `reject`."""
         entry = self._by_key[key]
-        header, payload = read_file(self.path(entry.name))
+        if key in self._ahead:
+            header, payload = self._take_ahead(key).result()  # re-raises the reader's DamagedFile
+            self.counters.read_ahead_used += 1
+        else:
+            header, payload = read_file(self.path(entry.name))
         if header.identity != self.identity:
             raise DamagedFile(FileDamage.FOREIGN, f"{entry.name} was written for another model, dtype, layout or "
                                                   "tokenizer")
@@ -212,6 +252,8 @@ class DiskTier:
     def _discard(self, entry: DiskEntry) -> None:
         del self._files[entry.name]
         self.num_bytes -= entry.num_bytes
+        if entry.key in self._ahead:
+            self._drop_ahead(entry.key)
         if entry.key is not None:
             del self._by_key[entry.key]
             self._lengths[entry.num_tokens] -= 1
@@ -231,3 +273,6 @@ class DiskTier:
             raise AssertionError("disk tier key index is stale")
         if Counter(e.num_tokens for e in self._by_key.values()) != self._lengths:
             raise AssertionError("disk tier length index is stale")
+        if not set(self._ahead) <= set(self._by_key) or self._ahead_bytes != sum(b for _, b in self._ahead.values()) \
+                or self._ahead_bytes > self.read_ahead_bytes:
+            raise AssertionError("disk tier reads ahead of files it no longer counts, or over their bound")

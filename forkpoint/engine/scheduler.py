@@ -114,6 +114,8 @@ class Scheduler:
                 self._place(placement, now)
         self._live[request.request_id] = request
         self.waiting.append(request)
+        if self.registry is not None:
+            self.registry.read_ahead(request.hasher.prefix_hash, len(request.prompt_token_ids))
 
     def _place(self, placement: Placement, now: float) -> None:
         producer, position = placement.producer, placement.position

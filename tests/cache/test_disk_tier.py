@@ -148,3 +148,28 @@ def test_reject_forgets_the_file_and_remembers_the_damage(tmp_path):
                                           ((11, key(1)), (12, key(2)), (13, key(3))))
     assert len(disk) == 0
     disk.check_integrity()
+
+
+def test_reads_ahead_are_taken_by_loads_and_bounded(tmp_path):
+    own = tmp_path / IDENTITY.hex()[:32]
+    for i in range(4):
+        write(own / file_name(10 + i, key(i)), key(i), 10 + i, 1)
+    size = HEADER_BYTES + SLOT + BLOCK
+    disk = DiskTier(tmp_path, IDENTITY, 10_000, SLOT, BLOCK, block_size=16, read_ahead_bytes=2 * size)
+    for i in range(3):  # the third drops the first's result: at most two held
+        disk.read_ahead(key(i))
+    disk.read_ahead(key(2))  # being read already: nothing new
+    assert disk.counters.read_ahead == 3
+    disk.check_integrity()
+    assert disk.load(key(1))[0].num_tokens == 11 and disk.counters.read_ahead_used == 1
+    assert disk.load(key(0))[0].num_tokens == 10 and disk.counters.read_ahead_used == 1  # dropped: read now
+    path = own / file_name(13, key(3))
+    path.write_bytes(path.read_bytes()[:-1])
+    disk.read_ahead(key(3))
+    with pytest.raises(DamagedFile) as caught:
+        disk.load(key(3))  # the reader's verdict, raised here
+    assert caught.value.damage is FileDamage.TRUNCATED
+    disk.reject(key(3), FileDamage.TRUNCATED)
+    disk.read_ahead(key(2))
+    disk.clear()  # a file that leaves the index drops its read
+    disk.check_integrity()

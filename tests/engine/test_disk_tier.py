@@ -77,6 +77,7 @@ def test_a_restarted_engine_reuses_the_system_prompt_exactly(model_dir, plain, t
     again, again_count = computed(second, repeat)  # the first engine's prompt end: one token to compute
     assert again.num_cached_tokens == len(again.prompt_token_ids) - 1 and again_count == 1
     assert second.metrics()["checkpoints_loaded_from_disk"] == 2
+    assert second.metrics()["disk_reads_ahead_used"] == 2  # read while queued, taken at admission
     refs = plain.generate([{"prompt_token_ids": o.prompt_token_ids} for o in (fresh, again, out)], GREEDY,
                           use_tqdm=False)
     assert_same_outputs([fresh, again, out], refs)
