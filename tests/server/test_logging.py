@@ -11,17 +11,24 @@ import pytest
 
 from forkpoint.server.config import ServerConfig
 from forkpoint.server.stats import StatsLine, disk_tier_summary, host_tier_summary
-from tests.server.conftest import serve
+from tests.server.conftest import RunningServer, serve
 
 
 def messages(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "forkpoint.server"]
 
 
-def wait_for(caplog: pytest.LogCaptureFixture, text: str, timeout: float = 10) -> str:
+def stats_lines(caplog: pytest.LogCaptureFixture, running: RunningServer) -> list[str]:
+    """The stats lines of `running` alone (the session-wide server logs on the same logger)."""
+    return [r.getMessage() for r in caplog.records
+            if r.name == "forkpoint.server" and r.thread == running.thread.ident and "tokens/s" in r.getMessage()]
+
+
+def wait_for(caplog: pytest.LogCaptureFixture, text: str, timeout: float = 10,
+             running: RunningServer | None = None) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = [m for m in messages(caplog) if text in m]
+        found = [m for m in (messages(caplog) if running is None else stats_lines(caplog, running)) if text in m]
         if found:
             return found[-1]
         time.sleep(0.05)
@@ -41,11 +48,11 @@ def test_startup_summary_stats_errors_and_aborts(spare_llm, caplog):
             assert text in summary, text
         caplog.clear()
         time.sleep(0.5)
-        assert not [m for m in messages(caplog) if "tokens/s" in m], "an idle server logs no stats"
+        assert not stats_lines(caplog, running), "an idle server logs no stats"
 
         out = running.client().completions.create(model="talker", prompt="Hello there, general", max_tokens=4)
         assert out.choices[0].finish_reason == "length"
-        line = wait_for(caplog, "tokens/s")
+        line = wait_for(caplog, "tokens/s", running=running)
         for text in ("prompt ", "generation ", "running ", "waiting ", "KV ", "state slots ", "checkpoint slots ",
                      "hits", "prompt tokens reused", "hit rate"):
             assert text in line, (text, line)
