@@ -11,12 +11,18 @@ prompts' token ids, from `/tokenize`; turn 0: with the other sessions' first pro
 the miss reasons the server gave (`cache_miss_reason`); totals per phase, and the server's
 `forkpoint_cache_misses_total` by reason. JSON + PNG under --out (bench/results/).
 
+`--restart` (started servers only): the server runs with `--checkpoint-dir` (a scratch directory);
+after phase A it is stopped and started again on the same directory, and phase R sends the first
+turn of new sessions (same system prompt, new documents): its cached tokens show what the restarted
+server reused from disk (then phase B runs on the restarted server).
+
 Usage:
     python bench/agent_sessions.py                                  # CPU, embedded default model, small
     python bench/agent_sessions.py --sessions 2 --turns 3 --system-words 60 --doc-words 40 --tool-words 20
     python bench/agent_sessions.py --shape qwen3.5-35b-a3b --sessions 32 --turns 6 --system-words 1400 \\
         --doc-words 800 --tool-words 160 --reply-tokens 64 --server-arg=--device=cuda   # H200, dummy weights
     python bench/agent_sessions.py --url http://127.0.0.1:8000      # a server already running
+    python bench/agent_sessions.py --restart                        # + the first turn after a restart
 """
 
 from __future__ import annotations
@@ -70,9 +76,12 @@ class Session:
                           {"role": "tool", "tool_call_id": call["id"], "content": self.tool_results[turn]}]
 
 
-def build_sessions(args: argparse.Namespace) -> list[Session]:
+def build_sessions(args: argparse.Namespace, documents_seed: int | None = None) -> list[Session]:
+    """The sessions of `args.seed`; with `documents_seed`, the same system prompt and new documents."""
     rng = random.Random(args.seed)
     system = "You are a careful research agent. " + text(rng, args.system_words)
+    if documents_seed is not None:
+        rng = random.Random(documents_seed)
     return [Session(s, system, text(rng, args.doc_words), [text(rng, args.tool_words) for _ in range(args.turns)])
             for s in range(args.sessions)]
 
@@ -106,9 +115,10 @@ async def one_request(client: AsyncOpenAI, http: httpx.AsyncClient, model: str, 
             "latency_s": end - begin, "ids": tokenized["tokens"], "reply": "".join(reply)}
 
 
-async def run_phase(url: str, model: str, args: argparse.Namespace, nonce: bool) -> dict:
+async def run_phase(url: str, model: str, args: argparse.Namespace, nonce: bool,
+                    documents_seed: int | None = None) -> dict:
     """All sessions concurrently, each turn after the one before; returns per-request records."""
-    sessions = build_sessions(args)
+    sessions = build_sessions(args, documents_seed)
     records: list[dict] = []
     client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=3600, max_retries=0)
     async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
@@ -177,6 +187,12 @@ def scrape_misses(url: str) -> dict[str, float]:
 def server_options(args: argparse.Namespace) -> list[str]:
     return ["--log-level", args.server_log_level, "--max-waiting-requests", str(max(args.sessions * 4, 64)),
             *args.server_arg]
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    """SIGTERM: the server shuts down gracefully (the disk tier's writer drains at exit)."""
+    process.terminate()
+    process.wait(timeout=120)
 
 
 def model_dir_for(args: argparse.Namespace, scratch: Path) -> str | None:
@@ -252,26 +268,43 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--name", default="agent_sessions", help="file name of the JSON and PNG (no suffix)")
+    parser.add_argument("--restart", action="store_true",
+                        help="serve with --checkpoint-dir, restart the server after phase A and send the first turn "
+                             "of new sessions (same system prompt, new documents) before phase B")
     args = parser.parse_args(argv)
+    if args.restart and args.url is not None:
+        parser.error("--restart starts and restarts the server itself: leave out --url")
 
     process = None
+    restart = None
     with tempfile.TemporaryDirectory() as scratch:
         url = args.url
+        model_dir = model_dir_for(args, Path(scratch)) if url is None else None
+        if args.restart:
+            args.server_arg = [*args.server_arg, "--checkpoint-dir", str(Path(scratch) / "checkpoints")]
         if url is None:
-            process, url = start_server(server_options(args), model_dir_for(args, Path(scratch)), args.start_timeout)
+            process, url = start_server(server_options(args), model_dir, args.start_timeout)
         try:
             model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
             before = scrape_misses(url)
             reuse = summarise(asyncio.run(run_phase(url, model, args, nonce=False)), args.turns)
             after = scrape_misses(url)
+            if args.restart:
+                stop_server(process)
+                process, url = start_server(server_options(args), model_dir, args.start_timeout)
+                first_turn = argparse.Namespace(**{**vars(args), "turns": 1})
+                restart = summarise(asyncio.run(run_phase(url, model, first_turn, nonce=False,
+                                                          documents_seed=args.seed + 1)), 1)
             none = summarise(asyncio.run(run_phase(url, model, args, nonce=True)), args.turns)
         finally:
             if process is not None:
-                process.terminate()
-                process.wait(timeout=120)
+                stop_server(process)
     res = {"config": {k: v for k, v in vars(args).items() if k not in ("out", "url")}, "reuse": reuse,
            "no_reuse": none, "server_misses_reuse_phase": {k: after[k] - before.get(k, 0) for k in after},
            "machine": machine_info(), "code": code_version()}
+    if restart is not None:
+        res["restart"] = restart
+        print(table("after a restart on the same --checkpoint-dir (first turn, new documents)", restart))
     print(table("reuse", reuse))
     print(table("no reuse (a nonce opens every request)", none))
     print(f"computed prompt tokens: reuse {reuse['computed_tokens']:,} vs {none['computed_tokens']:,} "

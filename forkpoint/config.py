@@ -470,6 +470,12 @@ class EngineConfig:
     # None: sized from the machine, cache/sizing.py default_host_tier_bytes: a quarter of the memory,
     # at most 64 GiB, none on the CPU)
     checkpoint_host_bytes: int | None = None
+    # the disk tier (cache/disk_tier.py): READY checkpoints written through to files under this
+    # directory, keyed by prefix, model, dtype, layout and tokenizer, read back after a restart (None:
+    # no disk tier); bounded by checkpoint_dir_bytes (None: a quarter of the file system's free space
+    # at start-up), least recently used files leave first
+    checkpoint_dir: str | None = None
+    checkpoint_dir_bytes: int | None = None
     # keep every checkpoint's state at a multiple of SCAN_CHUNK_TOKENS at or before its position, and
     # end prefill chunks there, so the chunked recurrent scans of a consumer run over the same chunks
     # as without checkpoints (bf16 results bit-identical; each consumer recomputes < 64 tokens)
@@ -543,6 +549,11 @@ class EngineConfig:
             raise ValueError(f"checkpoint_host_bytes must be >= 0, got {self.checkpoint_host_bytes}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.checkpoint_dir_bytes is not None and self.checkpoint_dir_bytes < 1:
+            raise ValueError(f"checkpoint_dir_bytes must be >= 1, got {self.checkpoint_dir_bytes}")
+        if self.checkpoint_dir is not None and self.tensor_parallel_size > 1:
+            raise ValueError("checkpoint_dir needs tensor_parallel_size=1: the disk tier does not write the "
+                             "ranks' shards yet; drop --checkpoint-dir or run one rank")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size=1: the tensor-parallel ranks run "
                              "every step in lockstep; drop one of the two")

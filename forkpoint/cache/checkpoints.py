@@ -52,6 +52,11 @@ host tier on eviction, a restore on a hit in the host tier, a row copy into a ke
 recorded, in order and numbered, as the step plan's device writes (step/plan.py); the scheduler
 takes them (`take_writes`) into the next plan, which the runner applies before that step's forward,
 and gives a failed plan's back (`give_back_writes`).
+
+Disk tier (`disk`, cache/disk_tier.py): a checkpoint that becomes READY is also written to a file
+(`DiskSave`); a lookup that misses the device and the host tier reads and verifies the file here and
+restores it as READY (`DiskRestore`, the verified payload); a file that is damaged or foreign is a
+miss, and the slot and blocks taken for it are released at once.
 """
 
 from __future__ import annotations
@@ -64,9 +69,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from forkpoint.cache.block_pool import BlockPool
+from forkpoint.cache.disk_format import DamagedFile, FileDamage
+from forkpoint.cache.disk_tier import DiskTier
 from forkpoint.cache.host_tier import HostTier
 from forkpoint.cache.state_pool import SlotAllocator
-from forkpoint.step.plan import DeviceWrite, HostDrop, Restore, Spill, StateCopy
+from forkpoint.step.plan import DeviceWrite, DiskDrop, DiskRestore, DiskSave, HostDrop, Restore, Spill, StateCopy
 
 logger = logging.getLogger("forkpoint.checkpoints")
 
@@ -109,8 +116,19 @@ class CacheMissReason(enum.Enum):
     # or output: the template re-rendered it, or the client's text re-tokenised differently
     EVICTED_DEVICE = "evicted_device"  # a checkpoint stood there and was evicted (no host tier)
     EVICTED_HOST = "evicted_host"  # ... and is not in the host tier either
+    EVICTED_DISK = "evicted_disk"  # ... nor in the disk tier (checkpoint_dir), or its file is gone
+    DISK_TRUNCATED = "disk_truncated"  # its file in the disk tier is shorter than its header says
+    DISK_CORRUPT = "disk_corrupt"  # its file's checksum, magic or fields do not match (deleted)
+    DISK_FOREIGN = "disk_foreign"  # its file was written for another model, dtype, layout or tokenizer
+    DISK_READ_ERROR = "disk_read_error"  # the operating system could not read its file
     WAIT_TIMEOUT = "wait_timeout"  # it stopped waiting for an unready checkpoint (checkpoint_wait_s)
     PROMPT_LOGPROBS = "prompt_logprobs"  # the checkpoint there carries no prompt scores for its top-k
+
+
+_DAMAGE_REASONS = {
+    FileDamage.MISSING: CacheMissReason.EVICTED_DISK, FileDamage.TRUNCATED: CacheMissReason.DISK_TRUNCATED,
+    FileDamage.CORRUPT: CacheMissReason.DISK_CORRUPT, FileDamage.FOREIGN: CacheMissReason.DISK_FOREIGN,
+    FileDamage.READ_ERROR: CacheMissReason.DISK_READ_ERROR}
 
 
 @dataclass(eq=False)
@@ -168,10 +186,12 @@ class CheckpointCounters:
 
 
 class CheckpointRegistry:
-    def __init__(self, slots: SlotAllocator, block_pool: BlockPool, host: HostTier | None = None) -> None:
+    def __init__(self, slots: SlotAllocator, block_pool: BlockPool, host: HostTier | None = None,
+                 disk: DiskTier | None = None) -> None:
         self._slots = slots
         self._blocks = block_pool
         self.host = host  # evicted checkpoints spill here and come back on a hit
+        self.disk = disk  # READY checkpoints are written through to files, read back on a miss elsewhere
         self._by_key: dict[bytes, Checkpoint] = {}
         self._lengths: Counter[int] = Counter()
         self._clock = itertools.count(1)
@@ -229,10 +249,12 @@ class CheckpointRegistry:
         """(longest registered checkpoint of length < max_length whose key is prefix_hash(length),
         longest READY one), among those `accept` takes (default: all). `prefix_hash(n)` is the chained
         hash of a prompt's first n tokens. With `restore`, spilled checkpoints count too (the one
-        found is brought back from the host tier); without, only those on the device."""
+        found is brought back from the host or the disk tier); without, only those on the device."""
         longest = ready = None
         host = self.host if restore else None
+        disk = self.disk if restore else None
         lengths = set(self._lengths) | (host.lengths() if host is not None else set())
+        lengths |= disk.lengths() if disk is not None else set()
         for length in sorted(lengths, reverse=True):
             if length >= max_length:
                 continue
@@ -240,6 +262,8 @@ class CheckpointRegistry:
             checkpoint = self._by_key.get(key)
             if checkpoint is None and host is not None and key in host:
                 checkpoint = self._restore(key)
+            if checkpoint is None and disk is not None and key in disk:
+                checkpoint = self._load(key)
             if checkpoint is None or (accept is not None and not accept(checkpoint)):
                 continue
             longest = longest or checkpoint
@@ -340,6 +364,8 @@ class CheckpointRegistry:
             checkpoint.prompt_scores_k = None
         self.counters.created[checkpoint.kind] += 1
         self._touch(checkpoint)
+        if self.disk is not None:
+            self._save(checkpoint)
         logger.debug("ready: %d tokens (%s)", checkpoint.num_tokens, checkpoint.kind.value)
 
     def keep_state(self, checkpoint: Checkpoint, slot: int, blocks: list[int]) -> None:
@@ -471,7 +497,81 @@ class CheckpointRegistry:
         if self.host is not None:
             for entry_id in self.host.clear():
                 self._record(HostDrop(entry_id))
+        if self.disk is not None:
+            for name in self.disk.clear():
+                self._record(DiskDrop(name))
         return True
+
+    # ------------------------------------------------------------------ disk tier
+    def _save(self, checkpoint: Checkpoint) -> None:
+        """Write a checkpoint that just became READY through to the disk tier (unless it has the file)."""
+        name, dropped = self.disk.save(checkpoint.key, checkpoint.num_tokens, len(checkpoint.blocks))
+        for old in dropped:
+            self._record(DiskDrop(old))
+        if name is not None:
+            self._record(DiskSave(name, checkpoint.key, checkpoint.num_tokens, checkpoint.state_tokens,
+                                  checkpoint.kind.value, checkpoint.slot, tuple(checkpoint.blocks)))
+
+    def _load(self, key: bytes) -> Checkpoint | None:
+        """Bring a checkpoint back from its file as READY; None when the device pools have no room for
+        it (the file stays) or the file is not usable (a miss: rejected, the slot and blocks released)."""
+        num_blocks = self.disk.num_blocks(key)
+        if num_blocks > self._blocks.num_blocks:  # written by an engine with a larger KV pool: never fits
+            return None
+        if self._slots.num_free == 0 and not self.evict_one():
+            return None
+        while self._blocks.num_free < num_blocks:
+            if not self.evict_one():
+                return None
+        slot, blocks = self._slots.allocate(), self._blocks.allocate(num_blocks)
+        try:
+            header, payload = self.disk.load(key)
+            kind = CheckpointKind(header.kind)
+            if header.num_blocks != num_blocks:
+                raise DamagedFile(FileDamage.CORRUPT, f"{header.num_blocks} KV blocks, its size says {num_blocks}")
+        except (DamagedFile, ValueError) as error:
+            self._slots.free(slot)
+            self._blocks.release(blocks)
+            name = self.disk.reject(key, error.damage if isinstance(error, DamagedFile) else FileDamage.CORRUPT)
+            if name is not None:
+                self._record(DiskDrop(name))
+            return None
+        self._record(DiskRestore(slot, tuple(blocks), payload))
+        checkpoint = Checkpoint(key, header.num_tokens, slot, kind, CheckpointState.READY, None,
+                                state_tokens=header.state_tokens, blocks=blocks)
+        self._touch(checkpoint)
+        self._by_key[key] = checkpoint
+        self._lengths[header.num_tokens] += 1
+        logger.debug("restored from the disk tier: %d-token %s checkpoint", header.num_tokens, kind.value)
+        return checkpoint
+
+    def read_ahead(self, prefix_hash: Callable[[int], bytes], max_length: int) -> None:
+        """A prompt was queued: when its longest checkpoint (length < max_length) is only on disk, start
+        reading that file now, so that its admission's lookup finds it in memory (cache/disk_tier.py)."""
+        if self.disk is None or not len(self.disk):
+            return
+        lengths = set(self._lengths) | self.disk.lengths() | (self.host.lengths() if self.host is not None else set())
+        for length in sorted(lengths, reverse=True):
+            if length >= max_length:
+                continue
+            key = prefix_hash(length)
+            if key in self._by_key or (self.host is not None and key in self.host):
+                return
+            if key in self.disk:
+                self.disk.read_ahead(key)
+                return
+
+    def disk_miss(self, prefix_hash: Callable[[int], bytes], cached: int, max_length: int) -> CacheMissReason | None:
+        """The reason a prompt (its prefix hashes) missed a file of the disk tier that would have
+        given it more than `cached` tokens: the damage of the longest such file rejected recently."""
+        if self.disk is None:
+            return None
+        for length in sorted(self.disk.failure_lengths(), reverse=True):
+            if cached < length < max_length:
+                failure = self.disk.failure(prefix_hash(length))
+                if failure is not None:
+                    return _DAMAGE_REASONS[failure[1]]
+        return None
 
     def _touch(self, checkpoint: Checkpoint) -> None:
         checkpoint.last_used = next(self._clock)

@@ -108,28 +108,33 @@ class AutoCheckpointPlanner:
     def miss_reason(self, request: Request, cached: int) -> CacheMissReason | None:
         """Why `request`, admitted with `cached` prompt tokens from a checkpoint, reuses less than its
         prompt shares with the sequences seen before it (None: it reuses all it can). Counted in
-        `misses` once per prompt (at its first sequence's first admission)."""
+        `misses` once per prompt (at its first sequence's first admission). A file of the disk tier that
+        would have given more and was found damaged, foreign or gone names its own reason first."""
         progress = request.checkpointing
         shared = progress.shared
-        if shared is None or cached >= shared.reusable:
-            return None
-        if progress.gave_up_waiting:
-            reason = CacheMissReason.WAIT_TIMEOUT
-        elif shared.reusable < self.min_tokens:
-            reason = CacheMissReason.BELOW_MINIMUM
-        elif any(p > cached and self.registry.get(request.hasher.prefix_hash(p)) is None for p in shared.placed):
-            reason = CacheMissReason.EVICTED_HOST if self.registry.host is not None else CacheMissReason.EVICTED_DEVICE
-        elif request.params.prompt_logprobs is not None and any(
-                p > cached and self.registry.get(request.hasher.prefix_hash(p)) is not None for p in shared.placed):
-            reason = CacheMissReason.PROMPT_LOGPROBS
-        elif shared.in_turn:
-            reason = CacheMissReason.TEMPLATE_DIVERGENCE
-        else:
-            reason = CacheMissReason.NO_CHECKPOINT
+        reason = self.registry.disk_miss(request.hasher.prefix_hash, cached, len(request.prompt_token_ids))
+        if reason is None:
+            if shared is None or cached >= shared.reusable:
+                return None
+            reason = self._reason_in_memory(request, cached, shared)
         if request.index == 0 and not progress.miss_counted:
             progress.miss_counted = True
             self.misses[reason] += 1
         return reason
+
+    def _reason_in_memory(self, request: Request, cached: int, shared: SharedPrefix) -> CacheMissReason:
+        """`miss_reason` for a prompt that reuses less than `shared.reusable` tokens, no file at fault."""
+        if request.checkpointing.gave_up_waiting:
+            return CacheMissReason.WAIT_TIMEOUT
+        if shared.reusable < self.min_tokens:
+            return CacheMissReason.BELOW_MINIMUM
+        if any(p > cached and self.registry.get(request.hasher.prefix_hash(p)) is None for p in shared.placed):
+            return (CacheMissReason.EVICTED_DISK if self.registry.disk is not None else CacheMissReason.EVICTED_HOST
+                    if self.registry.host is not None else CacheMissReason.EVICTED_DEVICE)
+        if request.params.prompt_logprobs is not None and any(
+                p > cached and self.registry.get(request.hasher.prefix_hash(p)) is not None for p in shared.placed):
+            return CacheMissReason.PROMPT_LOGPROBS
+        return CacheMissReason.TEMPLATE_DIVERGENCE if shared.in_turn else CacheMissReason.NO_CHECKPOINT
 
     def _remember(self, owner: str, turn_end: int, placed: list[int]) -> None:
         self._seen.pop(owner, None)

@@ -33,6 +33,7 @@ from forkpoint.inputs.multimodal import ImagePromptProcessor, image_prompt_proce
 from forkpoint.inputs.processor import InputProcessor, PromptLimits
 from forkpoint.inputs.tokenizer import load_tokenizer
 from forkpoint.models.loader import build_model
+from forkpoint.runner.disk_io import open_disk_tier
 from forkpoint.runner.model_runner import ModelRunner
 from forkpoint.runner.multimodal import MultimodalInputs
 from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_sizes, graph_blocker
@@ -149,7 +150,12 @@ class EngineBuilder:
         host_bytes = self._host_tier_bytes() if config.enable_checkpoints else 0
         host = (HostTier(host_bytes, shapes.slot_bytes, shapes.block_bytes(config.block_size))
                 if host_bytes > 0 else None)
-        self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool, host)
+        disk = None  # the disk tier: its directory here, its writer in the storage (tensor_parallel_size 1)
+        if config.enable_checkpoints and config.checkpoint_dir is not None:
+            disk, writer = open_disk_tier(config, model_path, Path(config.tokenizer or model_path),
+                                          shapes, self.device, self.dtype)
+            storage.attach_disk(writer)
+        self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool, host, disk)
                          if config.enable_checkpoints else None)
         memory = MemoryPlan(checkpoint_rows=self.state_pool.checkpoints.count,
                             request_rows=self.state_pool.requests.count, row_bytes=shapes.slot_bytes,

@@ -222,9 +222,11 @@ class LLMEngine:
             raise self._fail_steps([step], error) from error
         try:
             self.scheduler.commit(step)
-            return self._record(step, result)
+            outputs = self._record(step, result)
         except Exception as error:  # commit or output work raised: the step's prompts end, the engine serves on
             raise self._fail_steps([step], error) from error
+        self._persist_when_idle()
+        return outputs
 
     def _record(self, step: ScheduledStep, result: StepResult) -> list[RequestOutput]:
         """A committed step's sampled tokens onto its sequences (a sequence that has ended since it
@@ -293,7 +295,26 @@ class LLMEngine:
         if launch_error is not None:
             raise self._fail_steps([ahead], launch_error, outputs) from launch_error
         self._complete_idle_steps()
+        self._persist_when_idle()
         return outputs
+
+    def _persist_when_idle(self) -> None:
+        """With the disk tier, an engine that goes idle applies the device writes its last commits
+        recorded (the last checkpoints' `DiskSave`s): no plan would carry them before the next request,
+        and a process stopped meanwhile would lose them. A failure is logged and the writes go to the
+        next plan (a storage applies each once)."""
+        registry = self.registry
+        if (registry is None or registry.disk is None or self._launched or self.scheduler.in_flight
+                or self.scheduler.has_unfinished()):
+            return
+        first, writes = registry.take_writes()
+        if not writes:
+            return
+        try:
+            self.runner.apply_writes(writes, first)
+        except Exception:
+            logger.exception("applying the idle engine's device writes failed; the next step applies them")
+            registry.give_back_writes(first, writes)
 
     def _complete_idle_steps(self) -> None:
         """Complete (wait for, commit) the enqueued steps once every sequence in them has ended:
@@ -391,10 +412,10 @@ class LLMEngine:
         return values
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every checkpoint (device and host tier) and every prompt the automatic checkpoints
-        indexed, so the next prompts compute from scratch (vLLM's `reset_prefix_cache`: benchmarks,
-        tests that compare two runs on one engine). False, and nothing changed, while requests are
-        unfinished."""
+        """Forget every checkpoint (device, host and disk tier: its files are deleted) and every prompt
+        the automatic checkpoints indexed, so the next prompts compute from scratch (vLLM's
+        `reset_prefix_cache`: benchmarks, tests that compare two runs on one engine). False, and
+        nothing changed, while requests are unfinished."""
         if self._groups or self._launched:
             return False
         if self.registry is None:
@@ -403,6 +424,7 @@ class LLMEngine:
             return False
         if self.scheduler.auto is not None:
             self.scheduler.auto.forget()
+        self._persist_when_idle()  # the disk tier's deletions
         return True
 
     def checkpoint_keys(self) -> frozenset[bytes]:

@@ -23,6 +23,8 @@ def check_holdings(scheduler: Scheduler) -> None:
     if registry is not None:
         if registry.host is not None:
             registry.host.check_integrity()
+        if registry.disk is not None:
+            registry.disk.check_integrity()
         expected.update(registry.block_refs())
     scheduler.blocks.check_integrity(dict(expected))
     slots = [r.slot for r in holders]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.checkpoints import CheckpointKind, CheckpointRegistry
+from forkpoint.cache.disk_format import FileDamage
 from forkpoint.cache.state_pool import StatePool
 
 
@@ -28,6 +29,13 @@ def checkpoint_metrics(registry: CheckpointRegistry | None) -> dict[str, int]:
                       checkpoints_dropped_from_host=tier.dropped, host_tier_checkpoints=len(registry.host),
                       host_tier_bytes=registry.host.num_bytes,
                       host_tier_capacity_bytes=registry.host.capacity_bytes)
+    if registry.disk is not None:
+        disk = registry.disk.counters
+        values.update(checkpoints_saved_to_disk=disk.saved, checkpoints_loaded_from_disk=disk.loaded,
+                      checkpoints_dropped_from_disk=disk.dropped, disk_tier_checkpoints=len(registry.disk),
+                      disk_tier_bytes=registry.disk.num_bytes, disk_tier_capacity_bytes=registry.disk.capacity_bytes,
+                      disk_reads_ahead=disk.read_ahead, disk_reads_ahead_used=disk.read_ahead_used)
+        values.update({f"disk_files_rejected_{damage.value}": disk.damaged[damage] for damage in FileDamage})
     return values
 
 

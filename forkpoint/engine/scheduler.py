@@ -117,6 +117,8 @@ class Scheduler:
                 self._place(placement, now)
         self._live[request.request_id] = request
         self.waiting.append(request)
+        if self.registry is not None:
+            self.registry.read_ahead(request.hasher.prefix_hash, len(request.prompt_token_ids))
 
     def _place(self, placement: Placement, now: float) -> None:
         producer, position = placement.producer, placement.position
@@ -431,8 +433,10 @@ class Scheduler:
             self.stats.checkpoint_hits += 1
             if start % self.block_size:
                 planning.kv_copies.append(KVCopy(shared[full], request.blocks[full], start % self.block_size))
-        request.cache_miss_reason = (self.auto.miss_reason(request, start) if self.auto is not None else
-                                     None if self.registry is not None else CacheMissReason.DISABLED)
+        request.cache_miss_reason = (
+            self.auto.miss_reason(request, start) if self.auto is not None else CacheMissReason.DISABLED
+            if self.registry is None else self.registry.disk_miss(request.hasher.prefix_hash, start,
+                                                                  len(request.prompt_token_ids)))
         self._claim_checkpoints(request, start, now)
         if progress.waiting_on is not None:
             self._stop_waiting(request, now)

@@ -24,7 +24,7 @@ from forkpoint.runner.step_sampler import PendingStep, StepSampler
 from forkpoint.runner.storage import DeviceStorage
 from forkpoint.runner.warmup import WarmupReport, warm_up
 from forkpoint.step.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
-from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan
+from forkpoint.step.plan import DeviceWrite, KVCopy, Segment, SegmentKind, StepPlan
 
 logger = logging.getLogger("forkpoint")
 
@@ -303,6 +303,10 @@ class ModelRunner:
             batch = self.multimodal.attach(plan.ordered(), batch)
         return batch, sampled
 
+    def apply_writes(self, writes: Sequence[DeviceWrite], first: int) -> None:
+        """Apply device writes outside a step (an idle engine's last ones; step/plan.py numbering)."""
+        self.storage.apply(writes, first)
+
     def execute(self, plan: StepPlan, feed: torch.Tensor | None = None) -> PendingStep:
         """Run one step: forward, then sample and score as `plan.sampling` says (runner/step_sampler.py).
         Enqueues the step; only prompt scores are read back here. `feed`: the token ids the step before
@@ -328,8 +332,10 @@ class ModelRunner:
         self.sampling.check_integrity(live_ids)
 
     def metrics(self) -> dict[str, int | float]:
-        """The CUDA-graph and image-encoder counters (none when neither runs)."""
+        """The CUDA-graph, image-encoder and disk-writer counters (none when none runs)."""
         values: dict[str, int | float] = {}
+        if self.storage.disk is not None:
+            values.update(self.storage.disk.metrics())
         piecewise = self.piecewise
         if piecewise is not None:
             values.update(cuda_graph_core_capture_failures=piecewise.core_capture_failures,

@@ -3,7 +3,8 @@
 The bookkeeping (cache/: block ids, slot ids, the checkpoint life cycle, the host tier's directory)
 decides which row and block holds what; this class holds the tensors those indices address and
 applies each step plan's device writes (step/plan.py: state-row copies, spills to the host tier,
-restores from it, host frees) in order. The forward then reads and writes the same tensors through
+restores from it, host frees; the disk tier's saves, restores and deletions, whose file work is
+runner/disk_io.py's) in order. The forward then reads and writes the same tensors through
 `caches` (the model's view). A tensor-parallel rank holds its own storage (its heads) with the same
 rows and blocks, and applies the same plans.
 
@@ -35,7 +36,8 @@ from forkpoint.cache.sizing import PoolShapes, PoolSizes, plan_pools
 from forkpoint.cache.state_pool import ZERO_SLOT
 from forkpoint.config import EngineConfig
 from forkpoint.models.qwen3_5 import LayerCaches
-from forkpoint.step.plan import DeviceWrite, HostDrop, Restore, Spill, StateCopy
+from forkpoint.runner.disk_io import DiskWriter, payload_tensors, split_payload
+from forkpoint.step.plan import DeviceWrite, DiskDrop, DiskRestore, DiskSave, HostDrop, Restore, Spill, StateCopy
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class DeviceStorage:
         self.conv = [self.conv_stack[i] for i in range(layers)]
         self.ssm = [self.ssm_stack[i] for i in range(layers)]
         self.host: dict[int, HostCopy] = {}
+        self.disk: DiskWriter | None = None  # the disk tier's writer (`attach_disk`), None without one
         self.writes_applied = 0  # the number of the next device write to apply (step/plan.py)
         self._pinned = device.type == "cuda"
         self.caches = LayerCaches(conv=self.conv, ssm=self.ssm, k=self.k, v=self.v, conv_stack=self.conv_stack,
@@ -93,6 +96,12 @@ class DeviceStorage:
             self._restore(write)
         elif isinstance(write, HostDrop):
             del self.host[write.entry]
+        elif isinstance(write, DiskSave):
+            self._disk_save(write)
+        elif isinstance(write, DiskRestore):
+            self._disk_restore(write)
+        elif isinstance(write, DiskDrop):
+            self._writer().drop(write.name)
         else:
             raise TypeError(f"unknown device write {write!r}")
 
@@ -122,6 +131,46 @@ class DeviceStorage:
             index = torch.tensor(write.blocks, dtype=torch.long, device=self.device)
             for cache, kept in zip(self.k + self.v, saved.k + saved.v):
                 cache.index_copy_(0, index, kept.to(self.device, non_blocking=True))
+
+    def attach_disk(self, writer: DiskWriter) -> None:
+        """The disk tier's writer, which the plans' `DiskSave`s and `DiskDrop`s go to."""
+        self.disk = writer
+
+    def _writer(self) -> DiskWriter:
+        if self.disk is None:
+            raise RuntimeError("a plan writes to the disk tier, but this storage has no disk writer")
+        return self.disk
+
+    def _disk_save(self, write: DiskSave) -> None:
+        """Host copies of the row and blocks (enqueued on the device stream), written by the writer's
+        thread once they are done; the checkpoint stays on the device."""
+        writer = self._writer()
+        index = torch.tensor(write.blocks, dtype=torch.long, device=self.device)
+        tensors = payload_tensors(self._to_host(self.conv_stack[:, write.slot]),
+                                  self._to_host(self.ssm_stack[:, write.slot]),
+                                  [self._to_host(k.index_select(0, index)) for k in self.k],
+                                  [self._to_host(v.index_select(0, index)) for v in self.v])
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        writer.save(write.name, write.key, write.num_tokens, write.state_tokens, len(write.blocks), write.kind,
+                    tensors, ready)
+
+    def _disk_restore(self, write: DiskRestore) -> None:
+        if write.slot == ZERO_SLOT:
+            raise ValueError("the zero state row is never written")
+        n = len(write.blocks)
+        targets = [(tuple(self.conv_stack[:, 0].shape), self.conv_stack.dtype),
+                   (tuple(self.ssm_stack[:, 0].shape), self.ssm_stack.dtype)]
+        targets += [((n, *cache.shape[1:]), cache.dtype) for cache in (t for pair in zip(self.k, self.v) for t in pair)]
+        conv, ssm, *kv = split_payload(write.payload, targets)
+        self.conv_stack[:, write.slot].copy_(conv)
+        self.ssm_stack[:, write.slot].copy_(ssm)
+        if n:
+            index = torch.tensor(write.blocks, dtype=torch.long, device=self.device)
+            for cache, kept in zip((t for pair in zip(self.k, self.v) for t in pair), kv):
+                cache.index_copy_(0, index, kept.to(self.device))
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pinned)

@@ -61,6 +61,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
                        help="bytes of host memory that checkpoints evicted from the device spill to and return "
                             "from on a hit; 0: no host tier (default: a quarter of the machine's memory, at most "
                             "64 GiB, split over the tensor-parallel ranks; none on the CPU)")
+    group.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                       help="keep checkpoints as files in DIR (written through when they are made, read back on a "
+                            "miss in memory), keyed by prefix, model, dtype, layout and tokenizer: a restarted "
+                            "server reuses them; a damaged or foreign file is a miss (default: no disk tier)")
+    group.add_argument("--checkpoint-dir-bytes", type=int, default=None, metavar="BYTES",
+                       help="most bytes of checkpoint files in --checkpoint-dir, least recently used leave first "
+                            "(default: a quarter of the file system's free space at start-up)")
     group.add_argument("--checkpoint-exact", action="store_true",
                        help="GPU: keep checkpoint states at scan-chunk boundaries so consumers' bf16 results are "
                             "bit-identical to a run without checkpoints (recomputes up to 63 tokens per consumer)")
@@ -107,6 +114,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_checkpoints_per_request=args.max_checkpoints_per_request, load_format=args.load_format,
         enforce_eager=args.enforce_eager, auto_checkpoints=args.auto_checkpoints,
         checkpoint_host_bytes=args.checkpoint_host_bytes, checkpoint_exact=args.checkpoint_exact,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_dir_bytes=args.checkpoint_dir_bytes,
         tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
         structured_outputs_config=args.structured_outputs_config,
     )

@@ -53,6 +53,8 @@ def startup_summary(llm: LLM, config: ServerConfig, max_request_bytes: int, load
     lines.append(engine.runner.graph_summary() if engine.graphs_off_reason is None
                  else f"CUDA graphs: off, every step runs eagerly ({engine.graphs_off_reason})")
     lines.append(host_tier_summary(values))
+    if cfg.enable_checkpoints:
+        lines.append(disk_tier_summary(values, cfg.checkpoint_dir))
     variants = kernel_variants(engine.device.type == "cuda")
     lines.append("kernels: " + ", ".join(f"{op} {variant}" for op, variant in variants.items()))
     lines.append(f"requests: at most {max_request_bytes:,} bytes (--max-request-bytes), "
@@ -69,6 +71,25 @@ def host_tier_summary(values: dict[str, float]) -> str:
                 "already): an evicted checkpoint is gone")
     return (f"host tier: {capacity / 2**30:.1f} GiB of host memory (--checkpoint-host-bytes): evicted checkpoints "
             "spill there (state rows and KV blocks) and come back on a hit")
+
+
+def disk_tier_summary(values: dict[str, float], directory: str | None) -> str:
+    """The start-up line on the disk tier (files that survive a restart)."""
+    if directory is None:
+        return "disk tier: off (--checkpoint-dir): checkpoints do not survive a restart"
+    return (f"disk tier: {directory}, {values.get('disk_tier_checkpoints', 0):.0f} checkpoint files of this model "
+            f"found, at most {values.get('disk_tier_capacity_bytes', 0) / 2**30:.1f} GiB (--checkpoint-dir-bytes): "
+            "checkpoints are written through and read back, verified, on a miss in memory")
+
+
+def _disk_traffic(values: dict[str, float], delta: Callable[[str], float]) -> str:
+    """' | disk tier: ...' for the stats line, or '' without a disk tier."""
+    if "disk_tier_capacity_bytes" not in values:
+        return ""
+    rejected = sum(delta(key) for key in values if key.startswith("disk_files_rejected_"))
+    return (f" | disk tier: {delta('checkpoints_saved_to_disk'):.0f} saved, "
+            f"{delta('checkpoints_loaded_from_disk'):.0f} loaded, {rejected:.0f} rejected, "
+            f"{values.get('disk_tier_checkpoints', 0):.0f} files ({values.get('disk_tier_bytes', 0) / 2**30:.2f} GiB)")
 
 
 def _tier_traffic(values: dict[str, float], delta: Callable[[str], float]) -> str:
@@ -118,7 +139,7 @@ class StatsLine:
                 f"{values.get('state_slots_total', 0)}, checkpoint slots {values.get('checkpoint_slots_used', 0)}/"
                 f"{values.get('checkpoint_slots_total', 0)} | checkpoints: {delta('checkpoint_hits'):.0f} hits, "
                 f"{max(reused, 0):,.0f} prompt tokens reused, hit rate {share} of prompt tokens since start"
-                + _tier_traffic(values, delta) + _by_kind(values, last))
+                + _tier_traffic(values, delta) + _disk_traffic(values, delta) + _by_kind(values, last))
 
 
 SAVED_PREFIX = "checkpoint_tokens_saved_"

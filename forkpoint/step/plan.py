@@ -19,6 +19,11 @@ nothing else writes it. The kinds of write, in the order the runner applies them
          Restore(entry, slot, blocks)     host entry `entry` -> a state row and KV blocks (it comes
                                           back as a READY checkpoint); the entry leaves the host
          HostDrop(entry)                  host entry `entry` is freed (the host tier's LRU)
+         DiskSave(name, slot, blocks, ..) a READY checkpoint's state row and KV blocks -> the file
+                                          `name` (copied to the host now, written by a background
+                                          thread; cache/disk_tier.py); it stays on the device
+         DiskRestore(slot, blocks, payload)  a verified file's payload -> a state row and KV blocks
+         DiskDrop(name)                   the file `name` is deleted (after any pending write of it)
        Writes are numbered in the order they were recorded: writes[i] is number first_write + i.
        A storage applies each number once (`DeviceStorage.apply`): the writes of a step that failed
        come again in the next plan (whether or not the runner got to them), and a storage skips
@@ -39,7 +44,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from forkpoint.step.sampling import StepSampling
@@ -138,7 +143,39 @@ class HostDrop:
     entry: int
 
 
-DeviceWrite = StateCopy | Spill | Restore | HostDrop
+@dataclass(frozen=True)
+class DiskSave:
+    """State row `slot` and KV `blocks` of the READY checkpoint keyed `key` (its prefix of `num_tokens`
+    tokens, its state after `state_tokens`, its kind's value `kind`) written to the file `name`
+    (relative to the checkpoint directory) off the step's critical path."""
+
+    name: str
+    key: bytes
+    num_tokens: int
+    state_tokens: int
+    kind: str
+    slot: int
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DiskRestore:
+    """A checkpoint file's payload, read and verified on the host (cache/disk_tier.py), copied into
+    state row `slot` and KV `blocks` (runner/disk_io.py's layout)."""
+
+    slot: int
+    blocks: tuple[int, ...]
+    payload: bytearray = field(compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class DiskDrop:
+    """The checkpoint file `name` (relative to the checkpoint directory) is deleted."""
+
+    name: str
+
+
+DeviceWrite = StateCopy | Spill | Restore | HostDrop | DiskSave | DiskRestore | DiskDrop
 
 
 @dataclass(frozen=True)

@@ -33,3 +33,14 @@ def test_agent_sessions_bench(tmp_path):
     saved = json.loads((tmp_path / "agent_sessions.json").read_text())
     assert saved["reuse"]["prompt_tokens"] == res["reuse"]["prompt_tokens"]
     assert (tmp_path / "agent_sessions.png").stat().st_size > 0
+
+
+def test_agent_sessions_bench_after_a_restart(tmp_path):
+    """--restart: the server started again on the same --checkpoint-dir computes, for the first turn of
+    new sessions, only what they do not share with each other's (and the first server's) system prompt."""
+    res = agent_sessions.main(["--restart", "--sessions", "2", "--turns", "1", "--system-words", "60", "--doc-words",
+                               "20", "--tool-words", "5", "--reply-tokens", "2", "--out", str(tmp_path),
+                               "--start-timeout", "300"])
+    [row] = res["restart"]["turns"]
+    assert row["shared_tokens"] > 200 and row["cached_tokens"] == row["shared_tokens"]
+    assert res["restart"]["computed_tokens"] == res["restart"]["prompt_tokens"] - 2 * row["shared_tokens"]

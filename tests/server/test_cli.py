@@ -20,7 +20,8 @@ from forkpoint.server.engine_args import engine_kwargs
 ENGINE_OPTIONS = ["--dtype", "--device", "--seed", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
                   "--block-size", "--checkpoint-token", "--no-checkpoints", "--max-checkpoints-per-request",
                   "--load-format", "--enforce-eager", "--tensor-parallel-size", "--async-scheduling", "--revision",
-                  "--tokenizer-revision", "--download-dir", "--structured-outputs-config"]
+                  "--tokenizer-revision", "--download-dir", "--structured-outputs-config", "--checkpoint-dir",
+                  "--checkpoint-dir-bytes"]
 SERVE_OPTIONS = ["--host", "--port", "--served-model-name", "--max-waiting-requests", "--marker-in-user-content"]
 BENCH_OPTIONS = ["--url", "--anchor-tokens", "--suffix-tokens", "--n", "--max-tokens", "--concurrency", "--out"]
 
@@ -50,6 +51,9 @@ def test_hub_names_are_served_as_given_with_their_revision(tmp_path):
                                       '{"disable_additional_properties": false}'])
     kwargs = engine_kwargs(args)
     assert (kwargs["model"], kwargs["revision"]) == ("Qwen/Qwen3.5-35B-A3B", "v1")
+    assert kwargs["checkpoint_dir"] is None
+    args = build_parser().parse_args(["serve", "--checkpoint-dir", str(tmp_path), "--checkpoint-dir-bytes", "4096"])
+    assert (engine_kwargs(args)["checkpoint_dir"], engine_kwargs(args)["checkpoint_dir_bytes"]) == (str(tmp_path), 4096)
     assert kwargs["download_dir"] == str(tmp_path)
     assert kwargs["structured_outputs_config"] == {"disable_additional_properties": False}
     assert _model_name("Qwen/Qwen3.5-35B-A3B") == "Qwen/Qwen3.5-35B-A3B"

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from forkpoint.server.config import ServerConfig
-from forkpoint.server.stats import StatsLine, host_tier_summary
+from forkpoint.server.stats import StatsLine, disk_tier_summary, host_tier_summary
 from tests.server.conftest import RunningServer, serve
 
 
@@ -111,6 +111,21 @@ def test_stats_line_and_start_up_summary_show_the_host_tier():
         {k: v for k, v in base.items() if "tier" not in k and "spilled" not in k}, 10.0)
     assert host_tier_summary(later).startswith("host tier: 2.0 GiB of host memory")
     assert host_tier_summary({"host_tier_capacity_bytes": 0}).startswith("host tier: off")
+
+
+def test_stats_line_disk_tier():
+    base = {"prompt_tokens_total": 0, "prompt_tokens_computed": 0, "num_running": 1, "checkpoints_saved_to_disk": 3,
+            "checkpoints_loaded_from_disk": 1, "disk_files_rejected_corrupt": 0, "disk_files_rejected_foreign": 0,
+            "disk_tier_checkpoints": 3, "disk_tier_bytes": 2**29, "disk_tier_capacity_bytes": 2**32}
+    later = {**base, "checkpoints_saved_to_disk": 8, "checkpoints_loaded_from_disk": 3,
+             "disk_files_rejected_corrupt": 1, "disk_files_rejected_foreign": 1, "disk_tier_checkpoints": 7,
+             "disk_tier_bytes": 2**30}
+    line = StatsLine(base, now=0.0).line(later, now=10.0)
+    assert "disk tier: 5 saved, 2 loaded, 2 rejected, 7 files (1.00 GiB)" in line
+    assert "disk tier" not in StatsLine({"num_running": 1}, 0.0).line({"num_running": 1}, 10.0)
+    assert disk_tier_summary(later, "/ckpt").startswith("disk tier: /ckpt, 7 checkpoint files of this model found, "
+                                                        "at most 4.0 GiB")
+    assert disk_tier_summary({}, None).startswith("disk tier: off")
 
 
 def test_stats_line_reuse_by_kind_evictions_and_misses():
