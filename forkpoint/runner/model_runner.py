@@ -34,6 +34,7 @@ WARMUP_MAX_CONTEXT = 4096
 
 if TYPE_CHECKING:  # annotations only: a tensor-parallel worker imports this module without the image stack
     from forkpoint.runner.multimodal import MultimodalInputs
+    from forkpoint.runner.speculative import FinishedStep, MTPDrafter
 
 
 class _Staging:
@@ -238,10 +239,14 @@ class ModelRunner:
     per step; a plain attribute, so benchmarks can detach it (None). Then the varlen cores of
     prefill and mixed steps are compiled and autotuned by a warm-up on the pools' scratch rows
     (runner/warmup.py; `warmup` reports it), so no served step compiles.
+
+    With a `drafter` (speculative decoding, runner/speculative.py) every step runs through it: the
+    plain forward, sampling, verification of the plan's drafts and the MTP head's next drafts.
     """
 
     def __init__(self, model: CausalLM, storage: DeviceStorage, device: torch.device,
-                 multimodal: MultimodalInputs | None = None, piecewise: PiecewiseForward | None = None) -> None:
+                 multimodal: MultimodalInputs | None = None, piecewise: PiecewiseForward | None = None,
+                 drafter: MTPDrafter | None = None) -> None:
         self.model = model
         self.device = device
         self.storage = storage
@@ -249,6 +254,7 @@ class ModelRunner:
         self.caches = storage.caches
         self.multimodal = multimodal  # image positions and vision-tower rows; None for text-only engines
         self.piecewise = piecewise
+        self.drafter = drafter
         self.sampling = StepSampler(model.config.vocab_size, device)  # penalty counts, generators across steps
         self.scratch_block, self.scratch_slot = storage.scratch_block, storage.scratch_slot
         self.decode_graphs: DecodeGraphs | None = None
@@ -303,11 +309,15 @@ class ModelRunner:
             batch = self.multimodal.attach(plan.ordered(), batch)
         return batch, sampled
 
-    def execute(self, plan: StepPlan, feed: torch.Tensor | None = None) -> PendingStep:
+    def execute(self, plan: StepPlan, feed: torch.Tensor | None = None) -> PendingStep | FinishedStep:
         """Run one step: forward, then sample and score as `plan.sampling` says (runner/step_sampler.py).
         Enqueues the step; only prompt scores are read back here. `feed`: the token ids the step before
         sampled (its `PendingStep.feed`), for a plan scheduled while that step ran (see
-        `build_forward_batch`)."""
+        `build_forward_batch`). With a drafter, the whole speculative step runs here (no `feed`)."""
+        if self.drafter is not None:
+            if feed is not None:
+                raise ValueError("speculative steps are never scheduled ahead: no feed is taken")
+            return self.drafter.execute(self, plan)
         batch, sampled = self.prepare(plan, feed)
         return self.sampling.launch(plan, sampled, self.forward(batch))
 
