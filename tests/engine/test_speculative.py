@@ -1,0 +1,226 @@
+"""Speculative decoding with the MTP head (`speculative_config`) against the engine without it.
+
+Float32 CPU, tiny Qwen3.5 dense, Qwen3.5-MoE and Qwen3-Next models with random MTP weights
+(tests/tiny_models.add_mtp_weights). Greedy outputs (tokens, and logprobs within 1e-5) equal the
+plain engine's with checkpoints from markers, automatic ones and turn ends, on fresh and warm
+engines; the engine's integrity holds after every step. Random MTP weights are rarely right, so most
+tests also replace the head's drafts by an oracle (the plain run's own continuation, 30% of
+its positions corrupted), so that verification accepts, rejects and rolls the recurrent state back at
+every draft position. A fault in a verify step (target forward, MTP head) ends its requests and leaves
+nothing behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from forkpoint import LLM, SamplingParams
+from forkpoint.engine.engine import StepFailed
+from forkpoint.runner.speculative import FinishedStep, MTPDrafter
+from tests.helpers import assert_same_outputs
+from tests.tiny_models import add_mtp_weights, token_words
+
+MARK = "<|mamba_checkpoint|>"
+K = 3
+SPEC = {"method": "mtp", "num_speculative_tokens": K}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+MODEL_TYPES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
+
+
+@pytest.fixture(scope="module", params=MODEL_TYPES)
+def mtp_model(request, tiny_model_factory, tmp_path_factory):
+    source, _ = tiny_model_factory(request.param)
+    directory = tmp_path_factory.mktemp(f"{request.param}_mtp")
+    add_mtp_weights(source, directory)
+    return directory
+
+
+class OracleDrafts:
+    """Replaces the MTP head's drafts with `continuations` (prompt ids -> the plain run's output ids),
+    corrupting output index i when random.Random(i).random() < 0.3 (none unless `corrupt`), so verification
+    sees accepted prefixes of every length. The head itself still runs (its KV)."""
+
+    def __init__(self, llm: LLM, continuations: dict[tuple[int, ...], list[int]], corrupt: bool = True) -> None:
+        self.engine = llm.engine
+        self.continuations = continuations
+        self.corrupt = corrupt
+        drafter = llm.engine.runner.drafter
+        self._execute = drafter.execute
+        drafter.execute = self
+
+    def __call__(self, runner, plan) -> FinishedStep:
+        result = self._execute(runner, plan).result()
+        emitted = dict(zip(result.request_ids, ([t.token_id] for t in result.tokens)))
+        emitted.update({v.request_id: [t.token_id for t in v.tokens] for v in result.verified})
+        requests = {r.request_id: r for r in self.engine.scheduler.running}
+        drafts = {}
+        for request_id in result.drafts:
+            request = requests[request_id]
+            reference = self.continuations[tuple(request.prompt_token_ids)]
+            done = len(request.output_token_ids) + len(emitted.get(request_id, ()))
+            drafts[request_id] = tuple(
+                (token + 1) % 150 if self.corrupt and random.Random(done + i).random() < 0.3 else token
+                for i, token in enumerate(reference[done: done + K]))
+        return FinishedStep(dataclasses.replace(result, drafts=drafts))
+
+
+def continuations(outputs) -> dict[tuple[int, ...], list[int]]:
+    return {tuple(out.prompt_token_ids): list(out.outputs[0].token_ids) for out in outputs}
+
+
+def generate_checked(llm: LLM, prompts, params) -> list:
+    """`llm.generate` step by step, checking the engine's integrity after every step."""
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{i}", prompt, params)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+        engine.check_integrity()
+    return [outputs[f"p{i}"] for i in range(len(prompts))]
+
+
+ANCHOR = token_words(1, 40)
+WORKLOAD = [
+    f"{ANCHOR} {MARK} {token_words(2, 5)}",
+    f"{ANCHOR} {MARK} {token_words(3, 9)}",
+    token_words(4, 7),
+    f"{ANCHOR} {token_words(5, 3)}",  # reuses the marked prefix without a marker
+]
+
+
+def test_greedy_outputs_equal_the_plain_engine_with_checkpoints(mtp_model):
+    plain = LLM(str(mtp_model))
+    reference = plain.generate(WORKLOAD, GREEDY, use_tqdm=False)
+    # the second turn extends the first turn's prompt and output: it reads its turn-end checkpoint
+    second_turn = [f"{WORKLOAD[1]} " + plain.get_tokenizer().decode(reference[1].outputs[0].token_ids)
+                   + f" {token_words(6, 4)}"]
+    reference_turn = plain.generate(second_turn, GREEDY, use_tqdm=False)
+    assert plain.metrics()["checkpoint_hits"] > 0
+
+    llm = LLM(str(mtp_model), speculative_config=SPEC)
+    OracleDrafts(llm, {**continuations(reference), **continuations(reference_turn)})
+    first = generate_checked(llm, WORKLOAD, GREEDY)
+    assert_same_outputs(first, reference)
+    assert [o.num_cached_tokens for o in first] == [o.num_cached_tokens for o in reference]
+    turn = generate_checked(llm, second_turn, GREEDY)
+    assert_same_outputs(turn, reference_turn)
+    assert turn[0].num_cached_tokens == reference_turn[0].num_cached_tokens > 0
+    again = generate_checked(llm, WORKLOAD, GREEDY)  # warm: every prompt resumes at a checkpoint
+    assert_same_outputs(again, reference)
+    metrics = llm.metrics()
+    assert metrics["checkpoint_hits"] > 0
+    # the oracle's drafts: accepted and rejected at every position
+    assert metrics["spec_verifications"] > 0
+    for i in range(1, K + 1):
+        assert 0.0 < metrics[f"spec_acceptance_rate_pos_{i}"] < 1.0, {k: v for k, v in metrics.items() if "spec" in k}
+    assert 1.0 < metrics["spec_mean_acceptance_length"] < K + 1
+    assert metrics["num_running"] == 0 and metrics["num_waiting"] == 0
+
+
+def test_greedy_outputs_equal_without_checkpoints_and_with_the_heads_own_drafts(mtp_model):
+    prompts = [token_words(10 + i, 4 + 5 * i) for i in range(3)]
+    params = dataclasses.replace(GREEDY, n=2, max_tokens=8)
+    reference = LLM(str(mtp_model), enable_checkpoints=False).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(mtp_model), enable_checkpoints=False, speculative_config=SPEC)
+    outputs = generate_checked(llm, prompts, params)
+    for ours, theirs in zip(outputs, reference):
+        assert [c.token_ids for c in ours.outputs] == [c.token_ids for c in theirs.outputs]
+    assert llm.metrics()["spec_verifications"] > 0  # the random head's drafts were verified (and rejected)
+
+
+def test_all_drafts_right_emit_k_plus_one_tokens_a_step(tiny_model_factory, tmp_path_factory):
+    source, _ = tiny_model_factory("qwen3_5_text")
+    directory = tmp_path_factory.mktemp("exact_oracle")
+    add_mtp_weights(source, directory)
+    prompt = token_words(20, 12)
+    params = dataclasses.replace(GREEDY, max_tokens=1 + 4 * (K + 1))
+    reference = LLM(str(directory)).generate([prompt], params, use_tqdm=False)
+    llm = LLM(str(directory), speculative_config=SPEC)
+    OracleDrafts(llm, continuations(reference), corrupt=False)
+    outputs = generate_checked(llm, [prompt], params)
+    assert_same_outputs(outputs, reference)
+    metrics = llm.metrics()
+    assert metrics["spec_verifications"] == 4  # the prefill's token, then four steps of k + 1 tokens
+    assert metrics["spec_mean_acceptance_length"] == K + 1
+    assert all(metrics[f"spec_acceptance_rate_pos_{i}"] == 1.0 for i in range(1, K + 1))
+
+
+def test_stop_inside_the_accepted_tokens_keeps_exactly_the_kept_tokens(tiny_model_factory, tmp_path_factory):
+    """A stop token among the accepted drafts ends the request there; its turn-end checkpoint then holds
+    the state of the tokens it kept (a later turn that reads it matches the plain engine)."""
+    source, _ = tiny_model_factory("qwen3_5_text")
+    directory = tmp_path_factory.mktemp("stop_oracle")
+    add_mtp_weights(source, directory)
+    prompt = token_words(21, 36)
+    long = dataclasses.replace(GREEDY, max_tokens=12)
+    plain = LLM(str(directory))
+    continuation = plain.generate([prompt], long, use_tqdm=False)[0].outputs[0].token_ids
+    stop = dataclasses.replace(long, stop_token_ids=[continuation[3]], ignore_eos=True)
+    reference = plain.generate([prompt], stop, use_tqdm=False)
+    tokenizer = plain.get_tokenizer()
+    follow = [f"{prompt} {tokenizer.decode(reference[0].outputs[0].token_ids)} {token_words(22, 3)}"]
+    reference_follow = plain.generate(follow, long, use_tqdm=False)
+    llm = LLM(str(directory), speculative_config=SPEC)
+    OracleDrafts(llm, {tuple(reference[0].prompt_token_ids): list(continuation),
+                       **continuations(reference_follow)}, corrupt=False)
+    outputs = generate_checked(llm, [prompt], stop)
+    assert_same_outputs(outputs, reference)
+    assert outputs[0].outputs[0].token_ids[-1] == continuation[3]
+    outputs = generate_checked(llm, follow, long)
+    assert_same_outputs(outputs, reference_follow)
+    assert outputs[0].num_cached_tokens == reference_follow[0].num_cached_tokens > len(reference[0].prompt_token_ids)
+
+
+def test_async_scheduling_with_speculation_is_a_clear_error():
+    with pytest.raises(ValueError, match="speculative_config does not run with async_scheduling"):
+        LLM(load_format="dummy", async_scheduling=True, speculative_config=SPEC)
+
+
+def test_a_model_without_mtp_layers_is_a_clear_error(tiny_model_factory):
+    directory, _ = tiny_model_factory("qwen3_5_text")
+    with pytest.raises(ValueError, match="needs a model with MTP layers"):
+        LLM(str(directory), speculative_config=SPEC)
+
+
+@pytest.mark.parametrize("where", ["target", "mtp"])
+@pytest.mark.parametrize("after_calls", [0, 2])
+def test_a_fault_in_a_verify_step_leaves_nothing_behind(mtp_model, where, after_calls):
+    prompts = [f"{ANCHOR} {MARK} {token_words(30 + i, 3)}" for i in range(3)]
+    reference = LLM(str(mtp_model)).generate(prompts, GREEDY, use_tqdm=False)
+    llm = LLM(str(mtp_model), speculative_config=SPEC)
+    OracleDrafts(llm, continuations(reference))
+    model = llm.engine.runner.model
+    module = model.mtp if where == "mtp" else model.model.layers[2].mlp
+    calls = {"verify": 0}
+    scheduler = llm.engine.scheduler
+
+    def hook(_module, _inputs):
+        if scheduler.in_flight and scheduler.in_flight[0].plan.verifies:
+            calls["verify"] += 1
+            if calls["verify"] == after_calls + 1:
+                raise RuntimeError("injected fault in a verify step")
+
+    remove = module.register_forward_pre_hook(hook)
+    with pytest.raises(StepFailed, match="injected fault in a verify step"):
+        generate_checked(llm, prompts, GREEDY)
+    remove()
+    llm.engine.check_integrity()
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.state_pool.requests.num_used == 0
+    assert not scheduler.speculation.held_slots()
+    assert_same_outputs(generate_checked(llm, prompts, GREEDY), reference)
+    llm.engine.check_integrity()
+
+
+def test_the_drafter_needs_an_mtp_head(tiny_model_factory):
+    directory, _ = tiny_model_factory("qwen3_5_text")
+    llm = LLM(str(directory))
+    with pytest.raises(ValueError, match="needs the model built with its MTP head"):
+        MTPDrafter(llm.engine.runner.model, K)
