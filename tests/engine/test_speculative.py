@@ -98,8 +98,8 @@ def test_greedy_outputs_equal_the_plain_engine_with_checkpoints(mtp_model):
     plain = LLM(str(mtp_model))
     reference = plain.generate(WORKLOAD, GREEDY, use_tqdm=False)
     # the second turn extends the first turn's prompt and output: it reads its turn-end checkpoint
-    second_turn = [f"{WORKLOAD[1]} " + plain.get_tokenizer().decode(reference[1].outputs[0].token_ids)
-                   + f" {token_words(6, 4)}"]
+    first_turn = reference[1].prompt_token_ids + list(reference[1].outputs[0].token_ids)
+    second_turn = [{"prompt_token_ids": first_turn + [20, 21, 22]}]
     reference_turn = plain.generate(second_turn, GREEDY, use_tqdm=False)
     assert plain.metrics()["checkpoint_hits"] > 0
 
@@ -110,7 +110,7 @@ def test_greedy_outputs_equal_the_plain_engine_with_checkpoints(mtp_model):
     assert [o.num_cached_tokens for o in first] == [o.num_cached_tokens for o in reference]
     turn = generate_checked(llm, second_turn, GREEDY)
     assert_same_outputs(turn, reference_turn)
-    assert turn[0].num_cached_tokens == reference_turn[0].num_cached_tokens > 0
+    assert turn[0].num_cached_tokens == reference_turn[0].num_cached_tokens == len(first_turn) - 1
     again = generate_checked(llm, WORKLOAD, GREEDY)  # warm: every prompt resumes at a checkpoint
     assert_same_outputs(again, reference)
     metrics = llm.metrics()
@@ -123,9 +123,13 @@ def test_greedy_outputs_equal_the_plain_engine_with_checkpoints(mtp_model):
     assert metrics["num_running"] == 0 and metrics["num_waiting"] == 0
 
 
-def test_greedy_outputs_equal_without_checkpoints_and_with_the_heads_own_drafts(mtp_model):
-    prompts = [token_words(10 + i, 4 + 5 * i) for i in range(3)]
-    params = dataclasses.replace(GREEDY, n=2, max_tokens=8)
+def test_greedy_outputs_equal_without_checkpoints_and_with_the_heads_own_drafts(tiny_model_factory,
+                                                                             tmp_path_factory):
+    source, _ = tiny_model_factory("qwen3_next")
+    mtp_model = tmp_path_factory.mktemp("own_drafts_mtp")
+    add_mtp_weights(source, mtp_model)
+    prompts = [token_words(10 + i, 4 + 5 * i) for i in range(2)]
+    params = dataclasses.replace(GREEDY, n=2, max_tokens=6)
     reference = LLM(str(mtp_model), enable_checkpoints=False).generate(prompts, params, use_tqdm=False)
     llm = LLM(str(mtp_model), enable_checkpoints=False, speculative_config=SPEC)
     outputs = generate_checked(llm, prompts, params)
@@ -157,24 +161,31 @@ def test_stop_inside_the_accepted_tokens_keeps_exactly_the_kept_tokens(tiny_mode
     source, _ = tiny_model_factory("qwen3_5_text")
     directory = tmp_path_factory.mktemp("stop_oracle")
     add_mtp_weights(source, directory)
-    prompt = token_words(21, 36)
     long = dataclasses.replace(GREEDY, max_tokens=12)
     plain = LLM(str(directory))
-    continuation = plain.generate([prompt], long, use_tqdm=False)[0].outputs[0].token_ids
-    stop = dataclasses.replace(long, stop_token_ids=[continuation[3]], ignore_eos=True)
+    # a continuation whose token at output index j first occurs there, j inside a verification's emitted
+    # tokens but not its last (the prefill emits index 0, then each verification k + 1 = 4 tokens)
+    for seed in range(21, 60):
+        prompt = token_words(seed, 36)
+        continuation = plain.generate([prompt], long, use_tqdm=False)[0].outputs[0].token_ids
+        j = next((j for j in range(2, 8) if j % (K + 1) in (2, 3) and continuation[j] not in continuation[:j]), None)
+        if j is not None:
+            break
+    assert j is not None
+    stop = dataclasses.replace(long, stop_token_ids=[continuation[j]], ignore_eos=True)
     reference = plain.generate([prompt], stop, use_tqdm=False)
-    tokenizer = plain.get_tokenizer()
-    follow = [f"{prompt} {tokenizer.decode(reference[0].outputs[0].token_ids)} {token_words(22, 3)}"]
+    kept = reference[0].prompt_token_ids + list(reference[0].outputs[0].token_ids)
+    follow = [{"prompt_token_ids": kept + [30, 31, 32]}]
     reference_follow = plain.generate(follow, long, use_tqdm=False)
     llm = LLM(str(directory), speculative_config=SPEC)
     OracleDrafts(llm, {tuple(reference[0].prompt_token_ids): list(continuation),
                        **continuations(reference_follow)}, corrupt=False)
     outputs = generate_checked(llm, [prompt], stop)
     assert_same_outputs(outputs, reference)
-    assert outputs[0].outputs[0].token_ids[-1] == continuation[3]
+    assert list(outputs[0].outputs[0].token_ids) == list(continuation[: j + 1])
     outputs = generate_checked(llm, follow, long)
     assert_same_outputs(outputs, reference_follow)
-    assert outputs[0].num_cached_tokens == reference_follow[0].num_cached_tokens > len(reference[0].prompt_token_ids)
+    assert outputs[0].num_cached_tokens == reference_follow[0].num_cached_tokens == len(kept) - 1  # its turn end
 
 
 def test_async_scheduling_with_speculation_is_a_clear_error():
@@ -188,9 +199,11 @@ def test_a_model_without_mtp_layers_is_a_clear_error(tiny_model_factory):
         LLM(str(directory), speculative_config=SPEC)
 
 
-@pytest.mark.parametrize("where", ["target", "mtp"])
-@pytest.mark.parametrize("after_calls", [0, 2])
-def test_a_fault_in_a_verify_step_leaves_nothing_behind(mtp_model, where, after_calls):
+@pytest.mark.parametrize(("where", "after_calls"), [("target", 0), ("target", 2), ("mtp", 1)])
+def test_a_fault_in_a_verify_step_leaves_nothing_behind(tiny_model_factory, tmp_path_factory, where, after_calls):
+    source, _ = tiny_model_factory("qwen3_5_moe_text")
+    mtp_model = tmp_path_factory.mktemp("fault_mtp")
+    add_mtp_weights(source, mtp_model)
     prompts = [f"{ANCHOR} {MARK} {token_words(30 + i, 3)}" for i in range(3)]
     reference = LLM(str(mtp_model)).generate(prompts, GREEDY, use_tqdm=False)
     llm = LLM(str(mtp_model), speculative_config=SPEC)
@@ -206,10 +219,10 @@ def test_a_fault_in_a_verify_step_leaves_nothing_behind(mtp_model, where, after_
             if calls["verify"] == after_calls + 1:
                 raise RuntimeError("injected fault in a verify step")
 
-    remove = module.register_forward_pre_hook(hook)
+    handle = module.register_forward_pre_hook(hook)
     with pytest.raises(StepFailed, match="injected fault in a verify step"):
         generate_checked(llm, prompts, GREEDY)
-    remove()
+    handle.remove()
     llm.engine.check_integrity()
     engine = llm.engine
     assert not engine.has_unfinished_requests()
