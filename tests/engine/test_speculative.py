@@ -29,6 +29,11 @@ SPEC = {"method": "mtp", "num_speculative_tokens": K}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
 MODEL_TYPES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
 
+# chi-square quantiles at 1 - 1e-4 by degrees of freedom (scipy.stats.chi2.ppf(1 - 1e-4, df))
+CHI2_CRITICAL_1E4 = {2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74, 6: 27.86, 7: 29.88, 8: 31.83, 9: 33.72, 10: 35.56,
+                     11: 37.37, 12: 39.13, 13: 40.87, 14: 42.58, 15: 44.26, 16: 45.92, 17: 47.57, 18: 49.19,
+                     19: 50.80, 20: 52.39}
+
 
 @pytest.fixture(scope="module", params=MODEL_TYPES)
 def mtp_model(request, tiny_model_factory, tmp_path_factory):
@@ -237,3 +242,54 @@ def test_the_drafter_needs_an_mtp_head(tiny_model_factory):
     llm = LLM(str(directory))
     with pytest.raises(ValueError, match="needs the model built with its MTP head"):
         MTPDrafter(llm.engine.runner.model, K)
+
+
+def two_sample_chi_square(a: list[int], b: list[int]) -> tuple[float, int]:
+    """Pearson's chi-square of the 2 x C table of two samples' categories (those expected < 5 times
+    pooled into one) -> (statistic, degrees of freedom)."""
+    from collections import Counter
+
+    counts_a, counts_b = Counter(a), Counter(b)
+    total_a, total_b = len(a), len(b)
+    kept, pooled = [], [0, 0]
+    for category in set(a) | set(b):
+        both = counts_a[category] + counts_b[category]
+        if both * min(total_a, total_b) / (total_a + total_b) < 5:
+            pooled[0] += counts_a[category]
+            pooled[1] += counts_b[category]
+        else:
+            kept.append((counts_a[category], counts_b[category]))
+    if sum(pooled):
+        kept.append(tuple(pooled))
+    statistic = 0.0
+    for x, y in kept:
+        for observed, total in ((x, total_a), (y, total_b)):
+            expected = (x + y) * total / (total_a + total_b)
+            statistic += (observed - expected) ** 2 / expected
+    return statistic, len(kept) - 1
+
+
+def test_sampled_outputs_follow_the_plain_engines_distribution(tiny_model_factory, tmp_path_factory):
+    """Seeded sampling (temperature 0.8) of 160 sequences of one prompt: the tokens the verifications
+    emit (output indices 1 and 2) are distributed as the plain engine's (chi-square, 1e-4 level), with
+    drafts the greedy continuation (so many are accepted and many rejected)."""
+    source, _ = tiny_model_factory("qwen3_5_text")
+    directory = tmp_path_factory.mktemp("sampled_mtp")
+    add_mtp_weights(source, directory)
+    prompt, count = token_words(40, 9), 160
+    greedy = LLM(str(directory)).generate([prompt], dataclasses.replace(GREEDY, max_tokens=4), use_tqdm=False)
+    params = [SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True, seed=i) for i in range(count)]
+    plain = LLM(str(directory), enable_checkpoints=False).generate([prompt] * count, params, use_tqdm=False)
+    # state rows for every sequence and a spare row per draft (engine/speculative.py)
+    llm = LLM(str(directory), enable_checkpoints=False, num_state_slots=count * (1 + K), speculative_config=SPEC)
+    OracleDrafts(llm, continuations(greedy), corrupt=False)
+    ours = llm.generate([prompt] * count, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids[0] for o in ours] == [o.outputs[0].token_ids[0] for o in plain]  # the prefill's
+    metrics = llm.metrics()
+    assert metrics["spec_verifications"] >= count
+    assert 0.1 < metrics["spec_acceptance_rate_pos_1"] < 0.9, metrics
+    for index in (1, 2):
+        statistic, df = two_sample_chi_square([o.outputs[0].token_ids[index] for o in ours],
+                                              [o.outputs[0].token_ids[index] for o in plain])
+        assert df >= 2
+        assert statistic < CHI2_CRITICAL_1E4[df], (index, statistic, df)
