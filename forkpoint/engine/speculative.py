@@ -58,8 +58,10 @@ class Speculation:
         max_tokens and the model length leave room for (with the target's own token after them)."""
         if request.is_finished or request.processors is not None or request.params.has_penalties:
             return ()
-        room = min(request.params.max_tokens - len(request.output_token_ids),
-                   max_model_len - request.num_tokens) - 1
+        room = max_model_len - request.num_tokens
+        if request.params.max_tokens is not None:
+            room = min(room, request.params.max_tokens - len(request.output_token_ids))
+        room -= 1  # the target's own token after the drafts
         return drafts[: max(0, min(self.k, room))]
 
     def wants_verify(self, request: Request) -> bool:
