@@ -259,9 +259,11 @@ class LLMEngine:
     # ------------------------------------------------------------------ asynchronous scheduling
     def _steady_decode(self, step: ScheduledStep) -> bool:
         """A step after which one may run ahead: single-token decodes that all sample, no prompt
-        scores, no copy-on-write, sequences that sample without their tokens on the host."""
-        return (not step.plan.kv_copies and self._decodes_on_device(step.requests) and all(
-            s.kind is SegmentKind.DECODE and s.samples and not s.prompt_logit_rows for s in step.plan.segments))
+        scores, no copy-on-write, sequences that sample without their tokens on the host; never with
+        speculative decoding (its steps read their drafts on the host)."""
+        return (self.scheduler.speculation is None and not step.plan.kv_copies
+                and self._decodes_on_device(step.requests) and all(
+                    s.kind is SegmentKind.DECODE and s.samples and not s.prompt_logit_rows for s in step.plan.segments))
 
     def _decodes_on_device(self, requests: list[Request]) -> bool:
         """Whether these sequences can be sampled while their last token is still on the device."""

@@ -158,6 +158,9 @@ def test_all_drafts_right_emit_k_plus_one_tokens_a_step(tiny_model_factory, tmp_
     assert metrics["spec_verifications"] == 4  # the prefill's token, then four steps of k + 1 tokens
     assert metrics["spec_mean_acceptance_length"] == K + 1
     assert all(metrics[f"spec_acceptance_rate_pos_{i}"] == 1.0 for i in range(1, K + 1))
+    llm.engine.async_scheduling = True  # switched on a built engine: speculative steps stay synchronous
+    assert_same_outputs(generate_checked(llm, [prompt], params), reference)
+    assert llm.metrics()["spec_verifications"] == 8
 
 
 def test_stop_inside_the_accepted_tokens_keeps_exactly_the_kept_tokens(tiny_model_factory, tmp_path_factory):
