@@ -139,12 +139,14 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device,
             raise ValueError("the plan has decodes fed from the step before (fed_row) but no feed tensor was given")
         staged["fed_to"], staged["fed_from"] = staging.add([t for t, _ in fed]), staging.add([r for _, r in fed])
     phase_makers = []
+    verifying = {v.request_id for v in plan.verifies}
     first = num_decodes
     while first < num_segments:
         last = first
         while last < num_segments and segments[last].phase == segments[first].phase:
             last += 1
-        phase_makers.append(_stage_phase(staging, segments[first:last], int(cu_q[first]), int(cu_q[last])))
+        phase_makers.append(_stage_phase(staging, segments[first:last], int(cu_q[first]), int(cu_q[last]),
+                                         verifying))
         first = last
 
     buffer = staging.upload(device)
@@ -172,9 +174,10 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device,
     return batch, sampled
 
 
-def _stage_phase(staging: _Staging, segments: Sequence[Segment], token_start: int,
-                 token_end: int) -> Callable[[torch.Tensor], RecurrentPhase]:
-    """Stage one phase's metadata; returns a function building the phase from the device buffer."""
+def _stage_phase(staging: _Staging, segments: Sequence[Segment], token_start: int, token_end: int,
+                 verifying: set[str]) -> Callable[[torch.Tensor], RecurrentPhase]:
+    """Stage one phase's metadata; returns a function building the phase from the device buffer.
+    `verifying`: the requests whose segments verify drafts (a phase of only theirs is `single_tokens`)."""
     cu = [0]
     dest_rows: list[int] = []
     dest_slots: list[int] = []
@@ -184,12 +187,14 @@ def _stage_phase(staging: _Staging, segments: Sequence[Segment], token_start: in
             dest_rows.append(row)
             dest_slots.append(slot)
     handles = [staging.add(values) for values in (cu, [s.initial_slot for s in segments], dest_rows, dest_slots)]
+    single = (all(s.request_id in verifying and s.num_tokens == 1 and len(s.dest_slots) == 1 for s in segments)
+              and len(set(dest_slots)) == len(dest_slots))
 
     def make(buffer: torch.Tensor) -> RecurrentPhase:
         cu_seqlens, initial_slots, rows, slots = (_Staging.get(buffer, handle) for handle in handles)
         return RecurrentPhase(token_start=token_start, token_end=token_end, cu_seqlens=cu_seqlens,
                               cu_seqlens_host=tuple(cu), initial_slots=initial_slots, dest_rows=rows,
-                              dest_slots=slots)
+                              dest_slots=slots, single_tokens=single)
 
     return make
 
