@@ -36,7 +36,6 @@ from forkpoint.runner.sampler import sampling_probs, with_logprobs
 from forkpoint.step.batch import ForwardBatch
 from forkpoint.step.plan import Segment, SegmentKind, StepPlan, Verify
 from forkpoint.step.result import StepResult, Verified
-from forkpoint.step.sampling import TokenSampling
 
 
 class FinishedStep:
@@ -82,37 +81,54 @@ class MTPDrafter:
         plain_rows = [row for row, s in enumerate(sampled) if s.request_id not in verifies]
         plain_logits = torch.cat([logits[plain_rows], logits[len(sampled):]])
         base = runner.sampling.launch(plan, [sampled[row] for row in plain_rows], plain_logits).result()
-        rows_of: dict[str, list[int]] = {}
-        for row, segment in enumerate(sampled):
-            if segment.request_id in verifies:
-                rows_of.setdefault(segment.request_id, []).append(row)
-        specs = {spec.request_id: spec for spec in plan.sampling.rows}
-        verified = tuple(self._verify(verify, logits[rows_of[verify.request_id]], specs[verify.request_id],
-                                      runner.sampling.generator(specs[verify.request_id]))
-                         for verify in plan.verifies)
+        verified = self._verify(plan, sampled, logits, runner)
         emitted = {request_id: token.token_id for request_id, token in zip(base.request_ids, base.tokens)}
         drafts = self._draft(runner, plan, batch, hidden, emitted, {v.request_id: v for v in verified}, verifies)
         return FinishedStep(StepResult(base.request_ids, base.tokens, base.prompt_scores, verified, drafts))
 
     # ------------------------------------------------------------------ verification
-    def _verify(self, verify: Verify, logits: torch.Tensor, spec: TokenSampling,
-                generator: torch.Generator | None) -> Verified:
-        """logits: [m + 1, V] of positions start .. start + m -> the emitted tokens (accepted drafts,
-        then the target's own), each with its raw logprobs when asked for."""
-        drafts = verify.draft_token_ids
-        m = len(drafts)
-        params = spec.params
-        if params.greedy:
-            target = logits.argmax(dim=-1).tolist()
-            accepted = 0
-            while accepted < m and target[accepted] == drafts[accepted]:
-                accepted += 1
-            chosen = target[: accepted + 1]
-        else:
-            chosen = self._rejection_sample(sampling_probs(logits, [params] * (m + 1)), drafts, generator)
-        index = torch.tensor(chosen, dtype=torch.long, device=logits.device)
-        tokens = with_logprobs(logits[: len(chosen)], index, [params] * len(chosen))
-        return Verified(verify.request_id, tuple(tokens), m)
+    def _verify(self, plan: StepPlan, sampled: Sequence[Segment], logits: torch.Tensor,
+                runner: ModelRunner) -> tuple[Verified, ...]:
+        """Every `Verify` of the plan against its m + 1 logits rows (positions start .. start + m) ->
+        the emitted tokens (accepted drafts, then the target's own), each with its raw logprobs when
+        asked for. Greedy rows: one argmax over all of them and one host copy; sampled rows: rejection
+        sampling from the sequence's own generator."""
+        rows_of: dict[str, list[int]] = {}
+        for row, segment in enumerate(sampled):
+            rows_of.setdefault(segment.request_id, []).append(row)
+        specs = {spec.request_id: spec for spec in plan.sampling.rows}
+        greedy = [v for v in plan.verifies if specs[v.request_id].params.greedy]
+        targets: dict[str, list[int]] = {}
+        if greedy:
+            index = torch.tensor([row for v in greedy for row in rows_of[v.request_id]], device=logits.device)
+            flat = logits.index_select(0, index).argmax(dim=-1).tolist()
+            offset = 0
+            for v in greedy:
+                targets[v.request_id] = flat[offset: offset + len(v.draft_token_ids) + 1]
+                offset += len(v.draft_token_ids) + 1
+        chosen: dict[str, list[int]] = {}
+        for verify in plan.verifies:
+            drafts, spec = verify.draft_token_ids, specs[verify.request_id]
+            if spec.params.greedy:
+                target, accepted = targets[verify.request_id], 0
+                while accepted < len(drafts) and target[accepted] == drafts[accepted]:
+                    accepted += 1
+                chosen[verify.request_id] = target[: accepted + 1]
+            else:
+                probs = sampling_probs(logits[rows_of[verify.request_id]], [spec.params] * (len(drafts) + 1))
+                chosen[verify.request_id] = self._rejection_sample(probs, drafts, runner.sampling.generator(spec))
+        rows = [row for v in plan.verifies for row in rows_of[v.request_id][: len(chosen[v.request_id])]]
+        params = [specs[v.request_id].params for v in plan.verifies for _ in chosen[v.request_id]]
+        tokens = with_logprobs(logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device)),
+                               torch.tensor([t for v in plan.verifies for t in chosen[v.request_id]],
+                                            dtype=torch.long, device=logits.device), params) if rows else []
+        verified, offset = [], 0
+        for verify in plan.verifies:
+            count = len(chosen[verify.request_id])
+            verified.append(Verified(verify.request_id, tuple(tokens[offset: offset + count]),
+                                     len(verify.draft_token_ids)))
+            offset += count
+        return tuple(verified)
 
     @staticmethod
     def _rejection_sample(probs: torch.Tensor, drafts: Sequence[int], generator: torch.Generator | None) -> list[int]:
