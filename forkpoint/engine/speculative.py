@@ -32,9 +32,10 @@ from forkpoint.step.result import Verified
 
 @dataclass
 class _Chain:
-    """A verification in flight: the request's verify run starts at `start`; slots[i] holds the state
-    after position start + i once the forward has run (slots[0] is the request's own row)."""
+    """A verification in flight: `request`'s verify run starts at `start`; slots[i] holds the state
+    after position start + i once the forward has run (slots[0] is the request's row when planned)."""
 
+    request: Request
     start: int
     slots: list[int]
 
@@ -84,7 +85,7 @@ class Speculation:
             return None
         start = request.num_computed_tokens
         slots = [request.slot] + [self.states.requests.allocate() for _ in drafts]
-        self._chains[request.request_id] = _Chain(start, slots)
+        self._chains[request.request_id] = _Chain(request, start, slots)
         tokens = [request.tokens(start, start + 1)[0], *drafts]
         segments = [Segment(
             request_id=request.request_id, start=start + i, end=start + i + 1, token_ids=(token,),
@@ -132,7 +133,7 @@ class Speculation:
     # ------------------------------------------------------------------ introspection
     def held_slots(self) -> list[int]:
         """State rows verifications in flight hold beyond their requests' own rows."""
-        return [slot for chain in self._chains.values() for slot in chain.slots[1:]]
+        return [slot for chain in self._chains.values() for slot in chain.slots if slot != chain.request.slot]
 
     def metrics(self) -> dict[str, int | float]:
         """Acceptance: per draft position i the rate (accepted / verified there), the mean acceptance

@@ -50,8 +50,9 @@ class FinishedStep:
 
 @dataclass(frozen=True)
 class _DraftStart:
-    """Where a request's drafting starts: packed row `row` of the step (position `position`, the
-    request's last token's position before the one the head reads), and its KV blocks."""
+    """Where a request's drafting starts: packed row `row` of the step, at position `position` (the head
+    reads there the request's last token, at position + 1, and drafts the token after it), and the
+    request's KV blocks."""
 
     request_id: str
     row: int

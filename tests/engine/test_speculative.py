@@ -19,6 +19,7 @@ import pytest
 
 from forkpoint import LLM, SamplingParams
 from forkpoint.engine.engine import StepFailed
+from forkpoint.engine.holdings import check_holdings
 from forkpoint.runner.speculative import FinishedStep, MTPDrafter
 from tests.helpers import assert_same_outputs
 from tests.tiny_models import add_mtp_weights, token_words
@@ -57,6 +58,7 @@ class OracleDrafts:
         drafter.execute = self
 
     def __call__(self, runner, plan) -> FinishedStep:
+        check_holdings(self.engine.scheduler)  # mid-step: the verifications' spare rows are accounted for
         result = self._execute(runner, plan).result()
         emitted = dict(zip(result.request_ids, ([t.token_id] for t in result.tokens)))
         emitted.update({v.request_id: [t.token_id for t in v.tokens] for v in result.verified})
