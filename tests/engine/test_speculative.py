@@ -16,6 +16,7 @@ import dataclasses
 import random
 
 import pytest
+import torch
 
 from forkpoint import LLM, SamplingParams
 from forkpoint.engine.engine import StepFailed
@@ -298,3 +299,52 @@ def test_sampled_outputs_follow_the_plain_engines_distribution(tiny_model_factor
                                               [o.outputs[0].token_ids[index] for o in plain])
         assert df >= 2
         assert statistic < CHI2_CRITICAL_1E4[df], (index, statistic, df)
+
+
+class FirstDrafts:
+    """Records each request's first drafts (those after its prompt's last token) and the head's keys
+    over its prompt positions then (the MTP layer's KV: the pools' last attention layer)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.engine = llm.engine
+        self.first: dict[str, tuple[int, ...]] = {}
+        self.keys: dict[str, torch.Tensor] = {}
+        drafter = llm.engine.runner.drafter
+        self._execute = drafter.execute
+        drafter.execute = self
+
+    def __call__(self, runner, plan) -> FinishedStep:
+        step = self._execute(runner, plan)
+        requests = {r.request_id: r for r in self.engine.scheduler.running}
+        k_cache = runner.caches.k[-1]
+        block_size = k_cache.shape[1]
+        for request_id, drafts in step.result().drafts.items():
+            if request_id in self.first:
+                continue
+            self.first[request_id] = drafts
+            request = requests[request_id]
+            slots = [request.blocks[p // block_size] * block_size + p % block_size
+                     for p in range(len(request.prompt_token_ids))]
+            self.keys[request_id] = k_cache.flatten(0, 1)[slots].clone()
+        return step
+
+
+def test_chunked_prefill_gives_the_head_the_same_inputs(tiny_model_factory, tmp_path_factory):
+    """Prompts prefilled in chunks of 8 tokens (the head's input at a chunk's last position is the
+    next chunk's first token, `Segment.next_token`) and split at a marker give the head the KV and
+    drafts of one-chunk prefills."""
+    source, _ = tiny_model_factory("qwen3_5_moe_text")
+    directory = tmp_path_factory.mktemp("chunked_mtp")
+    add_mtp_weights(source, directory)
+    prompts = [token_words(50, 30), f"{token_words(51, 12)} {MARK} {token_words(52, 17)}"]
+    params = dataclasses.replace(GREEDY, max_tokens=3)
+    runs = []
+    for threshold in (None, 8):
+        llm = LLM(str(directory), long_prefill_token_threshold=threshold, speculative_config=SPEC)
+        recorder = FirstDrafts(llm)
+        generate_checked(llm, prompts, params)
+        runs.append(recorder)
+    assert runs[0].first == runs[1].first and len(runs[0].first) == len(prompts)
+    assert all(len(d) == K for d in runs[0].first.values())
+    for request_id, keys in runs[0].keys.items():
+        torch.testing.assert_close(runs[1].keys[request_id], keys, rtol=1e-5, atol=1e-5)
