@@ -2,8 +2,10 @@
 the GPU kernels' head sizes with random MTP weights, drafts from the oracle of test_speculative.py
 (30% corrupted). Greedy tokens equal the plain engine's with checkpoints (markers, turn ends), with
 logprobs within the graph tolerance; with `checkpoint_exact` the issue asks for bit-identical
-results (the verify step runs its draft positions through the chunked scan, the plain engine
-through the single-token kernel: this test says whether they agree bit for bit)."""
+results. The verify step runs every position through the single-token recurrent kernels as plain
+decode does, but eagerly (plain decode: whole-step CUDA graphs) and with k + 1 rows per sequence in
+each GEMM (beyond 16 rows the dense projections leave the row-stable Triton kernel for F.linear):
+this test says whether the bits still agree."""
 
 from __future__ import annotations
 
