@@ -490,6 +490,7 @@ class EngineConfig:
     checkpoint_token: str = "<|mamba_checkpoint|>"
     max_checkpoints_per_request: int = 4
     load_format: str = "auto"
+    # checkpoint state rows on the device (None: a share of the memory budget, cache/sizing.py)
     checkpoint_pool_size: int | None = None
     checkpoint_wait_s: float = 30.0
     # automatic checkpoints (engine/auto_checkpoints.py): exact positions the engine picks itself where
@@ -497,14 +498,21 @@ class EngineConfig:
     # than auto_checkpoint_min_tokens tokens
     auto_checkpoints: bool = True
     auto_checkpoint_min_tokens: int = 32
-    # bytes of host memory that checkpoints evicted from the device pool spill to (0: no host tier)
-    checkpoint_host_bytes: int = 0
+    # bytes of host memory that checkpoints evicted from the device pool spill to (0: no host tier;
+    # None: sized from the machine, cache/sizing.py default_host_tier_bytes: a quarter of the memory,
+    # at most 64 GiB, none on the CPU)
+    checkpoint_host_bytes: int | None = None
     # keep every checkpoint's state at a multiple of SCAN_CHUNK_TOKENS at or before its position, and
     # end prefill chunks there, so the chunked recurrent scans of a consumer run over the same chunks
     # as without checkpoints (bf16 results bit-identical; each consumer recomputes < 64 tokens)
     checkpoint_exact: bool = False
     # cap on one request's prefill tokens per step (vLLM's name), so long prompts share steps
     long_prefill_token_threshold: int | None = None
+    # bytes of float32 prompt-logit rows ([rows, vocab]) one step computes for prompt logprobs: a scored
+    # prompt runs in chunks of that many rows (`prompt_score_rows`), so its memory is O(chunk x vocab)
+    # per step plus O(prompt x k) of kept scores, not O(prompt x vocab). None: 64 MiB on the CPU (64
+    # rows of a 248k vocabulary: small steps next to other streams), 1 GiB on CUDA (1,024 rows)
+    prompt_score_bytes: int | None = None
     num_kv_blocks: int | None = None
     num_state_slots: int | None = None
     kv_cache_bytes: int = 2 << 30
@@ -565,7 +573,9 @@ class EngineConfig:
             raise ValueError(f"auto_checkpoint_min_tokens must be >= 1, got {self.auto_checkpoint_min_tokens}")
         if self.checkpoint_exact and self.max_num_batched_tokens < SCAN_CHUNK_TOKENS:
             raise ValueError(f"checkpoint_exact needs max_num_batched_tokens >= {SCAN_CHUNK_TOKENS} (one scan chunk)")
-        if self.checkpoint_host_bytes < 0:
+        if self.prompt_score_bytes is not None and self.prompt_score_bytes < 1:
+            raise ValueError(f"prompt_score_bytes must be >= 1, got {self.prompt_score_bytes}")
+        if self.checkpoint_host_bytes is not None and self.checkpoint_host_bytes < 0:
             raise ValueError(f"checkpoint_host_bytes must be >= 0, got {self.checkpoint_host_bytes}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
@@ -608,3 +618,13 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+
+    def prompt_score_rows(self, vocab_size: int) -> int:
+        """Prompt-logit rows one step computes: `prompt_score_bytes` (or the device's default) of
+        float32 [rows, vocab_size], rounded down to a multiple of SCAN_CHUNK_TOKENS (so checkpoint_exact
+        chunks stay aligned), at least one scan chunk."""
+        budget = self.prompt_score_bytes
+        if budget is None:
+            budget = 1 << 30 if self.torch_device().type == "cuda" else 64 << 20
+        rows = budget // (4 * vocab_size)
+        return max(SCAN_CHUNK_TOKENS, rows - rows % SCAN_CHUNK_TOKENS)

@@ -19,7 +19,7 @@ from forkpoint.engine.engine import LLMEngine
 from forkpoint.inputs.chat import chat_encoder, render_chat_with_images
 from forkpoint.inputs.default_model import default_cache_root
 from forkpoint.inputs.hub import resolve_engine_paths
-from forkpoint.inputs.turns import turn_boundaries
+from forkpoint.inputs.turns import reply_continues, turn_boundaries
 from forkpoint.kernels.cache_dirs import configure_kernel_caches
 from forkpoint.outputs import RequestOutput
 from forkpoint.sampling_params import SamplingParams
@@ -125,11 +125,11 @@ class LLM:
                                                    add_generation_prompt=add_generation_prompt,
                                                    chat_template=chat_template, **template_kwargs)
             prompt = {"prompt": text, "multi_modal_data": {"image": images}} if images else text
-            turns = ()  # where the next turn will leave this one: checkpointed there (inputs/turns.py)
+            turns, reusable = (), True  # where the next turn will leave this one (inputs/turns.py)
             if add_generation_prompt and config.enable_checkpoints and config.auto_checkpoints:
-                turns = turn_boundaries(encode, conversation, self.engine.tokenizer.encode(text,
-                                                                                          add_special_tokens=False))
-            prompts.append(self.engine.inputs.process(prompt, turn_positions=turns))
+                ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+                turns, reusable = turn_boundaries(encode, conversation, ids), reply_continues(encode, conversation, ids)
+            prompts.append(self.engine.inputs.process(prompt, turn_positions=turns, turn_end_reusable=reusable))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -20,11 +20,32 @@ Readers and waiters: `pins` counts the segments of the step in flight that read 
 scheduled, released when the step is committed or fails); `waiters` counts the requests deferred on
 it. Both are transitions of this class; callers never write a checkpoint's fields.
 
-Eviction policy (explicit, in this order): only idle READY checkpoints (no pins, and no deferred
-request still on its way to read it: waiters keep counting after it becomes ready); automatic
-checkpoints (kind other than MARKER) before marked ones; least recently used first within a class.
-An automatic checkpoint can never evict a marked one: `register(..., kind=auto)` evicts only
-automatic checkpoints to make room.
+Eviction policy (explicit): only idle READY checkpoints (no pins, and no deferred request still on
+its way to read it: waiters keep counting after it becomes ready) are evicted, in this order:
+
+1. automatic checkpoints that are not a live session's latest, lowest value first. The value is
+   GreedyDual-Size-Frequency's: `inflation + (1 + hits) x state_tokens` (the tokens each read saves,
+   weighted by how often it was read), set when it is registered, written, read or restored; each
+   eviction raises `inflation` to the victim's value, so what was last used long ago loses to what
+   is used now even when it saves more (recency), without a clock in the formula;
+2. the latest checkpoint of each live session, the session idle longest first (`session_heads`);
+3. marked checkpoints (kind MARKER), least recently used first. An automatic checkpoint can never
+   evict a marked one: `register(..., kind=auto)` evicts only automatic checkpoints to make room.
+
+Sessions: the engine sees no session id (a chat's `prompt_cache_key` stays in the server), so a
+session is recognised by its turns. The checkpoints a request registers at its turn's ends (kinds
+CHAT_TURN, PROMPT_END, TURN_END; the `turn` they carry is the registering request's id) are where
+that conversation's next turn can start. While none of them has been read, the session is waiting
+for its next turn: it is live, and its *latest* checkpoint is the one the next turn will read (the
+longest CHAT_TURN when the turn has one: chat templates re-render the previous reply, so a chat's
+next prompt leaves the turn at its rendered history; else the longest of its prompt end and turn
+end: a completion client resends the text). Reading any of them means the next turn came (or the
+prompt was sent again): that turn's checkpoints become ordinary ones (order 1) and the reader's own
+turn-end checkpoints are the session's latest from then on. A session that never comes back keeps
+its latest checkpoint until the pool holds nothing else to evict, and then goes first (idle longest).
+
+Under KV pressure the scheduler evicts in the same order until the blocks it needs are free
+(scheduler.py `_evict_for_memory`): a checkpoint's KV references are given back with its row.
 
 Device memory: the registry touches no tensor. The writes its transitions imply (a spill to the
 host tier on eviction, a restore on a hit in the host tier, a row copy into a kept turn end) are
@@ -71,6 +92,11 @@ class CheckpointKind(enum.Enum):
     def automatic(self) -> bool:
         return self is not CheckpointKind.MARKER
 
+    @property
+    def ends_turn(self) -> bool:
+        """Where a conversation's next turn can start (a session's latest checkpoint is one of these)."""
+        return self in (CheckpointKind.CHAT_TURN, CheckpointKind.PROMPT_END, CheckpointKind.TURN_END)
+
 
 class CacheMissReason(enum.Enum):
     """Why a request's reuse stopped short of the tokens it shares with prompts computed before
@@ -113,6 +139,10 @@ class Checkpoint:
     hits: int = 0
     last_used: int = 0
     registered_at: float = 0.0
+    # eviction (see the module docstring): its GreedyDual value, and the id of the request whose turn
+    # it ends (CHAT_TURN, PROMPT_END, TURN_END) while that turn's session waits for its next turn
+    value: float = 0.0
+    turn: str | None = None
 
     def __post_init__(self) -> None:
         if self.state_tokens < 0:
@@ -127,12 +157,14 @@ class Checkpoint:
 
 @dataclass
 class CheckpointCounters:
-    """Per kind: created (became ready), hits (segments that read it), tokens_saved, evicted."""
+    """Per kind: created (became ready), hits (segments that read it), tokens_saved, evicted;
+    evicted_session_latest: evictions of a live session's latest checkpoint (the last resort)."""
 
     created: Counter[CheckpointKind] = field(default_factory=Counter)
     hits: Counter[CheckpointKind] = field(default_factory=Counter)
     tokens_saved: Counter[CheckpointKind] = field(default_factory=Counter)
     evicted: Counter[CheckpointKind] = field(default_factory=Counter)
+    evicted_session_latest: int = 0
 
 
 class CheckpointRegistry:
@@ -146,6 +178,8 @@ class CheckpointRegistry:
         self.counters = CheckpointCounters()
         self._writes: list[tuple[int, DeviceWrite]] = []  # (number, write) not yet taken, in order
         self._next_number = 0
+        self._inflation = 0.0  # GreedyDual's L: the value of the last checkpoint evicted (never decreases)
+        self._turns: dict[str, set[bytes]] = {}  # live sessions: turn id -> keys of that turn's end checkpoints
 
     def take_writes(self) -> tuple[int, tuple[DeviceWrite, ...]]:
         """(the number of the first, the writes) recorded and not yet taken, in order, numbered
@@ -275,6 +309,9 @@ class CheckpointRegistry:
         checkpoint = Checkpoint(key, num_tokens, self._slots.allocate(), kind, CheckpointState.PENDING, producer,
                                 state_tokens=num_tokens if state_tokens is None else state_tokens,
                                 prompt_scores_k=prompt_scores_k, registered_at=now)
+        if kind.ends_turn:
+            checkpoint.turn = producer
+            self._turns.setdefault(producer, set()).add(key)
         self._touch(checkpoint)
         self._by_key[key] = checkpoint
         self._lengths[num_tokens] += 1
@@ -367,6 +404,8 @@ class CheckpointRegistry:
         checkpoint.hits += 1
         self.counters.hits[checkpoint.kind] += 1
         self.counters.tokens_saved[checkpoint.kind] += tokens_saved
+        if checkpoint.turn is not None:
+            self._end_session_wait(checkpoint.turn)  # its session's next turn came (module docstring)
         self._touch(checkpoint)
 
     def unpin(self, checkpoint: Checkpoint) -> None:
@@ -374,13 +413,34 @@ class CheckpointRegistry:
             raise RuntimeError("checkpoint pin count would go negative")
         checkpoint.pins -= 1
 
+    def session_heads(self) -> set[bytes]:
+        """The keys of each live session's latest READY checkpoint (see the module docstring)."""
+        heads = set()
+        for keys in self._turns.values():
+            ready = [self._by_key[key] for key in keys if self._by_key[key].ready]
+            if ready:
+                heads.add(max(ready, key=_next_turn_reads).key)
+        return heads
+
     def evict_one(self, *, markers_too: bool = True) -> bool:
         """Evict one idle READY checkpoint by the policy in the module docstring. False when none is."""
         idle = [c for c in self._by_key.values() if c.ready and c.pins == 0 and c.waiters == 0 and c.reserved == 0
                 and (markers_too or c.kind.automatic)]
         if not idle:
             return False
-        victim = min(idle, key=lambda c: (not c.kind.automatic, c.last_used))
+        heads = self.session_heads()
+
+        def order(c: Checkpoint) -> tuple[int, float, int]:
+            if not c.kind.automatic:
+                return 2, 0.0, c.last_used
+            if c.key in heads:
+                return 1, 0.0, c.last_used
+            return 0, c.value, c.last_used
+
+        victim = min(idle, key=order)
+        self._inflation = max(self._inflation, victim.value)
+        if victim.key in heads:
+            self.counters.evicted_session_latest += 1
         if self.host is not None:
             entry, dropped = self.host.spill(victim.key, victim.num_tokens, victim.state_tokens, victim.kind,
                                              len(victim.blocks))
@@ -415,12 +475,25 @@ class CheckpointRegistry:
 
     def _touch(self, checkpoint: Checkpoint) -> None:
         checkpoint.last_used = next(self._clock)
+        checkpoint.value = self._inflation + (1 + checkpoint.hits) * checkpoint.state_tokens
+
+    def _end_session_wait(self, turn: str) -> None:
+        """The session whose turn `turn` ended is no longer waiting on it: its checkpoints become
+        ordinary ones."""
+        for key in self._turns.pop(turn, ()):
+            self._by_key[key].turn = None
 
     def _expect(self, checkpoint: Checkpoint, state: CheckpointState) -> None:
         if checkpoint.state is not state:
             raise RuntimeError(f"checkpoint is {checkpoint.state.value}, expected {state.value}")
 
     def _remove(self, checkpoint: Checkpoint) -> None:
+        if checkpoint.turn is not None:
+            keys = self._turns[checkpoint.turn]
+            keys.discard(checkpoint.key)
+            if not keys:
+                del self._turns[checkpoint.turn]
+            checkpoint.turn = None
         del self._by_key[checkpoint.key]
         self._lengths[checkpoint.num_tokens] -= 1
         if not self._lengths[checkpoint.num_tokens]:
@@ -443,6 +516,12 @@ class CheckpointRegistry:
             raise AssertionError("checkpoint slots and registry disagree")
         if Counter(c.num_tokens for c in self._by_key.values()) != self._lengths:
             raise AssertionError("checkpoint length index is stale")
+        turns: dict[str, set[bytes]] = {}
+        for checkpoint in self._by_key.values():
+            if checkpoint.turn is not None:
+                turns.setdefault(checkpoint.turn, set()).add(checkpoint.key)
+        if turns != self._turns:
+            raise AssertionError("the live sessions' turn index disagrees with the checkpoints' turns")
         for key, checkpoint in self._by_key.items():
             name = f"{checkpoint.num_tokens}-token {checkpoint.state.value} checkpoint"
             if checkpoint.pins != readers.get(key, 0):
@@ -466,3 +545,9 @@ class CheckpointRegistry:
         for key in set(readers) | set(waiters) | set(producers) | set(reserved):
             if key not in self._by_key:
                 raise AssertionError("a request refers to a checkpoint the registry does not hold")
+
+
+def _next_turn_reads(checkpoint: Checkpoint) -> tuple[bool, int]:
+    """Which of a turn's end checkpoints its session's next turn reads (the largest is the session's
+    latest): a chat turn's rendered history before a prompt end or turn end, then the longest."""
+    return checkpoint.kind is CheckpointKind.CHAT_TURN, checkpoint.num_tokens

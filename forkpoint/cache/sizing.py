@@ -1,17 +1,48 @@
-"""Sizing of the KV block pool and the recurrent state pool, from the model's declarations.
+"""Sizing of the KV block pool and the recurrent state pool from one memory budget.
 
 The model declares what one sequence needs (`PoolShapes`: its attention layers' KV shape and its
-recurrent layers' `RecurrentStateSpec`); the engine's knobs (`EngineConfig`) bound the memory. On
-CPU the pools take at most `kv_cache_bytes` / `state_cache_bytes` (capped further below); on CUDA,
-`gpu_memory_utilization` of the memory free after the weights (minus what the caller reserves) is
-split: states first (one slot per running sequence and per checkpoint), the rest for KV blocks.
-Byte counts come from the declarations alone (dtypes are read for their `itemsize`); the caller
-that owns the device says how much memory is free (runner/storage.py).
+recurrent layers' `RecurrentStateSpec`); the engine's knobs (`EngineConfig`) bound the memory. Byte
+counts come from the declarations alone (dtypes are read for their `itemsize`); the caller that owns
+the device says how much memory is free (runner/storage.py).
+
+One budget, three consumers (request state rows, checkpoint state rows, KV blocks)::
+
+    budget              CUDA: gpu_memory_utilization x (memory free after the weights) - reserved;
+                        CPU: min(state_cache_bytes, CPU_STATE_BYTES) for the rows and
+                        min(kv_cache_bytes, CPU_KV_BYTES) for the blocks (the CPU keeps two caps)
+    R  request rows     max_num_seqs, within REQUEST_STATE_MAX_SHARE of the budget (num_state_slots
+                        overrides)
+    C  checkpoint rows  CHECKPOINT_SHARE of what the request rows leave (on the CPU, of the state
+                        budget), at most MAX_CHECKPOINTS_PER_REQUEST_ROW x R (checkpoint_pool_size
+                        overrides)
+    KV blocks           the rest, at most R full-length sequences' blocks (num_kv_blocks overrides)
+
+Why half of what requests leave: a conversation's reusable memory is its checkpoint rows (one state
+row each: 61 MiB at Qwen3.5-35B-A3B shapes) plus the KV blocks of its prefix (20 KiB per token
+there, shared by its checkpoints), so at agent-sized prefixes (a few thousand tokens, two or three
+checkpoints per session) the rows and the blocks weigh about the same. At 35B shapes with 77.9 GB
+free after the weights (an H200: the free memory behind the 139,099 KV blocks measured with 64
+constant rows) that is 385 checkpoint rows and 76,022 KV blocks (1.2M tokens) next to 256 request
+rows (tests/cache/test_sizing.py).
+
+Elasticity today is in the bookkeeping: KV blocks are shared by running requests and READY
+checkpoints (a checkpoint holds references on its prefix's blocks), and under KV pressure the
+scheduler evicts idle checkpoints (value order, cache/checkpoints.py) until the blocks it needs are
+free, so checkpoints use whatever KV the running requests leave and give it back on demand. The row
+count C is fixed at start-up. The next step, byte-level elasticity, is one arena: KV pages and state
+rows carved from a single device buffer in page units (a 61 MiB state row is 196 KV blocks of
+320 KiB at 35B shapes), so that rows and blocks convert into each other at run time, an idle
+checkpoint's row becoming blocks under KV pressure and free blocks becoming rows when checkpoints
+need them. It needs the kernels to address state rows through a row table (today a row is an index
+into the contiguous `[L, rows, ...]` stacks of runner/storage.py, which the CUDA graphs capture) and
+is not done yet.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from forkpoint.cache.block_pool import BlockPool
@@ -24,7 +55,16 @@ if TYPE_CHECKING:
 
 CPU_KV_BYTES = 256 << 20
 CPU_STATE_BYTES = 512 << 20
-DEFAULT_CHECKPOINT_SLOTS = 64
+REQUEST_STATE_MAX_SHARE = 0.5  # request rows take at most this share of the budget
+CHECKPOINT_SHARE = 0.5  # checkpoint rows' share of what the request rows leave (see above)
+# a bound for small models, whose budget would give millions of rows (bookkeeping lists and a
+# [L, rows, ...] stack that size are no use): 8 checkpoints per request row
+MAX_CHECKPOINTS_PER_REQUEST_ROW = 8
+# the host tier when checkpoint_host_bytes is not given: a quarter of the machine's memory, at most
+# 64 GiB, split over the tensor-parallel ranks; none on a machine under 16 GiB or on the CPU
+HOST_TIER_RAM_SHARE = 0.25
+HOST_TIER_MAX_BYTES = 64 << 30
+HOST_TIER_MIN_RAM_BYTES = 16 << 30
 
 
 @dataclass(frozen=True)
@@ -64,36 +104,83 @@ class PoolSizes:
 
 def plan_pools(config: EngineConfig, shapes: PoolShapes, max_model_len: int, free_device_bytes: int | None,
                reserved_bytes: int = 0) -> PoolSizes:
-    """Sizes within the budget. `free_device_bytes`: the memory free on a CUDA device after the
-    weights (None on the CPU); `reserved_bytes` (CUDA only) is set aside from the usable memory for
-    caches that fill later on the device (the image embedding cache)."""
+    """Sizes within one budget (the module docstring). `free_device_bytes`: the memory free on a CUDA
+    device after the weights (None on the CPU); `reserved_bytes` (CUDA only) is set aside from the
+    usable memory for caches that fill later on the device (the image embedding cache)."""
     per_block = BlockPool.bytes_per_block(config.block_size, max(shapes.num_attention_layers, 1), shapes.num_kv_heads,
                                           shapes.head_dim, shapes.kv_dtype)
-    per_slot = shapes.slot_bytes
-    checkpoint_slots = 0
-    if config.enable_checkpoints:
-        checkpoint_slots = config.checkpoint_pool_size or DEFAULT_CHECKPOINT_SLOTS
-    kv_bytes, state_bytes = config.kv_cache_bytes, config.state_cache_bytes
+    per_slot = max(shapes.slot_bytes, 1)
     if free_device_bytes is None:
-        kv_bytes, state_bytes = min(kv_bytes, CPU_KV_BYTES), min(state_bytes, CPU_STATE_BYTES)
+        state_bytes = min(config.state_cache_bytes, CPU_STATE_BYTES)
+        request_slots = _request_slots(config, state_bytes, per_slot)
+        checkpoint_slots = _checkpoint_slots(config, state_bytes - request_slots * per_slot, per_slot, request_slots)
+        kv_bytes = min(config.kv_cache_bytes, CPU_KV_BYTES)
     else:
-        free = free_device_bytes
-        usable = int(free * config.gpu_memory_utilization) - reserved_bytes
+        usable = int(free_device_bytes * config.gpu_memory_utilization) - reserved_bytes
         if usable <= 0:
             raise ValueError(
-                f"no GPU memory left for the KV and state pools: {free >> 20} MiB free after the weights, "
-                f"times gpu_memory_utilization {config.gpu_memory_utilization}, minus {reserved_bytes >> 20} MiB "
-                "reserved (the image embedding cache): lower image_embedding_cache_bytes or raise "
-                "gpu_memory_utilization")
-        state_bytes = min(usable // 2, per_slot * (config.max_num_seqs + checkpoint_slots))
-        kv_bytes = usable - state_bytes
-    request_slots = config.num_state_slots or max(1, min(config.max_num_seqs,
-                                                         state_bytes // max(per_slot, 1) - checkpoint_slots))
+                f"no GPU memory left for the KV and state pools: {free_device_bytes >> 20} MiB free after the "
+                f"weights, times gpu_memory_utilization {config.gpu_memory_utilization}, minus "
+                f"{reserved_bytes >> 20} MiB reserved (the image embedding cache): lower "
+                "image_embedding_cache_bytes or raise gpu_memory_utilization")
+        request_slots = _request_slots(config, usable, per_slot)
+        rest = usable - request_slots * per_slot
+        checkpoint_slots = _checkpoint_slots(config, rest, per_slot, request_slots)
+        kv_bytes = rest - checkpoint_slots * per_slot
+        if kv_bytes < per_block and config.num_kv_blocks is None:
+            raise ValueError(
+                f"no GPU memory left for KV blocks: {usable >> 20} MiB usable, {request_slots} request state rows "
+                f"and {checkpoint_slots} checkpoint rows of {per_slot >> 20} MiB take it all: lower max_num_seqs, "
+                "num_state_slots or checkpoint_pool_size, or raise gpu_memory_utilization")
     num_blocks = config.num_kv_blocks or max(1, min(kv_bytes // per_block,
                                                     request_slots * -(-max_model_len // config.block_size)))
     return PoolSizes(num_blocks, request_slots, checkpoint_slots)
 
 
+def _request_slots(config: EngineConfig, budget: int, per_slot: int) -> int:
+    """Request rows: num_state_slots, else max_num_seqs within REQUEST_STATE_MAX_SHARE of `budget`."""
+    if config.num_state_slots is not None:
+        return config.num_state_slots
+    return max(1, min(config.max_num_seqs, int(budget * REQUEST_STATE_MAX_SHARE) // per_slot))
+
+
+def _checkpoint_slots(config: EngineConfig, left: int, per_slot: int, request_slots: int) -> int:
+    """Checkpoint rows: 0 without checkpoints, checkpoint_pool_size when given, else CHECKPOINT_SHARE
+    of the `left` bytes (at least one row, at most MAX_CHECKPOINTS_PER_REQUEST_ROW per request row)."""
+    if not config.enable_checkpoints:
+        return 0
+    if config.checkpoint_pool_size is not None:
+        return config.checkpoint_pool_size
+    share = int(max(left, 0) * CHECKPOINT_SHARE) // per_slot
+    return max(1, min(share, MAX_CHECKPOINTS_PER_REQUEST_ROW * request_slots))
+
+
 def pools_of_sizes(sizes: PoolSizes, block_size: int) -> tuple[BlockPool, StatePool]:
     """The bookkeeping of the two pools with the given sizes."""
     return BlockPool(sizes.num_kv_blocks, block_size), StatePool(sizes.num_request_slots, sizes.num_checkpoint_slots)
+
+
+def default_host_tier_bytes(ram_bytes: int, on_cuda: bool, tensor_parallel_size: int = 1) -> int:
+    """The host tier of one rank when the user gives no `checkpoint_host_bytes` (module constants):
+    HOST_TIER_RAM_SHARE of `ram_bytes`, at most HOST_TIER_MAX_BYTES, over `tensor_parallel_size`
+    ranks (each rank keeps a tier for its shards). 0 on the CPU: the device pools are host memory
+    there, so a tier would copy rows within the same memory (a larger `checkpoint_pool_size` keeps
+    more for free), and CPU engines (the tests) stay deterministic and small. 0 under
+    HOST_TIER_MIN_RAM_BYTES: a small machine needs its memory for loading weights."""
+    if not on_cuda or ram_bytes < HOST_TIER_MIN_RAM_BYTES:
+        return 0
+    return min(int(ram_bytes * HOST_TIER_RAM_SHARE), HOST_TIER_MAX_BYTES) // tensor_parallel_size
+
+
+def physical_memory_bytes(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+    """This machine's memory: the physical pages, or less where a cgroup (v2 `memory.max`, v1
+    `memory/memory.limit_in_bytes`) limits this process's container."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in (cgroup_root / "memory.max", cgroup_root / "memory" / "memory.limit_in_bytes"):
+        try:
+            text = limit_file.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            physical = min(physical, int(text))
+    return physical

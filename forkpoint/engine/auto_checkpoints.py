@@ -8,13 +8,18 @@ Placement (each at an exact token position, never rounded; none shorter than `mi
 - **junction**: the prompt shares a prefix with a sequence computed before (finished, or already
   past the divergence point): the new request writes a checkpoint at the divergence point as it
   passes it, so every later sibling reuses the shared prefix exactly;
-- **prompt end**: a prompt without markers also writes its state before its last token, so the
-  same prompt sent again computes one token;
+- **prompt end**: a prompt without markers or turn boundaries also writes its state before its last
+  token, so the same prompt sent again computes one token;
 - **turn end**: a request that finishes (stop or length) keeps the state after its prompt and all
   but its last output token, which the next turn of a conversation (or agent step) starts with;
+  not for a chat whose template re-renders the reply (`Request.turn_end_reusable`): no next turn
+  can start with it;
 - **chat turn**: a chat prompt's turn boundaries (`Request.turn_positions`, inputs/turns.py): the end
   of its rendered history before the generation prompt, where the next turn's rendering leaves it
   (templates re-render the previous turn, so the turn end above rarely matches a chat's next prompt).
+  A chat gets no prompt end (sent again, it reads its boundary and computes its generation prompt)
+  and no junction inside an earlier turn's generation prompt or reply (it would save only the
+  re-rendered header): a chat session holds one checkpoint per turn, not four.
 
 Why reuse stopped (`miss_reason`): each new prompt records what it shares with the sequences seen
 before (`SharedPrefix`); at admission, reuse short of that is explained: below the minimum, a
@@ -78,13 +83,16 @@ class AutoCheckpointPlanner:
             request.checkpointing.shared = SharedPrefix(position, tuple(p for p in placed if p <= position),
                                                         match.length > turn_end)
             partner = live.get(match.owner)
-            if (partner is not None and partner.num_computed_tokens < self.state_position(position)
+            if request.turn_positions and request.checkpointing.shared.in_turn:
+                pass  # a chat leaving an earlier turn inside its generation prompt or reply: that turn's
+                # boundary is checkpointed; a junction would save only the template's re-rendered header
+            elif (partner is not None and partner.num_computed_tokens < self.state_position(position)
                     and not partner.is_finished):
                 found.append(Placement(partner, position, CheckpointKind.SHARED_PREFIX))
             else:
                 found.append(Placement(request, position, CheckpointKind.JUNCTION))
         found += [Placement(request, p, CheckpointKind.CHAT_TURN) for p in request.turn_positions]
-        if not request.checkpoint_positions:
+        if not request.checkpoint_positions and not request.turn_positions:  # a chat's repeat reads its boundary
             found.append(Placement(request, len(prompt) - 1, CheckpointKind.PROMPT_END))
         self.index.add(request.parent_id, prompt, hasher)
         kept = [p for p in found if p.position >= self.min_tokens and self.registry.get(
@@ -141,7 +149,7 @@ class AutoCheckpointPlanner:
         length = len(tokens)
         turn_end, placed = self._seen.get(request.parent_id, (len(request.prompt_token_ids), []))
         self._remember(request.request_id, turn_end, [*placed, length])
-        if length < self.min_tokens or request.slot is None:
+        if length < self.min_tokens or request.slot is None or not request.turn_end_reusable:
             return
         if self.state_position(length) != length:
             return  # checkpoint_exact: the slot's state is not at a scan-chunk boundary

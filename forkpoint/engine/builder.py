@@ -20,13 +20,13 @@ import torch
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.checkpoints import CheckpointRegistry
 from forkpoint.cache.host_tier import HostTier
-from forkpoint.cache.sizing import pools_of_sizes
+from forkpoint.cache.sizing import default_host_tier_bytes, physical_memory_bytes, pools_of_sizes
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.config import EngineConfig, ModelConfig, VisionConfig
 from forkpoint.distributed.runner import TensorParallelRunner
 from forkpoint.engine.output_processor import OutputProcessor
 from forkpoint.engine.scheduler import Scheduler
-from forkpoint.engine.startup import StartupTimer
+from forkpoint.engine.startup import MemoryPlan, StartupTimer
 from forkpoint.inputs.default_model import DEFAULT_MODEL_NOTICE, ensure_default_model
 from forkpoint.inputs.generation_config import GenerationDefaults
 from forkpoint.inputs.multimodal import ImagePromptProcessor, image_prompt_processor
@@ -78,6 +78,7 @@ class EngineParts:
     runner: ModelRunner | TensorParallelRunner
     graphs_off_reason: str | None
     startup: StartupTimer  # each start-up phase's seconds, for the start-up log
+    memory: MemoryPlan  # what fits in the pools and the host tier, for the start-up log
 
 
 class EngineBuilder:
@@ -147,13 +148,20 @@ class EngineBuilder:
             storage = self._make_storage(model)
         startup.lap("pools" if parallel is None else "tensor-parallel ranks: weights, pools")
         # bookkeeping only: the host tier's directory (its copies are the step plans' device writes)
-        host = None
-        if config.enable_checkpoints and config.checkpoint_host_bytes > 0:
-            shapes = model.pool_shapes(self.dtype)
-            host = HostTier(config.checkpoint_host_bytes, shapes.slot_bytes, shapes.block_bytes(config.block_size))
+        shapes = model.pool_shapes(self.dtype)
+        host_bytes = self._host_tier_bytes() if config.enable_checkpoints else 0
+        host = (HostTier(host_bytes, shapes.slot_bytes, shapes.block_bytes(config.block_size))
+                if host_bytes > 0 else None)
         self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool, host)
                          if config.enable_checkpoints else None)
-        self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry)
+        memory = MemoryPlan(checkpoint_rows=self.state_pool.checkpoints.count,
+                            request_rows=self.state_pool.requests.count, row_bytes=shapes.slot_bytes,
+                            num_kv_blocks=self.block_pool.num_blocks, block_size=config.block_size,
+                            block_bytes=shapes.block_bytes(config.block_size), host_bytes=host_bytes,
+                            on_gpu=self.device.type == "cuda")
+        logger.info("%s", memory.summary())
+        self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry,
+                                   vocab_size=self.model_config.vocab_size)
         self.inputs = InputProcessor(self.tokenizer, self.checkpoint_token_id, self.images, PromptLimits(
             vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len, block_size=config.block_size,
             max_kv_blocks=self.block_pool.num_blocks, max_checkpoints=config.max_checkpoints_per_request))
@@ -174,7 +182,7 @@ class EngineBuilder:
             max_model_len=self.max_model_len, output_processor=self.output_processor, grammars=self.grammars,
             images=self.images, block_pool=self.block_pool, state_pool=self.state_pool, registry=self.registry,
             scheduler=self.scheduler, inputs=self.inputs, runner=self.runner,
-            graphs_off_reason=self.graphs_off_reason, startup=startup)
+            graphs_off_reason=self.graphs_off_reason, startup=startup, memory=memory)
 
     # ------------------------------------------------------------------ set-up
     def _mtp_layers(self, model_path: Path) -> int:
@@ -205,6 +213,13 @@ class EngineBuilder:
             return None
         sizes = cfg.cuda_graph_sizes or default_cuda_graph_sizes(cfg.max_num_batched_tokens)
         return PiecewiseForward(model, sizes, self.device, capture=True)
+
+    def _host_tier_bytes(self) -> int:
+        """checkpoint_host_bytes, or when not given a size from this machine (cache/sizing.py)."""
+        cfg = self.config
+        if cfg.checkpoint_host_bytes is not None:
+            return cfg.checkpoint_host_bytes
+        return default_host_tier_bytes(physical_memory_bytes(), self.device.type == "cuda", cfg.tensor_parallel_size)
 
     def _make_storage(self, model) -> DeviceStorage:
         """The pools' bookkeeping (`block_pool`, `state_pool`) and the runner's storage, sized from the

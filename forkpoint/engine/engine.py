@@ -100,7 +100,7 @@ class LLMEngine:
         self.block_pool, self.state_pool, self.registry = parts.block_pool, parts.state_pool, parts.registry
         self.scheduler, self.runner = parts.scheduler, parts.runner
         self.graphs_off_reason = parts.graphs_off_reason
-        self.startup = parts.startup
+        self.startup, self.memory = parts.startup, parts.memory
         # a plain attribute: benchmarks may switch it between steps (EngineConfig rejects it under TP)
         self.async_scheduling = self.config.async_scheduling
         self._launched: list[_Launched] = []  # enqueued steps whose tokens are not processed; oldest first
@@ -148,6 +148,7 @@ class LLMEngine:
                 multimodal=processed.multimodal,
                 processors=processors[index],
                 turn_positions=processed.turn_positions if self.registry is not None else (),
+                turn_end_reusable=processed.turn_end_reusable,
             ))
         self._groups[request_id] = _PromptGroup(request_id, processed.text, token_ids, positions, sequences, stream)
         for sequence in sequences:

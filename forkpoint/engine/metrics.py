@@ -21,6 +21,7 @@ def checkpoint_metrics(registry: CheckpointRegistry | None) -> dict[str, int]:
         values[f"checkpoint_hits_{kind.value}"] = counters.hits[kind]
         values[f"checkpoint_tokens_saved_{kind.value}"] = counters.tokens_saved[kind]
         values[f"checkpoints_evicted_{kind.value}"] = counters.evicted[kind]
+    values["checkpoints_evicted_session_latest"] = counters.evicted_session_latest  # a live session's newest
     if registry.host is not None:
         tier = registry.host.counters
         values.update(checkpoints_spilled=tier.spilled, checkpoints_restored=tier.restored,

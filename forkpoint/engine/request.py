@@ -91,6 +91,8 @@ class Request:
     processors: RequestProcessors | None = None
     # a chat's turn boundaries (inputs/turns.py): automatic CHAT_TURN checkpoints, not markers
     turn_positions: tuple[int, ...] = ()
+    # False: a chat whose template re-renders the reply, so no turn-end checkpoint is kept (inputs/turns.py)
+    turn_end_reusable: bool = True
     # why reuse stopped short of what the prompt shares with earlier ones (None: it did not), set at admission
     cache_miss_reason: CacheMissReason | None = None
     # speculative decoding: the MTP head's drafts of the tokens after the last one, verified next step

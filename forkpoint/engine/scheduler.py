@@ -72,6 +72,7 @@ class _Planning:
     finished: list[Request] = field(default_factory=list)
     written_phase: dict[int, int] = field(default_factory=dict)  # id(checkpoint) -> phase writing it
     verifies: list[Verify] = field(default_factory=list)
+    score_rows: int = 0  # prompt-logit rows planned so far (at most Scheduler.score_rows)
 
 
 @dataclass
@@ -88,8 +89,10 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_pool: BlockPool, state_pool: StatePool,
-                 registry: CheckpointRegistry | None) -> None:
+                 registry: CheckpointRegistry | None, *, vocab_size: int) -> None:
         self.config = config
+        # prompt-logit rows ([rows, vocab] float32 logits) per step, all scored requests together
+        self.score_rows = config.prompt_score_rows(vocab_size)
         self.blocks = block_pool
         self.states = state_pool
         self.registry = registry
@@ -210,7 +213,7 @@ class Scheduler:
                 # preempt anything): decode plainly
                 request.draft_token_ids, verifying = (), False
             count = 1 + len(request.draft_token_ids) if verifying else self._chunk(
-                request, request.num_computed_tokens, budget)
+                planning, request, request.num_computed_tokens, budget)
             if count == 0:
                 continue
             needed = self.speculation.blocks_needed(request) if verifying else request.num_computed_tokens + count
@@ -358,11 +361,16 @@ class Scheduler:
         checkpoint_exact the scan-chunk boundary at or before it (0: the checkpoint is useless)."""
         return position - position % SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else position
 
-    def _chunk(self, request: Request, start: int, budget: int) -> int:
+    def _chunk(self, planning: _Planning, request: Request, start: int, budget: int) -> int:
         """Tokens of `request` to compute from `start` this step. With checkpoint_exact, a chunk
         that does not finish the sequence ends at a scan-chunk boundary (0 when none fits), so chunked
-        prefill runs the recurrent scans over the same chunks as one pass."""
+        prefill runs the recurrent scans over the same chunks as one pass. A request scoring its prompt
+        gets at most the step's prompt-logit rows left (`score_rows`): its logits stay O(chunk x vocab)."""
         count = min(request.num_tokens - start, budget, self.chunk_cap)
+        to_score = len(request.prompt_token_ids) - 1 - start
+        rows_left = self.score_rows - planning.score_rows
+        if request.params.prompt_logprobs is not None and to_score > rows_left:
+            count = min(count, rows_left)
         if self.config.checkpoint_exact and start + count < request.num_tokens:
             count -= (start + count) % SCAN_CHUNK_TOKENS
         return max(count, 0)
@@ -419,7 +427,7 @@ class Scheduler:
         if self.states.requests.num_free == 0:
             return None
         start = source.state_tokens if source is not None else 0
-        count = self._chunk(request, start, budget)
+        count = self._chunk(planning, request, start, budget)
         if count == 0:
             return None  # exact mode: no scan-chunk boundary within the budget left
         shared = [] if source is None else (source.blocks if source.ready else source.producer_blocks)
@@ -612,6 +620,7 @@ class Scheduler:
             prompt_logit_rows=0 if request.params.prompt_logprobs is None else max(
                 0, min(end, len(request.prompt_token_ids) - 1) - start),
             next_token=request.tokens(end, end + 1)[0] if end < request.num_tokens else None))
+        planning.score_rows += planning.segments[-1].prompt_logit_rows
         planning.requests.append(request)
 
     # ------------------------------------------------------------------ metrics and integrity

@@ -1,15 +1,63 @@
-"""The engine's start-up, phase by phase, for the start-up log: where the seconds go (loading weights,
-capturing graphs, sizing pools, warming up kernels) is what a restart costs.
+"""The engine's start-up for the start-up log: where the seconds go, phase by phase (loading weights,
+capturing graphs, sizing pools, warming up kernels: what a restart costs), and what fits in memory.
 
     timer = StartupTimer()
     ...load weights...;   timer.lap("load weights")
     ...capture graphs...; timer.lap("graphs capture")
     timer.summary()   # "start-up 41.2 s: load weights 30.1 s, graphs capture 11.1 s"
+
+    MemoryPlan(...).summary()
+    # "385 checkpoints of 61 MiB on the GPU, 533 in host memory (32.0 GiB, fewer with long prefixes:
+    #  KV 320 KiB per 16 tokens); 256 request state rows; 76,022 KV blocks (1,216,352 tokens)"
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the pools and the host tier hold. checkpoint_rows, request_rows: device state rows of
+    row_bytes each; host_bytes: the host tier's capacity (0: none), where a checkpoint takes its row
+    and its prefix's KV blocks (block_bytes per block of block_size tokens); on_gpu: where the pools
+    are."""
+
+    checkpoint_rows: int
+    request_rows: int
+    row_bytes: int
+    num_kv_blocks: int
+    block_size: int
+    block_bytes: int
+    host_bytes: int
+    on_gpu: bool
+
+    @property
+    def host_checkpoints(self) -> int:
+        """Checkpoints the host tier holds at most: state rows alone (each also holds its prefix's KV
+        blocks, so fewer fit when prefixes are long)."""
+        return self.host_bytes // max(self.row_bytes, 1)
+
+    def summary(self) -> str:
+        """One line for the start-up log."""
+        where = "on the GPU" if self.on_gpu else "in the CPU pools"
+        if self.host_bytes:
+            host = (f"{self.host_checkpoints:,} in host memory ({self.host_bytes / 2**30:.1f} GiB, "
+                    f"fewer with long prefixes: KV {self.block_bytes / 2**10:,.0f} KiB per {self.block_size} tokens)")
+        else:
+            host = "none in host memory (checkpoint_host_bytes 0: an evicted checkpoint is gone)"
+        if not self.checkpoint_rows:
+            return (f"checkpoints off; {self.request_rows:,} request state rows; {self.num_kv_blocks:,} KV blocks "
+                    f"({self.num_kv_blocks * self.block_size:,} tokens)")
+        return (f"{self.checkpoint_rows:,} checkpoints of {_mib(self.row_bytes)} {where}, {host}; "
+                f"{self.request_rows:,} request state rows; {self.num_kv_blocks:,} KV blocks "
+                f"({self.num_kv_blocks * self.block_size:,} tokens)")
+
+
+def _mib(num_bytes: int) -> str:
+    mib = num_bytes / 2**20
+    return f"{mib:.0f} MiB" if mib >= 10 else f"{mib:.2g} MiB"
 
 
 class StartupTimer:

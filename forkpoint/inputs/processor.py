@@ -23,7 +23,9 @@ class ProcessedPrompt:
     checkpoint_positions: marked positions (sorted, exact; cache breakpoints included); multimodal: image
     placement or None; hasher: chained hashes of token_ids' prefixes (plus image content keys);
     turn_positions: a chat's turn boundaries (inputs/turns.py), sorted, in 1..len(token_ids)-1, none of
-    them marked: automatic checkpoints of their own kind, outside max_checkpoints.
+    them marked: automatic checkpoints of their own kind, outside max_checkpoints; turn_end_reusable: whether
+    the state after this prompt and its reply can start the next prompt (False for a chat whose template
+    re-renders the reply, `turns.reply_continues`: the engine keeps no turn-end checkpoint for it).
 
     The engine takes a `ProcessedPrompt` as it is (the server builds them: prompts are processed once)."""
 
@@ -33,6 +35,7 @@ class ProcessedPrompt:
     multimodal: MultimodalPrompt | None
     hasher: PrefixHasher
     turn_positions: tuple[int, ...] = ()
+    turn_end_reusable: bool = True
 
 
 class PromptTooLongError(ValueError):
@@ -61,8 +64,8 @@ class InputProcessor:
         self.limits = limits
         self.hashers = HasherCache(limits.block_size)  # a burst behind one anchor hashes it once
 
-    def process(self, prompt, *, turn_positions: Sequence[int] = (),
-                breakpoints: Sequence[int] = ()) -> ProcessedPrompt:
+    def process(self, prompt, *, turn_positions: Sequence[int] = (), breakpoints: Sequence[int] = (),
+                turn_end_reusable: bool = True) -> ProcessedPrompt:
         """`prompt`: a str, {"prompt": str} or {"prompt_token_ids": [...]} (optionally with
         "checkpoint_positions", "multi_modal_data" and "cache_salt", as in vLLM). `turn_positions` (chat turn
         boundaries) and `breakpoints` (cache breakpoints, checkpoints like markers) count the prompt's own tokens as
@@ -97,7 +100,8 @@ class InputProcessor:
                                     extra_keys=multimodal.hash_keys() if multimodal is not None else (), packed=packed)
         marked = set(parsed.checkpoint_positions)
         turns = tuple(sorted({p for p in turn_positions if 0 < p < len(token_ids) and p not in marked}))
-        return ProcessedPrompt(raw.text, token_ids, tuple(sorted(marked)), multimodal, hasher, turns)
+        return ProcessedPrompt(raw.text, token_ids, tuple(sorted(marked)), multimodal, hasher, turns,
+                               turn_end_reusable)
 
     def _position_map(self, raw_ids: list[int], images: list) -> list[int | None]:
         """For each raw position p (0..len(raw_ids)): the number of processed tokens before it (markers

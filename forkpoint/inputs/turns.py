@@ -16,6 +16,12 @@ Comparing token ids (not text) keeps the position exact when a merge crosses the
 appends several tool results gets one boundary after each of them (the rendering of the conversation
 up to that tool message, against the prompt), so a client that resends fewer results reuses the rest.
 
+Whether the turn end (prompt plus reply) can be a prefix of the next turn is found the same way: the
+conversation with a reply and a next message appended, rendered, either continues `full` (templates that
+render the reply right after the generation prompt) or leaves it inside the generation prompt (Qwen3.5
+with `enable_thinking` set: the next turn drops the `<think>` block), and then a checkpoint after the
+reply can never be read.
+
 Cache breakpoints (Anthropic's `cache_control`) use the same rule: a message's breakpoint ends where
 the rendering of the conversation up to that message leaves the prompt; a content part's, where the
 renderings of that message cut after the part, and after the part plus one more, leave each other
@@ -34,6 +40,9 @@ from typing import Any
 # tool results of one trailing run that get a boundary each (the most recent ones)
 MAX_TOOL_BOUNDARIES = 4
 PROBE_PART = {"type": "text", "text": "x"}  # a part after a breakpoint part: where the part's text ends
+# what a next turn appends: the reply as the client sends it back, then a message after it (templates render
+# the last assistant message differently from earlier ones)
+PROBE_TURN = ({"role": "assistant", "content": "x"}, {"role": "user", "content": "x"})
 
 Encode = Callable[[Sequence[Mapping[str, Any]], bool], list[int]]  # (conversation, add_generation_prompt) -> ids
 
@@ -79,6 +88,17 @@ def turn_boundaries(encode: Encode, messages: Sequence[Mapping[str, Any]], full:
             continue
         positions.add(common_prefix_length(history, full))
     return tuple(sorted(p for p in positions if 0 < p < len(full)))
+
+
+def reply_continues(encode: Encode, messages: Sequence[Mapping[str, Any]], full: Sequence[int]) -> bool:
+    """Whether the next turn's rendering (a reply, then another message) starts with all of `full`, the
+    prompt with its generation prompt: only then can the state after prompt and reply (the turn end) be
+    reused. True when the template cannot render that conversation (no claim: kept as for any prompt)."""
+    try:
+        after = encode([*messages, *PROBE_TURN], False)
+    except Exception:  # noqa: BLE001 - a template may refuse the probe (e.g. roles must alternate): no claim
+        return True
+    return common_prefix_length(after, full) == len(full)
 
 
 def breakpoint_positions(encode: Encode, messages: Sequence[Mapping[str, Any]], full: Sequence[int],

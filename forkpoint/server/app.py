@@ -2,7 +2,8 @@
 
 One process, one engine thread (`EngineWorker`, started and stopped with the app's lifespan);
 handlers run on the event loop and never touch the engine directly. Tokenisation and prompt
-building run in one tokenizer thread (HF tokenizers are not safe for concurrent use), request bodies
+building run in a pool of `--tokenizer-workers` threads (the fast tokenizer is only read, and its
+Rust encode releases the GIL), so one huge prompt holds up no other request's prompt; request bodies
 over --max-request-bytes are refused before they are read (`limits.RequestSizeLimit`), and the
 lifespan logs a start-up summary and a periodic stats line (`stats.py`).
 
@@ -66,16 +67,20 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
     """
     engine = llm.engine
     worker = EngineWorker(engine)
-    admission = Admission(config.max_waiting_requests, config.retry_after_s)
+    admission = Admission(config.max_waiting_requests, config.retry_after_s,
+                          max_per_request=config.max_num_seqs_per_request,
+                          max_waiting_per_client=config.max_waiting_per_user)
     metrics = ServerMetrics(worker.metrics_snapshot, lambda: admission.waiting, lambda: admission.running,
                             endpoints=tuple(GENERATION_ENDPOINTS.values()))
     tokenizer = llm.get_tokenizer()
     takes_images = engine.images.processor is not None
-    tokenizer_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="forkpoint-tokenizer")
+    # the fast tokenizer is safe to share: encode, decode and template rendering only read it
+    tokenizer_pool = concurrent.futures.ThreadPoolExecutor(max_workers=config.tokenizer_workers,
+                                                           thread_name_prefix="forkpoint-tokenizer")
     prompts = PromptBuilder(
         tokenizer, checkpoint_token=engine.config.checkpoint_token, checkpoint_token_id=llm.checkpoint_token_id,
         max_checkpoints=engine.config.max_checkpoints_per_request, policy=config.marker_policy,
-        images=engine.images if takes_images else None, executor=tokenizer_thread,
+        images=engine.images if takes_images else None, executor=tokenizer_pool,
         processor=engine.inputs, turn_boundaries=engine.config.enable_checkpoints and engine.config.auto_checkpoints,
     )
     max_request_bytes = (config.max_request_bytes if config.max_request_bytes is not None else
@@ -94,6 +99,12 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         for line in startup_summary(llm, config, max_request_bytes, load_time_s):
             logger.info("%s", line)
+        # structured outputs' vocabulary view, built here and not on the first constrained request (which
+        # held the engine thread and the GIL for seconds: every stream and /health stalled)
+        try:
+            await asyncio.to_thread(engine.grammars.prepare)
+        except ValueError as err:  # a slow tokenizer: constrained requests get this error as a 400
+            logger.info("structured outputs unavailable: %s", err)
         worker.start()
         stats = (asyncio.create_task(log_stats_forever(worker.metrics_snapshot, config.log_stats_interval_s))
                  if config.log_stats else None)
@@ -105,7 +116,7 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
                 with contextlib.suppress(asyncio.CancelledError):
                     await stats
             await asyncio.to_thread(worker.shutdown, config.shutdown_timeout_s)
-            tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+            tokenizer_pool.shutdown(wait=False, cancel_futures=True)
             if sandbox is not None:
                 sandbox.close()
 
@@ -113,6 +124,7 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
     app.state.worker = worker
     app.state.metrics = metrics
     app.state.config = config
+    app.state.tokenizer_pool = tokenizer_pool
     app.state.max_request_bytes = max_request_bytes
 
     install_request_guards(app, metrics, max_request_bytes)

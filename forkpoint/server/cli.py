@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from forkpoint.server.bench_cli import add_bench_args, run_bench
-from forkpoint.server.config import DEFAULT_MODEL_NAME, MarkerPolicy, ServerConfig
+from forkpoint.server.config import DEFAULT_MODEL_NAME, MarkerPolicy, ServerConfig, default_tokenizer_workers
 from forkpoint.server.engine_args import add_engine_args, engine_kwargs
 
 
@@ -39,6 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--max-waiting-requests", type=int, default=ServerConfig.max_waiting_requests,
                       help="prompts allowed to wait for their first token; beyond it requests get 503 with "
                            f"Retry-After (default: {ServerConfig.max_waiting_requests})")
+    http.add_argument("--max-num-seqs-per-request", type=int, default=ServerConfig.max_num_seqs_per_request,
+                      help="most sequences (prompts x n) one request may ask for; more is a 400 (default: "
+                           f"{ServerConfig.max_num_seqs_per_request})")
+    http.add_argument("--max-waiting-per-user", type=int, default=None,
+                      help="most sequences one client (the request's user field) may have waiting for a first "
+                           "token; beyond it that client gets 503 while others are admitted (default: no bound)")
+    http.add_argument("--tokenizer-workers", type=int, default=default_tokenizer_workers(),
+                      help="threads that render and tokenise prompts, so one huge prompt does not hold up the "
+                           "others (default: the CPU count, 2 to 8)")
     http.add_argument("--marker-in-user-content", default=MarkerPolicy.ALLOW.value,
                       choices=[p.value for p in MarkerPolicy],
                       help="the marker string inside client text (messages, prompts): allow = it checkpoints; "
@@ -103,7 +112,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests, marker_policy=MarkerPolicy(args.marker_in_user_content),
         shutdown_timeout_s=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
         log_stats=not args.disable_log_stats, trust_request_chat_template=args.trust_request_chat_template,
-        cache_isolation=args.cache_isolation,
+        cache_isolation=args.cache_isolation, max_num_seqs_per_request=args.max_num_seqs_per_request,
+        max_waiting_per_user=args.max_waiting_per_user, tokenizer_workers=args.tokenizer_workers,
     )
     if args.data_parallel_size != 1 or args.ray_address is not None:
         from forkpoint.server.replicas.launch import serve_replicas

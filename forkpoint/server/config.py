@@ -5,7 +5,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 DEFAULT_MODEL_NAME = "forkpoint-default"
 
@@ -23,6 +24,12 @@ class MarkerPolicy(enum.StrEnum):
     ALLOW = "allow"
     STRIP = "strip"
     REJECT = "reject"
+
+
+def default_tokenizer_workers() -> int:
+    """Prompt-building threads for this machine: its CPU count, at least 2 (one huge prompt never
+    holds up every other request) and at most 8."""
+    return min(8, max(2, os.cpu_count() or 2))
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,12 @@ class ServerConfig:
     trust_request_chat_template: run a chat template that a request supplies
         (`chat_template_kwargs.chat_template`; vLLM's --trust-request-chat-template), in a sandboxed
         child process with limits (`inputs/template_sandbox.py`); False (default): such a request is a 400.
+    max_num_seqs_per_request: most sequences (prompts x n) one request may ask for; more is a 400.
+    max_waiting_per_user: most sequences one client (the request's `user` field; requests without
+        one count as one client) may have waiting for a first token; beyond it that client gets 503
+        while others are still admitted (None: no per-client bound).
+    tokenizer_workers: threads that build prompts (render, tokenise, decode images), so one huge
+        prompt occupies one of them and the others go on (default: the CPU count, 2 to 8).
     cache_isolation: "none" (requests share reuse unless they send different `cache_salt`s) or "user"
         (a request without `cache_salt` is salted by its `user` field: tenants share no checkpoint).
     """
@@ -58,6 +71,9 @@ class ServerConfig:
     log_stats_interval_s: float = 10.0
     trust_request_chat_template: bool = False
     cache_isolation: str = "none"
+    max_num_seqs_per_request: int = 256
+    max_waiting_per_user: int | None = None
+    tokenizer_workers: int = field(default_factory=default_tokenizer_workers)
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -73,5 +89,10 @@ class ServerConfig:
         if self.log_stats_interval_s <= 0:
             raise ValueError(f"log_stats_interval_s must be > 0, got {self.log_stats_interval_s}")
         object.__setattr__(self, "marker_policy", MarkerPolicy(self.marker_policy))
+        for name in ("max_num_seqs_per_request", "max_waiting_per_user", "tokenizer_workers"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.cache_isolation not in ("none", "user"):
             raise ValueError(f"cache_isolation must be 'none' or 'user', got {self.cache_isolation!r}")
+

@@ -38,6 +38,15 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
     group.add_argument("--max-num-seqs", type=int, default=256, help="most sequences per step (default: 256)")
     group.add_argument("--max-num-batched-tokens", type=int, default=8192,
                        help="most tokens per step (default: 8192)")
+    group.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="N",
+                       help="most prefill tokens of one request per step, so a long prompt shares steps with "
+                            "other streams instead of stalling them (vLLM's name; default: no cap beyond "
+                            "--max-num-batched-tokens)")
+    group.add_argument("--prompt-score-bytes", type=int, default=None, metavar="BYTES",
+                       help="bytes of float32 prompt-logit rows one step computes for prompt logprobs (echo + "
+                            "logprobs, prompt_logprobs): a scored prompt runs in chunks of that many rows, so its "
+                            "memory does not grow with prompt length x vocabulary (default: 64 MiB on the CPU, "
+                            "1 GiB on CUDA)")
     group.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default: 16)")
     group.add_argument("--checkpoint-token", default="<|mamba_checkpoint|>",
                        help="the checkpoint marker string (default: <|mamba_checkpoint|>)")
@@ -48,9 +57,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
     group.add_argument("--auto-checkpoints", action=argparse.BooleanOptionalAction, default=True,
                        help="let the engine checkpoint shared prefixes, junctions, prompt ends and turn ends "
                             "without markers (default: on)")
-    group.add_argument("--checkpoint-host-bytes", type=int, default=0,
+    group.add_argument("--checkpoint-host-bytes", type=int, default=None,
                        help="bytes of host memory that checkpoints evicted from the device spill to and return "
-                            "from on a hit (default: 0, no host tier)")
+                            "from on a hit; 0: no host tier (default: a quarter of the machine's memory, at most "
+                            "64 GiB, split over the tensor-parallel ranks; none on the CPU)")
     group.add_argument("--checkpoint-exact", action="store_true",
                        help="GPU: keep checkpoint states at scan-chunk boundaries so consumers' bf16 results are "
                             "bit-identical to a run without checkpoints (recomputes up to 63 tokens per consumer)")
@@ -92,6 +102,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         device=args.device, seed=args.seed,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        long_prefill_token_threshold=args.long_prefill_token_threshold, prompt_score_bytes=args.prompt_score_bytes,
         enable_checkpoints=not args.no_checkpoints, checkpoint_token=args.checkpoint_token,
         max_checkpoints_per_request=args.max_checkpoints_per_request, load_format=args.load_format,
         enforce_eager=args.enforce_eager, auto_checkpoints=args.auto_checkpoints,

@@ -20,43 +20,75 @@ from forkpoint.server.worker import EngineWorker, NewRequest, OutputSink, Server
 
 
 class Admission:
-    """Bounds the prompts that wait for their first token (queued, deferred or prefilling).
+    """Bounds the sequences that wait for their first token (queued, deferred or prefilling): a
+    prompt with `n` completions is n sequences (it takes n places, as n prompts would).
 
-    waiting: admitted prompts without a first token; running: prompts generating tokens.
+    waiting / running: admitted sequences without a first token / generating tokens.
+    max_per_request: most sequences (prompts x n) one request may ask for (a 400 beyond it).
+    max_waiting_per_client: most waiting places one client (the request's `user`; requests without
+        one share one client) may hold, so one client cannot fill the queue for everyone (None: no
+        per-client bound). Every counter is changed on the event loop only.
     """
 
-    def __init__(self, max_waiting: int, retry_after_s: int) -> None:
+    def __init__(self, max_waiting: int, retry_after_s: int, *, max_per_request: int | None = None,
+                 max_waiting_per_client: int | None = None) -> None:
         self.max_waiting = max_waiting
         self.retry_after_s = retry_after_s
+        # a request over any of the three bounds could never be admitted: a 400, not a 503
+        self.max_per_request = min(bound for bound in (max_waiting, max_per_request, max_waiting_per_client)
+                                   if bound is not None)
+        self.max_waiting_per_client = max_waiting_per_client
         self.waiting = 0
         self.running = 0
+        self.waiting_by_client: dict[str, int] = {}  # clients with waiting places only
 
-    def admit(self, count: int) -> None:
-        """Take `count` waiting places, or raise a 503 `APIError` when they do not fit now (a 400
-        when they never can)."""
-        if count > self.max_waiting:
+    def admit(self, prompts: int, n: int = 1, client: str = "") -> None:
+        """Take `prompts` x `n` waiting places for `client`, or raise a 503 `APIError` when they do
+        not fit now (a 400 when they never can)."""
+        count = prompts * n
+        if count > self.max_per_request:
             raise invalid_request(
-                f"the request has {count} prompts but at most {self.max_waiting} may wait at once "
-                "(--max-waiting-requests): send fewer prompts per request", param="prompt")
+                f"the request asks for {prompts} prompt(s) x n={n} = {count} sequences but at most "
+                f"{self.max_per_request} are taken per request (--max-num-seqs-per-request, "
+                "--max-waiting-requests, --max-waiting-per-user): lower n or send fewer prompts per request",
+                param="n" if n > 1 else "prompt")
+        held = self.waiting_by_client.get(client, 0)
+        cap = self.max_waiting_per_client
+        if cap is not None and held + count > cap:
+            raise overloaded(
+                self.retry_after_s,
+                f"this client (user {client!r}) has {held} sequences waiting for their first token, limit {cap} "
+                f"per client (--max-waiting-per-user): retry after {self.retry_after_s} s",
+            )
         if self.waiting + count > self.max_waiting:
             raise overloaded(
                 self.retry_after_s,
-                f"the server is at capacity ({self.waiting} prompts waiting for their first token, "
+                f"the server is at capacity ({self.waiting} sequences waiting for their first token, "
                 f"limit {self.max_waiting}): retry after {self.retry_after_s} s",
             )
         self.waiting += count
+        self.waiting_by_client[client] = held + count
 
-    def first_token(self) -> None:
-        """One admitted prompt produced its first token."""
-        self.waiting -= 1
-        self.running += 1
+    def first_token(self, n: int = 1, client: str = "") -> None:
+        """One admitted prompt (its `n` sequences) produced its first token."""
+        self._unwait(n, client)
+        self.running += n
 
-    def release(self, state: str) -> None:
-        """An unfinished prompt in `state` ("waiting" or "running") ended; other states hold nothing."""
+    def release(self, state: str, n: int = 1, client: str = "") -> None:
+        """An unfinished prompt (`n` sequences) in `state` ("waiting" or "running") ended; other
+        states hold nothing."""
         if state == "waiting":
-            self.waiting -= 1
+            self._unwait(n, client)
         elif state == "running":
-            self.running -= 1
+            self.running -= n
+
+    def _unwait(self, n: int, client: str) -> None:
+        self.waiting -= n
+        left = self.waiting_by_client[client] - n
+        if left:
+            self.waiting_by_client[client] = left
+        else:
+            del self.waiting_by_client[client]
 
 
 class Generation:
@@ -71,8 +103,9 @@ class Generation:
 
     def __init__(self, worker: EngineWorker, admission: Admission, metrics: ServerMetrics, *,
                  endpoint: str, prompt_param: str, request_id: str, prompts: Sequence[EnginePrompt],
-                 params: SamplingParams, cache_key: str | None = None) -> None:
+                 params: SamplingParams, cache_key: str | None = None, client: str = "") -> None:
         self._cache_key = cache_key  # prompt_cache_key: replicas route the group together
+        self._client = client  # the request's `user` ("" without one): its admission places are its client's
         self._endpoint = endpoint
         self._prompt_param = prompt_param
         self._worker = worker
@@ -97,12 +130,12 @@ class Generation:
         """Admit and submit every prompt. Raises `APIError`: 503 when the server is at capacity or
         shutting down, 400 when the engine rejects a prompt (nothing is left running then, and
         `close()` has nothing to do: the error handler counts the outcome)."""
-        self._admission.admit(len(self._ids))
+        self._admission.admit(len(self._ids), self._params.n, self._client)
         for rid in self._ids:
             self._state[rid] = "waiting"
         self._sink = OutputSink(asyncio.get_running_loop())
-        requests = [NewRequest(rid, p.engine_input(), self._params, self._cache_key)
-                    for rid, p in zip(self._ids, self._prompts)]
+        requests = [NewRequest(rid, p.engine_input(), self._params, self._cache_key, p.turn_positions,
+                               p.turn_end_reusable) for rid, p in zip(self._ids, self._prompts)]
         try:
             await self._worker.add_many(requests, self._sink)
             self._started = True
@@ -150,17 +183,17 @@ class Generation:
         rid = output.request_id
         now = time.monotonic()
         if self._state[rid] == "waiting" and (output.finished or any(o.token_ids for o in output.outputs)):
-            self._admission.first_token()
+            self._admission.first_token(self._params.n, self._client)
             self._state[rid] = "running"
             self._metrics.ttft.observe(now - self._arrival)
         if output.finished and self._state[rid] == "running":
-            self._admission.release("running")
+            self._admission.release("running", self._params.n, self._client)
             self._state[rid] = "done"
             self._metrics.e2e.observe(now - self._arrival)
 
     def _release_all(self) -> None:
         """Give back the admission places of every unfinished prompt and mark it done."""
         for rid, state in self._state.items():
-            self._admission.release(state)
+            self._admission.release(state, self._params.n, self._client)
             self._state[rid] = "done"
 

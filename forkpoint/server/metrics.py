@@ -111,9 +111,9 @@ class ServerMetrics:
         self.e2e = Histogram("forkpoint_e2e_request_latency_seconds",
                              "From arrival to the last generated token, per prompt.",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
-        Gauge("forkpoint_requests_waiting", "Prompts admitted without a first token yet.",
+        Gauge("forkpoint_requests_waiting", "Sequences (prompts x n) admitted without a first token yet.",
               registry=self.registry).set_function(waiting)
-        Gauge("forkpoint_requests_running", "Prompts generating tokens.",
+        Gauge("forkpoint_requests_running", "Sequences (prompts x n) generating tokens.",
               registry=self.registry).set_function(running)
         self.registry.register(EngineCollector(engine_snapshot))
 

@@ -24,7 +24,7 @@ Images (chat `image_url` parts with data URLs, multimodal models): decoded here,
 placeholders expanded before the markers are removed, so positions count image tokens as the
 engine does; the engine receives the expanded ids with the decoded images (`multi_modal_data`).
 The handlers build prompts through `run` (and `from_messages_async`), in the server's tokenizer
-thread: rendering, tokenising (seconds for a prompt of megabytes) and decoding images never stall
+threads (a pool): rendering, tokenising (seconds for a prompt of megabytes) and decoding images never stall
 the event loop that streams every other request's tokens.
 """
 
@@ -47,9 +47,10 @@ from forkpoint.inputs.images import ImageInput
 from forkpoint.inputs.markers import prompt_to_token_ids, strip_checkpoint_markers
 from forkpoint.inputs.multimodal import ImagePromptProcessor
 from forkpoint.inputs.processor import InputProcessor, ProcessedPrompt, PromptTooLongError
-from forkpoint.inputs.turns import Breakpoint, breakpoint_positions, turn_boundaries
+from forkpoint.inputs.turns import Breakpoint, breakpoint_positions, reply_continues, turn_boundaries
 from forkpoint.server.config import MarkerPolicy
 from forkpoint.server.errors import APIError, invalid_request
+from forkpoint.server.prompt_length import tokens_beyond
 from forkpoint.server.protocol import ChatMessage
 from forkpoint.server.reasoning import prompt_opens_thinking
 
@@ -67,6 +68,10 @@ class EnginePrompt:
     opens_thinking: bool = False  # chat: the rendered prompt ends inside an open <think> (reasoning.py)
     processed: ProcessedPrompt | None = None
     cache_salt: str | None = None  # vLLM's cache_salt: part of every block hash (already in `processed`)
+    # a chat's turn boundaries in token_ids and whether its turn end can start the next turn (inputs/turns.py),
+    # for engines that process the prompt themselves (replicas); already in `processed` when it is set
+    turn_positions: tuple[int, ...] = ()
+    turn_end_reusable: bool = True
 
     def engine_input(self) -> ProcessedPrompt | dict[str, Any]:
         if self.processed is not None:
@@ -116,6 +121,8 @@ class PromptBuilder:
                   process: bool = True, cache_salt: str | None = None) -> EnginePrompt:
         """A completion prompt string (markers in it obey the policy)."""
         text = self._client_text(text, param)
+        if process:
+            self._within_length(text, param)
         try:
             raw = prompt_to_token_ids(text, self.tokenizer)
         except ValueError as err:
@@ -141,20 +148,26 @@ class PromptBuilder:
         this thread: handlers on the event loop use `from_messages_async`). `process=False`: ids
         and positions only, not the engine's processing (for /tokenize: no length limit)."""
         conversation = [self._message(i, message) for i, message in enumerate(messages)]
-        token_ids, sources, thinking = self._render(conversation, add_generation_prompt, template_kwargs)
-        turns, breakpoints = self._chat_positions(messages, conversation, token_ids,
-                                                  add_generation_prompt and process, template_kwargs)
+        template_kwargs = {key: self._client_value(value, "tools" if key == "tools" else "chat_template_kwargs")
+                           for key, value in (template_kwargs or {}).items()}
+        token_ids, sources, thinking = self._render(conversation, add_generation_prompt, template_kwargs, process)
+        self._only_placed_markers(messages, token_ids)
+        turns, breakpoints, reusable = self._chat_positions(messages, conversation, token_ids,
+                                                            add_generation_prompt and process, template_kwargs)
         images = self._load_images(sources) if sources else []
         salt = {"cache_salt": cache_salt} if cache_salt is not None else {}
         if self.processor is not None and process:
             prompt = self._process({"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}} | salt
                                    if images else {"prompt_token_ids": token_ids} | salt, "messages", turns,
-                                   breakpoints)
+                                   breakpoints, turn_end_reusable=reusable)
         elif images:
             prompt = self._with_images(token_ids, images)
         else:
             prompt = self._parse(token_ids, None, "messages", _stripped(token_ids, self.checkpoint_token_id,
                                                                         breakpoints), process=process)
+            if self.processor is None and process:  # the replicas' engines process it: the turns travel with it
+                prompt = dataclasses.replace(prompt, turn_positions=tuple(_stripped(
+                    token_ids, self.checkpoint_token_id, turns)), turn_end_reusable=reusable)
         return dataclasses.replace(prompt, opens_thinking=thinking, cache_salt=cache_salt)
 
     async def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
@@ -170,10 +183,10 @@ class PromptBuilder:
 
     def _chat_positions(self, messages: Sequence[ChatMessage], conversation: list[dict[str, Any]],
                         token_ids: list[int], add_generation_prompt: bool,
-                        template_kwargs: dict[str, Any] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(turn boundaries, cache breakpoint ends) in `token_ids`, the rendered conversation's ids
-        (inputs/turns.py; boundaries only with `add_generation_prompt`). A 400 for more than
-        MAX_BREAKPOINTS breakpoints."""
+                        template_kwargs: dict[str, Any] | None) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+        """(turn boundaries, cache breakpoint ends, whether the turn end can start the next turn) in
+        `token_ids`, the rendered conversation's ids (inputs/turns.py; boundaries only with
+        `add_generation_prompt`). A 400 for more than MAX_BREAKPOINTS breakpoints."""
         points = [Breakpoint(i, None) for i, message in enumerate(messages) if message.cache_control is not None]
         points += [Breakpoint(i, j) for i, message in enumerate(messages) if isinstance(message.content, list)
                    for j, part in enumerate(message.content) if part.cache_control is not None]
@@ -181,21 +194,23 @@ class PromptBuilder:
             raise invalid_request(f"the messages carry {len(points)} cache_control breakpoints; at most "
                                   f"{MAX_BREAKPOINTS} are allowed per request: remove some", param="messages")
         if self.checkpoint_token_id is None or not (points or (self.turn_boundaries and add_generation_prompt)):
-            return (), ()
+            return (), (), True
         encode = chat_encoder(self.tokenizer, **(template_kwargs or {}))
         try:
             breakpoints = breakpoint_positions(encode, conversation, token_ids, sorted(points, key=_order))
         except ValueError as err:
             raise invalid_request(str(err), param="messages") from None
-        turns = turn_boundaries(encode, conversation, token_ids) if self.turn_boundaries and add_generation_prompt \
-            else ()
-        return turns, breakpoints
+        if not (self.turn_boundaries and add_generation_prompt):
+            return (), breakpoints, True
+        return turn_boundaries(encode, conversation, token_ids), breakpoints, reply_continues(encode, conversation,
+                                                                                               token_ids)
 
     def _process(self, prompt: dict[str, Any], param: str, turns: Sequence[int] = (),
-                 breakpoints: Sequence[int] = ()) -> EnginePrompt:
+                 breakpoints: Sequence[int] = (), *, turn_end_reusable: bool = True) -> EnginePrompt:
         """The engine's processing, here and once: validated, hashed, turn boundaries and breakpoints placed."""
         try:
-            processed = self.processor.process(prompt, turn_positions=turns, breakpoints=breakpoints)
+            processed = self.processor.process(prompt, turn_positions=turns, breakpoints=breakpoints,
+                                               turn_end_reusable=turn_end_reusable)
         except PromptTooLongError as err:
             raise invalid_request(str(err), param=param, code="context_length_exceeded") from None
         except ValueError as err:
@@ -205,13 +220,16 @@ class PromptBuilder:
                             cache_salt=prompt.get("cache_salt"))
 
     def _render(self, conversation: list[dict[str, Any]], add_generation_prompt: bool,
-                template_kwargs: dict[str, Any] | None) -> tuple[list[int], list[Any], bool]:
+                template_kwargs: dict[str, Any] | None, check_length: bool) -> tuple[list[int], list[Any], bool]:
         """Token ids of the rendered conversation (markers still in), its image sources in order,
-        and whether the prompt leaves a thought open."""
+        and whether the prompt leaves a thought open. check_length: refuse a rendering that cannot
+        fit max_model_len before tokenising all of it."""
         try:
             text, sources = render_chat_with_images(self.tokenizer, conversation,
                                                     add_generation_prompt=add_generation_prompt,
                                                     **(template_kwargs or {}))
+            if check_length:
+                self._within_length(text, "messages")
             raw = prompt_to_token_ids(text, self.tokenizer)
         except ValueError as err:
             raise invalid_request(str(err), param="messages") from None
@@ -248,7 +266,8 @@ class PromptBuilder:
         else:
             parts = []
             for part in content:
-                fields = part.model_dump(exclude={"checkpoint", "cache_control"}, exclude_none=True)
+                fields = self._client_value(part.model_dump(exclude={"checkpoint", "cache_control"},
+                                                            exclude_none=True), param)
                 if part.type == "text" and part.text is not None:
                     text = self._client_text(part.text, param)
                     if part.checkpoint and self.checkpoint_token_id is not None:
@@ -256,9 +275,11 @@ class PromptBuilder:
                     fields["text"] = text
                 parts.append(fields)
             content = parts
-        fields = message.model_dump(exclude={"cache_control"}, exclude_none=True)
+        fields = self._client_value(message.model_dump(exclude={"cache_control", "content"}, exclude_none=True),
+                                    f"messages[{index}]")
         if "tool_calls" in fields:
-            fields["tool_calls"] = _tool_calls_for_template(index, fields["tool_calls"])
+            fields["tool_calls"] = self._client_value(_tool_calls_for_template(index, fields["tool_calls"]),
+                                                      f"messages[{index}].tool_calls")
         return {**fields, "content": content}
 
     def _no_image_placeholders(self, token_ids: Sequence[int], param: str) -> None:
@@ -269,12 +290,59 @@ class PromptBuilder:
                                   "prompts carry no images: send images to /v1/chat/completions as image_url "
                                   "content parts with data URLs", param=param)
 
+    def _within_length(self, text: str, param: str) -> None:
+        """A 400 (context_length_exceeded) for a text that cannot fit max_model_len, found by
+        tokenising little more than max_model_len tokens of it (prompt_length.py); the engine's
+        processor checks the exact length of the rest. Markers are counted (at most max_checkpoints
+        of them are removed later)."""
+        if self.processor is None:
+            return
+        max_model_len = self.processor.limits.max_model_len
+        count = tokens_beyond(text, self.tokenizer, max_model_len - 1 + self.max_checkpoints)
+        if count is not None:
+            raise invalid_request(
+                f"prompt has more than {max_model_len - 1} tokens (the first part of its text alone has {count}), "
+                f"max_model_len is {max_model_len}: shorten the prompt or raise max_model_len",
+                param=param, code="context_length_exceeded")
+
     def _client_text(self, text: str, param: str) -> str:
+        """`text` under the marker policy; strip removes markers to a fixed point (removing one may
+        join the halves of another: `<|mamba_<|mamba_checkpoint|>checkpoint|>`)."""
         if self.checkpoint_token not in text or self.policy is MarkerPolicy.ALLOW:
             return text
         if self.policy is MarkerPolicy.REJECT:
             raise self._rejected(param)
-        return text.replace(self.checkpoint_token, "")
+        while self.checkpoint_token in text:
+            text = text.replace(self.checkpoint_token, "")
+        return text
+
+    def _client_value(self, value: Any, param: str) -> Any:
+        """Every string in a JSON-like value (dict keys too: tool schemas, tool call arguments, template
+        kwargs) under the marker policy; other objects (a sandboxed template) as they are."""
+        if self.policy is MarkerPolicy.ALLOW:
+            return value
+        if isinstance(value, str):
+            return self._client_text(value, param)
+        if isinstance(value, dict):
+            return {self._client_value(k, param): self._client_value(v, param) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self._client_value(item, param) for item in value]
+        return value
+
+    def _only_placed_markers(self, messages: Sequence[ChatMessage], token_ids: Sequence[int]) -> None:
+        """Under strip and reject, the rendered prompt holds only the markers that structured controls
+        placed (`"checkpoint": true` parts): a 400 when the template joined others out of client text
+        (a request template, or halves in adjacent fields) - there is no client text left to strip."""
+        if self.policy is MarkerPolicy.ALLOW or self.checkpoint_token_id is None:
+            return
+        placed = sum(1 for message in messages if isinstance(message.content, list) for part in message.content
+                     if part.type == "text" and part.text is not None and part.checkpoint)
+        if token_ids.count(self.checkpoint_token_id) > placed:
+            raise invalid_request(
+                f"the rendered chat prompt contains the checkpoint marker {self.checkpoint_token!r} where no "
+                "checkpoint control placed it (the chat template joined it out of request text), which this "
+                f"server does not accept (--marker-in-user-content {self.policy.value}): place checkpoints with "
+                "a content part's \"checkpoint\": true", param="messages", code="checkpoint_marker_rejected")
 
     def _rejected(self, param: str) -> APIError:
         return invalid_request(

@@ -20,6 +20,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 TokenIds = list[StrictInt]  # strict: a JSON true or 1.0 is not a token id
+# stop strings are matched against every new token's text on the engine thread: bounded in number and
+# length (OpenAI takes 4; lm-eval-harness and agents send a handful)
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 1024
+
 NO_IMAGES_IN_COMPLETIONS = ("/v1/completions takes text or token-id prompts only (a string, token ids, or a list of "
                             "either): send images to /v1/chat/completions as image_url content parts with data URLs")
 
@@ -103,6 +108,17 @@ class SamplingFields(BaseModel):
     # (usage.prompt_tokens_details.cached_tokens) reveals nothing across salts (docs/server.md)
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     prompt_cache_retention: Literal["in-memory", "in_memory", "24h"] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_bounds(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(strings)} strings; at most {MAX_STOP_STRINGS} are taken")
+        longest = max(strings, key=len, default="")
+        if len(longest) > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string has {len(longest)} characters; at most {MAX_STOP_CHARS} are taken")
+        return stop
 
     @field_validator("logit_bias")
     @classmethod

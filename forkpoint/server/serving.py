@@ -200,7 +200,8 @@ class OpenAIServing:
                         request: Request) -> Response:
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         gen = Generation(self.worker, self.admission, self.metrics, endpoint=endpoint, prompt_param=prompt_param,
-                         request_id=request_id, prompts=prompts, params=params, cache_key=body.prompt_cache_key)
+                         request_id=request_id, prompts=prompts, params=params, cache_key=body.prompt_cache_key,
+                         client=body.user or "")
         await gen.start()
         header = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         if body.stream:
@@ -237,13 +238,19 @@ class OpenAIServing:
         if exc is not None:
             raise exc
         n = gen.params.n
-        choices = [fmt.choice(Delta(index * n + c.index, c.text, c.token_ids, c.logprobs, c.finish_reason,
-                                    output=output))
-                   for index, output in sorted(usage.last.items()) for c in output.outputs]
-        body = {**header, "object": fmt.object_name, "choices": choices, "usage": usage.as_dict()}
-        if isinstance(fmt, ChatFormat) and fmt.options.prompt_logprobs is not None:  # vLLM: once, top level
-            body["prompt_logprobs"] = prompt_logprobs_json(self.prompts.tokenizer, usage.last[0].prompt_logprobs)
-        return JSONResponse(body)
+
+        def response() -> JSONResponse:
+            """The body, rendered in the tokenizer pool: prompt scores of a long prompt are megabytes
+            of JSON and a decode per entry, which would stall every stream on the event loop."""
+            choices = [fmt.choice(Delta(index * n + c.index, c.text, c.token_ids, c.logprobs, c.finish_reason,
+                                        output=output))
+                       for index, output in sorted(usage.last.items()) for c in output.outputs]
+            body = {**header, "object": fmt.object_name, "choices": choices, "usage": usage.as_dict()}
+            if isinstance(fmt, ChatFormat) and fmt.options.prompt_logprobs is not None:  # vLLM: once, top level
+                body["prompt_logprobs"] = prompt_logprobs_json(self.prompts.tokenizer, usage.last[0].prompt_logprobs)
+            return JSONResponse(body)
+
+        return await self.prompts.run(response)
 
     async def _stream(self, gen: Generation, fmt: ResponseFormatter, header: dict[str, Any], num_prompts: int,
                       include_usage: bool) -> AsyncIterator[str]:

@@ -38,6 +38,7 @@ def startup_summary(llm: LLM, config: ServerConfig, max_request_bytes: int, load
         f"model {engine.model_path} (served as {config.served_model_name}), {str(engine.dtype).removeprefix('torch.')} "
         f"on {engine.device}, max_model_len {engine.max_model_len}{loaded}",
         engine.startup.summary(),
+        f"memory: {engine.memory.summary()}",
         f"pools: {values['kv_blocks_total']} KV blocks x {cfg.block_size} tokens "
         f"({values['kv_blocks_total'] * cfg.block_size} tokens), {values['state_slots_total']} state slots, "
         f"{values['checkpoint_slots_total']} checkpoint slots; at most {cfg.max_num_seqs} sequences and "
@@ -64,7 +65,8 @@ def host_tier_summary(values: dict[str, float]) -> str:
     """The start-up line on the host-memory tier that evicted checkpoints spill to."""
     capacity = values.get("host_tier_capacity_bytes")
     if not capacity:
-        return "host tier: off (--checkpoint-host-bytes 0): an evicted checkpoint is gone"
+        return ("host tier: off (--checkpoint-host-bytes 0, the default on CPU, where the pools are host memory "
+                "already): an evicted checkpoint is gone")
     return (f"host tier: {capacity / 2**30:.1f} GiB of host memory (--checkpoint-host-bytes): evicted checkpoints "
             "spill there (state rows and KV blocks) and come back on a hit")
 

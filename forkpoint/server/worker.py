@@ -64,12 +64,24 @@ class OutputSink:
 @dataclass(frozen=True)
 class NewRequest:
     """One prompt for the engine (`prompt`: a `ProcessedPrompt`, or a prompt dict for replicas);
-    cache_key: the request's prompt_cache_key (replicas route its group together), or None."""
+    cache_key: the request's prompt_cache_key (replicas route its group together), or None;
+    turn_positions / turn_end_reusable: a chat prompt dict's turn boundaries in its marker-free ids and
+    whether its turn end can start the next turn (inputs/turns.py; in the `ProcessedPrompt` otherwise)."""
 
     request_id: str
     prompt: Any
     params: SamplingParams
     cache_key: str | None = None
+    turn_positions: tuple[int, ...] = ()
+    turn_end_reusable: bool = True
+
+    def engine_prompt(self, engine: Any) -> Any:
+        """What `engine.add_request` takes: the prompt, processed here with its turns when it is a dict
+        that carries them (engine thread; raises ValueError naming the problem)."""
+        if isinstance(self.prompt, dict) and (self.turn_positions or not self.turn_end_reusable):
+            return engine.inputs.process(self.prompt, turn_positions=self.turn_positions,
+                                         turn_end_reusable=self.turn_end_reusable)
+        return self.prompt
 
 
 @dataclass(frozen=True)
@@ -211,7 +223,7 @@ class EngineWorker:
         added: list[str] = []
         try:
             for request in command.requests:
-                self._engine.add_request(request.request_id, request.prompt, request.params)
+                self._engine.add_request(request.request_id, request.engine_prompt(self._engine), request.params)
                 added.append(request.request_id)
         except Exception as exc:
             for request_id in added:

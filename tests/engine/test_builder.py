@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from forkpoint import SamplingParams
 from forkpoint.config import EngineConfig
 from forkpoint.engine.builder import EngineBuilder
@@ -23,3 +25,20 @@ def test_an_engine_loops_over_the_parts_built_for_it(moe_model):
     assert metrics["generation_tokens_total"] == 3 and metrics["prompt_tokens_total"] == 5
     assert metrics["num_running"] == 0 and metrics["kv_blocks_used"] == 0 and metrics["state_slots_used"] == 0
     assert metrics["prompt_tokens_cached"] == 5 - metrics["prompt_tokens_computed"]
+
+
+def test_the_pools_and_the_host_tier_come_from_the_budget(moe_model, caplog):
+    """No checkpoint_pool_size: the checkpoint rows are what the state budget leaves (at most 8 per
+    request row), not a constant; no checkpoint_host_bytes on the CPU: no host tier (the pools are
+    host memory); the start-up log says what fits."""
+    config = EngineConfig(model=str(moe_model[0]), num_kv_blocks=16, max_num_seqs=2)
+    with caplog.at_level(logging.INFO, logger="forkpoint"):
+        parts = EngineBuilder(config).build()
+    assert parts.state_pool.checkpoints.count == 16 and parts.registry.host is None
+    memory = parts.memory
+    assert (memory.checkpoint_rows, memory.request_rows, memory.num_kv_blocks, memory.host_bytes) == (16, 2, 16, 0)
+    assert memory.summary() in caplog.text
+    sized = EngineBuilder(EngineConfig(model=str(moe_model[0]), num_kv_blocks=16, max_num_seqs=2,
+                                       checkpoint_pool_size=3, checkpoint_host_bytes=1 << 20)).build()
+    assert sized.state_pool.checkpoints.count == 3 and sized.registry.host.capacity_bytes == 1 << 20
+    assert sized.memory.summary().startswith("3 checkpoints of ")

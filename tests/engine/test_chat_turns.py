@@ -81,3 +81,38 @@ def test_miss_reasons(model_dir):
     assert out.num_cached_tokens == 0 and out.cache_miss_reason == "evicted_device"
     assert small.metrics()["cache_misses_evicted_device"] == 1
     small.engine.check_integrity()
+
+
+# the tiny template, but the generation prompt opens an empty "thought" (w151) that the next turn does not
+# render, as Qwen3.5's <think></think> with enable_thinking set
+RERENDERING = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant w151 {% endif %}")
+
+
+@pytest.mark.parametrize("template,turn_ends", [(None, 3), (RERENDERING, 0)], ids=["continues", "re-renders"])
+def test_a_chat_session_keeps_one_checkpoint_per_turn(model_dir, plain, template, turn_ends):
+    """A chat gets its turn boundary and no prompt-end checkpoint (sent again, it reads the boundary), no junction
+    inside the previous turn's generation prompt, and a turn-end checkpoint only when its template renders the
+    reply right after the generation prompt: with a re-rendering template one checkpoint per turn, not four."""
+    llm = LLM(str(model_dir), num_kv_blocks=256)
+    encode = chat_encoder(llm.get_tokenizer(), chat_template=template)
+    messages = [{"role": "system", "content": words(*range(40))}, {"role": "user", "content": token_words(3, 12)}]
+    previous = None
+    for turn in range(3):
+        out = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=template)[0]
+        assert_same_outputs([out], plain.chat(messages, GREEDY, use_tqdm=False, chat_template=template))
+        ids = encode(messages, True)
+        if previous is not None:
+            shared = common_prefix_length(previous, ids)  # the turn end reaches past it, into the reply
+            assert shared - 2 <= out.num_cached_tokens and (turn_ends or out.num_cached_tokens <= shared), turn
+        previous = ids
+        messages = messages + [{"role": "assistant", "content": out.outputs[0].text},
+                               {"role": "user", "content": token_words(20 + turn, 6)}]
+    again = llm.chat(messages[:2], GREEDY, use_tqdm=False, chat_template=template)[0]  # the first turn, sent again
+    boundary = common_prefix_length(encode(messages[:2], False), encode(messages[:2], True))
+    assert again.num_cached_tokens == boundary
+    metrics = llm.metrics()
+    assert metrics["checkpoints_created_chat_turn"] == 3
+    assert metrics["checkpoints_created_turn_end"] == turn_ends
+    assert metrics["checkpoints_created_prompt_end"] == 0 and metrics["checkpoints_created_junction"] == 0
+    llm.engine.check_integrity()

@@ -88,3 +88,39 @@ def test_zero_prompt_logprobs_return_the_actual_token_only(model):
     assert [list(e) for e in out.prompt_logprobs[1:]] == [[t] for t in out.prompt_token_ids[1:]]
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
+
+
+def test_scored_prompts_run_in_bounded_chunks_with_the_one_chunk_numbers(model):
+    """Prompt scoring keeps O(chunk x vocab) logits per step (EngineConfig.prompt_score_bytes), all
+    scored requests of a step together, and the chunked scores equal the whole-prompt ones."""
+    directory, _ = model
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 150 + 2 for i in range(150)]} for j in range(2)]
+    llm = LLM(str(directory), prompt_score_bytes=1, enable_checkpoints=False)  # the least: one scan chunk
+    cap = llm.engine.scheduler.score_rows
+    assert cap == 64
+    execute, rows = llm.engine.runner.execute, []
+
+    def spy(plan, *args):
+        rows.append(sum(s.prompt_logit_rows for s in plan.segments))
+        return execute(plan, *args)
+
+    llm.engine.runner.execute = spy
+    chunked = llm.generate(prompts + ["no scores here"], [PARAMS, PARAMS, SamplingParams(max_tokens=4)],
+                           use_tqdm=False)
+    assert max(rows) == cap and sum(rows) == 2 * 149
+    whole = LLM(str(directory), enable_checkpoints=False).generate(prompts, PARAMS, use_tqdm=False)
+    for ours, theirs in zip(chunked, whole):
+        for a, b in zip(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:]):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) <= 1e-5 for t in a)
+
+
+def test_prompt_score_rows_per_device_and_budget():
+    from forkpoint.config import EngineConfig
+
+    vocab = 248320  # Qwen3.5's
+    assert EngineConfig(device="cpu").prompt_score_rows(vocab) == 64
+    assert EngineConfig(device="cuda").prompt_score_rows(vocab) == 1024
+    assert EngineConfig(device="cpu", prompt_score_bytes=300 << 20).prompt_score_rows(vocab) == 256  # 316 rows
+    assert EngineConfig(device="cpu", prompt_score_bytes=1).prompt_score_rows(vocab) == 64  # one scan chunk
+    with pytest.raises(ValueError, match="prompt_score_bytes"):
+        EngineConfig(prompt_score_bytes=0)

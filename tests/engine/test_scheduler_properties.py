@@ -28,6 +28,7 @@ from tests.engine.fake_executor import FakeExecutor, reference
 from tests.engine.test_checkpoint_properties import ANCHORS, request_strategy
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+VOCAB = 1000  # the fake model scores no prompt: any vocabulary size
 
 
 def _prompt(spec: dict) -> tuple[list[int], list[int]]:
@@ -47,7 +48,7 @@ class _Driver:
         self.states = StatePool(config.max_num_seqs, config.checkpoint_pool_size)
         self.host = HostTier(host_bytes, 3, 1) if host_bytes else None  # a row: 3 bytes, a block: 1
         self.registry = CheckpointRegistry(self.states.checkpoints, self.blocks, self.host)
-        self.scheduler = Scheduler(config, self.blocks, self.states, self.registry)
+        self.scheduler = Scheduler(config, self.blocks, self.states, self.registry, vocab_size=VOCAB)
         self.executor = FakeExecutor(config.block_size)
         self.groups: dict[str, list[Request]] = {}
         self.finished: dict[str, list[Request]] = {}

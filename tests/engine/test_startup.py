@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from forkpoint import LLM
-from forkpoint.engine.startup import StartupTimer
+from forkpoint.engine.startup import MemoryPlan, StartupTimer
 from forkpoint.kernels.cache_dirs import configure_kernel_caches
 
 
@@ -41,3 +41,18 @@ def test_engine_logs_its_start_up_phases(moe_model, caplog, monkeypatch, tmp_pat
     assert phases == ["config and tokenizer", "load weights", "graphs capture", "pools", "runner"]  # CPU: no warm-up
     assert llm.engine.startup.summary() in caplog.text
     assert str(tmp_path / "kernels" / "triton") in caplog.text
+
+
+def test_memory_plan_says_what_fits():
+    plan = MemoryPlan(checkpoint_rows=385, request_rows=256, row_bytes=64_389_120, num_kv_blocks=76_022, block_size=16,
+                      block_bytes=327_680, host_bytes=32 << 30, on_gpu=True)
+    assert plan.host_checkpoints == 533
+    assert plan.summary() == ("385 checkpoints of 61 MiB on the GPU, 533 in host memory (32.0 GiB, fewer with long "
+                              "prefixes: KV 320 KiB per 16 tokens); 256 request state rows; 76,022 KV blocks "
+                              "(1,216,352 tokens)")
+    cpu = MemoryPlan(checkpoint_rows=8, request_rows=2, row_bytes=9600, num_kv_blocks=16, block_size=16,
+                     block_bytes=4096, host_bytes=0, on_gpu=False)
+    assert cpu.summary().startswith("8 checkpoints of 0.0092 MiB in the CPU pools, none in host memory")
+    off = MemoryPlan(checkpoint_rows=0, request_rows=2, row_bytes=9600, num_kv_blocks=16, block_size=16,
+                     block_bytes=4096, host_bytes=0, on_gpu=False)
+    assert off.summary() == "checkpoints off; 2 request state rows; 16 KV blocks (256 tokens)"

@@ -8,7 +8,13 @@ import pytest
 
 from forkpoint.inputs import LoadedTokenizer
 from forkpoint.inputs.chat import chat_encoder
-from forkpoint.inputs.turns import Breakpoint, breakpoint_positions, common_prefix_length, turn_boundaries
+from forkpoint.inputs.turns import (
+    Breakpoint,
+    breakpoint_positions,
+    common_prefix_length,
+    reply_continues,
+    turn_boundaries,
+)
 
 TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search the web.",
                                            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
@@ -42,6 +48,33 @@ def test_boundary_is_shared_with_the_next_turn(qwen: LoadedTokenizer, kwargs):
         shared = common_prefix_length(full, following)
         assert following[:boundary] == full[:boundary]
         assert shared - 4 <= boundary <= shared
+
+
+@pytest.mark.parametrize("kwargs,continues", [({}, True), ({"enable_thinking": False}, False),
+                                             ({"enable_thinking": True}, False), ({"tools": TOOLS}, True)],
+                         ids=["plain", "thinking-off", "thinking-on", "tools"])
+def test_reply_continues_says_whether_the_next_turn_starts_with_the_prompt(qwen: LoadedTokenizer, kwargs, continues):
+    """Qwen3.5's generation prompt opens a (possibly empty) <think> block when enable_thinking is set, and the next
+    turn renders the reply without it: then no next turn (a user message or a tool result after the reply)
+    starts with the prompt, and a checkpoint after prompt and reply is never read."""
+    encode = chat_encoder(qwen.tokenizer, **kwargs)
+    messages = [SYSTEM, {"role": "user", "content": "Find the population of Lyon."}]
+    full = encode(messages, True)
+    assert reply_continues(encode, messages, full) is continues
+    reply = qwen.tokenizer.encode("About 520,000 people.", add_special_tokens=False)
+    for following in ({"role": "user", "content": "And Lille?"}, {"role": "tool", "content": "520,000"}):
+        after = encode(messages + [{"role": "assistant", "content": "About 520,000 people."}, following], True)
+        assert (after[: len(full) + len(reply)] == full + reply) is continues
+
+
+def test_reply_continues_makes_no_claim_when_the_template_refuses(qwen: LoadedTokenizer):
+    def refusing(conversation, add_generation_prompt):
+        if len(conversation) > 2:
+            raise ValueError("roles must alternate")
+        return qwen.tokenizer.encode("x" * len(conversation), add_special_tokens=False)
+
+    messages = [SYSTEM, {"role": "user", "content": "hi"}]
+    assert reply_continues(refusing, messages, refusing(messages, True)) is True
 
 
 def test_each_tool_result_of_a_run_gets_a_boundary(qwen: LoadedTokenizer):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import httpx
 import openai
@@ -43,3 +44,32 @@ def test_full_queue_answers_503_with_retry_after(spare_llm):
         with pytest.raises(openai.BadRequestError) as info:
             srv.client().completions.create(model=srv.model, prompt=["a", "b", "c"], max_tokens=1)
         assert info.value.body["param"] == "prompt"
+
+
+def test_n_counts_as_n_sequences(spare_llm):
+    """`n` completions of a prompt take n places: a request that asks for more sequences than a
+    request may hold is a 400 naming `n`, and every place comes back when it ends."""
+    config = ServerConfig(max_waiting_requests=8, max_num_seqs_per_request=6)
+    with serve(spare_llm, config) as srv:
+        client = srv.client()
+        for n, prompts in ((7, ["one"]), (4, ["one", "two"])):  # 7 > 6 sequences; 2 x 4 = 8 > 6
+            with pytest.raises(openai.BadRequestError) as info:
+                client.completions.create(model=srv.model, prompt=prompts, max_tokens=1, n=n)
+            assert info.value.body["param"] == "n" and "--max-num-seqs-per-request" in info.value.body["message"]
+        out = client.completions.create(model=srv.model, prompt=["one", "two"], max_tokens=2, n=3, temperature=1.0)
+        assert len(out.choices) == 6
+        srv.wait_idle()
+        assert srv.metric("forkpoint_requests_waiting") == 0 and srv.metric("forkpoint_requests_running") == 0
+
+
+def test_one_busy_prompt_builder_holds_up_no_other_prompt(server):
+    """Prompts are built in a pool: with one tokenizer thread busy (a huge prompt), another
+    request's prompt is still tokenised at once."""
+    release = threading.Event()
+    busy = server.app.state.tokenizer_pool.submit(release.wait, 60)
+    try:
+        response = server.post("/tokenize", json={"prompt": "not held up"}, timeout=10)
+        assert response.status_code == 200 and response.json()["count"] > 0
+    finally:
+        release.set()
+        busy.result(timeout=10)

@@ -28,6 +28,10 @@ CASES = [
      '{"model": "{model}", "prompt": "x", "bad_words": ["' + LONE + '"]}', "bad_words"),
     ("lone surrogate in stop", "/v1/completions", '{"model": "{model}", "prompt": "x", "stop": ["' + LONE + '"]}',
      "stop"),
+    ("too many stop strings", "/v1/completions",
+     '{"model": "{model}", "prompt": "x", "stop": [' + ", ".join(f'"s{i}"' for i in range(129)) + ']}', "stop"),
+    ("a stop string too long", "/v1/completions", '{"model": "{model}", "prompt": "x", "stop": "' + "s" * 1025 + '"}',
+     "stop"),
     ("lone surrogate in /tokenize", "/tokenize", '{"prompt": "' + LONE + '"}', "prompt"),
     ("lone surrogate in /tokenize messages", "/tokenize",
      '{"messages": [{"role": "user", "content": "' + LONE + '"}]}', "messages"),
@@ -94,3 +98,10 @@ def test_disconnect_during_upload_is_not_an_invalid_request(server):
     assert server.metric("forkpoint_requests_total", endpoint="completions", outcome="aborted") == aborted + 1
     assert server.post("/v1/completions", json={"model": server.model, "prompt": "x", "max_tokens": 1}).status_code \
         == 200
+
+
+def test_stop_bounds_are_named_in_the_message(server):
+    response = server.post("/v1/completions", json={"model": server.model, "prompt": "x",
+                                                    "stop": [f"s{i}" for i in range(100_000)]})
+    error = _assert_error_body(response)
+    assert error["param"] == "stop" and "100000 strings; at most 128" in error["message"]

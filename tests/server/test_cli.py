@@ -53,6 +53,9 @@ def test_hub_names_are_served_as_given_with_their_revision(tmp_path):
     assert kwargs["download_dir"] == str(tmp_path)
     assert kwargs["structured_outputs_config"] == {"disable_additional_properties": False}
     assert _model_name("Qwen/Qwen3.5-35B-A3B") == "Qwen/Qwen3.5-35B-A3B"
+    limits = engine_kwargs(build_parser().parse_args(["serve", "--prompt-score-bytes", "1048576",
+                                                      "--long-prefill-token-threshold", "512"]))
+    assert (limits["prompt_score_bytes"], limits["long_prefill_token_threshold"]) == (1 << 20, 512)
     assert _model_name(str(tmp_path)) == tmp_path.name
 
 

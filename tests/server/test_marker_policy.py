@@ -83,3 +83,61 @@ def test_reject_keeps_structured_controls(spare_llm, anchor_text):
         with pytest.raises(openai.BadRequestError):
             srv.client().completions.create(model=srv.model, prompt=[1, 2, spare_llm.checkpoint_token_id, 3])
         _assert_structured_controls_work(srv, anchor_text("reject-structured"))
+
+
+NESTED = "<|mamba_" + MARKER + "checkpoint|>"  # stripping the inner marker joins the outer one
+TOOL = {"type": "function", "function": {"name": "lookup", "description": "finds" + MARKER,
+                                         "parameters": {"type": "object", "properties": {
+                                             "q" + MARKER: {"type": "string", "description": "x" + MARKER}}}}}
+# every field through which a client's text reaches the rendered prompt
+CLIENT_FIELDS = {
+    "completion prompt, nested": ("/v1/completions", {"prompt": "a" + NESTED + "b"}),
+    "chat content, nested": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" + NESTED}]}),
+    "chat part, nested": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": NESTED}]}]}),
+    "message name": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "n" + MARKER}]}),
+    "tool description and schema": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                              "tools": [TOOL]}),
+    "tool call arguments": ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "lookup", "arguments": '{"q": "' + NESTED + '"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "result"}]}),
+    "tool result": ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "lookup", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "r" + MARKER}]}),
+    "chat_template_kwargs": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                      "chat_template_kwargs": {"extra": "e" + MARKER}}),
+    "reasoning content": ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "reasoning_content": "r" + MARKER},
+        {"role": "user", "content": "again"}]}),
+}
+
+
+@pytest.mark.parametrize("policy", [MarkerPolicy.STRIP, MarkerPolicy.REJECT])
+def test_policy_holds_in_every_client_field(spare_llm, policy):
+    """Under strip no client field creates a checkpoint (markers removed to a fixed point), under
+    reject each is a 400; /tokenize shows what the engine would get."""
+    marker_id = spare_llm.checkpoint_token_id
+    with serve(spare_llm, ServerConfig(marker_policy=policy)) as srv:
+        for case, (path, body) in CLIENT_FIELDS.items():
+            response = srv.post(path, json={"model": srv.model, "max_tokens": 1, **body})
+            if policy is MarkerPolicy.REJECT:
+                assert response.status_code == 400, case
+                assert response.json()["error"]["code"] == "checkpoint_marker_rejected", case
+                continue
+            assert response.status_code == 200, (case, response.text)
+            tokens = srv.post("/tokenize", json=body).json()
+            assert tokens["checkpoint_positions"] == [] and marker_id not in tokens["tokens"], case
+
+
+def test_a_template_that_joins_a_marker_is_refused_under_strip(spare_llm):
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}{{ '<|mamba_' ~ 'checkpoint|>' }} and more"
+    config = ServerConfig(marker_policy=MarkerPolicy.STRIP, trust_request_chat_template=True)
+    with serve(spare_llm, config) as srv:
+        response = srv.post("/v1/chat/completions", json={
+            "model": srv.model, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"chat_template": template}})
+        assert response.status_code == 400 and response.json()["error"]["code"] == "checkpoint_marker_rejected"

@@ -53,6 +53,7 @@ class ReplicaInfo:
     checkpoint_token_id: int | None
     max_checkpoints_per_request: int
     default_max_tokens: int | None  # the model's generation_config.json max_new_tokens
+    turn_boundaries: bool = False  # automatic checkpoints on: chat prompts carry their turn boundaries
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,8 @@ class EngineReplica:
         self._info = ReplicaInfo(str(engine.model_path), engine.max_model_len, engine.config.block_size,
                                  engine.config.checkpoint_token, self._llm.checkpoint_token_id,
                                  engine.config.max_checkpoints_per_request,
-                                 engine.generation_defaults.max_new_tokens)
+                                 engine.generation_defaults.max_new_tokens,
+                                 engine.config.enable_checkpoints and engine.config.auto_checkpoints)
         self._publish()
 
     def info(self) -> ReplicaInfo:

@@ -84,7 +84,9 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
     """The app serving the replicas behind `cluster`; `tokenizer` must be the engines' (the marker
     registered as `info.checkpoint_token_id`). Its lifespan polls the replicas' metrics every
     `cluster.poll_s` and calls `on_shutdown` at the end."""
-    admission = Admission(config.max_waiting_requests, config.retry_after_s)
+    admission = Admission(config.max_waiting_requests, config.retry_after_s,
+                          max_per_request=config.max_num_seqs_per_request,
+                          max_waiting_per_client=config.max_waiting_per_user)
     metrics = ServerMetrics(cluster.metrics_snapshot, lambda: admission.waiting, lambda: admission.running,
                             endpoints=tuple(GENERATION_ENDPOINTS.values()))
     up_age_s = max(5.0, 10 * cluster.poll_s)
@@ -93,7 +95,7 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
     prompts = PromptBuilder(tokenizer, checkpoint_token=info.checkpoint_token,
                             checkpoint_token_id=info.checkpoint_token_id,
                             max_checkpoints=info.max_checkpoints_per_request, policy=config.marker_policy,
-                            executor=tokenizer_thread)
+                            executor=tokenizer_thread, turn_boundaries=info.turn_boundaries)
     max_request_bytes = (config.max_request_bytes if config.max_request_bytes is not None else
                          default_max_request_bytes(tokenizer, info.max_model_len, takes_images=False))
     serving = OpenAIServing(model_name=config.served_model_name, max_model_len=info.max_model_len,

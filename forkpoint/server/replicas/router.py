@@ -229,7 +229,7 @@ class CheckpointAffineRouter(RequestRouter):
         now = time.monotonic()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         request = pending_request.args[0]
-        keys = RequestKeys.from_prompt(request.prompt, self._block_size)
+        keys = RequestKeys.from_prompt(request.prompt, self._block_size, request.turn_positions)
         choice = self.policy.choose(keys, self._loads(by_id, now), now, request.cache_key)
         pending_request.kwargs["route"] = choice.decision.value
         self._unsent.setdefault(choice.replica, deque()).append(now)

@@ -5,8 +5,8 @@ The engine names a checkpoint by the chained hash of the exact token prefix it e
 section 3). The router sees the prompt the ingress built (``{"prompt_token_ids",
 "checkpoint_positions"}``, markers already stripped), so it can name:
 
-- the keys at the prompt's own checkpoint positions: what the request produces (or reads, when
-  another request produced it first), and
+- the keys at the prompt's own checkpoint positions and a chat's turn boundaries: what the request
+  produces (or reads, when another request produced it first), and
 - the key of any other prefix length, for lookups: the engine reuses the longest ready
   checkpoint strictly shorter than the prompt, marker or not, so a consumer without a marker
   is found by hashing its prompt at the lengths of the checkpoints the router knows about.
@@ -54,12 +54,16 @@ class RequestKeys:
         self.own = tuple(CheckpointKey(p, self._hasher.prefix_hash(p)) for p in positions)
 
     @classmethod
-    def from_prompt(cls, prompt: Mapping[str, Any], block_size: int) -> RequestKeys | None:
-        """Keys of an engine prompt dict (``EnginePrompt.engine_input()``), or None when the prompt
-        carries images (their content hashes are part of the key; only the engine knows them)."""
+    def from_prompt(cls, prompt: Mapping[str, Any], block_size: int,
+                    turn_positions: Sequence[int] = ()) -> RequestKeys | None:
+        """Keys of an engine prompt dict (``EnginePrompt.engine_input()``) at its checkpoint positions and
+        a chat's turn boundaries (`NewRequest.turn_positions`: the engine checkpoints them too), or None
+        when the prompt carries images (their content hashes are part of the key; only the engine knows them)."""
         if prompt.get("multi_modal_data"):
             return None
-        return cls(prompt["prompt_token_ids"], prompt.get("checkpoint_positions") or (), block_size)
+        ids = prompt["prompt_token_ids"]
+        positions = {*(prompt.get("checkpoint_positions") or ()), *(p for p in turn_positions if 0 < p < len(ids))}
+        return cls(ids, sorted(positions), block_size)
 
     def at(self, length: int) -> bytes | None:
         """Key of `token_ids[:length]` when the engine could start this prompt from it (the prefix is

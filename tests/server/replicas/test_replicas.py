@@ -8,6 +8,7 @@ hanging.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -25,11 +26,11 @@ from forkpoint.server.replicas.cluster import ClusterWorker, aggregate_metrics
 from forkpoint.server.replicas.deployment import ReplicaOptions, ReplicaSnapshot
 from forkpoint.server.replicas.launch import ReplicaCluster
 from tests.server.replicas.conftest import running_app
-from tests.tiny_models import words
+from tests.tiny_models import token_words, words
 
 MARKER = "<|mamba_checkpoint|>"
 ENGINE = {"device": "cpu", "max_model_len": 512, "num_kv_blocks": 512, "checkpoint_pool_size": 8}
-CONFIG = ServerConfig(served_model_name="tiny")
+CONFIG = ServerConfig(served_model_name="tiny", max_num_seqs_per_request=64)
 
 
 @dataclass
@@ -148,6 +149,70 @@ def test_round_robin_computes_the_prefix_on_both_replicas(round_robin, single):
     assert sum(per_replica.values()) >= 2 * p + sum(s) - 2
     assert [x.routes["round_robin"] for x in snaps.values()] == [4, 4]
     assert_same_as_one_engine(single, prompts, [r.json()["choices"][0] for r in responses])
+
+
+def test_the_ingress_counts_n_in_admission(affine):
+    """The replicas' front end admits like one server's: 2 prompts x n=40 are 80 sequences, over
+    --max-num-seqs-per-request (64 here) though under --max-waiting-requests: a 400 naming n, before any
+    replica sees them."""
+    (response,) = completions(affine.url, [[words(*range(i, i + 5)) for i in range(2)]], n=40, max_tokens=1)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "n"
+
+
+def test_prompt_cache_key_routes_a_group_together(affine):
+    """OpenAI's prompt_cache_key through HTTP: prompts of one group that share no checkpoint follow the group's
+    replica ("cache_key" decisions), while a prompt without the key is routed by load alone ("unkeyed")."""
+    before = {s.replica: dict(s.routes) for s in affine.worker.snapshots()}
+    group = [words(*range(100 + i, 130 + i)) for i in range(4)]  # no shared prefix with anything pinned
+    for prompt in group:  # one after another: each request sees the group's replica
+        (response,) = completions(affine.url, [prompt], prompt_cache_key="session-7", max_tokens=1)
+        assert response.status_code == 200, response.text
+    (response,) = completions(affine.url, [words(*range(60, 90))], max_tokens=1)
+    assert response.status_code == 200, response.text
+    deadline = time.monotonic() + 10
+    while True:
+        added = {s.replica: {d: n - before[s.replica].get(d, 0) for d, n in s.routes.items()}
+                 for s in affine.worker.snapshots()}
+        if sum(sum(a.values()) for a in added.values()) >= 5 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert sum(a["cache_key"] for a in added.values()) == 3
+    assert sum(a["unkeyed"] for a in added.values()) == 2  # the group's first request and the one without a key
+    (home,) = [r for r, a in added.items() if a["cache_key"]]  # all three followers on one replica
+    assert added[home]["cache_key"] == 3
+
+
+def test_chat_turns_follow_their_session_and_reuse_its_history(affine):
+    """Chat sessions through the replicas: each turn's boundary is checkpointed on the replica that served it
+    and its key pinned there, so the next turn (the reply sent back as other text, as a client that edits it)
+    goes to that replica and reuses all of its history but the assistant header."""
+    before = affine.totals()
+    routes_before = {s.replica: dict(s.routes) for s in affine.worker.snapshots()}
+    sessions = [[{"role": "system", "content": token_words(300 + s, 40)},
+                 {"role": "user", "content": token_words(310 + s, 12)}] for s in range(2)]
+    previous: list[list[int] | None] = [None, None]
+    sent = 0
+    for turn in range(3):
+        for s, messages in enumerate(sessions):
+            response = httpx.post(f"{affine.url}/v1/chat/completions", timeout=120, json={
+                "model": "tiny", "messages": messages, "max_tokens": 3, "temperature": 0})
+            assert response.status_code == 200, response.text
+            ids = httpx.post(f"{affine.url}/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+            cached = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            sent += response.json()["usage"]["prompt_tokens"]
+            if previous[s] is not None:
+                shared = sum(1 for _ in itertools.takewhile(lambda pair: pair[0] == pair[1], zip(previous[s], ids)))
+                assert shared - 2 <= cached <= shared, (s, turn)
+            previous[s] = ids
+            messages += [{"role": "assistant", "content": token_words(320 + 10 * s + turn, 3)},
+                         {"role": "user", "content": token_words(340 + 10 * s + turn, 5)}]
+    snaps = affine.snapshots(before.get("prompt_tokens_total", 0) + sent)
+    added = {d: sum(x.routes.get(d, 0) - routes_before.get(x.replica, {}).get(d, 0) for x in snaps.values())
+             for d in ("new", "affine", "load", "unkeyed")}
+    assert added == {"new": 2, "affine": 4, "load": 0, "unkeyed": 0}
+    hits = aggregate_metrics(snaps.values())["checkpoint_hits_chat_turn"] - before.get("checkpoint_hits_chat_turn", 0)
+    assert hits == 4
 
 
 def test_a_replica_killed_mid_run_leaves_no_request_hanging(affine):

@@ -60,3 +60,16 @@ def test_image_prompts_have_no_router_keys():
     assert RequestKeys.from_prompt(prompt, block_size=16) is None
     with pytest.raises(ValueError, match="at least one token"):
         RequestKeys([], [], 16)
+
+
+def test_a_chats_turn_boundaries_are_keys_of_its_own(llm):
+    """A chat prompt's turn boundaries (the engine checkpoints them as CHAT_TURN) name the same keys as the
+    engine's, beside its marked positions; a boundary outside the prompt is ignored."""
+    ids = llm.get_tokenizer().encode(words(*range(100, 140)), add_special_tokens=False)
+    prompt = {"prompt_token_ids": ids, "checkpoint_positions": [3]}
+    keys = RequestKeys.from_prompt(prompt, block_size=4, turn_positions=(37, 3, len(ids)))  # 37 >= the minimum
+    assert [own.length for own in keys.own] == [3, 37]
+    before = llm.checkpoint_keys()
+    processed = llm.engine.inputs.process(prompt, turn_positions=[37])
+    llm.generate([processed], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    assert {own.key for own in keys.own} <= llm.checkpoint_keys() - before

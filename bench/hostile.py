@@ -1,0 +1,445 @@
+"""The hostile set (issue 27) against a live server: requests a careless or hostile client may send,
+each run while a bystander streams, with what it did to the server.
+
+Starts `forkpoint serve` (embedded default model unless --model; CPU when there is no GPU) on a
+free loopback port, or uses --url (with --server-pid for the RSS columns). For every case:
+
+    status       the HTTP status(es) of the case's request(s) (count x status)
+    time         wall seconds of the case
+    /health max  the slowest of the /health probes sent every 100 ms while the case ran
+    RSS          the server's VmRSS before, its peak during (sampled every 50 ms) and 2 s after; kept =
+                 after - before
+    bystander    the largest gap between consecutive events (request start, then each streamed chunk) of
+                 a client that keeps 8 streaming completions going while the case runs, and that gap
+                 over the same client's gap during an idle interval (the baseline row)
+
+The issue's bar: no 500, /health under 250 ms, RSS kept under 200 MB, bystander gap within 2x of
+its baseline. Writes bench/results/hostile_cpu.json and hostile_cpu.png.
+
+Usage:
+    python bench/hostile.py                                  # every case, embedded model
+    python bench/hostile.py --cases baseline,prompt_logprobs_4k
+    python bench/hostile.py --server-arg=--long-prefill-token-threshold --server-arg=512
+    python bench/hostile.py --url http://127.0.0.1:8000 --server-pid 12345
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from host_info import VOCAB_LIMIT, code_version, machine_info, machine_line  # noqa: E402
+from plots import write_results  # noqa: E402
+
+MARKER = "<|mamba_checkpoint|>"
+HEALTH_EVERY_S = 0.1
+RSS_EVERY_S = 0.05
+BYSTANDER_STREAMS = 8
+BYSTANDER_TOKENS = 24
+SETTLE_S = 2.0  # after a case, before the RSS "after" sample
+LOOP_TEMPLATE = "{% for i in range(2000) %}{% for j in range(2000) %}{% endfor %}{% endfor %}{{ messages[0].content }}"
+LIMITS = {"health_ms": 250.0, "rss_kept_mib": 200.0, "gap_ratio": 2.0}
+
+
+@dataclass
+class Row:
+    case: str
+    what: str
+    statuses: dict[str, int]
+    time_s: float
+    health_max_ms: float
+    rss_before_mib: float | None
+    rss_peak_mib: float | None
+    rss_after_mib: float | None
+    bystander_gap_s: float
+    bystander_errors: int
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def rss_kept_mib(self) -> float | None:
+        if self.rss_before_mib is None or self.rss_after_mib is None:
+            return None
+        return self.rss_after_mib - self.rss_before_mib
+
+
+def rss_mib(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "forkpoint.server.cli", "serve", "--port", str(port), "--log-level", "warning"]
+    if args.model:
+        command.append(args.model)
+    process = subprocess.Popen(command + args.server_arg, stdout=sys.stderr, stderr=sys.stderr)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.5)
+
+
+# ---------------------------------------------------------------------------------------- probes
+class Probes:
+    """/health latency and server RSS, sampled while a case runs."""
+
+    def __init__(self, client: httpx.AsyncClient, pid: int | None) -> None:
+        self.client, self.pid = client, pid
+        self.health_ms: list[float] = []
+        self.rss: list[float] = []
+
+    async def health(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            begin = time.perf_counter()
+            try:
+                await self.client.get("/health", timeout=60)
+            except httpx.HTTPError:
+                pass
+            self.health_ms.append(1000 * (time.perf_counter() - begin))
+            await asyncio.sleep(HEALTH_EVERY_S)
+
+    async def memory(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            if (value := rss_mib(self.pid)) is not None:
+                self.rss.append(value)
+            await asyncio.sleep(RSS_EVERY_S)
+
+
+class Bystander:
+    """Keeps `BYSTANDER_STREAMS` streaming completions going; records each stream's event times."""
+
+    def __init__(self, client: httpx.AsyncClient, model: str) -> None:
+        self.client, self.model = client, model
+        self.gaps: list[tuple[float, float]] = []  # (from, to) between consecutive events of one stream
+        self.errors = 0
+
+    async def stream_forever(self, index: int, stop: asyncio.Event) -> None:
+        body = {"model": self.model, "prompt": f"Bystander {index} tells a story:", "max_tokens": BYSTANDER_TOKENS,
+                "temperature": 0.0, "stream": True, "ignore_eos": True}
+        while not stop.is_set():
+            last = time.perf_counter()
+            try:
+                async with self.client.stream("POST", "/v1/completions", json=body, timeout=600) as response:
+                    if response.status_code != 200:
+                        self.errors += 1
+                        await response.aread()
+                        continue
+                    async for line in response.aiter_lines():
+                        if line.startswith("data:"):
+                            now = time.perf_counter()
+                            self.gaps.append((last, now))
+                            last = now
+            except asyncio.CancelledError:
+                self.gaps.append((last, time.perf_counter()))  # the gap still open when stopped
+                raise
+            except httpx.HTTPError:
+                self.errors += 1
+
+    def largest_gap(self, start: float, end: float) -> float:
+        """The largest gap that overlaps [start, end]."""
+        return max((b - a for a, b in self.gaps if b > start and a < end), default=0.0)
+
+
+# ---------------------------------------------------------------------------------------- cases
+@dataclass
+class Case:
+    """prepare(model) -> the payload, built before the clock starts (big bodies take the bench's own
+    loop seconds to build); run(client, model, payload) -> (statuses, note)."""
+
+    name: str
+    what: str
+    run: Callable[[httpx.AsyncClient, str, object], Awaitable[tuple[list[int], str]]]
+    prepare: Callable[[str], object] = lambda model: None
+
+
+def _ids(count: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, VOCAB_LIMIT) for _ in range(count)]
+
+
+def _json(body: dict) -> bytes:
+    return json.dumps(body).encode()
+
+
+async def _post(client: httpx.AsyncClient, path: str, body: bytes, timeout: float = 900) -> httpx.Response:
+    return await client.post(path, content=body, headers={"content-type": "application/json"}, timeout=timeout)
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        return str(response.json().get("error", {}).get("message", ""))[:90]
+    except ValueError:
+        return response.text[:90]
+
+
+def _one(name: str, what: str, path: str, body_of: Callable[[str], dict | bytes], note_usage: bool = False) -> Case:
+    async def run(client: httpx.AsyncClient, model: str, payload: object) -> tuple[list[int], str]:
+        response = await _post(client, path, payload)
+        if response.status_code >= 400:
+            return [response.status_code], _error_message(response)
+        usage = response.json().get("usage", {}) if note_usage else {}
+        return [response.status_code], f"{usage['prompt_tokens']} prompt tokens" if usage else ""
+
+    def prepare(model: str) -> bytes:
+        body = body_of(model)
+        return body if isinstance(body, bytes) else _json(body)
+
+    return Case(name, what, run, prepare)
+
+
+def _many(name: str, what: str, count: int, path: str, body_of: Callable[[str, int], dict]) -> Case:
+    async def run(client: httpx.AsyncClient, model: str, payload: object) -> tuple[list[int], str]:
+        responses = await asyncio.gather(*(_post(client, path, body) for body in payload))
+        errors = sorted({_error_message(r) for r in responses if r.status_code >= 400})
+        return [r.status_code for r in responses], "; ".join(errors)[:90]
+
+    return Case(name, what, run, lambda model: [_json(body_of(model, i)) for i in range(count)])
+
+
+async def _idle(client: httpx.AsyncClient, model: str, payload: object) -> tuple[list[int], str]:
+    await asyncio.sleep(6.0)
+    return [], "nothing sent: the bystander's own gaps"
+
+
+async def _disconnects(client: httpx.AsyncClient, model: str, payload: object) -> tuple[list[int], str]:
+    """50 streams, each dropped after its first chunk."""
+    async def one(i: int) -> int:
+        body = {"model": model, "prompt": f"drop me {i}", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        async with client.stream("POST", "/v1/completions", json=body, timeout=600) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    break
+            return response.status_code
+    return list(await asyncio.gather(*(one(i) for i in range(50)))), "each closed after its first chunk"
+
+
+def _huge_text(mib: int) -> str:
+    words = ("alpha", "beta", "gamma", "delta", "omega", "sigma")
+    rng = random.Random(mib)
+    return " ".join(rng.choice(words) for _ in range(mib * (1 << 20) // 6))
+
+
+def build_cases(max_model_len: int) -> list[Case]:
+    half = max_model_len // 2
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "size": {"type": "integer"}},
+              "required": ["name", "size"]}
+    return [
+        Case("baseline", "idle 6 s (the bystander alone)", _idle),
+        _one("prompt_logprobs_4k", "4,096-token prompt, prompt_logprobs=5", "/v1/completions",
+             lambda m: {"model": m, "prompt": _ids(4096, 1), "max_tokens": 1, "prompt_logprobs": 5}, True),
+        _one("echo_logprobs_8k", "8,192-token prompt, echo + logprobs=5, max_tokens 0", "/v1/completions",
+             lambda m: {"model": m, "prompt": _ids(8192, 2), "max_tokens": 0, "echo": True, "logprobs": 5}, True),
+        _one("long_prompt_half_ctx", f"{half:,}-token prompt (half of max_model_len), 1 token", "/v1/completions",
+             lambda m: {"model": m, "prompt": _ids(half, 3), "max_tokens": 1}, True),
+        _one("huge_body_8mib", "8 MiB text prompt (~1.4M tokens: too long)", "/v1/completions",
+             lambda m: {"model": m, "prompt": _huge_text(8), "max_tokens": 1}),
+        _one("n_128", "one prompt, n=128, 16 tokens each", "/v1/completions",
+             lambda m: {"model": m, "prompt": "many", "n": 128, "max_tokens": 16, "ignore_eos": True}),
+        _one("16_prompts_n_128", "16 prompts x n=128 (2,048 sequences)", "/v1/completions",
+             lambda m: {"model": m, "prompt": [f"p{i}" for i in range(16)], "n": 128, "max_tokens": 16}),
+        _one("stop_strings_1e5", "100,000 stop strings", "/v1/completions",
+             lambda m: {"model": m, "prompt": "stop", "max_tokens": 8, "stop": [f"s{i}x" for i in range(100_000)]}),
+        _one("first_json_schema", "first constrained request (json_schema)", "/v1/chat/completions",
+             lambda m: {"model": m, "max_tokens": 16, "messages": [{"role": "user", "content": "json"}],
+                        "response_format": {"type": "json_schema", "json_schema": {"name": "item", "schema": schema}}}),
+        _one("request_template", "chat_template_kwargs.chat_template with a 2000x2000 loop", "/v1/chat/completions",
+             lambda m: {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
+                        "chat_template_kwargs": {"chat_template": LOOP_TEMPLATE}}),
+        _many("marker_flood_80", "80 prompts with distinct checkpoint markers", 80, "/v1/completions",
+              lambda m, i: {"model": m, "prompt": f"flood {i} " * 12 + MARKER + " q", "max_tokens": 1}),
+        _many("burst_64", "64 concurrent 1-token requests", 64, "/v1/completions",
+              lambda m, i: {"model": m, "prompt": f"burst {i}", "max_tokens": 1}),
+        Case("disconnects_50", "50 streams dropped after the first chunk", _disconnects),
+        _one("lone_surrogate", "a lone surrogate in the prompt", "/v1/completions",
+             lambda m: b'{"model": "' + m.encode() + b'", "prompt": "a\\ud800b", "max_tokens": 1}'),
+        _one("deep_json", "a prompt nested 100,000 lists deep", "/v1/completions",
+             lambda m: b'{"model": "' + m.encode() + b'", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    ]
+
+
+async def run_case(case: Case, client: httpx.AsyncClient, model: str, pid: int | None) -> Row:
+    payload = case.prepare(model)
+    probes, bystander, stop = Probes(client, pid), Bystander(client, model), asyncio.Event()
+    streams = [asyncio.ensure_future(bystander.stream_forever(i, stop)) for i in range(BYSTANDER_STREAMS)]
+    await asyncio.sleep(3.0)  # the bystander is streaming before the case starts
+    rss_before = rss_mib(pid)
+    watchers = [asyncio.ensure_future(probes.health(stop)), asyncio.ensure_future(probes.memory(stop))]
+    start = time.perf_counter()
+    try:
+        statuses, note = await case.run(client, model, payload)
+    except Exception as exc:  # a case that cannot complete is a row, not the end of the run
+        statuses, note = [0], f"client error: {type(exc).__name__}: {str(exc)[:80]}"
+    end = time.perf_counter()
+    stop.set()
+    await asyncio.gather(*watchers)
+    await asyncio.sleep(0.5)  # let the streams' open gaps close
+    for task in streams:
+        task.cancel()
+    await asyncio.gather(*streams, return_exceptions=True)
+    gap = bystander.largest_gap(start, end)
+    await asyncio.sleep(SETTLE_S)
+    rss_after = rss_mib(pid)
+    counts: dict[str, int] = {}
+    for status in statuses:
+        counts[str(status)] = counts.get(str(status), 0) + 1
+    return Row(case.name, case.what, counts, end - start, max(probes.health_ms, default=float("nan")),
+               rss_before, max(probes.rss, default=rss_before), rss_after, gap, bystander.errors, note)
+
+
+async def run_all(args: argparse.Namespace, url: str, pid: int | None, code: dict) -> dict:
+    """code: `code_version()` when the server started (not the checkout at the end of a long run)."""
+    machine = machine_info()  # the load average before the cases
+    async with httpx.AsyncClient(base_url=url, timeout=900,
+                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)) as client:
+        info = (await client.get("/v1/models")).json()["data"][0]
+        model, max_model_len = info["id"], info["max_model_len"]
+        await _post(client, "/v1/completions", _json({"model": model, "prompt": "warm up", "max_tokens": 2}))
+        cases = build_cases(max_model_len)
+        wanted = set(args.cases.split(",")) if args.cases else {c.name for c in cases}
+        unknown = wanted - {c.name for c in cases}
+        if unknown:
+            raise SystemExit(f"unknown cases {sorted(unknown)}; known: {[c.name for c in cases]}")
+        rows = []
+        for case in cases:
+            if case.name not in wanted:
+                continue
+            row = await run_case(case, client, model, pid)
+            print(format_row(row, rows[0].bystander_gap_s if rows and rows[0].case == "baseline" else None),
+                  flush=True)
+            rows.append(row)
+    return {"url": url, "model": model, "max_model_len": max_model_len, "server_args": args.server_arg,
+            "limits": LIMITS, "code": code, "machine": machine, "rows": [asdict(r) for r in rows]}
+
+
+# ---------------------------------------------------------------------------------------- output
+HEADER = (f"{'case':<22} {'status':<14} {'time s':>7} {'/health max ms':>14} {'RSS before':>10} {'peak':>7} "
+          f"{'after':>7} {'kept':>6} {'bystander gap s':>15} {'x base':>6}  note")
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def format_row(row: Row, baseline_gap: float | None) -> str:
+    status = " ".join(f"{n}x{s}" if n > 1 else s for s, n in sorted(row.statuses.items())) or "-"
+    ratio = f"{row.bystander_gap_s / baseline_gap:.1f}" if baseline_gap else "-"
+    kept = "-" if row.rss_kept_mib is None else f"{row.rss_kept_mib:+.0f}"
+    return (f"{row.case:<22} {status:<14} {row.time_s:>7.1f} {row.health_max_ms:>14.0f} {_mib(row.rss_before_mib):>10} "
+            f"{_mib(row.rss_peak_mib):>7} {_mib(row.rss_after_mib):>7} {kept:>6} {row.bystander_gap_s:>15.2f} "
+            f"{ratio:>6}  {row.note}")
+
+
+def markdown_table(result: dict) -> str:
+    rows = result["rows"]
+    base = next((r["bystander_gap_s"] for r in rows if r["case"] == "baseline"), None)
+    lines = ["| case | request | status | time (s) | /health max (ms) | RSS before / peak / after (MiB) | kept (MiB) "
+             "| bystander largest gap (s) | x baseline | note |", "|" + "---|" * 10]
+    for r in rows:
+        status = ", ".join(f"{n} x {s}" for s, n in sorted(r["statuses"].items())) or "-"
+        kept = (r["rss_after_mib"] - r["rss_before_mib"]) if r["rss_after_mib"] is not None else None
+        ratio = f"{r['bystander_gap_s'] / base:.1f}" if base else "-"
+        lines.append(f"| {r['case']} | {r['what']} | {status} | {r['time_s']:.1f} | {r['health_max_ms']:.0f} | "
+                     f"{_mib(r['rss_before_mib'])} / {_mib(r['rss_peak_mib'])} / {_mib(r['rss_after_mib'])} | "
+                     f"{'-' if kept is None else f'{kept:+.0f}'} | {r['bystander_gap_s']:.2f} | {ratio} | "
+                     f"{r['note'].replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    names = [r["case"] for r in rows]
+    base = next((r["bystander_gap_s"] for r in rows if r["case"] == "baseline"), None)
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    panels = [
+        ([r["health_max_ms"] for r in rows], "/health max (ms)", LIMITS["health_ms"]),
+        ([(r["rss_after_mib"] or 0) - (r["rss_before_mib"] or 0) for r in rows], "RSS kept (MiB)",
+         LIMITS["rss_kept_mib"]),
+        ([r["bystander_gap_s"] for r in rows], "bystander largest token gap (s)",
+         LIMITS["gap_ratio"] * base if base else None),
+    ]
+    for ax, (values, label, limit) in zip(axes, panels):
+        ax.barh(names, values)
+        if limit is not None:
+            ax.axvline(limit, color="red", linestyle="--", label="issue 27 bar")
+            ax.legend()
+        ax.set_xlabel(label)
+        ax.invert_yaxis()
+    for ax in axes[1:]:
+        ax.set_yticklabels([])
+    fig.suptitle(f"hostile set against forkpoint serve ({result['model']}, commit {str(result['code']['commit'])[:7]})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default=None, help="a running server (default: start one on loopback)")
+    parser.add_argument("--server-pid", type=int, default=None, help="pid of the --url server, for RSS")
+    parser.add_argument("--model", default=None, help="model directory for the started server (default: embedded)")
+    parser.add_argument("--server-arg", action="append", default=[],
+                        help="extra argument for the started `forkpoint serve` (repeatable)")
+    parser.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="output directory")
+    parser.add_argument("--name", default="hostile_cpu", help="output file stem (default: hostile_cpu)")
+    args = parser.parse_args()
+
+    process = None
+    url, pid = args.url, args.server_pid
+    code = code_version()
+    if url is None:
+        process, url = start_server(args)
+        pid = process.pid
+    print(HEADER, flush=True)
+    try:
+        result = asyncio.run(run_all(args, url, pid, code))
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=60)
+    print(machine_line(result["machine"]))
+    print(f"commit {result['code']['commit']} (forkpoint modified: {result['code']['forkpoint_modified']})")
+    path = write_results(result, args.out, args.name, plot)
+    print(markdown_table(result))
+    print(f"wrote {path} and its .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
