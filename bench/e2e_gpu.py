@@ -302,7 +302,8 @@ class RowModes:
 
 def build_engine(args, model_dir: Path, enforce_eager: bool) -> LLM:
     kwargs = dict(load_format="dummy", dtype=args.dtype, device=args.device,
-                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                  checkpoint_pool_size=args.checkpoint_pool_size, checkpoint_host_bytes=args.checkpoint_host_bytes)
     if args.tiny:
         kwargs.update(num_kv_blocks=4096)
     if enforce_eager:
@@ -918,6 +919,12 @@ def main() -> None:
     parser.add_argument("--profile-reserve", type=float, default=15.0, help="seconds the rows leave for --profile")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--checkpoint-pool-size", type=int, default=None,
+                        help="checkpoint state rows (default: the engine's, a share of the memory budget; 64 gives "
+                             "the engine of the runs before session 9 for like-for-like rows)")
+    parser.add_argument("--checkpoint-host-bytes", type=int, default=None,
+                        help="host tier bytes (default: the engine's, sized from the machine on CUDA; 0: off, as "
+                             "before session 9)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--deadline", type=float, default=0.0,
                         help="hard limit, seconds from process start (0: none); results are written when it hits")
