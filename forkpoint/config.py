@@ -433,6 +433,38 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`): `method` "mtp" drafts with the model's own
+    multi-token-prediction head (models/mtp.py), `num_speculative_tokens` k tokens per step, verified in
+    one target forward of k + 1 tokens per sequence (engine/speculative.py, runner/speculative.py)."""
+
+    method: str
+    num_speculative_tokens: int
+
+    @classmethod
+    def from_value(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
+        """From a `SpeculativeConfig`, a dict such as {"method": "mtp", "num_speculative_tokens": 3}, or
+        None (off). Raises ValueError naming the key that is wrong and what it takes."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict such as {{\"method\": \"mtp\", "
+                             f"\"num_speculative_tokens\": 3}}, got {type(value).__name__}")
+        unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}: known are ['method', "
+                             "'num_speculative_tokens']")
+        method = value.get("method", "mtp")
+        if method != "mtp":
+            raise ValueError(f"speculative_config method {method!r} is not supported: forkpoint drafts with the "
+                             "model's MTP head, method 'mtp'")
+        k = value.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(f"speculative_config num_speculative_tokens must be an integer from 1 to 16, got {k!r}")
+        return cls(method, k)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Engine knobs: the keyword arguments of `LLM`, validated.
 
@@ -511,6 +543,10 @@ class EngineConfig:
     # vLLM's --async-scheduling: in steady decoding the host schedules and enqueues step t+1 while the
     # device runs step t, and does step t's output work while step t+1 runs (engine/engine.py)
     async_scheduling: bool = False
+    # vLLM's speculative_config ({"method": "mtp", "num_speculative_tokens": k}; SpeculativeConfig): the
+    # model's MTP head drafts k tokens a step, one forward verifies them (greedy: exact; sampling:
+    # rejection sampling keeps the target distribution); None: off
+    speculative_config: SpeculativeConfig | None = None
     # vLLM's names: None reads the weights' quantisation from the checkpoint's quantization_config
     # (block-wise FP8); "fp8" asks for it (with load_format="dummy", FP8 dummy weights from a bf16 config)
     quantization: str | None = None
@@ -557,6 +593,10 @@ class EngineConfig:
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size=1: the tensor-parallel ranks run "
                              "every step in lockstep; drop one of the two")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
+        if self.speculative_config is not None and (self.async_scheduling or self.tensor_parallel_size > 1):
+            raise ValueError("speculative_config does not run with async_scheduling or tensor_parallel_size > 1 yet: "
+                             "drop one of the two")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
         if self.max_images_per_prompt < 0 or self.image_embedding_cache_bytes < 0:

@@ -222,3 +222,49 @@ def random_image(seed: int, width: int, height: int, mode: str = "RGB"):
     channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, channels), dtype=np.uint8)
     return Image.fromarray(pixels.squeeze(-1) if channels == 1 else pixels, mode=mode)
+
+
+def add_mtp_weights(source: Path, directory: Path, seed: int = 0) -> None:
+    """Copy the tiny checkpoint in `source` into `directory` with a random MTP head added, as the
+    Qwen3.5 / Qwen3-Next releases store it (transformers implements no MTP head): `mtp.fc` [H, 2H],
+    `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.norm` and one decoder layer
+    `mtp.layers.0.*` named and shaped like the checkpoint's own full-attention layer (its attention
+    and norms) and MoE layer (its feed-forward, per-expert or fused as stored; a dense one when the
+    model has no experts); config.json declares it (`mtp_num_hidden_layers`, in `text_config` for
+    the multimodal ones, or Qwen3-Next's `num_nextn_predict_layers`)."""
+    import shutil
+
+    shutil.copytree(source, directory, dirs_exist_ok=True)
+    config = json.loads((directory / "config.json").read_text())
+    text = config.get("text_config", config)
+    if config["model_type"] == "qwen3_next":
+        config["num_nextn_predict_layers"] = 1
+    else:
+        text["mtp_num_hidden_layers"] = 1
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    path = directory / "model.safetensors"
+    tensors = load_file(str(path))
+    layer_types = text["layer_types"]
+    attention = layer_types.index("full_attention")
+    has_experts = any(".mlp.experts." in name for name in tensors)
+    generator = torch.Generator().manual_seed(seed)
+    head: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if ".layers." not in name:
+            continue
+        prefix, rest = name.split(".layers.", 1)
+        layer, field = rest.split(".", 1)
+        if not prefix.endswith("model") and not prefix.endswith("language_model"):
+            continue
+        wanted = (int(layer) == attention and (field.startswith(("self_attn.", "input_layernorm.",
+                                                                 "post_attention_layernorm."))))
+        if field.startswith("mlp.") and (".experts." in name or "shared_expert" in name or field == "mlp.gate.weight"
+                                         if has_experts else int(layer) == attention):
+            wanted = True
+        if wanted:
+            head[f"mtp.layers.0.{field}"] = torch.randn(tensor.shape, generator=generator) * tensor.float().std()
+    hidden = text["hidden_size"]
+    head["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) * 0.1
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        head[f"mtp.{norm}.weight"] = torch.randn(hidden, generator=generator) * 0.1
+    save_file({**tensors, **head}, str(path), metadata={"format": "pt"})

@@ -33,10 +33,12 @@ from forkpoint.inputs.multimodal import ImagePromptProcessor, image_prompt_proce
 from forkpoint.inputs.processor import InputProcessor, PromptLimits
 from forkpoint.inputs.tokenizer import load_tokenizer
 from forkpoint.models.loader import build_model
+from forkpoint.models.mtp import mtp_layer_count
 from forkpoint.runner.disk_io import open_disk_tier
 from forkpoint.runner.model_runner import ModelRunner
 from forkpoint.runner.multimodal import MultimodalInputs
 from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_sizes, graph_blocker
+from forkpoint.runner.speculative import MTPDrafter
 from forkpoint.runner.storage import DeviceStorage, plan_storage
 from forkpoint.structured import GrammarCompiler
 
@@ -137,7 +139,8 @@ class EngineBuilder:
             self.block_pool, self.state_pool = parallel.make_pools(config, self.max_model_len)
         else:
             model = build_model(self.model_config, model_path, config.load_format, self.device, self.dtype,
-                                config.seed, with_vision=self.images.processor is not None)
+                                config.seed, with_vision=self.images.processor is not None,
+                                mtp_layers=self._mtp_layers(model_path))
             startup.lap("load weights")
             # graphs before the pools: their pieces never touch the pools, and the pools' sizing then
             # sees the graphs' buffers and memory pool as used
@@ -172,7 +175,9 @@ class EngineBuilder:
             model.visual, self.images.processor, config.image_embedding_cache_bytes, self.device)
         if parallel is not None:
             parallel.serve_images(multimodal)
-        self.runner = parallel or ModelRunner(model, storage, self.device, multimodal, piecewise)
+        drafter = (MTPDrafter(model, config.speculative_config.num_speculative_tokens)
+                   if config.speculative_config is not None else None)
+        self.runner = parallel or ModelRunner(model, storage, self.device, multimodal, piecewise, drafter)
         startup.lap("runner")
         if getattr(self.runner, "warmup", None) is not None:  # measured inside the runner's construction
             startup.split_last("runner, decode graphs", "warm-up", self.runner.warmup.seconds)
@@ -186,9 +191,24 @@ class EngineBuilder:
             graphs_off_reason=self.graphs_off_reason, startup=startup, memory=memory)
 
     # ------------------------------------------------------------------ set-up
+    def _mtp_layers(self, model_path: Path) -> int:
+        """MTP layers to build: those config.json declares when speculative decoding is asked for, else 0.
+        ValueError when it is asked for and the model has none."""
+        if self.config.speculative_config is None:
+            return 0
+        count = mtp_layer_count(model_path)
+        if count == 0 or self.model_config.mamba2 is not None:
+            raise ValueError(f"speculative_config method 'mtp' needs a model with MTP layers, but {model_path}'s "
+                             "config.json declares none (mtp_num_hidden_layers / num_nextn_predict_layers): drop "
+                             "speculative_config or use a Qwen3.5 / Qwen3-Next checkpoint that has its mtp.* weights")
+        return count
+
     def _capture_graphs(self, model) -> PiecewiseForward | None:
         """CUDA graphs of the forward's token-wise pieces (CUDA only, unless `enforce_eager`)."""
         cfg = self.config
+        if cfg.speculative_config is not None and self.device.type == "cuda":
+            self.graphs_off_reason = "speculative decoding runs eagerly (its steps are not captured yet)"
+            return None
         if self.device.type != "cuda" or cfg.enforce_eager:
             self.graphs_off_reason = "enforce_eager" if cfg.enforce_eager else f"no CUDA device ({self.device})"
             return None

@@ -243,14 +243,30 @@ class LLMEngine:
         for request, token in zip(requests, tokens):
             if not request.is_finished:
                 self._append_token(request, token.token_id, token.logprobs, now)
+        speculation = self.scheduler.speculation
+        if speculation is not None:
+            for verified in result.verified:
+                request = by_id[verified.request_id]
+                speculation.record(verified)
+                for kept, token in enumerate(verified.tokens, start=1):
+                    if request.is_finished:
+                        break
+                    speculation.settle(request, kept)  # state and count just before this token
+                    self._append_token(request, token.token_id, token.logprobs, now)
+                speculation.finalize(request)
+            for request in dict.fromkeys(step.requests):
+                request.draft_token_ids = speculation.drafts_for(
+                    request, result.drafts.get(request.request_id, ()), self.max_model_len)
         return self._collect(touched)
 
     # ------------------------------------------------------------------ asynchronous scheduling
     def _steady_decode(self, step: ScheduledStep) -> bool:
         """A step after which one may run ahead: single-token decodes that all sample, no prompt
-        scores, no copy-on-write, sequences that sample without their tokens on the host."""
-        return (not step.plan.kv_copies and self._decodes_on_device(step.requests) and all(
-            s.kind is SegmentKind.DECODE and s.samples and not s.prompt_logit_rows for s in step.plan.segments))
+        scores, no copy-on-write, sequences that sample without their tokens on the host; never with
+        speculative decoding (its steps read their drafts on the host)."""
+        return (self.scheduler.speculation is None and not step.plan.kv_copies
+                and self._decodes_on_device(step.requests) and all(
+                    s.kind is SegmentKind.DECODE and s.samples and not s.prompt_logit_rows for s in step.plan.segments))
 
     def _decodes_on_device(self, requests: list[Request]) -> bool:
         """Whether these sequences can be sampled while their last token is still on the device."""
@@ -406,6 +422,8 @@ class LLMEngine:
         values["prompt_tokens_cached"] = self._counters["prompt_tokens_total"] - values["prompt_tokens_computed"]
         values.update(pool_metrics(self.block_pool, self.state_pool))
         values.update(self.runner.metrics())
+        if self.scheduler.speculation is not None:
+            values.update(self.scheduler.speculation.metrics())
         misses = self.scheduler.auto.misses if self.scheduler.auto is not None else {}
         for reason in CacheMissReason:  # prompts whose reuse stopped short, by why (auto_checkpoints.py)
             values[f"cache_misses_{reason.value}"] = misses.get(reason, 0)

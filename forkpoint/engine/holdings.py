@@ -28,6 +28,8 @@ def check_holdings(scheduler: Scheduler) -> None:
         expected.update(registry.block_refs())
     scheduler.blocks.check_integrity(dict(expected))
     slots = [r.slot for r in holders]
+    if scheduler.speculation is not None:  # rows of verifications not yet settled
+        slots += scheduler.speculation.held_slots()
     if scheduler.states.requests.num_used != len(slots) or len(set(slots)) != len(slots):
         raise AssertionError("request state slots leaked or shared")
     for request in scheduler.waiting:

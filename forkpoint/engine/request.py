@@ -95,6 +95,9 @@ class Request:
     turn_end_reusable: bool = True
     # why reuse stopped short of what the prompt shares with earlier ones (None: it did not), set at admission
     cache_miss_reason: CacheMissReason | None = None
+    # speculative decoding: the MTP head's drafts of the tokens after the last one, verified next step
+    # (engine/speculative.py); set by the engine with each step's tokens, used up by the plan
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def token_ids(self) -> list[int]:

@@ -35,7 +35,8 @@ from forkpoint.cache.state_pool import ZERO_SLOT, StatePool
 from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig
 from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner, Placement
 from forkpoint.engine.request import Request, RequestStatus
-from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan
+from forkpoint.engine.speculative import Speculation
+from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan, Verify
 
 logger = logging.getLogger("forkpoint.checkpoints")
 
@@ -70,6 +71,7 @@ class _Planning:
     consumed: list[Checkpoint] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
     written_phase: dict[int, int] = field(default_factory=dict)  # id(checkpoint) -> phase writing it
+    verifies: list[Verify] = field(default_factory=list)
     score_rows: int = 0  # prompt-logit rows planned so far (at most Scheduler.score_rows)
 
 
@@ -107,6 +109,9 @@ class Scheduler:
                                            self.state_position)
                      if registry is not None and config.auto_checkpoints else None)
         self._live: dict[str, Request] = {}
+        # speculative decoding: verify plans and their state rows (None: off)
+        self.speculation = (Speculation(config.speculative_config, state_pool)
+                            if config.speculative_config is not None else None)
 
     # ------------------------------------------------------------------ queue management
     def add(self, request: Request, now: float | None = None) -> None:
@@ -164,6 +169,8 @@ class Scheduler:
         self._release(request)
 
     def _release(self, request: Request) -> None:
+        if self.speculation is not None:  # first: it tells the verification's rows from the request's own
+            self.speculation.release(request)
         if request.slot is not None:
             self.states.requests.free(request.slot)
             request.slot = None
@@ -200,16 +207,33 @@ class Scheduler:
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or budget == 0:
                 continue
-            count = self._chunk(planning, request, request.num_computed_tokens, budget)
+            verifying = self.speculation is not None and self.speculation.wants_verify(request)
+            if verifying and (len(request.draft_token_ids) >= budget or -(-self.speculation.blocks_needed(request)
+                                                                           // self.block_size) - len(request.blocks)
+                              > self.blocks.num_free):
+                # no room for them in this step's tokens or in the free blocks (drafts never evict or
+                # preempt anything): decode plainly
+                request.draft_token_ids, verifying = (), False
+            count = 1 + len(request.draft_token_ids) if verifying else self._chunk(
+                planning, request, request.num_computed_tokens, budget)
             if count == 0:
                 continue
-            if not self._grow_blocks(request, request.num_computed_tokens + count):
+            needed = self.speculation.blocks_needed(request) if verifying else request.num_computed_tokens + count
+            if not self._grow_blocks(request, needed):
                 if request.status is RequestStatus.FINISHED:
                     planning.finished.append(request)
                 preempted = True
                 continue
+            verify = self.speculation.plan(request) if verifying else None
+            if verify is not None:
+                segments, spec = verify
+                planning.segments.extend(segments)
+                planning.requests.extend([request] * len(segments))
+                planning.verifies.append(spec)
+            else:
+                count = 1 if verifying else count
+                self._plan_chunk(planning, request, request.num_computed_tokens, count, None)
             budget -= count
-            self._plan_chunk(planning, request, request.num_computed_tokens, count, None)
 
         if not preempted:
             for request in list(self.waiting):
@@ -230,7 +254,7 @@ class Scheduler:
         """The step, in flight unless empty; its plan takes the device writes recorded since the last one."""
         first, writes = self.registry.take_writes() if self.registry is not None and planning.segments else (0, ())
         step = ScheduledStep(StepPlan(tuple(planning.segments), tuple(planning.kv_copies), writes=writes,
-                                              first_write=first),
+                                      first_write=first, verifies=tuple(planning.verifies)),
                              planning.requests, planning.written, planning.consumed, planning.finished)
         if not step.empty:
             self.in_flight.append(step)
@@ -283,6 +307,8 @@ class Scheduler:
         and the ended sequences no step in flight computes for any more."""
         self._settle(step)
         for segment, request in zip(step.plan.segments, step.requests):
+            if self.speculation is not None and self.speculation.verifying(request):
+                continue  # the engine settles it by the tokens it keeps (engine/speculative.py)
             prompt_len = len(request.prompt_token_ids)
             self.stats.prompt_tokens_computed += max(0, min(segment.end, prompt_len) - segment.start)
             request.num_computed_tokens = max(request.num_computed_tokens, segment.end)
@@ -596,7 +622,8 @@ class Scheduler:
             block_table=request.blocks, initial_slot=initial, dest_slots=dests, kind=kind, phase=phase,
             samples=end == request.num_tokens, multimodal=request.multimodal,
             prompt_logit_rows=0 if request.params.prompt_logprobs is None else max(
-                0, min(end, len(request.prompt_token_ids) - 1) - start)))
+                0, min(end, len(request.prompt_token_ids) - 1) - start),
+            next_token=request.tokens(end, end + 1)[0] if end < request.num_tokens else None))
         planning.score_rows += planning.segments[-1].prompt_logit_rows
         planning.requests.append(request)
 

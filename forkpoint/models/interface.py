@@ -40,11 +40,14 @@ CoreKind = Literal["recurrent", "attention", "parallel"] | None
 @runtime_checkable
 class CausalLM(Protocol):
     """A hybrid causal LM as the runner drives it. Attributes: `config` (the full model's, or a
-    tensor-parallel rank's local one), `visual` (the vision tower, or None), `lm_head`."""
+    tensor-parallel rank's local one), `visual` (the vision tower, or None), `lm_head`, `mtp` (the
+    multi-token-prediction head of speculative decoding, models/mtp.py, or None; its KV is the last
+    attention layer of `pool_shapes`)."""
 
     config: ModelConfig
     visual: nn.Module | None
     lm_head: nn.Module
+    mtp: nn.Module | None
 
     # ------------------------------------------------------------------ set-up
     def pool_shapes(self, dtype: torch.dtype) -> PoolShapes:
@@ -64,6 +67,15 @@ class CausalLM(Protocol):
     def forward(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
         """Logits [R, vocab] float32 of the rows `batch.logits_indices` [R]; reads and writes the
         pools' rows in `caches` (recurrent states of the step's slots, KV of its blocks)."""
+        ...
+
+    def forward_hidden(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
+        """The stream leaving the last layer [T, hidden] (`forward` is `compute_logits` of it); the
+        speculative path reads every row of it (runner/speculative.py)."""
+        ...
+
+    def norm_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [T, hidden] leaving the last layer -> its final norm [T, hidden] (lm_head's input)."""
         ...
 
     # ------------------------------------------------------------------ parts (runner/piecewise.py)

@@ -11,6 +11,8 @@ Layout conversions handled here:
 - Qwen3-Next's grouped `in_proj_qkvz` / `in_proj_ba` into Qwen3.5's flat q|k|v, z, b, a;
 - any other per-expert tensor `<base>.experts.{e}.<proj>.weight` into row e of the model's stacked
   `<base>.experts.<proj>` [E, ...] (Nemotron-H's `up_proj` / `down_proj`);
+- the MTP head's `mtp.*` (models/mtp.py), loaded as stored when the model is built with one (speculative
+  decoding), else skipped;
 - Nemotron-H's `backbone.` prefix (`ModelConfig.weight_prefix`) into `model.`;
 - block-wise FP8 checkpoints (`ModelConfig.quantization`): the modules with `*_scale_inv` tensors are
   made FP8 before loading (models/fp8_modules.py) and their e4m3 weights and float32 scales are
@@ -38,8 +40,9 @@ from forkpoint.models.registry import model_class
 
 _SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.vision_tower.")
 _VISION_PREFIX = "model.visual."
+_MTP_PREFIX = "mtp."
 _PER_EXPERT = re.compile(
-    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
+    r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
 _STACKED_EXPERT = re.compile(r"^(.+\.experts)\.(\d+)\.(\w+)\.weight$")
 _GROUPED_QKVZ = re.compile(r"^(model\.layers\.\d+\.linear_attn)\.in_proj_(qkvz|ba)\.weight(_scale_inv)?$")
 
@@ -56,11 +59,13 @@ def read_whole(name: str, lazy) -> torch.Tensor:
 
 
 def build_model(config: ModelConfig, path: Path | None, load_format: str, device: torch.device,
-                dtype: torch.dtype, seed: int, *, with_vision: bool = False) -> nn.Module:
+                dtype: torch.dtype, seed: int, *, with_vision: bool = False, mtp_layers: int = 0) -> nn.Module:
     """Return the model in eval mode with every parameter loaded (or dummy-initialised).
-    `with_vision` also builds and loads the vision tower (when the config has one)."""
+    `with_vision` also builds and loads the vision tower (when the config has one); `mtp_layers` > 0
+    the MTP head (`mtp.*`, models/mtp.py; Qwen families only)."""
+    extra = {"mtp_layers": mtp_layers} if mtp_layers else {}
     with torch.device("meta"):
-        model = model_class(config)(config, with_vision=with_vision)
+        model = model_class(config)(config, with_vision=with_vision, **extra)
     model = to_model_dtype(model, dtype)
     prepare_fp8(model, config, path, load_format)
     model.to_empty(device=device)
@@ -271,16 +276,17 @@ def load_safetensors(model: nn.Module, config: ModelConfig, path: Path, read: Te
         if model.visual is not None and raw_name.startswith(_VISION_PREFIX):
             assign("visual." + raw_name[len(_VISION_PREFIX):], fetch(raw_name, lazy, file))
             continue
-        if raw_name.startswith(_SKIPPED_PREFIXES):
+        mtp = raw_name.startswith(_MTP_PREFIX) and getattr(model, "mtp", None) is not None
+        if raw_name.startswith(_SKIPPED_PREFIXES) and not mtp:
             continue
         if raw_name == "lm_head.weight":
             if not config.tie_word_embeddings:
                 assign("lm_head.weight", fetch(raw_name, lazy, file))
             continue
-        if not raw_name.startswith(prefix):
+        if not raw_name.startswith(prefix) and not mtp:
             unexpected.append(raw_name)
             continue
-        name = "model." + raw_name[len(prefix):]
+        name = raw_name if mtp else "model." + raw_name[len(prefix):]
         tensor = fetch(name, lazy, file)
         expert = _PER_EXPERT.match(name)
         grouped = _GROUPED_QKVZ.match(name)

@@ -49,6 +49,7 @@ class Mamba2HybridLM(nn.Module):
         del with_vision  # text-only families
         self.config = config
         self.visual = None
+        self.mtp = None  # no multi-token-prediction head in these families
         self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta) if config.rotary_dim else None
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._state_index = {layer: i for i, layer in enumerate(config.recurrent_layer_ids)}
@@ -167,8 +168,13 @@ class Mamba2HybridLM(nn.Module):
             logits = logits / hybrid.logits_scaling
         return logits.float()
 
+    def norm_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [T, hidden] leaving the last layer -> its final norm [T, hidden]."""
+        return self.final_norm()(hidden)
+
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
+    def forward_hidden(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
+        """The stream leaving the last layer [T, hidden]: `forward` without `compute_logits`."""
         hidden, cos_sin = self.embed(batch.input_ids, batch.positions, batch.embedding_overrides)
         for layer_id in range(len(self.model.layers)):
             p = core = None
@@ -176,4 +182,8 @@ class Mamba2HybridLM(nn.Module):
                 p = self.project(layer_id, hidden, cos_sin)
                 core = self.core(layer_id, p, batch, caches)
             hidden = self.finish(layer_id, hidden, p, core)
-        return self.compute_logits(hidden, batch.logits_indices)
+        return hidden
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
+        return self.compute_logits(self.forward_hidden(batch, caches), batch.logits_indices)

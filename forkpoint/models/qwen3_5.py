@@ -43,6 +43,7 @@ from forkpoint.models.layers import (
     apply_linear,
     mrope_axes,
 )
+from forkpoint.models.mtp import MultiTokenPredictor
 from forkpoint.models.recurrent import two_phase_core
 from forkpoint.models.vision import VisionTransformer
 from forkpoint.step.batch import ForwardBatch
@@ -263,16 +264,19 @@ class HybridForCausalLM(nn.Module):
     graphs. Only `core` reads the step's metadata and the pools.
 
     With `with_vision`, `visual` is the vision tower (models/vision.py); the runner calls it before
-    the forward and hands its outputs in as `batch.embedding_overrides`.
+    the forward and hands its outputs in as `batch.embedding_overrides`. With `mtp_layers` (speculative
+    decoding), `mtp` is the multi-token-prediction head (models/mtp.py; else None), whose KV is the
+    last attention layer of the pools.
     """
 
-    def __init__(self, config: ModelConfig, *, with_vision: bool = False) -> None:
+    def __init__(self, config: ModelConfig, *, with_vision: bool = False, mtp_layers: int = 0) -> None:
         super().__init__()
         self.config = config
         self.model = HybridModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.mrope_section)
         self.visual = VisionTransformer(config.vision) if with_vision and config.vision is not None else None
+        self.mtp = MultiTokenPredictor(config, mtp_layers, GatedAttention(config)) if mtp_layers else None
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -283,9 +287,11 @@ class HybridForCausalLM(nn.Module):
         ]
 
     def pool_shapes(self, dtype: torch.dtype) -> PoolShapes:
-        """What the pools hold per sequence for this model (cache/sizing.py), states and KV in `dtype`."""
+        """What the pools hold per sequence for this model (cache/sizing.py), states and KV in `dtype`;
+        the MTP head's KV (when built) is one more attention layer, the last."""
         config = self.config
-        return PoolShapes(len(config.attention_layer_ids), config.num_key_value_heads, config.head_dim, dtype,
+        num_attention = len(config.attention_layer_ids) + (self.mtp is not None)
+        return PoolShapes(num_attention, config.num_key_value_heads, config.head_dim, dtype,
                           len(config.gdn_layer_ids), GatedDeltaNet.state_spec(config, dtype))
 
     def input_embeddings(self) -> nn.Embedding:
@@ -391,11 +397,21 @@ class HybridForCausalLM(nn.Module):
         float32 (final norm and lm_head on the sampled rows only)."""
         return self.lm_head(self.model.norm(hidden.index_select(0, logits_indices))).float()
 
+    def norm_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [T, hidden], the stream leaving the last layer -> the final norm of it [T, hidden]
+        (what lm_head reads; the MTP head's `previous`)."""
+        return self.model.norm(hidden)
+
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
+    def forward_hidden(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
+        """The stream leaving the last layer [T, hidden]: `forward` without `compute_logits`."""
         positions = batch.positions if batch.mrope_positions is None else batch.mrope_positions
         hidden, cos_sin = self.embed(batch.input_ids, positions, batch.embedding_overrides)
         for layer_id in range(len(self.model.layers)):
             p = self.project(layer_id, hidden, cos_sin)
             hidden = self.finish(layer_id, hidden, p, self.core(layer_id, p, batch, caches))
-        return self.compute_logits(hidden, batch.logits_indices)
+        return hidden
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
+        return self.compute_logits(self.forward_hidden(batch, caches), batch.logits_indices)

@@ -14,6 +14,8 @@ mixer plugs them in (`RecurrentKernels`). Packed token order (step/batch.py)::
                    scan:    the mixer's packed varlen conv + scan over the phase's segments
                    scatter: state.index_copy_(0, dest_slots, final[dest_rows]) (private slots and
                             checkpoint rows; a later phase of this step reads them)
+    a single_tokens phase (speculative verification: one token per segment, one row each) copies
+                   each initial row into its destination row and runs the decode group's kernels there
 
 Stacked form (runner/piecewise.py): with `row_offset` (a 0-dim long tensor on the device) the
 state tensors are those of all L recurrent layers flattened ([L * S, ...]) and every row index is
@@ -79,6 +81,12 @@ def two_phase_core(kernels: RecurrentKernels, p: NamedTuple, batch: ForwardBatch
     for phase in batch.phases:
         lo, hi = phase.token_start, phase.token_end
         initial = rows(phase.initial_slots)
+        if phase.single_tokens:  # speculative verification: each token from its row into its own row
+            dest = rows(phase.dest_slots)
+            conv_state.index_copy_(0, dest, conv_state.index_select(0, initial))
+            ssm_state.index_copy_(0, dest, ssm_state.index_select(0, initial))
+            kernels.decode_step(_token_rows(p, lo, hi), args, conv_state, ssm_state, dest, out[lo:hi])
+            continue
         final_conv, final_ssm = kernels.phase_scan(
             _token_rows(p, lo, hi), args, conv_state.index_select(0, initial), ssm_state.index_select(0, initial),
             phase.cu_seqlens, phase.cu_seqlens_host, out[lo:hi])

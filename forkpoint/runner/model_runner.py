@@ -34,6 +34,7 @@ WARMUP_MAX_CONTEXT = 4096
 
 if TYPE_CHECKING:  # annotations only: a tensor-parallel worker imports this module without the image stack
     from forkpoint.runner.multimodal import MultimodalInputs
+    from forkpoint.runner.speculative import FinishedStep, MTPDrafter
 
 
 class _Staging:
@@ -138,12 +139,14 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device,
             raise ValueError("the plan has decodes fed from the step before (fed_row) but no feed tensor was given")
         staged["fed_to"], staged["fed_from"] = staging.add([t for t, _ in fed]), staging.add([r for _, r in fed])
     phase_makers = []
+    verifying = {v.request_id for v in plan.verifies}
     first = num_decodes
     while first < num_segments:
         last = first
         while last < num_segments and segments[last].phase == segments[first].phase:
             last += 1
-        phase_makers.append(_stage_phase(staging, segments[first:last], int(cu_q[first]), int(cu_q[last])))
+        phase_makers.append(_stage_phase(staging, segments[first:last], int(cu_q[first]), int(cu_q[last]),
+                                         verifying))
         first = last
 
     buffer = staging.upload(device)
@@ -171,9 +174,10 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device,
     return batch, sampled
 
 
-def _stage_phase(staging: _Staging, segments: Sequence[Segment], token_start: int,
-                 token_end: int) -> Callable[[torch.Tensor], RecurrentPhase]:
-    """Stage one phase's metadata; returns a function building the phase from the device buffer."""
+def _stage_phase(staging: _Staging, segments: Sequence[Segment], token_start: int, token_end: int,
+                 verifying: set[str]) -> Callable[[torch.Tensor], RecurrentPhase]:
+    """Stage one phase's metadata; returns a function building the phase from the device buffer.
+    `verifying`: the requests whose segments verify drafts (a phase of only theirs is `single_tokens`)."""
     cu = [0]
     dest_rows: list[int] = []
     dest_slots: list[int] = []
@@ -183,12 +187,14 @@ def _stage_phase(staging: _Staging, segments: Sequence[Segment], token_start: in
             dest_rows.append(row)
             dest_slots.append(slot)
     handles = [staging.add(values) for values in (cu, [s.initial_slot for s in segments], dest_rows, dest_slots)]
+    single = (all(s.request_id in verifying and s.num_tokens == 1 and len(s.dest_slots) == 1 for s in segments)
+              and len(set(dest_slots)) == len(dest_slots))
 
     def make(buffer: torch.Tensor) -> RecurrentPhase:
         cu_seqlens, initial_slots, rows, slots = (_Staging.get(buffer, handle) for handle in handles)
         return RecurrentPhase(token_start=token_start, token_end=token_end, cu_seqlens=cu_seqlens,
                               cu_seqlens_host=tuple(cu), initial_slots=initial_slots, dest_rows=rows,
-                              dest_slots=slots)
+                              dest_slots=slots, single_tokens=single)
 
     return make
 
@@ -238,10 +244,14 @@ class ModelRunner:
     per step; a plain attribute, so benchmarks can detach it (None). Then the varlen cores of
     prefill and mixed steps are compiled and autotuned by a warm-up on the pools' scratch rows
     (runner/warmup.py; `warmup` reports it), so no served step compiles.
+
+    With a `drafter` (speculative decoding, runner/speculative.py) every step runs through it: the
+    plain forward, sampling, verification of the plan's drafts and the MTP head's next drafts.
     """
 
     def __init__(self, model: CausalLM, storage: DeviceStorage, device: torch.device,
-                 multimodal: MultimodalInputs | None = None, piecewise: PiecewiseForward | None = None) -> None:
+                 multimodal: MultimodalInputs | None = None, piecewise: PiecewiseForward | None = None,
+                 drafter: MTPDrafter | None = None) -> None:
         self.model = model
         self.device = device
         self.storage = storage
@@ -249,6 +259,7 @@ class ModelRunner:
         self.caches = storage.caches
         self.multimodal = multimodal  # image positions and vision-tower rows; None for text-only engines
         self.piecewise = piecewise
+        self.drafter = drafter
         self.sampling = StepSampler(model.config.vocab_size, device)  # penalty counts, generators across steps
         self.scratch_block, self.scratch_slot = storage.scratch_block, storage.scratch_slot
         self.decode_graphs: DecodeGraphs | None = None
@@ -307,11 +318,15 @@ class ModelRunner:
         """Apply device writes outside a step (an idle engine's last ones; step/plan.py numbering)."""
         self.storage.apply(writes, first)
 
-    def execute(self, plan: StepPlan, feed: torch.Tensor | None = None) -> PendingStep:
+    def execute(self, plan: StepPlan, feed: torch.Tensor | None = None) -> PendingStep | FinishedStep:
         """Run one step: forward, then sample and score as `plan.sampling` says (runner/step_sampler.py).
         Enqueues the step; only prompt scores are read back here. `feed`: the token ids the step before
         sampled (its `PendingStep.feed`), for a plan scheduled while that step ran (see
-        `build_forward_batch`)."""
+        `build_forward_batch`). With a drafter, the whole speculative step runs here (no `feed`)."""
+        if self.drafter is not None:
+            if feed is not None:
+                raise ValueError("speculative steps are never scheduled ahead: no feed is taken")
+            return self.drafter.execute(self, plan)
         batch, sampled = self.prepare(plan, feed)
         return self.sampling.launch(plan, sampled, self.forward(batch))
 

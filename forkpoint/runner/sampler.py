@@ -265,6 +265,19 @@ def _penalise(logits: torch.Tensor, params: Sequence[SamplingParams], counts: to
 def _sample_random(logits: torch.Tensor, params: Sequence[SamplingParams],
                    generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """logits: [S, V] (penalised) -> [S] sampled ids, by vLLM's filters and exponential race."""
+    probs = sampling_probs(logits, params)
+    race = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        race.exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            race[row].exponential_(generator=generator)
+    return probs.div_(race).argmax(dim=-1)
+
+
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits: [S, V] (penalised) -> [S, V] float probabilities the rows are sampled from: temperature,
+    min-p, top-k, top-p (vLLM's filters), softmax. Rejection sampling (runner/speculative.py) reads them."""
     device, dtype = logits.device, logits.dtype
     vocab = logits.shape[-1]
     temperature = _on(device, [p.temperature for p in params], dtype)[:, None]
@@ -283,14 +296,14 @@ def _sample_random(logits: torch.Tensor, params: Sequence[SamplingParams],
         below[:, -1] = False
         ordered = ordered.masked_fill(below, float("-inf"))
         logits = ordered.scatter(1, order, ordered)
-    probs = torch.softmax(logits, dim=-1)
-    race = torch.empty_like(probs)
-    if any(g is None for g in generators):
-        race.exponential_()
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            race[row].exponential_(generator=generator)
-    return probs.div_(race).argmax(dim=-1)
+    return torch.softmax(logits, dim=-1)
+
+
+def with_logprobs(raw: torch.Tensor, chosen: torch.Tensor, params: Sequence[SamplingParams]) -> list[SampledToken]:
+    """raw: [R, V] unmodified logits; chosen: [R] long, the tokens taken -> one SampledToken per row,
+    with the raw distribution's logprobs for the rows that ask (as `Sampler.sample` reports them)."""
+    packed, k = _pack(raw, chosen, params)
+    return _unpack(packed.tolist(), params, k)
 
 
 def _pack(raw: torch.Tensor, chosen: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, int]:

@@ -77,6 +77,11 @@ class StepSampler:
         if leaked:
             raise AssertionError(f"sampling generators kept for sequences that have ended: {sorted(leaked)[:5]}")
 
+    def generator(self, spec: TokenSampling) -> torch.Generator | None:
+        """The sequence's generator (made from `spec.seed` the first time; None when greedy): the one its
+        plain sampling draws from, so speculative steps continue the same stream."""
+        return self._generator(spec)
+
     def _generator(self, spec: TokenSampling) -> torch.Generator | None:
         if spec.seed is None:
             return None

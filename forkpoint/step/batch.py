@@ -28,6 +28,10 @@ class RecurrentPhase:
     cu_seqlens_host: segment offsets relative to token_start; initial_slots [n]: state rows each
     segment starts from; final states of segment dest_rows[i] are written to row dest_slots[i]
     (a segment may write its private slot and a checkpoint slot, or nothing).
+    single_tokens: a phase of speculative verification (engine/speculative.py): every segment is one
+    token with one destination row (dest_rows = 0 .. n-1, distinct rows); the driver copies each
+    initial row into its destination and runs the single-token kernels there, the decode group's
+    math (models/recurrent.py).
     """
 
     token_start: int
@@ -37,6 +41,7 @@ class RecurrentPhase:
     initial_slots: torch.Tensor
     dest_rows: torch.Tensor
     dest_slots: torch.Tensor
+    single_tokens: bool = False
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,9 @@ class Segment:
     the first that many tokens are returned too (they score prompt tokens start + 1 .. start + rows,
     for prompt logprobs); fed_row: set on a decode scheduled while the step before was still running
     (asynchronous scheduling): its one token is then not in `token_ids` (empty) but on the device,
-    row `fed_row` of the token ids that step sampled (the runner's `feed`).
+    row `fed_row` of the token ids that step sampled (the runner's `feed`); next_token: the request's
+    token at `end` when the host knows it (a chunk that does not sample; None otherwise), the MTP
+    head's input at the segment's last position (speculative decoding, runner/speculative.py).
     """
 
     request_id: str
@@ -91,6 +93,7 @@ class Segment:
     multimodal: MultimodalPrompt | None = None
     prompt_logit_rows: int = 0
     fed_row: int | None = None
+    next_token: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -179,16 +182,29 @@ DeviceWrite = StateCopy | Spill | Restore | HostDrop | DiskSave | DiskRestore | 
 
 
 @dataclass(frozen=True)
+class Verify:
+    """Speculative decoding: request `request_id` verifies `draft_token_ids` (d1..dm) in this step. Its
+    segments are the m + 1 one-token segments at start .. start + m (tokens x0, d1 .. dm; all sample):
+    the first a DECODE from and to its own state row, segment i (phase i) from the row segment i - 1
+    wrote into its own row, so the state after each position is kept (engine/speculative.py)."""
+
+    request_id: str
+    start: int
+    draft_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """segments: what the forward computes; kv_copies: copy-on-write after its KV write; writes:
     the device writes applied, in order, before it, numbered from first_write (see the module
-    docstring)."""
+    docstring); verifies: the requests whose segments verify drafted tokens (speculative decoding)."""
 
     segments: tuple[Segment, ...] = ()
     kv_copies: tuple[KVCopy, ...] = ()
     writes: tuple[DeviceWrite, ...] = ()
     first_write: int = 0  # the number of writes[0] (writes are numbered consecutively from 0)
     sampling: StepSampling = StepSampling()
+    verifies: tuple[Verify, ...] = ()
 
     @property
     def empty(self) -> bool:

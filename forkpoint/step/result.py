@@ -5,7 +5,7 @@ and the layers above only pass back (kept with a checkpoint, `PromptScores`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from forkpoint.outputs import Logprob
 
@@ -34,13 +34,27 @@ class SegmentScores:
 
 
 @dataclass(frozen=True)
+class Verified:
+    """Speculative decoding: what a `Verify` of the plan yields. tokens: the accepted drafts, then the
+    target's own token (1 .. m + 1 tokens, in order); num_drafts: the m drafts verified."""
+
+    request_id: str
+    tokens: tuple[SampledToken, ...]
+    num_drafts: int
+
+
+@dataclass(frozen=True)
 class StepResult:
-    """request_ids[i] sampled tokens[i] (the sampling segments, packed order); prompt_scores: one per
-    `PromptScoring` of the plan, in its order."""
+    """request_ids[i] sampled tokens[i] (the sampling segments, packed order, except those of verifying
+    requests); prompt_scores: one per `PromptScoring` of the plan, in its order; verified: one per
+    `Verify` of the plan; drafts: request id -> the tokens the MTP head drafted after this step's
+    last token (speculative decoding; empty otherwise)."""
 
     request_ids: tuple[str, ...]
     tokens: tuple[SampledToken, ...]
     prompt_scores: tuple[SegmentScores, ...] = ()
+    verified: tuple[Verified, ...] = ()
+    drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

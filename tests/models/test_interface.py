@@ -19,7 +19,7 @@ from forkpoint.models.registry import model_class, supported_model_types
 from tests.tiny_models import MAMBA2_MODEL_TYPES
 
 METHODS = [name for name, member in vars(CausalLM).items() if inspect.isfunction(member) and not name.startswith("_")]
-ATTRIBUTES = ("config", "visual", "lm_head")
+ATTRIBUTES = ("config", "visual", "lm_head", "mtp")
 CLASSES = sorted({model_class(SimpleNamespace(model_type=t, architectures=())) for t in supported_model_types()},
                  key=lambda cls: cls.__name__) + [ParallelHybridForCausalLM]
 

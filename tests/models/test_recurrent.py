@@ -140,3 +140,33 @@ def test_mixers_plug_in_both_kernels_with_the_drivers_arguments(mixer):
     for name in ("decode_step", "phase_scan"):
         expected = len(inspect.signature(getattr(RecurrentKernels, name)).parameters)
         assert len(inspect.signature(getattr(mixer, name)).parameters) == expected, f"{mixer.__name__}.{name}"
+
+
+def test_single_token_phases_keep_the_state_after_every_verified_token():
+    """Speculative verification (`single_tokens` phases): a decode, then a chain of one-token phases,
+    each from the row the phase before wrote into its own row, leaves the state after every position
+    in its own row (through the single-token kernels), as token by token; the start row is kept."""
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(4, C, generator=generator)
+    conv, ssm = states(1, generator)
+    conv, ssm = conv[0], ssm[0]
+    chain = [3, 5, 6, 7]  # the request's own row, then one spare row per draft
+    phases = tuple(RecurrentPhase(i, i + 1, long(0, 1), (0, 1), long(chain[i - 1]), long(0), long(chain[i]),
+                                  single_tokens=True) for i in range(1, 4))
+    empty = torch.zeros(0, dtype=torch.long)
+    attention = AttentionMetadata(empty, torch.zeros(0, 1, dtype=torch.int32), empty, (0,), empty, (), empty, empty)
+    step = ForwardBatch(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long),
+                        DecodeGroup(1, long(chain[0])), phases, attention, long(3))
+    expected = []
+    c, s = conv[chain[0]].clone(), ssm[chain[0]].clone()
+    for t in range(4):
+        out_t, c, s = toy_token(x[t], c, s, 0.7)
+        expected.append((out_t, c, s))
+    untouched = conv[1].clone(), ssm[1].clone()
+    out = torch.full((4, C), float("nan"))
+    two_phase_core(ToyKernels(), ToyProjection(x), step, conv, ssm, out, 0.7)
+    for t, (out_t, c, s) in enumerate(expected):
+        torch.testing.assert_close(out[t], out_t)
+        torch.testing.assert_close(conv[chain[t]], c)
+        torch.testing.assert_close(ssm[chain[t]], s)
+    assert torch.equal(conv[1], untouched[0]) and torch.equal(ssm[1], untouched[1])

@@ -1,0 +1,160 @@
+"""Speculative decoding's mechanism at a chosen acceptance: TPOT with an ORACLE drafter against plain decode.
+
+BENCHMARK ONLY: with random (dummy) weights the MTP head's drafts are meaningless, so this script replaces
+them (in this process only, never in serving) with the target's own greedy continuation, measured first by
+a plain run, with every draft after the first `a` of each step corrupted: each verification then accepts
+exactly `a` drafts (acceptance length a + 1 tokens per step), for a = 0 .. k. The MTP head still runs
+(its pass and chain: its cost is in the numbers). Per batch size N: N sequences of --prompt-len random
+tokens decode --tokens greedy tokens; TPOT = decode wall time / tokens per sequence (the prefill step
+excluded). Results: a printed table and bench/results/<name>.json (and .png when matplotlib imports).
+
+Usage:
+    python bench/speculative_oracle.py                                   # tiny CPU model (tests/tiny_models.py)
+    python bench/speculative_oracle.py --model DIR --load-format dummy --device cuda --seqs 1 16 64 --k 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from host_info import code_version, machine_info, machine_line  # noqa: E402
+
+from forkpoint import LLM, SamplingParams  # noqa: E402
+from forkpoint.runner.speculative import FinishedStep  # noqa: E402
+
+
+class OracleDrafter:
+    """Shadows `runner.drafter.execute` (this process only): each request's drafts become its reference
+    continuation with drafts a + 1 .. k corrupted, so every verification accepts exactly `accepted`."""
+
+    def __init__(self, llm: LLM, continuations: dict[tuple[int, ...], list[int]], k: int, accepted: int,
+                 vocab: int) -> None:
+        self.engine, self.continuations, self.k = llm.engine, continuations, k
+        self.accepted, self.vocab = accepted, vocab
+        drafter = llm.engine.runner.drafter
+        self._execute = drafter.execute
+        drafter.execute = self
+
+    def __call__(self, runner, plan) -> FinishedStep:
+        result = self._execute(runner, plan).result()
+        emitted = {rid: 1 for rid in result.request_ids}
+        emitted.update({v.request_id: len(v.tokens) for v in result.verified})
+        requests = {r.request_id: r for r in self.engine.scheduler.running}
+        drafts = {}
+        for request_id in result.drafts:
+            request = requests[request_id]
+            done = len(request.output_token_ids) + emitted.get(request_id, 0)
+            reference = self.continuations[tuple(request.prompt_token_ids)][done: done + self.k]
+            drafts[request_id] = tuple(t if i < self.accepted else (t + 1) % self.vocab
+                                       for i, t in enumerate(reference))
+        return FinishedStep(dataclasses.replace(result, drafts=drafts))
+
+
+def decode_tpot(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list]:
+    """Seconds per output token per sequence over the decode steps (after the prefill step), outputs."""
+    engine = llm.engine
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"b{i}", {"prompt_token_ids": ids}, params)
+    engine.step()  # the prefill (and the first drafts)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / (params.max_tokens - 1), [outputs[f"b{i}"] for i in range(len(prompts))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model dir with MTP layers (default: a tiny random one)")
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--seqs", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=33)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--name", default="speculative_oracle")
+    args = parser.parse_args()
+    model = args.model
+    if model is None:
+        from tests.tiny_models import add_mtp_weights, build_tiny_model
+
+        root = Path(tempfile.mkdtemp())
+        build_tiny_model(root / "base", "qwen3_5_moe_text")
+        add_mtp_weights(root / "base", root / "mtp")
+        model = str(root / "mtp")
+    common = dict(load_format=args.load_format, device=args.device, enable_checkpoints=False,
+                  num_state_slots=max(args.seqs) * (1 + args.k), max_num_seqs=max(args.seqs))
+    plain = LLM(model, **common)
+    vocab = plain.engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    spec = LLM(model, speculative_config={"method": "mtp", "num_speculative_tokens": args.k}, **common)
+    rows = []
+    for seqs in args.seqs:
+        generator = torch.Generator().manual_seed(seqs)
+        prompts = [torch.randint(5, min(vocab, 150), (args.prompt_len,), generator=generator).tolist()
+                   for _ in range(seqs)]
+        plain_tpot, reference = decode_tpot(plain, prompts, params)
+        continuations = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in reference}
+        row = {"seqs": seqs, "plain_tpot_ms": plain_tpot * 1e3}
+        for accepted in range(args.k + 1):
+            oracle = OracleDrafter(spec, continuations, args.k, accepted, vocab)
+            tpot, outputs = decode_tpot(spec, prompts, params)
+            spec.engine.runner.drafter.execute = oracle._execute
+            same = [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
+            row[f"oracle_a{accepted + 1}_tpot_ms"] = tpot * 1e3
+            row[f"oracle_a{accepted + 1}_same_tokens"] = same
+        rows.append(row)
+        print(json.dumps(row))
+    machine = machine_info()
+    print(f"ORACLE DRAFTER (benchmark only): {machine_line(machine)}; model {model}; k = {args.k}")
+    print(f"{'N':>4} {'plain':>9} " + " ".join(f"{'acc ' + str(a + 1):>9}" for a in range(args.k + 1)) + "   (TPOT ms)")
+    for row in rows:
+        print(f"{row['seqs']:>4} {row['plain_tpot_ms']:>9.2f} "
+              + " ".join(f"{row[f'oracle_a{a + 1}_tpot_ms']:>9.2f}" for a in range(args.k + 1)))
+    out = Path(__file__).parent / "results"
+    out.mkdir(exist_ok=True)
+    result = {"drafter": "ORACLE (benchmark only)", "model": model, "k": args.k, "tokens": args.tokens,
+              "prompt_len": args.prompt_len, "machine": machine, "code": code_version(), "rows": rows}
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"wrote {out / args.name}.json (no matplotlib: no plot)")
+        return
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for row in rows:
+        lengths = list(range(1, args.k + 2))
+        axis.plot(lengths, [row[f"oracle_a{a}_tpot_ms"] / row["plain_tpot_ms"] for a in lengths], marker="o",
+                  label=f"N = {row['seqs']}")
+    axis.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
+    axis.set_xlabel("acceptance length (tokens per verification), ORACLE drafter")
+    axis.set_ylabel("TPOT / plain decode TPOT")
+    axis.set_title(f"speculative decoding, k = {args.k} ({machine_line(machine)})", fontsize=8)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(out / f"{args.name}.png", dpi=120)
+    print(f"wrote {out / args.name}.json and .png")
+
+
+if __name__ == "__main__":
+    main()
