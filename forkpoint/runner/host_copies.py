@@ -251,7 +251,8 @@ class ArenaHostCopies:
         return set(self._row_reads), set(self._block_reads)
 
     def _retire(self) -> None:
-        done = {id(e) for e in {**self._row_reads, **self._block_reads}.values() if e.query()}
+        events = {id(e): e for e in [*self._row_reads.values(), *self._block_reads.values()]}
+        done = {key for key, event in events.items() if event.query()}
         if done:
             self._row_reads = {r: e for r, e in self._row_reads.items() if id(e) not in done}
             self._block_reads = {b: e for b, e in self._block_reads.items() if id(e) not in done}

@@ -25,7 +25,6 @@ BLOCK_SIZE = 4
 # multiples of 4 in an entry (the copies are byte copies)
 SPEC = RecurrentStateSpec((5, 3), torch.bfloat16, (2, 3, 2), torch.float32)
 SHAPES = PoolShapes(2, 2, 3, torch.bfloat16, 3, SPEC)
-CHECKPOINT_ROWS = range(1 + SIZES.num_request_slots, 1 + SIZES.num_request_slots + SIZES.num_checkpoint_slots)
 
 
 def _filled(host_arena_bytes: int, seed: int = 0) -> DeviceStorage:
@@ -38,14 +37,17 @@ def _filled(host_arena_bytes: int, seed: int = 0) -> DeviceStorage:
     return storage
 
 
-def _tier(capacity: int) -> HostTier:
-    return HostTier(capacity, SHAPES.slot_bytes, SHAPES.block_bytes(BLOCK_SIZE))
+def _tier(capacity: int, shapes: PoolShapes = SHAPES, block_size: int = BLOCK_SIZE) -> HostTier:
+    return HostTier(capacity, shapes.slot_bytes, shapes.block_bytes(block_size))
 
 
-def _random_writes(rng: random.Random, tier: HostTier, count: int) -> list:
+def random_writes(rng: random.Random, tier: HostTier, count: int, sizes: PoolSizes = SIZES) -> list:
     """Writes as the checkpoint registry records them: evictions spill (after the drops that make
-    room), hits restore into free rows and blocks, row copies fill free rows."""
-    free_rows, free_blocks = list(CHECKPOINT_ROWS), list(range(SIZES.num_kv_blocks))
+    room), hits restore into free rows and blocks, row copies fill free rows (`sizes`' checkpoint
+    rows and blocks; request rows 1 and 2 hold states too)."""
+    first_row = 1 + sizes.num_request_slots
+    free_rows = list(range(first_row, first_row + sizes.num_checkpoint_slots))
+    free_blocks = list(range(sizes.num_kv_blocks))
     held: dict[bytes, tuple[int, list[int]]] = {}  # on the device: key -> (row, blocks)
     writes, keys, spilled = [], 0, []
     for _ in range(count):
@@ -87,7 +89,7 @@ def test_arena_copies_equal_the_plain_copies_on_random_sequences(seed):
     rng = random.Random(seed)
     capacity = rng.choice([SHAPES.slot_bytes + 3 * SHAPES.block_bytes(BLOCK_SIZE), 3000, 10_000])
     tier = _tier(capacity)
-    writes = _random_writes(rng, tier, 80)
+    writes = random_writes(rng, tier, 80)
     assert any(isinstance(w, Restore) for w in writes) and any(isinstance(w, HostDrop) for w in writes)
     plain, arena = _filled(0, seed), _filled(capacity, seed)
     assert isinstance(plain.host, PlainHostCopies) and isinstance(arena.host, ArenaHostCopies)
