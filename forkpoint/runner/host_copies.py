@@ -110,6 +110,11 @@ class PlainHostCopies:
     def drop(self, entry: int) -> None:
         del self._entries[entry]
 
+    @property
+    def reading(self) -> bool:
+        """Never: every copy ran on the current stream, so nothing is left to wait for."""
+        return False
+
     def wait_for(self, rows: Iterable[int], blocks: Iterable[int]) -> None:
         """Nothing to wait for: every copy ran on the current stream."""
 
@@ -229,6 +234,11 @@ class ArenaHostCopies:
         self.arena.free(self._entries.pop(entry).span)
 
     # ------------------------------------------------------------------ ordering
+    @property
+    def reading(self) -> bool:
+        """Whether spills may still read rows or blocks (events not yet seen complete)."""
+        return bool(self._row_reads or self._block_reads)
+
     def wait_for(self, rows: Iterable[int], blocks: Iterable[int]) -> None:
         """The compute stream waits (on the GPU) for the spills still reading any of these rows or
         blocks, before whatever it runs next writes them."""

@@ -97,6 +97,8 @@ class DeviceStorage:
         for write in writes[skip:]:
             self._apply(write)
             self.writes_applied += 1
+        if not self.host.reading:
+            return
         if forward is None or forward.verifies:  # (speculative steps: written rows not listed here)
             self.host.wait_for_all()
         else:

@@ -160,3 +160,60 @@ def test_the_rows_and_blocks_a_forward_writes():
     ), kv_copies=(KVCopy(3, 7, 2),))
     # a: position 9 in block table[2]; b: positions 4..12 in its table's entries 1..3
     assert storage.forward_writes(plan) == ({1, 2, 5}, {12, 18, 17, 16, 7})
+
+
+class _Event:
+    """A CUDA event stand-in: complete when the test says so."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.complete = name, False
+
+    def query(self) -> bool:
+        return self.complete
+
+    def synchronize(self) -> None:
+        self.complete = True
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.waited: list[str] = []
+
+    def wait_event(self, event: _Event) -> None:
+        self.waited.append(event.name)
+
+
+def test_the_compute_stream_waits_only_for_spills_reading_what_it_writes_next(monkeypatch):
+    """The CUDA path's ordering with stand-in events: a later write or forward waits for exactly the
+    spills still reading its rows and blocks; completed spills are retired; no forward: all of them."""
+    names, events = iter(["spill A", "spill B", "restore B", "spill C"]), {}
+
+    def record(self) -> _Event:
+        event = _Event(next(names))
+        events[event.name] = event
+        return event
+
+    monkeypatch.setattr(ArenaHostCopies, "_record", record)
+    compute = _Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    storage = _filled(4000)
+    storage.apply([Spill(0, 3, (1, 2)), Spill(1, 4, (5,))], forward=StepPlan())
+    assert storage.host.reading and compute.waited == []
+
+    def writing(row: int, blocks: tuple[int, ...]) -> StepPlan:
+        end = len(blocks) * BLOCK_SIZE
+        return StepPlan(segments=(Segment("r", 0, end, [1] * end, blocks, 0, (row,), SegmentKind.PREFILL, 0, True),))
+
+    storage.apply([], first=2, forward=writing(6, (7, 8)))  # neither row nor blocks of a spill
+    assert compute.waited == []
+    storage.apply([StateCopy(1, 3)], first=2, forward=writing(6, (5,)))  # row 3 (A), then block 5 (B)
+    assert compute.waited == ["spill A", "spill B"]
+    assert storage.host.pending_reads() == ({4}, {1, 2})
+    events["spill B"].complete = True  # done: retired, no wait for its row
+    storage.apply([Restore(1, 4, (9,))], first=3, forward=writing(4, (1,)))
+    assert compute.waited == ["spill A", "spill B", "restore B", "spill A"]  # the restore's event, then block 1
+    storage.apply([Spill(2, 5, (10,))], first=4, forward=StepPlan())
+    storage.apply([], first=5)  # no plan: every spill still reading (C; A's block 2)
+    assert compute.waited[4:] == ["spill A", "spill C"] or compute.waited[4:] == ["spill C", "spill A"]
+    assert not storage.host.reading
+    storage.check_integrity()
