@@ -105,15 +105,16 @@ class DeviceStorage:
             self.host.wait_for(*self.forward_writes(forward))
 
     def forward_writes(self, plan: StepPlan) -> tuple[set[int], set[int]]:
-        """(state rows, KV blocks) the plan's forward writes: each segment's destination rows (a
-        decode's own row, updated in place) and the blocks holding its positions start .. end - 1,
-        and the copy-on-write targets."""
+        """(state rows, KV blocks) the plan's forward may write: each segment's destination rows (a
+        decode's own row, updated in place), the blocks of its table from the one holding position
+        `start` on (its positions start .. end - 1, and any the table holds past them, e.g. for draft
+        tokens), and the copy-on-write targets."""
         rows, blocks, size = set(), set(), self.block_size
         for segment in plan.segments:
             rows.update(segment.dest_slots)
             if segment.kind is SegmentKind.DECODE:
                 rows.add(segment.initial_slot)
-            blocks.update(segment.block_table[segment.start // size: -(-segment.end // size)])
+            blocks.update(segment.block_table[segment.start // size:])
         blocks.update(copy.dst_block for copy in plan.kv_copies)
         return rows, blocks
 

@@ -158,8 +158,10 @@ def test_the_rows_and_blocks_a_forward_writes():
         Segment("a", 9, 10, [1], table, 1, (1,), SegmentKind.DECODE, 0, True),
         Segment("b", 4, 13, [1] * 9, table[::-1], 0, (2, 5), SegmentKind.PREFILL, 0, True),
     ), kv_copies=(KVCopy(3, 7, 2),))
-    # a: position 9 in block table[2]; b: positions 4..12 in its table's entries 1..3
-    assert storage.forward_writes(plan) == ({1, 2, 5}, {12, 18, 17, 16, 7})
+    # a: position 9 in block table[2] and on; b: positions 4..12 from its table's entry 1 on
+    assert storage.forward_writes(plan) == ({1, 2, 5}, set(range(12, 20)) | set(range(10, 19)) | {7})
+    short = StepPlan(segments=(Segment("c", 8, 9, [1], (30, 31, 32), 4, (4,), SegmentKind.DECODE, 0, True),))
+    assert storage.forward_writes(short) == ({4}, {32})
 
 
 class _Event:
