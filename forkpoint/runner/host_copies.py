@@ -11,10 +11,11 @@ Two implementations of one job (the plan's `Spill`, `Restore` and `HostDrop` wri
       copy stream                        wait(E0) -> D2H spill -> D1    wait(E0') -> H2D restore -> D2
                                                                                    compute waits(D2)
 
-  A spill waits for the compute stream's work so far (the row's last writer), copies the row and
-  blocks into pages and records its event D. Until D completes, the compute stream must not write
-  the row or the blocks again: `wait_for(rows, blocks)` makes it wait (on the GPU; the host never
-  blocks) before a later write or forward touches them, and events that completed are retired.
+  A spill waits for the compute stream's work so far (the row's last writer), copies the row, then
+  the blocks, into pages and records an event after each (D1 above is the last). Until they
+  complete, the compute stream must not write the row or the blocks again: `wait_for(rows, blocks)`
+  makes it wait (on the GPU; the host never blocks) before a later write or forward touches them,
+  and events that completed are retired.
   A restore waits for the compute stream (its row and blocks may have been read until now), copies
   host -> device on the copy stream and the compute stream waits for its event before anything
   later: the step that reads the row runs after it. The pages of a restored or dropped entry are
@@ -190,6 +191,9 @@ class ArenaHostCopies:
                     for layer in range(stack.shape[0]):
                         self._to_pages(span, offset, stack[layer, write.slot])
                         offset += size
+                # the row first, with its own event: a new checkpoint that reuses the row at once (a
+                # full state pool hands the freed row out next) waits for it alone, not for the KV
+                row_done = self._record()
                 if write.blocks:
                     index = device_index(write.blocks, pools.device)
                     for cache, size in zip(pools.kv(), self._kv_block_bytes):
@@ -201,7 +205,7 @@ class ArenaHostCopies:
             raise
         self._entries[write.entry] = _Entry(span, len(write.blocks), done)
         if done is not None:
-            self._row_reads[write.slot] = done
+            self._row_reads[write.slot] = row_done
             self._block_reads.update(dict.fromkeys(write.blocks, done))
 
     def restore(self, write: Restore) -> None:
