@@ -13,8 +13,11 @@ of two by PyTorch's host allocator, kept until it is freed), so the tier's memor
 Pages live in chunks of at most `CHUNK_BYTES` (PyTorch's pinned allocator rounds each allocation
 up to a power of two: chunks of about 1 GiB waste less than a page each). A chunk is allocated the
 first time one of its pages is handed out and kept for the arena's life: the arena pins memory only
-as far as the tier has ever filled, and never twice. Allocation takes the lowest free pages, so an
-entry's pages are few runs (one on a fresh arena) and each run one copy per tensor piece.
+as far as the tier has ever filled, and never twice. Pinning a GiB takes a while (and a pinned
+allocation may synchronise the device), so with `prefetch` the chunk after the one just taken is
+allocated at once on a background thread, off the step loop: the tier fills without waiting for it
+unless it fills faster than memory is pinned. Allocation takes the lowest free pages, so an entry's
+pages are few runs (one on a fresh arena) and each run one copy per tensor piece.
 
 `PageAllocator` is the bookkeeping alone (no torch): free runs sorted by start page, merged on free.
 """
@@ -22,7 +25,9 @@ entry's pages are few runs (one on a fresh arena) and each run one copy per tens
 from __future__ import annotations
 
 import bisect
+import weakref
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -130,9 +135,11 @@ class ArenaSpan:
 
 
 class HostArena:
-    """`num_pages` pages of `page_bytes` bytes (pinned when `pinned`), in chunks allocated on first use."""
+    """`num_pages` pages of `page_bytes` bytes (pinned when `pinned`), in chunks allocated on first use
+    (and, with `prefetch`, the next one in the background)."""
 
-    def __init__(self, num_pages: int, page_bytes: int, pinned: bool, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, num_pages: int, page_bytes: int, pinned: bool, chunk_bytes: int = CHUNK_BYTES,
+                 prefetch: bool = False) -> None:
         if page_bytes < 1:
             raise ValueError(f"host arena pages need at least one byte, got {page_bytes}")
         self.page_bytes = page_bytes
@@ -140,6 +147,11 @@ class HostArena:
         self.pages_per_chunk = max(1, chunk_bytes // page_bytes)
         self.pages = PageAllocator(num_pages, self.pages_per_chunk)
         self._chunks: list[torch.Tensor | None] = [None] * -(-num_pages // self.pages_per_chunk)
+        self._coming: dict[int, Future] = {}  # chunks being allocated in the background
+        self._prefetcher = None
+        if prefetch:
+            self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forkpoint-host-arena")
+            weakref.finalize(self, self._prefetcher.shutdown, wait=False)
 
     @property
     def num_pages(self) -> int:
@@ -147,8 +159,16 @@ class HostArena:
 
     @property
     def allocated_bytes(self) -> int:
-        """Host memory the arena holds now (its chunks allocated so far)."""
-        return sum(chunk.numel() for chunk in self._chunks if chunk is not None)
+        """Host memory the arena holds now (its chunks taken so far, and any allocated ahead)."""
+        ahead = sum(c.result().numel() for c in self._coming.values() if c.done() and c.exception() is None)
+        return sum(chunk.numel() for chunk in self._chunks if chunk is not None) + ahead
+
+    def settle(self) -> set[int]:
+        """Wait for the chunks being allocated in the background; returns their indices (for tests
+        and benchmarks: the arena itself waits only for a chunk it needs)."""
+        for coming in self._coming.values():
+            coming.exception()
+        return set(self._coming)
 
     def allocate(self, num_bytes: int) -> ArenaSpan:
         """Pages for `num_bytes` bytes (ArenaFull when they are not free)."""
@@ -199,7 +219,15 @@ class HostArena:
     def _chunk(self, index: int) -> torch.Tensor:
         chunk = self._chunks[index]
         if chunk is None:
-            pages = min(self.pages_per_chunk, self.num_pages - index * self.pages_per_chunk)
-            chunk = torch.empty(pages * self.page_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+            coming = self._coming.pop(index, None)
+            chunk = coming.result() if coming is not None else self._new_chunk(index)
             self._chunks[index] = chunk
+            following = index + 1
+            if self._prefetcher is not None and following < len(self._chunks) and \
+                    self._chunks[following] is None and following not in self._coming:
+                self._coming[following] = self._prefetcher.submit(self._new_chunk, following)
         return chunk
+
+    def _new_chunk(self, index: int) -> torch.Tensor:
+        pages = min(self.pages_per_chunk, self.num_pages - index * self.pages_per_chunk)
+        return torch.empty(pages * self.page_bytes, dtype=torch.uint8, pin_memory=self.pinned)

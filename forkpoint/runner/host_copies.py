@@ -165,7 +165,7 @@ class ArenaHostCopies:
             raise ValueError("a host tier needs state rows or KV blocks to hold")
         num_pages = capacity_bytes // page + (capacity_bytes // self.slot_bytes if self.slot_bytes else 0)
         cuda = pools.device.type == "cuda"
-        self.arena = HostArena(num_pages, page, pinned=cuda)
+        self.arena = HostArena(num_pages, page, pinned=cuda, prefetch=cuda)
         self.stream = torch.cuda.Stream(pools.device) if cuda else None
         self._entries: dict[int, _Entry] = {}
         # spills whose copies may still read a row / block: the compute stream waits before writing it

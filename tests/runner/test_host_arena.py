@@ -98,3 +98,18 @@ def test_arena_bytes_round_trip_through_scattered_runs_and_chunks_on_first_use()
     arena.free(first)
     with pytest.raises(AssertionError):
         arena.check_integrity([first, second, third])
+
+
+def test_prefetch_allocates_the_next_chunk_in_the_background_and_only_that_one():
+    arena = HostArena(num_pages=9, page_bytes=4, pinned=False, chunk_bytes=12, prefetch=True)  # 3 chunks
+    assert arena.allocated_bytes == 0  # nothing before the first use
+    first = arena.allocate(8)  # pages 0, 1: chunk 0, and chunk 1 comes
+    arena._coming[1].result()  # (the test waits for the background allocation)
+    assert arena.allocated_bytes == 24 and 2 not in arena._coming
+    second = arena.allocate(12)  # pages 2..4: takes chunk 1 from the prefetcher, prefetches chunk 2
+    assert arena.settle() == {2} and arena.allocated_bytes == 36
+    data = torch.arange(12, dtype=torch.uint8)
+    for at, piece in arena.pieces(second, 0, 12):
+        piece.copy_(data[at: at + piece.numel()])
+    assert torch.equal(arena.read(second), data)
+    arena.check_integrity([first, second])
