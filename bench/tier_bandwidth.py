@@ -6,8 +6,9 @@ Per prefix length (KV blocks of block_size tokens) and path, medians over --repe
   host ms    how long `DeviceStorage.apply` holds the calling thread (the engine's step loop)
   total ms   from the call to the copies' completion (torch.cuda.synchronize)
   GB/s       entry bytes / total
-"spill, filling" spills --repeats new entries without restoring any: the tier filling up, where
-the plain path allocates new pinned memory per spill (the arena reuses or first-touches pages).
+"filling" spills max(2, --repeats) new entries back to back without restoring any: the tier filling
+up, where the plain path allocates new pinned memory per spill and the arena takes new chunks (the
+next one pinned in the background; back to back, a spill may wait for it: the worst case).
 "load+spill" enqueues a spill and then a fixed compute load (bf16 matmuls, ~--overlap-ms) that writes
 neither the row nor the blocks: ms of both against the load alone (the plain path serialises them);
 "row reused": the load stands for a forward that writes the spilled row (a full state pool gives
