@@ -29,7 +29,7 @@ from forkpoint.runner.storage import DeviceStorage
 from forkpoint.step.plan import HostDrop, Restore, Segment, SegmentKind, Spill, StateCopy, StepPlan
 from tests.models.test_gpu_model import ENGINE, max_logprob_diff, random_ids
 from tests.runner.test_gpu_cuda_graphs import model_dir  # noqa: F401 (fixture)
-from tests.runner.test_host_copies import _tier, random_writes
+from tests.runner.test_host_copies import host_tier, random_writes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -91,7 +91,7 @@ def _prefill_plan(slot: int, blocks) -> StepPlan:
 def test_async_restores_equal_the_sync_path_on_nan_poisoned_rows(seed):
     rng = random.Random(seed)
     capacity = rng.choice([SHAPES.slot_bytes * 3, SHAPES.slot_bytes * 6 + 40 * SHAPES.block_bytes(BLOCK_SIZE)])
-    tier = _tier(capacity, SHAPES, BLOCK_SIZE)
+    tier = host_tier(capacity, SHAPES, BLOCK_SIZE)
     writes = random_writes(rng, tier, 120, SIZES)
     assert sum(isinstance(w, Restore) for w in writes) >= 5
     sync, arena = _storage(0, seed), _storage(capacity, seed)

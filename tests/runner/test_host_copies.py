@@ -37,7 +37,7 @@ def _filled(host_arena_bytes: int, seed: int = 0) -> DeviceStorage:
     return storage
 
 
-def _tier(capacity: int, shapes: PoolShapes = SHAPES, block_size: int = BLOCK_SIZE) -> HostTier:
+def host_tier(capacity: int, shapes: PoolShapes = SHAPES, block_size: int = BLOCK_SIZE) -> HostTier:
     return HostTier(capacity, shapes.slot_bytes, shapes.block_bytes(block_size))
 
 
@@ -88,7 +88,7 @@ def random_writes(rng: random.Random, tier: HostTier, count: int, sizes: PoolSiz
 def test_arena_copies_equal_the_plain_copies_on_random_sequences(seed):
     rng = random.Random(seed)
     capacity = rng.choice([SHAPES.slot_bytes + 3 * SHAPES.block_bytes(BLOCK_SIZE), 3000, 10_000])
-    tier = _tier(capacity)
+    tier = host_tier(capacity)
     writes = random_writes(rng, tier, 80)
     assert any(isinstance(w, Restore) for w in writes) and any(isinstance(w, HostDrop) for w in writes)
     plain, arena = _filled(0, seed), _filled(capacity, seed)
