@@ -69,11 +69,11 @@ class PoolTensors:
 
 
 def device_index(blocks: Iterable[int], device: torch.device) -> torch.Tensor:
-    """Block ids as a long tensor on `device`, enqueued on the current stream without waiting for it:
-    a non-blocking copy from pageable memory is staged by the driver at once (CUDA's API
-    synchronisation rules) where a blocking one waits for the stream, and a pinned source would
-    need a pinned allocation, which may synchronise the device when the allocator's cache misses."""
-    return torch.tensor(list(blocks), dtype=torch.long).to(device, non_blocking=True)
+    """Block ids as a long tensor on `device`, enqueued on the current stream without waiting for it
+    (vLLM's `async_tensor_h2d`: a pinned host tensor, copied non-blocking; a blocking copy, as
+    `torch.tensor(..., device=cuda)` makes, waits for the stream's earlier work)."""
+    cuda = device.type == "cuda"
+    return torch.tensor(list(blocks), dtype=torch.long, pin_memory=cuda).to(device, non_blocking=cuda)
 
 
 class PlainHostCopies:
