@@ -128,10 +128,12 @@ class PageAllocator:
 
 @dataclass(frozen=True)
 class ArenaSpan:
-    """The pages of one entry: `runs` in order hold its `num_bytes` bytes."""
+    """The pages of one entry: `runs` in order hold its `num_bytes` bytes; run i starts at byte
+    `starts[i]` of the entry (page_bytes times the pages of the runs before it)."""
 
     runs: tuple[Run, ...]
     num_bytes: int
+    starts: tuple[int, ...]
 
 
 class HostArena:
@@ -179,7 +181,11 @@ class HostArena:
         except BaseException:
             self.pages.free(runs)
             raise
-        return ArenaSpan(runs, num_bytes)
+        starts, at = [], 0
+        for _, count in runs:
+            starts.append(at)
+            at += count * self.page_bytes
+        return ArenaSpan(runs, num_bytes, tuple(starts))
 
     def free(self, span: ArenaSpan) -> None:
         self.pages.free(span.runs)
@@ -189,8 +195,9 @@ class HostArena:
         arena memory) pairs, in order: one per page run the range touches."""
         if offset < 0 or offset + length > span.num_bytes:
             raise ValueError(f"bytes {offset}..{offset + length} are outside an entry of {span.num_bytes} bytes")
-        pieces, run_begin, end = [], 0, offset + length
-        for start, count in span.runs:
+        pieces, end = [], offset + length
+        first = max(bisect.bisect_right(span.starts, offset) - 1, 0)
+        for (start, count), run_begin in zip(span.runs[first:], span.starts[first:]):
             run_end = run_begin + count * self.page_bytes
             lo, hi = max(offset, run_begin), min(end, run_end)
             if lo < hi:
@@ -199,7 +206,6 @@ class HostArena:
                 pieces.append((lo - offset, chunk[base: base + hi - lo]))
             if run_end >= end:
                 break
-            run_begin = run_end
         return pieces
 
     def read(self, span: ArenaSpan) -> torch.Tensor:
