@@ -29,13 +29,13 @@ ssm [L, *ssm_shape], then k[j], v[j] [n_blocks, block_size, HKV, Dh] per attenti
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from forkpoint.runner.disk_io import split_payload
+from forkpoint.runner.disk_io import payload_tensors, split_payload
 from forkpoint.runner.host_arena import ArenaSpan, HostArena
 from forkpoint.step.plan import Restore, Spill
 
@@ -129,6 +129,20 @@ class PlainHostCopies:
 
     def check_integrity(self) -> None:
         """Nothing beyond the entries themselves to check."""
+
+    def copy_out(self, slot: int, blocks: Sequence[int]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+        """New host tensors of row `slot` and `blocks` in payload order, and (CUDA) an event after
+        their copies (the disk tier's saves: runner/disk_io.py's writer waits for it)."""
+        pools = self.pools
+        index = device_index(blocks, pools.device)
+        tensors = payload_tensors(self._to_host(pools.conv_stack[:, slot]), self._to_host(pools.ssm_stack[:, slot]),
+                                  [self._to_host(k.index_select(0, index)) for k in pools.k],
+                                  [self._to_host(v.index_select(0, index)) for v in pools.v])
+        ready = None
+        if self._pinned:
+            ready = torch.cuda.Event()
+            ready.record()
+        return tensors, ready
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pinned)
@@ -238,6 +252,30 @@ class ArenaHostCopies:
 
     def drop(self, entry: int) -> None:
         self.arena.free(self._entries.pop(entry).span)
+
+    def copy_out(self, slot: int, blocks: Sequence[int]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+        """New host tensors of row `slot` and `blocks` in payload order, copied on the copy stream,
+        and its event after them (the disk tier's saves: the writer's thread waits for it; the row
+        and blocks are guarded like a spill's until then). Not arena pages: the writer keeps them
+        until the file is written."""
+        pools, pinned = self.pools, self.stream is not None
+        layers = pools.conv_stack.shape[0]
+        conv = torch.empty((layers, *pools.conv_stack.shape[2:]), dtype=pools.conv_stack.dtype, pin_memory=pinned)
+        ssm = torch.empty((layers, *pools.ssm_stack.shape[2:]), dtype=pools.ssm_stack.dtype, pin_memory=pinned)
+        kv = [torch.empty((len(blocks), *t.shape[1:]), dtype=t.dtype, pin_memory=pinned) for t in pools.kv()]
+        with self._copy_stream():
+            for host, stack in ((conv, pools.conv_stack), (ssm, pools.ssm_stack)):
+                for layer in range(layers):
+                    host[layer].copy_(stack[layer, slot], non_blocking=True)
+            if blocks:
+                index = device_index(blocks, pools.device)
+                for host, cache in zip(kv, pools.kv()):
+                    host.copy_(cache.index_select(0, index), non_blocking=True)
+            done = self._record()
+        if done is not None:
+            self._row_reads[slot] = done
+            self._block_reads.update(dict.fromkeys(blocks, done))
+        return [conv, ssm, *kv], done
 
     # ------------------------------------------------------------------ ordering
     @property

@@ -38,7 +38,7 @@ from forkpoint.cache.sizing import PoolShapes, PoolSizes, plan_pools
 from forkpoint.cache.state_pool import ZERO_SLOT
 from forkpoint.config import EngineConfig
 from forkpoint.models.qwen3_5 import LayerCaches
-from forkpoint.runner.disk_io import DiskWriter, payload_tensors, split_payload
+from forkpoint.runner.disk_io import DiskWriter, split_payload
 from forkpoint.runner.host_copies import ArenaHostCopies, PlainHostCopies, PoolTensors, device_index
 from forkpoint.step.plan import (
     DeviceWrite,
@@ -80,7 +80,6 @@ class DeviceStorage:
         self.host = ArenaHostCopies(pools, host_arena_bytes) if host_arena_bytes > 0 else PlainHostCopies(pools)
         self.disk: DiskWriter | None = None  # the disk tier's writer (`attach_disk`), None without one
         self.writes_applied = 0  # the number of the next device write to apply (step/plan.py)
-        self._pinned = device.type == "cuda"  # the disk tier's host copies
         self.caches = LayerCaches(conv=self.conv, ssm=self.ssm, k=self.k, v=self.v, conv_stack=self.conv_stack,
                                   ssm_stack=self.ssm_stack)
 
@@ -156,18 +155,11 @@ class DeviceStorage:
         return self.disk
 
     def _disk_save(self, write: DiskSave) -> None:
-        """Host copies of the row and blocks (enqueued on the device stream), written by the writer's
-        thread once they are done; the checkpoint stays on the device."""
+        """Host copies of the row and blocks (enqueued as the host tier's copies are: on the copy
+        stream on CUDA), written by the writer's thread once they are done; the checkpoint stays on
+        the device."""
         writer = self._writer()
-        index = device_index(write.blocks, self.device)
-        tensors = payload_tensors(self._to_host(self.conv_stack[:, write.slot]),
-                                  self._to_host(self.ssm_stack[:, write.slot]),
-                                  [self._to_host(k.index_select(0, index)) for k in self.k],
-                                  [self._to_host(v.index_select(0, index)) for v in self.v])
-        ready = None
-        if self.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record()
+        tensors, ready = self.host.copy_out(write.slot, write.blocks)
         writer.save(write.name, write.key, write.num_tokens, write.state_tokens, len(write.blocks), write.kind,
                     tensors, ready)
 
@@ -186,11 +178,6 @@ class DeviceStorage:
             index = device_index(write.blocks, self.device)
             for cache, kept in zip((t for pair in zip(self.k, self.v) for t in pair), kv):
                 cache.index_copy_(0, index, kept.to(self.device))
-
-    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pinned)
-        host.copy_(tensor, non_blocking=self._pinned)
-        return host
 
     # ------------------------------------------------------------------ checks
     def tensors(self) -> dict[str, torch.Tensor]:

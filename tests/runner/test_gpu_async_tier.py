@@ -7,7 +7,7 @@ pages, a copy stream, events), skipped without a GPU:
   forward's writes) still holds the old bytes, while the compute stream was busy when it was enqueued
   (so the copy ran late); the host returned before the copy completed;
 - a restore whose copies run late (the copy stream busy) is read correctly by the next kernel on
-  the compute stream;
+  the compute stream; the disk tier's host copies run on the copy stream too, behind their event;
 - an engine with a two-row checkpoint pool and a host tier (spills and restores in mixed steps)
   gives the outputs of the same engine without the tier, bit for bit (checkpoint_exact), and reuses
   more.
@@ -164,6 +164,22 @@ def test_a_restore_whose_copies_run_late_is_read_after_them():
     assert late and host_s < 0.05
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     storage.check_integrity()
+
+
+def test_disk_save_copies_run_late_and_are_waited_for():
+    """The disk tier's host copies (`copy_out`) on the copy stream: the writer's event covers them, and
+    a row copy into the saved row right after waits for them."""
+    plain, arena = _storage(0, 4), _storage(1 << 24, 4)
+    expected, _ = plain.host.copy_out(4, (3, 9, 50))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)  # the copies start after the compute stream's work so far
+    got, ready = arena.host.copy_out(4, (3, 9, 50))
+    arena.apply([StateCopy(1, 4)], forward=StepPlan())  # overwrites the row: waits for the copies
+    assert not ready.query()
+    ready.synchronize()
+    assert all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(got, expected))
+    torch.cuda.synchronize()
+    assert torch.equal(_bytes(arena.conv_stack[:, 4]), _bytes(arena.conv_stack[:, 1]))
 
 
 def test_engine_with_the_host_tier_gives_the_outputs_without_it(model_dir):  # noqa: F811

@@ -220,3 +220,19 @@ def test_the_compute_stream_waits_only_for_spills_reading_what_it_writes_next(mo
     assert sorted(compute.waited[4:]) == ["row C", "spill A", "spill C"]
     assert not storage.host.reading
     storage.check_integrity()
+
+
+def test_disk_save_copies_are_the_same_through_both_paths_and_guard_the_row(monkeypatch):
+    plain, arena = _filled(0, 3), _filled(4000, 3)
+    (expected, none), (got, _) = plain.host.copy_out(4, (3, 9, 0)), arena.host.copy_out(4, (3, 9, 0))
+    assert none is None and len(got) == len(expected) == 2 + 2 * SHAPES.num_attention_layers
+    for a, b in zip(got, expected):
+        assert a.shape == b.shape and torch.equal(a, b)
+    monkeypatch.setattr(ArenaHostCopies, "_record", lambda self: _Event("save"))
+    compute = _Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    storage = _filled(4000)
+    storage.host.copy_out(5, (7,))
+    assert storage.host.pending_reads() == ({5}, {7})
+    storage.apply([StateCopy(1, 5)], forward=StepPlan())
+    assert compute.waited == ["save"]
