@@ -313,7 +313,7 @@ def plot(res: dict, path: str) -> None:
 
     reuse, none = res["reuse"]["turns"], res["no_reuse"]["turns"]
     turns = [r["turn"] for r in reuse]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right, windows) = plt.subplots(1, 3, figsize=(16, 4))
     left.plot(turns, [r["ttft_p50_ms"] for r in reuse], "o-", label="reuse, p50")
     left.plot(turns, [r["ttft_p90_ms"] for r in reuse], "o--", label="reuse, p90")
     left.plot(turns, [r["ttft_p50_ms"] for r in none], "s-", label="no reuse (nonce), p50")
@@ -327,6 +327,14 @@ def plot(res: dict, path: str) -> None:
     right.set_xlabel("turn")
     right.set_ylabel("tokens per request (mean)")
     right.legend()
+    for key, label, style in (("reuse", "reuse", "o-"), ("no_reuse", "no reuse (nonce)", "s-")):
+        rates = res[key]["generation_windows_tokens_per_s"]
+        width_s = res[key]["window_s"]
+        windows.plot([width_s * (k + 0.5) for k in range(len(rates))], rates, style, label=label)
+    windows.set_xlabel("time in the phase (s), window centres")
+    windows.set_ylabel("generated tokens/s (server)")
+    windows.set_ylim(bottom=0)
+    windows.legend()
     fig.suptitle(f"agent sessions: {res['config']['sessions']} sessions x {res['config']['turns']} turns, "
                  f"{res['config']['shape']}")
     fig.tight_layout()
