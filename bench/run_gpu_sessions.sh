@@ -47,6 +47,7 @@ set -u
 START=$(date +%s)
 OUT="${OUT:-/tmp/out}"
 LOGS="${LOGS:-/tmp/sessions_logs}"
+rm -rf "$LOGS"  # a warm machine keeps /tmp: no logs of an earlier call in this one's tarball
 mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1
 TOTAL="${TOTAL:-560}"
