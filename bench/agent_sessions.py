@@ -1,15 +1,19 @@
 """Agent sessions through the HTTP server, as an agent framework drives it (issue 26's workload).
 
-S sessions run concurrently, T turns each, through `/v1/chat/completions` (the official openai client,
-streaming): a shared system prompt, a per-session document, then per turn the assistant's reply sent
-back as text (with a tool call) and a tool result. Phase A is the workload as is; phase B runs the same
+S sessions run concurrently, T turns each, through `/v1/chat/completions` (streaming, the requests an
+OpenAI client sends, over httpx: the device has no `openai` package): a shared system prompt, a
+per-session document, then per turn the assistant's reply sent back as text (with a tool call) and a
+tool result. Phase A is the workload as is; phase B runs the same
 shapes on the same server with a unique nonce opening every request, so nothing can be reused.
 
 Per turn (over sessions): prompt tokens, cached tokens (`usage.prompt_tokens_details.cached_tokens`),
 the tokens the turn shares with the session's previous turn (the longest common prefix of the rendered
 prompts' token ids, from `/tokenize`; turn 0: with the other sessions' first prompts), TTFT p50/p90 and
 the miss reasons the server gave (`cache_miss_reason`); totals per phase, and the server's
-`forkpoint_cache_misses_total` by reason. JSON + PNG under --out (bench/results/).
+`forkpoint_cache_misses_total` by reason. Per phase: its wall time and the server's generation
+throughput (`forkpoint_generation_tokens_total`, read every --poll-s) over the phase and per --window-s
+window (10 s; the worst window is issue 32's measure). Each phase's table is printed, and the JSON so far
+written, as soon as the phase ends; JSON + PNG under --out (bench/results/) at the end.
 
 `--restart` (started servers only): the server runs with `--checkpoint-dir` (a scratch directory);
 after phase A it is stopped and started again on the same directory, and phase R sends the first
@@ -39,7 +43,6 @@ import uuid
 from pathlib import Path
 
 import httpx
-from openai import AsyncOpenAI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,42 +89,109 @@ def build_sessions(args: argparse.Namespace, documents_seed: int | None = None) 
             for s in range(args.sessions)]
 
 
-async def one_request(client: AsyncOpenAI, http: httpx.AsyncClient, model: str, messages: list[dict],
-                      args: argparse.Namespace) -> dict:
+async def one_request(http: httpx.AsyncClient, model: str, messages: list[dict], args: argparse.Namespace) -> dict:
+    """One streamed chat request as an OpenAI client sends it (plain httpx and SSE: the device has no
+    `openai` package); the prompt's token ids come from `/tokenize` with the same body."""
     kwargs = {} if args.thinking == "unset" else {"enable_thinking": args.thinking == "on"}
     body = {"messages": messages, "tools": TOOLS, "chat_template_kwargs": kwargs}
     tokenized = (await http.post("/tokenize", json=body)).json()
+    request = {**body, "model": model, "max_tokens": args.reply_tokens, "temperature": 0.0, "stream": True,
+               "stream_options": {"include_usage": True}, "ignore_eos": True, "min_tokens": args.reply_tokens}
     begin = time.perf_counter()
     first = None
     usage = None
     reply = []
-    stream = await client.chat.completions.create(
-        model=model, messages=messages, tools=TOOLS, max_tokens=args.reply_tokens, temperature=0.0, stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"chat_template_kwargs": kwargs, "ignore_eos": True, "min_tokens": args.reply_tokens})
-    async for chunk in stream:
-        if chunk.choices:
-            delta = chunk.choices[0].delta
-            piece = (delta.content or "") + (getattr(delta, "reasoning_content", None) or "")
-            if piece and first is None:
-                first = time.perf_counter()
-            reply.append(delta.content or "")
-        if chunk.usage is not None:
-            usage = chunk.usage
+    async with http.stream("POST", "/v1/chat/completions", json=request) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"/v1/chat/completions answered {response.status_code}: "
+                               f"{(await response.aread()).decode()[:500]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                raise RuntimeError(f"the stream failed: {chunk['error']}")
+            for choice in chunk["choices"]:
+                delta = choice.get("delta", {})
+                piece = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+                if piece and first is None:
+                    first = time.perf_counter()
+                reply.append(delta.get("content") or "")
+            if chunk.get("usage"):
+                usage = chunk["usage"]
     end = time.perf_counter()
-    details = usage.prompt_tokens_details
-    return {"prompt_tokens": usage.prompt_tokens, "cached_tokens": details.cached_tokens or 0,
-            "miss_reason": (details.model_extra or {}).get("cache_miss_reason"), "ttft_s": (first or end) - begin,
+    details = usage.get("prompt_tokens_details") or {}
+    return {"prompt_tokens": usage["prompt_tokens"], "cached_tokens": details.get("cached_tokens") or 0,
+            "miss_reason": details.get("cache_miss_reason"), "ttft_s": (first or end) - begin,
             "latency_s": end - begin, "ids": tokenized["tokens"], "reply": "".join(reply)}
+
+
+def generated_tokens(metrics_text: str) -> float:
+    """`forkpoint_generation_tokens_total` from a `/metrics` page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name == "forkpoint_generation_tokens":
+            return sum(sample.value for sample in family.samples if sample.name.endswith("_total"))
+    raise RuntimeError("/metrics has no forkpoint_generation_tokens_total")
+
+
+async def poll_generated(url: str, samples: list[tuple[float, float]], stop: asyncio.Event, interval_s: float) -> None:
+    """Append (time, generated tokens so far) every `interval_s` until `stop` is set, on a connection
+    of its own (the sessions' pool never delays it)."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        while True:
+            try:
+                await asyncio.wait_for(stop.wait(), interval_s)
+                return
+            except TimeoutError:
+                samples.append((time.perf_counter(), generated_tokens((await http.get("/metrics")).text)))
+
+
+def generation_windows(samples: list[tuple[float, float]], width_s: float) -> list[float]:
+    """Generation tokens/s in consecutive windows of `width_s` seconds from the first sample, the
+    counter read at each window edge by linear interpolation between the samples around it (samples:
+    (time, counter), time ascending, at least 2). Only whole windows count; a phase shorter than one
+    window is one window over all samples."""
+    times = [t for t, _ in samples]
+    counts = [c for _, c in samples]
+
+    def at(t: float) -> float:
+        i = max(j for j in range(len(times)) if times[j] <= t)
+        if i == len(times) - 1:
+            return counts[i]
+        fraction = (t - times[i]) / (times[i + 1] - times[i])
+        return counts[i] + fraction * (counts[i + 1] - counts[i])
+
+    whole = int((times[-1] - times[0]) // width_s)
+    if whole == 0:
+        return [(counts[-1] - counts[0]) / max(times[-1] - times[0], 1e-9)]
+    edges = [times[0] + k * width_s for k in range(whole + 1)]
+    return [(at(b) - at(a)) / width_s for a, b in zip(edges, edges[1:])]
+
+
+def max_shared_with_others(prompts: list[list[int]]) -> list[int]:
+    """For each prompt, the longest prefix it shares with any other one: that other is always one of
+    its neighbours in sorted order, so this costs a sort, not all pairs (256 sessions: 65k pairs)."""
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i])
+    best = [0] * len(prompts)
+    for a, b in zip(order, order[1:]):
+        shared = common_prefix_length(prompts[a], prompts[b])
+        best[a] = max(best[a], shared)
+        best[b] = max(best[b], shared)
+    return best
 
 
 async def run_phase(url: str, model: str, args: argparse.Namespace, nonce: bool,
                     documents_seed: int | None = None) -> dict:
-    """All sessions concurrently, each turn after the one before; returns per-request records."""
+    """All sessions concurrently, each turn after the one before; returns per-request records, the
+    wall time and the server's generation throughput per window (`/metrics`, polled)."""
     sessions = build_sessions(args, documents_seed)
     records: list[dict] = []
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=3600, max_retries=0)
-    async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
+    limits = httpx.Limits(max_connections=2 * args.sessions + 8, max_keepalive_connections=2 * args.sessions + 8)
+    samples: list[tuple[float, float]] = []
+    stop = asyncio.Event()
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
         async def drive(session: Session) -> None:
             previous = None
             for turn in range(args.turns):
@@ -129,25 +199,34 @@ async def run_phase(url: str, model: str, args: argparse.Namespace, nonce: bool,
                 if nonce:  # a unique first token run: nothing of this request was ever computed
                     first = messages[0]
                     messages = [{**first, "content": f"[{uuid.uuid4().hex}] " + first["content"]}, *messages[1:]]
-                record = await one_request(client, http, model, messages, args)
+                record = await one_request(http, model, messages, args)
                 record.update(session=session.index, turn=turn, previous=previous)
                 records.append(record)
                 previous = record["ids"]
                 session.add_turn(turn, record["reply"])
 
+        samples.append((time.perf_counter(), generated_tokens((await http.get("/metrics")).text)))
+        poller = asyncio.create_task(poll_generated(url, samples, stop, args.poll_s))
         start = time.perf_counter()
-        await asyncio.gather(*(drive(s) for s in sessions))
-        wall = time.perf_counter() - start
-    await client.close()
-    first_prompts = [r["ids"] for r in records if r["turn"] == 0]
+        try:
+            await asyncio.gather(*(drive(s) for s in sessions))
+        finally:
+            wall = time.perf_counter() - start
+            stop.set()
+            await poller
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:  # after the last token of the phase
+        samples.append((time.perf_counter(), generated_tokens((await http.get("/metrics")).text)))
+    first_records = [r for r in records if r["turn"] == 0]
+    for r, shared in zip(first_records, max_shared_with_others([r["ids"] for r in first_records])):
+        r["shared_tokens"] = shared
     for r in records:
         if r["previous"] is not None:
             r["shared_tokens"] = common_prefix_length(r["previous"], r["ids"])
-        else:
-            r["shared_tokens"] = max((common_prefix_length(r["ids"], other) for other in first_prompts
-                                      if other is not r["ids"]), default=0)
-    return {"wall_s": wall, "requests": [{k: v for k, v in r.items() if k not in ("ids", "previous", "reply")}
-                                         for r in records]}
+    windows = generation_windows(samples, args.window_s)
+    return {"wall_s": wall, "generated_tokens": samples[-1][1] - samples[0][1],
+            "generation_tokens_per_s": (samples[-1][1] - samples[0][1]) / (samples[-1][0] - samples[0][0]),
+            "generation_windows_tokens_per_s": windows, "window_s": args.window_s,
+            "requests": [{k: v for k, v in r.items() if k not in ("ids", "previous", "reply")} for r in records]}
 
 
 def summarise(phase: dict, turns: int) -> dict:
@@ -168,8 +247,12 @@ def summarise(phase: dict, turns: int) -> dict:
     requests = phase["requests"]
     prompt = sum(r["prompt_tokens"] for r in requests)
     cached = sum(r["cached_tokens"] for r in requests)
+    windows = phase["generation_windows_tokens_per_s"]
     return {"turns": rows, "wall_s": phase["wall_s"], "prompt_tokens": prompt, "cached_tokens": cached,
-            "computed_tokens": prompt - cached, "shared_tokens": sum(r["shared_tokens"] for r in requests)}
+            "computed_tokens": prompt - cached, "shared_tokens": sum(r["shared_tokens"] for r in requests),
+            "generated_tokens": phase["generated_tokens"], "generation_tokens_per_s": phase["generation_tokens_per_s"],
+            "window_s": phase["window_s"], "generation_windows_tokens_per_s": windows,
+            "worst_window_tokens_per_s": min(windows)}
 
 
 def scrape_misses(url: str) -> dict[str, float]:
@@ -208,7 +291,10 @@ def model_dir_for(args: argparse.Namespace, scratch: Path) -> str | None:
 
 def table(name: str, summary: dict) -> str:
     lines = [f"{name}: {summary['wall_s']:.1f} s, prompt {summary['prompt_tokens']:,} tokens, cached "
-             f"{summary['cached_tokens']:,}, computed {summary['computed_tokens']:,}",
+             f"{summary['cached_tokens']:,}, computed {summary['computed_tokens']:,}; generated "
+             f"{summary['generated_tokens']:,.0f} tokens, {summary['generation_tokens_per_s']:,.1f}/s (server), worst "
+             f"{summary['window_s']:g}-s window {summary['worst_window_tokens_per_s']:,.1f}/s of "
+             f"{len(summary['generation_windows_tokens_per_s'])}",
              f"{'turn':>4} {'prompt':>8} {'shared':>8} {'cached':>8} {'cached/shared':>13} {'TTFT p50':>9} "
              f"{'TTFT p90':>9}  miss reasons"]
     for row in summary["turns"]:
@@ -227,7 +313,7 @@ def plot(res: dict, path: str) -> None:
 
     reuse, none = res["reuse"]["turns"], res["no_reuse"]["turns"]
     turns = [r["turn"] for r in reuse]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right, windows) = plt.subplots(1, 3, figsize=(16, 4))
     left.plot(turns, [r["ttft_p50_ms"] for r in reuse], "o-", label="reuse, p50")
     left.plot(turns, [r["ttft_p90_ms"] for r in reuse], "o--", label="reuse, p90")
     left.plot(turns, [r["ttft_p50_ms"] for r in none], "s-", label="no reuse (nonce), p50")
@@ -241,6 +327,14 @@ def plot(res: dict, path: str) -> None:
     right.set_xlabel("turn")
     right.set_ylabel("tokens per request (mean)")
     right.legend()
+    for key, label, style in (("reuse", "reuse", "o-"), ("no_reuse", "no reuse (nonce)", "s-")):
+        rates = res[key]["generation_windows_tokens_per_s"]
+        width_s = res[key]["window_s"]
+        windows.plot([width_s * (k + 0.5) for k in range(len(rates))], rates, style, label=label)
+    windows.set_xlabel("time in the phase (s), window centres")
+    windows.set_ylabel("generated tokens/s (server)")
+    windows.set_ylim(bottom=0)
+    windows.legend()
     fig.suptitle(f"agent sessions: {res['config']['sessions']} sessions x {res['config']['turns']} turns, "
                  f"{res['config']['shape']}")
     fig.tight_layout()
@@ -268,6 +362,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--name", default="agent_sessions", help="file name of the JSON and PNG (no suffix)")
+    parser.add_argument("--window-s", type=float, default=10.0,
+                        help="width of the windows of generation throughput (default: 10 s)")
+    parser.add_argument("--poll-s", type=float, default=0.5, help="how often /metrics is read (default: 0.5 s)")
     parser.add_argument("--restart", action="store_true",
                         help="serve with --checkpoint-dir, restart the server after phase A and send the first turn "
                              "of new sessions (same system prompt, new documents) before phase B")
@@ -275,8 +372,18 @@ def main(argv: list[str] | None = None) -> dict:
     if args.restart and args.url is not None:
         parser.error("--restart starts and restarts the server itself: leave out --url")
 
+    res = {"config": {k: v for k, v in vars(args).items() if k not in ("out", "url")},
+           "machine": machine_info(), "code": code_version()}
+
+    def phase_done(key: str, title: str, summary: dict) -> dict:
+        """Print the phase's table at once and write the JSON so far: a run stopped later keeps it."""
+        res[key] = summary
+        print(table(title, summary), flush=True)
+        os.makedirs(args.out, exist_ok=True)
+        Path(args.out, f"{args.name}.json").write_text(json.dumps(res, indent=1))
+        return summary
+
     process = None
-    restart = None
     with tempfile.TemporaryDirectory() as scratch:
         url = args.url
         model_dir = model_dir_for(args, Path(scratch)) if url is None else None
@@ -287,32 +394,31 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
             before = scrape_misses(url)
-            reuse = summarise(asyncio.run(run_phase(url, model, args, nonce=False)), args.turns)
+            reuse = phase_done("reuse", "reuse", summarise(asyncio.run(run_phase(url, model, args, nonce=False)),
+                                                           args.turns))
             after = scrape_misses(url)
+            res["server_misses_reuse_phase"] = {k: after[k] - before.get(k, 0) for k in after}
             if args.restart:
                 stop_server(process)
                 process, url = start_server(server_options(args), model_dir, args.start_timeout)
                 first_turn = argparse.Namespace(**{**vars(args), "turns": 1})
-                restart = summarise(asyncio.run(run_phase(url, model, first_turn, nonce=False,
-                                                          documents_seed=args.seed + 1)), 1)
-            none = summarise(asyncio.run(run_phase(url, model, args, nonce=True)), args.turns)
+                phase_done("restart", "after a restart on the same --checkpoint-dir (first turn, new documents)",
+                           summarise(asyncio.run(run_phase(url, model, first_turn, nonce=False,
+                                                           documents_seed=args.seed + 1)), 1))
+            none = phase_done("no_reuse", "no reuse (a nonce opens every request)",
+                              summarise(asyncio.run(run_phase(url, model, args, nonce=True)), args.turns))
         finally:
             if process is not None:
                 stop_server(process)
-    res = {"config": {k: v for k, v in vars(args).items() if k not in ("out", "url")}, "reuse": reuse,
-           "no_reuse": none, "server_misses_reuse_phase": {k: after[k] - before.get(k, 0) for k in after},
-           "machine": machine_info(), "code": code_version()}
-    if restart is not None:
-        res["restart"] = restart
-        print(table("after a restart on the same --checkpoint-dir (first turn, new documents)", restart))
-    print(table("reuse", reuse))
-    print(table("no reuse (a nonce opens every request)", none))
     print(f"computed prompt tokens: reuse {reuse['computed_tokens']:,} vs {none['computed_tokens']:,} "
           f"({none['computed_tokens'] / max(reuse['computed_tokens'], 1):.2f}x fewer); wall {reuse['wall_s']:.1f} s vs "
-          f"{none['wall_s']:.1f} s; server miss reasons (reuse phase): {res['server_misses_reuse_phase']}")
+          f"{none['wall_s']:.1f} s ({reuse['wall_s'] / none['wall_s']:.2f}x); generation tokens/s: worst "
+          f"{args.window_s:g}-s window {reuse['worst_window_tokens_per_s']:,.1f} vs "
+          f"{none['worst_window_tokens_per_s']:,.1f}, phase {reuse['generation_tokens_per_s']:,.1f} vs "
+          f"{none['generation_tokens_per_s']:,.1f}; server miss reasons (reuse phase): "
+          f"{res['server_misses_reuse_phase']}")
     print("results:", write_results(res, args.out, args.name, plot))
     return res
-
 
 if __name__ == "__main__":
     main()

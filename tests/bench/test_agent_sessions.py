@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
+
+import pytest
 
 from forkpoint import LLM
 from forkpoint.server.config import ServerConfig
@@ -15,6 +18,9 @@ from tests.server.conftest import TEST_LLM_KWARGS, serve
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
 import agent_sessions  # noqa: E402
+from agent_sessions import generation_windows, max_shared_with_others  # noqa: E402
+
+from forkpoint.inputs.turns import common_prefix_length  # noqa: E402
 
 
 def test_agent_sessions_bench(tmp_path):
@@ -30,6 +36,11 @@ def test_agent_sessions_bench(tmp_path):
     assert all(row["cached_tokens"] == 0 for row in res["no_reuse"]["turns"])
     assert res["reuse"]["computed_tokens"] < res["no_reuse"]["computed_tokens"]
     assert res["server_misses_reuse_phase"]["template_divergence"] >= 4
+    for phase in ("reuse", "no_reuse"):  # ignore_eos + min_tokens: exactly reply-tokens per request
+        summary = res[phase]
+        assert summary["generated_tokens"] == 2 * 3 * 3
+        assert summary["worst_window_tokens_per_s"] == min(summary["generation_windows_tokens_per_s"]) > 0
+        assert summary["wall_s"] > 0
     saved = json.loads((tmp_path / "agent_sessions.json").read_text())
     assert saved["reuse"]["prompt_tokens"] == res["reuse"]["prompt_tokens"]
     assert (tmp_path / "agent_sessions.png").stat().st_size > 0
@@ -44,3 +55,24 @@ def test_agent_sessions_bench_after_a_restart(tmp_path):
     [row] = res["restart"]["turns"]
     assert row["shared_tokens"] > 200 and row["cached_tokens"] == row["shared_tokens"]
     assert res["restart"]["computed_tokens"] == res["restart"]["prompt_tokens"] - 2 * row["shared_tokens"]
+
+
+def test_generation_windows_interpolate_the_counter_at_each_edge():
+    """Samples of a counter that runs 10 tokens/s for 10 s, stops for 10 s, then runs 30 tokens/s: the
+    windows see exactly that; the last partial window is left out."""
+    times = (0.0, 3.0, 7.5, 10.0, 12.0, 19.0, 20.0, 21.0, 26.0, 30.0, 34.0)
+    samples = [(t, 10.0 * min(t, 10) + 30.0 * max(t - 20, 0)) for t in times]
+    assert generation_windows(samples, 10.0) == pytest.approx([10.0, 0.0, 30.0])
+    assert generation_windows(samples, 15.0) == pytest.approx([100 / 15, 300 / 15])  # edge 15 between 12 and 19
+
+def test_generation_windows_of_a_phase_shorter_than_one_window():
+    assert generation_windows([(1.0, 5.0), (2.0, 9.0), (3.0, 13.0)], 10.0) == [4.0]
+
+
+def test_max_shared_with_others_equals_all_pairs():
+    rng = random.Random(3)
+    for _ in range(50):
+        prompts = [[rng.randrange(3) for _ in range(rng.randrange(6))] for _ in range(rng.randrange(2, 8))]
+        expected = [max(common_prefix_length(p, q) for j, q in enumerate(prompts) if j != i)
+                    for i, p in enumerate(prompts)]
+        assert max_shared_with_others(prompts) == expected
