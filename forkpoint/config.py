@@ -594,9 +594,13 @@ class EngineConfig:
             raise ValueError("async_scheduling needs tensor_parallel_size=1: the tensor-parallel ranks run "
                              "every step in lockstep; drop one of the two")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
-        if self.speculative_config is not None and (self.async_scheduling or self.tensor_parallel_size > 1):
-            raise ValueError("speculative_config does not run with async_scheduling or tensor_parallel_size > 1 yet: "
-                             "drop one of the two")
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ValueError("speculative_config does not run with async_scheduling yet (a verify step reads its "
+                             "drafts on the host before the next step is planned): drop one of the two")
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config does not run with tensor_parallel_size {self.tensor_parallel_size} "
+                             "yet (the MTP head is not split over ranks): use tensor_parallel_size 1 or drop "
+                             "speculative_config")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
         if self.max_images_per_prompt < 0 or self.image_embedding_cache_bytes < 0:
