@@ -150,6 +150,10 @@ def run_generate(args: argparse.Namespace) -> int:
     elapsed = done - loaded
     print(f"load {loaded - start:.2f} s | generate {elapsed:.2f} s for {len(outputs)} prompt(s): "
           f"{prompt_tokens} prompt tokens, {generated} generated ({generated / elapsed:.1f} tokens/s)")
+    metrics = llm.metrics()
+    if metrics.get("spec_verifications"):
+        print(f"speculative: mean acceptance length {metrics['spec_mean_acceptance_length']:.2f}, "
+              f"{metrics['spec_accepted_tokens']} of {metrics['spec_draft_tokens']} draft tokens accepted")
     return 0
 
 

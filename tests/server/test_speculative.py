@@ -59,11 +59,17 @@ def _servers(directory, name: str, **kwargs) -> Iterator[tuple[RunningServer, Ru
 
 
 @pytest.fixture(scope="module")
-def word_servers(tiny_model_factory, tmp_path_factory):
+def word_mtp_model(tiny_model_factory, tmp_path_factory):
+    """The tiny word-level Qwen3.5 (dense) with an MTP head."""
     source, _ = tiny_model_factory("qwen3_5_text")
     directory = tmp_path_factory.mktemp("server_mtp")
     add_mtp_weights(source, directory)
-    yield from _servers(directory, "tiny-mtp", auto_checkpoints=False)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def word_servers(word_mtp_model):
+    yield from _servers(word_mtp_model, "tiny-mtp", auto_checkpoints=False)
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +190,8 @@ def test_chat_with_the_qwen_template_equals_the_server_without_it(chat_servers):
     assert streamed == reference.choices[0].message.content
     spec.wait_idle()
     spec.engine_call(lambda engine: engine.check_integrity())
+    metrics = spec.engine_call(lambda engine: engine.metrics())
+    assert 0 < metrics["spec_accepted_tokens"] < metrics["spec_draft_tokens"]  # drafts accepted and rejected
 
 
 def test_acceptance_in_metrics_and_the_stats_line(word_servers, caplog):
@@ -257,3 +265,10 @@ def test_models_without_mtp_weights_are_start_up_errors(tiny_model_factory, tmp_
     assert main(["serve", str(declared), "--speculative-config", SPEC_JSON]) == 2
     error = capsys.readouterr().err
     assert "stores no mtp.* tensors" in error and "Traceback" not in error
+
+
+def test_generate_reports_the_acceptance(word_mtp_model, capsys):
+    assert main(["generate", "--model", str(word_mtp_model), "--speculative-config", SPEC_JSON, "--max-tokens", "6",
+                 token_words(9, 6)]) == 0
+    out = capsys.readouterr().out
+    assert "output (6 tokens, length)" in out and "speculative: mean acceptance length " in out
