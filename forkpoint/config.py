@@ -432,11 +432,17 @@ class StructuredOutputsConfig:
         return cls(**value)
 
 
+# speculative_config methods: vLLM's "mtp" and its older per-architecture name for the Qwen MTP heads
+MTP_METHODS = ("mtp", "qwen3_next_mtp")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (vLLM's `speculative_config`): `method` "mtp" drafts with the model's own
     multi-token-prediction head (models/mtp.py), `num_speculative_tokens` k tokens per step, verified in
-    one target forward of k + 1 tokens per sequence (engine/speculative.py, runner/speculative.py)."""
+    one target forward of k + 1 tokens per sequence (engine/speculative.py, runner/speculative.py).
+    `from_value` also takes vLLM's older per-architecture name "qwen3_next_mtp" (Qwen3-Next's model
+    card uses it), stored as "mtp"."""
 
     method: str
     num_speculative_tokens: int
@@ -455,13 +461,13 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config has unknown keys {unknown}: known are ['method', "
                              "'num_speculative_tokens']")
         method = value.get("method", "mtp")
-        if method != "mtp":
+        if method not in MTP_METHODS:
             raise ValueError(f"speculative_config method {method!r} is not supported: forkpoint drafts with the "
-                             "model's MTP head, method 'mtp'")
+                             "model's MTP head, method 'mtp' (or vLLM's older name 'qwen3_next_mtp')")
         k = value.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
             raise ValueError(f"speculative_config num_speculative_tokens must be an integer from 1 to 16, got {k!r}")
-        return cls(method, k)
+        return cls("mtp", k)
 
 
 @dataclass(frozen=True)

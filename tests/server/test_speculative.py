@@ -19,8 +19,10 @@ from collections.abc import Iterator
 import pytest
 
 from forkpoint import LLM, SamplingParams
-from forkpoint.server.cli import main
+from forkpoint.config import SpeculativeConfig
+from forkpoint.server.cli import build_parser, main
 from forkpoint.server.config import ServerConfig
+from forkpoint.server.engine_args import engine_kwargs
 from forkpoint.server.stats import StatsLine, speculative_summary
 from tests.engine.test_speculative import OracleDrafts
 from tests.server.conftest import MARKER, RunningServer, serve
@@ -241,6 +243,13 @@ def test_bad_speculative_configs_are_usage_errors(flags, message, capsys):
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert "argument --speculative-config: " in error and message in error
+
+
+def test_vllms_older_method_name_is_taken():
+    """Qwen3-Next's model card serves with vLLM's '{"method": "qwen3_next_mtp", ...}': the same command works."""
+    args = build_parser().parse_args(["serve", "--speculative-config",
+                                      '{"method": "qwen3_next_mtp", "num_speculative_tokens": 2}'])
+    assert SpeculativeConfig.from_value(engine_kwargs(args)["speculative_config"]) == SpeculativeConfig("mtp", 2)
 
 
 @pytest.mark.parametrize(("flags", "message"), [
