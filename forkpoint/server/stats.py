@@ -151,8 +151,8 @@ class StatsLine:
                 f"{values.get('state_slots_total', 0)}, checkpoint slots {values.get('checkpoint_slots_used', 0)}/"
                 f"{values.get('checkpoint_slots_total', 0)} | checkpoints: {delta('checkpoint_hits'):.0f} hits, "
                 f"{max(reused, 0):,.0f} prompt tokens reused, hit rate {share} of prompt tokens since start"
-                + _tier_traffic(values, delta) + _disk_traffic(values, delta) + _speculation(values, delta)
-                + _by_kind(values, last))
+                + _tier_traffic(values, delta) + _disk_traffic(values, delta) + _by_kind(values, last)
+                + _speculation(values, delta))
 
 
 def _speculation(values: dict[str, float], delta: Callable[[str], float]) -> str:
