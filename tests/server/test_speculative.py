@@ -1,5 +1,6 @@
 """Speculative decoding through the HTTP server (`--speculative-config`): greedy answers equal the
-server without it (completions and chat, streamed and not, logprobs within 1e-5, reuse unchanged),
+server without it (completions and chat, streamed and not, logprobs within 1e-5, 5e-5 over the real
+Qwen3.5 vocabulary, where batching alone moves them by 1.5e-5; reuse unchanged),
 acceptance metrics in /metrics and the stats line, and clear start-up errors.
 
 Models (float32 CPU): the tiny word-level Qwen3.5 (dense) and a copy of the embedded default model
@@ -107,7 +108,8 @@ def test_greedy_completions_equal_the_server_without_it(word_servers):
             _same_logprobs(a.logprobs, b.logprobs)
         assert ours.usage.completion_tokens == theirs.usage.completion_tokens == 28
         assert ours.usage.prompt_tokens_details.cached_tokens == theirs.usage.prompt_tokens_details.cached_tokens
-    # a stop string inside the accepted drafts ends the answer exactly where the plain server ends it
+    # a stop string ends the answer where the plain server ends it (mid-verification when drafts were
+    # accepted past it: the tokens after it are dropped)
     full = _completion(plain, prompt=prompts[2], max_tokens=14).choices[0].text.split()
     stop = full[6]
     ours = _completion(spec, prompt=prompts[2], max_tokens=14, stop=[stop]).choices[0]
