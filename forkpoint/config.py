@@ -432,11 +432,17 @@ class StructuredOutputsConfig:
         return cls(**value)
 
 
+# speculative_config methods: vLLM's "mtp" and its older per-architecture name for the Qwen MTP heads
+MTP_METHODS = ("mtp", "qwen3_next_mtp")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (vLLM's `speculative_config`): `method` "mtp" drafts with the model's own
     multi-token-prediction head (models/mtp.py), `num_speculative_tokens` k tokens per step, verified in
-    one target forward of k + 1 tokens per sequence (engine/speculative.py, runner/speculative.py)."""
+    one target forward of k + 1 tokens per sequence (engine/speculative.py, runner/speculative.py).
+    `from_value` also takes vLLM's older per-architecture name "qwen3_next_mtp" (Qwen3-Next's model
+    card uses it), stored as "mtp"."""
 
     method: str
     num_speculative_tokens: int
@@ -455,13 +461,13 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config has unknown keys {unknown}: known are ['method', "
                              "'num_speculative_tokens']")
         method = value.get("method", "mtp")
-        if method != "mtp":
+        if method not in MTP_METHODS:
             raise ValueError(f"speculative_config method {method!r} is not supported: forkpoint drafts with the "
-                             "model's MTP head, method 'mtp'")
+                             "model's MTP head, method 'mtp' (or vLLM's older name 'qwen3_next_mtp')")
         k = value.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
             raise ValueError(f"speculative_config num_speculative_tokens must be an integer from 1 to 16, got {k!r}")
-        return cls(method, k)
+        return cls("mtp", k)
 
 
 @dataclass(frozen=True)
@@ -594,9 +600,13 @@ class EngineConfig:
             raise ValueError("async_scheduling needs tensor_parallel_size=1: the tensor-parallel ranks run "
                              "every step in lockstep; drop one of the two")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
-        if self.speculative_config is not None and (self.async_scheduling or self.tensor_parallel_size > 1):
-            raise ValueError("speculative_config does not run with async_scheduling or tensor_parallel_size > 1 yet: "
-                             "drop one of the two")
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ValueError("speculative_config does not run with async_scheduling yet (a verify step reads its "
+                             "drafts on the host before the next step is planned): drop one of the two")
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config does not run with tensor_parallel_size {self.tensor_parallel_size} "
+                             "yet (the MTP head is not split over ranks): use tensor_parallel_size 1 or drop "
+                             "speculative_config")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
         if self.max_images_per_prompt < 0 or self.image_embedding_cache_bytes < 0:

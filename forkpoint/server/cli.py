@@ -19,7 +19,7 @@ from pathlib import Path
 
 from forkpoint.server.bench_cli import add_bench_args, run_bench
 from forkpoint.server.config import DEFAULT_MODEL_NAME, MarkerPolicy, ServerConfig, default_tokenizer_workers
-from forkpoint.server.engine_args import add_engine_args, engine_kwargs
+from forkpoint.server.engine_args import add_engine_args, check_engine_kwargs, engine_kwargs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,6 +115,7 @@ def run_serve(args: argparse.Namespace) -> int:
         cache_isolation=args.cache_isolation, max_num_seqs_per_request=args.max_num_seqs_per_request,
         max_waiting_per_user=args.max_waiting_per_user, tokenizer_workers=args.tokenizer_workers,
     )
+    check_engine_kwargs(engine_kwargs(args))
     if args.data_parallel_size != 1 or args.ray_address is not None:
         from forkpoint.server.replicas.launch import serve_replicas
 
@@ -149,6 +150,10 @@ def run_generate(args: argparse.Namespace) -> int:
     elapsed = done - loaded
     print(f"load {loaded - start:.2f} s | generate {elapsed:.2f} s for {len(outputs)} prompt(s): "
           f"{prompt_tokens} prompt tokens, {generated} generated ({generated / elapsed:.1f} tokens/s)")
+    metrics = llm.metrics()
+    if metrics.get("spec_verifications"):
+        print(f"speculative: mean acceptance length {metrics['spec_mean_acceptance_length']:.2f}, "
+              f"{metrics['spec_accepted_tokens']} of {metrics['spec_draft_tokens']} draft tokens accepted")
     return 0
 
 

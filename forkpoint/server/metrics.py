@@ -29,6 +29,19 @@ ENGINE_COUNTERS = {
                                          "eagerly)."),
     "cuda_graph_core_replay_steps": ("forkpoint_cuda_graph_core_replay_steps",
                                      "Steps whose later recurrent cores replayed a captured core graph."),
+    # speculative decoding (--speculative-config), vLLM's spec_decode_* series
+    "spec_verifications": ("forkpoint_spec_decode_num_drafts",
+                           "Verifications of drafted tokens: one per sequence and step that verified drafts."),
+    "spec_draft_tokens": ("forkpoint_spec_decode_num_draft_tokens", "Draft tokens verified by the target model."),
+    "spec_accepted_tokens": ("forkpoint_spec_decode_num_accepted_tokens", "Draft tokens the target model accepted."),
+}
+# engine.metrics() key prefix (draft position i >= 1 follows) -> (metric name without "_total", help);
+# exposed labelled by `position` from 0, as vLLM's spec_decode_num_accepted_tokens_per_pos
+SPEC_PER_POSITION = {
+    "spec_accepted_tokens_pos_": ("forkpoint_spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted, by draft position (0: the first draft token)."),
+    "spec_draft_tokens_pos_": ("forkpoint_spec_decode_num_draft_tokens_per_pos",
+                               "Draft tokens verified, by draft position (0: the first draft token)."),
 }
 # pool name -> (used key, total key) of engine.metrics()
 ENGINE_POOLS = {
@@ -51,6 +64,13 @@ class EngineCollector(Collector):
         for key, (name, doc) in ENGINE_COUNTERS.items():
             if key in values:
                 yield CounterMetricFamily(name, doc, value=values[key])
+        for prefix, (name, doc) in SPEC_PER_POSITION.items():
+            positions = sorted(int(key[len(prefix):]) for key in values if key.startswith(prefix))
+            if positions:
+                family = CounterMetricFamily(name, doc, labels=["position"])
+                for i in positions:
+                    family.add_metric([str(i - 1)], values[f"{prefix}{i}"])
+                yield family
         if "prompt_tokens_total" in values and "prompt_tokens_computed" in values:
             yield CounterMetricFamily(
                 "forkpoint_prompt_tokens_reused", "Prompt tokens taken from checkpoints instead of computed.",

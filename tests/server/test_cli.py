@@ -21,7 +21,7 @@ ENGINE_OPTIONS = ["--dtype", "--device", "--seed", "--max-model-len", "--max-num
                   "--block-size", "--checkpoint-token", "--no-checkpoints", "--max-checkpoints-per-request",
                   "--load-format", "--enforce-eager", "--tensor-parallel-size", "--async-scheduling", "--revision",
                   "--tokenizer-revision", "--download-dir", "--structured-outputs-config", "--checkpoint-dir",
-                  "--checkpoint-dir-bytes"]
+                  "--checkpoint-dir-bytes", "--speculative-config"]
 SERVE_OPTIONS = ["--host", "--port", "--served-model-name", "--max-waiting-requests", "--marker-in-user-content"]
 BENCH_OPTIONS = ["--url", "--anchor-tokens", "--suffix-tokens", "--n", "--max-tokens", "--concurrency", "--out"]
 
@@ -56,6 +56,10 @@ def test_hub_names_are_served_as_given_with_their_revision(tmp_path):
     assert (engine_kwargs(args)["checkpoint_dir"], engine_kwargs(args)["checkpoint_dir_bytes"]) == (str(tmp_path), 4096)
     assert kwargs["download_dir"] == str(tmp_path)
     assert kwargs["structured_outputs_config"] == {"disable_additional_properties": False}
+    assert kwargs["speculative_config"] is None
+    spec = engine_kwargs(build_parser().parse_args(["serve", "--speculative-config",
+                                                    '{"method": "mtp", "num_speculative_tokens": 2}']))
+    assert spec["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
     assert _model_name("Qwen/Qwen3.5-35B-A3B") == "Qwen/Qwen3.5-35B-A3B"
     limits = engine_kwargs(build_parser().parse_args(["serve", "--prompt-score-bytes", "1048576",
                                                       "--long-prefill-token-threshold", "512"]))
