@@ -10,7 +10,9 @@ Per turn (over sessions): prompt tokens, cached tokens (`usage.prompt_tokens_det
 the tokens the turn shares with the session's previous turn (the longest common prefix of the rendered
 prompts' token ids, from `/tokenize`; turn 0: with the other sessions' first prompts), TTFT p50/p90 and
 the miss reasons the server gave (`cache_miss_reason`); totals per phase, and the server's
-`forkpoint_cache_misses_total` by reason. Per phase: its wall time and the server's generation
+`forkpoint_cache_misses_total` by reason. Per phase: the server's time to first token by part (mean ms per
+request: prompt rendered and tokenised, hand-off to the engine thread, queue, prefill, delivery; the
+`forkpoint_request_<part>_time_seconds` histograms), its wall time and the server's generation
 throughput (`forkpoint_generation_tokens_total`, read every --poll-s) over the phase and per --window-s
 window (10 s; the worst window is issue 32's measure). Each phase's table is printed, and the JSON so far
 written, as soon as the phase ends; JSON + PNG under --out (bench/results/) at the end.
@@ -206,6 +208,7 @@ async def run_phase(url: str, model: str, args: argparse.Namespace, nonce: bool,
                 session.add_turn(turn, record["reply"])
 
         samples.append((time.perf_counter(), generated_tokens((await http.get("/metrics")).text)))
+        parts_before = await asyncio.to_thread(first_token_parts, url)
         poller = asyncio.create_task(poll_generated(url, samples, stop, args.poll_s))
         start = time.perf_counter()
         try:
@@ -223,7 +226,8 @@ async def run_phase(url: str, model: str, args: argparse.Namespace, nonce: bool,
         if r["previous"] is not None:
             r["shared_tokens"] = common_prefix_length(r["previous"], r["ids"])
     windows = generation_windows(samples, args.window_s)
-    return {"wall_s": wall, "generated_tokens": samples[-1][1] - samples[0][1],
+    parts = mean_parts_ms(parts_before, first_token_parts(url))
+    return {"ttft_parts_mean_ms": parts, "wall_s": wall, "generated_tokens": samples[-1][1] - samples[0][1],
             "generation_tokens_per_s": (samples[-1][1] - samples[0][1]) / (samples[-1][0] - samples[0][0]),
             "generation_windows_tokens_per_s": windows, "window_s": args.window_s,
             "requests": [{k: v for k, v in r.items() if k not in ("ids", "previous", "reply")} for r in records]}
@@ -248,7 +252,8 @@ def summarise(phase: dict, turns: int) -> dict:
     prompt = sum(r["prompt_tokens"] for r in requests)
     cached = sum(r["cached_tokens"] for r in requests)
     windows = phase["generation_windows_tokens_per_s"]
-    return {"turns": rows, "wall_s": phase["wall_s"], "prompt_tokens": prompt, "cached_tokens": cached,
+    return {"turns": rows, "ttft_parts_mean_ms": phase["ttft_parts_mean_ms"], "wall_s": phase["wall_s"],
+            "prompt_tokens": prompt, "cached_tokens": cached,
             "computed_tokens": prompt - cached, "shared_tokens": sum(r["shared_tokens"] for r in requests),
             "generated_tokens": phase["generated_tokens"], "generation_tokens_per_s": phase["generation_tokens_per_s"],
             "window_s": phase["window_s"], "generation_windows_tokens_per_s": windows,
@@ -265,6 +270,32 @@ def scrape_misses(url: str) -> dict[str, float]:
                 if sample.name.endswith("_total"):
                     values[sample.labels["reason"]] = sample.value
     return values
+
+
+FIRST_TOKEN_PARTS = ("prompt", "handoff", "queue", "prefill", "delivery")  # server/metrics.py
+
+
+def first_token_parts(url: str) -> dict[str, tuple[float, float]]:
+    """The server's time to first token by part so far: {part: (seconds summed, prompts)} from the
+    `forkpoint_request_<part>_time_seconds` histograms (empty for a server without them)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, tuple[float, float]] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        part = family.name.removeprefix("forkpoint_request_").removesuffix("_time_seconds")
+        if part in FIRST_TOKEN_PARTS:
+            samples = {sample.name.rsplit("_", 1)[-1]: sample.value for sample in family.samples}
+            values[part] = (samples["sum"], samples["count"])
+    return values
+
+
+def mean_parts_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Mean milliseconds per prompt of each part between two `first_token_parts` readings."""
+    means = {}
+    for part, (seconds, count) in after.items():
+        seconds_before, count_before = before.get(part, (0.0, 0.0))
+        means[part] = 1000 * (seconds - seconds_before) / max(count - count_before, 1)
+    return means
 
 
 def server_options(args: argparse.Namespace) -> list[str]:
@@ -302,6 +333,9 @@ def table(name: str, summary: dict) -> str:
                      f"{row['cached_tokens']:>8.0f} {100 * row['cached_of_shared']:>12.1f}% "
                      f"{row['ttft_p50_ms']:>7.0f}ms {row['ttft_p90_ms']:>7.0f}ms  "
                      + ", ".join(f"{k} {v}" for k, v in sorted(row["miss_reasons"].items())))
+    if summary["ttft_parts_mean_ms"]:
+        lines.append("time to first token by part (server, mean ms per request): " + ", ".join(
+            f"{part} {ms:.1f}" for part, ms in summary["ttft_parts_mean_ms"].items()))
     return "\n".join(lines)
 
 

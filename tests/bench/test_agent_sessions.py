@@ -41,6 +41,9 @@ def test_agent_sessions_bench(tmp_path):
         assert summary["generated_tokens"] == 2 * 3 * 3
         assert summary["worst_window_tokens_per_s"] == min(summary["generation_windows_tokens_per_s"]) > 0
         assert summary["wall_s"] > 0
+        parts = summary["ttft_parts_mean_ms"]  # the server's time to first token by part, all measured
+        assert set(parts) == set(agent_sessions.FIRST_TOKEN_PARTS) and all(ms >= 0 for ms in parts.values())
+        assert parts["prefill"] > 0
     saved = json.loads((tmp_path / "agent_sessions.json").read_text())
     assert saved["reuse"]["prompt_tokens"] == res["reuse"]["prompt_tokens"]
     assert (tmp_path / "agent_sessions.png").stat().st_size > 0
