@@ -122,6 +122,7 @@ class Generation:
         self._params = params
         self._arrival = time.monotonic() if received is None else received
         self._submitted = self._arrival  # when the prompts were handed to the engine thread
+        self._added = self._arrival  # when the engine had taken them (add_many returned)
         self._state = dict.fromkeys(self._ids, "new")  # new -> waiting -> running -> done
         self._sink: OutputSink | None = None
         self._outcome: str | None = None
@@ -145,6 +146,7 @@ class Generation:
         self._submitted = time.monotonic()
         try:
             await self._worker.add_many(requests, self._sink)
+            self._added = time.monotonic()
             self._started = True
         except ValueError as err:
             self._release_all()
@@ -204,9 +206,11 @@ class Generation:
         line: prompt (rendered, tokenised, admitted), hand-off (queued for the engine thread, which
         takes new prompts between steps), queue (until a step first schedules it, behind how many
         steps), prefill (to its first sampled token), delivery (the engine's output work and the
-        hop to the event loop)."""
+        hop to the event loop). Only for an engine on this clock: its arrival time lies between the
+        hand-off and its acknowledgement (replicas' engines in other processes may have other clocks)."""
         times = output.metrics
-        if times is None or times.first_scheduled_time is None or times.first_token_time is None:
+        if (times is None or times.first_scheduled_time is None or times.first_token_time is None
+                or not self._submitted <= times.arrival_time <= self._added):
             return
         prompt, handoff = self._submitted - self._arrival, times.arrival_time - self._submitted
         queue = times.first_scheduled_time - times.arrival_time
