@@ -10,7 +10,10 @@ Per turn (over sessions): prompt tokens, cached tokens (`usage.prompt_tokens_det
 the tokens the turn shares with the session's previous turn (the longest common prefix of the rendered
 prompts' token ids, from `/tokenize`; turn 0: with the other sessions' first prompts), TTFT p50/p90 and
 the miss reasons the server gave (`cache_miss_reason`); totals per phase, and the server's
-`forkpoint_cache_misses_total` by reason. Per phase: its wall time and the server's generation
+`forkpoint_cache_misses_total` by reason. Per phase: the server's time to first token by part (mean ms per
+request: prompt rendered and tokenised, hand-off to the engine thread, queue, prefill, delivery; the
+`forkpoint_request_<part>_time_seconds` histograms; per turn, p50 and the steps queued behind, from the
+server's debug lines with `--server-log FILE --server-log-level debug`), its wall time and the server's generation
 throughput (`forkpoint_generation_tokens_total`, read every --poll-s) over the phase and per --window-s
 window (10 s; the worst window is issue 32's measure). Each phase's table is printed, and the JSON so far
 written, as soon as the phase ends; JSON + PNG under --out (bench/results/) at the end.
@@ -27,6 +30,7 @@ Usage:
         --doc-words 800 --tool-words 160 --reply-tokens 64 --server-arg=--device=cuda   # H200, dummy weights
     python bench/agent_sessions.py --url http://127.0.0.1:8000      # a server already running
     python bench/agent_sessions.py --restart                        # + the first turn after a restart
+    python bench/agent_sessions.py --server-log-level debug --server-log /tmp/server.log   # + TTFT by part per turn
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import sys
 import tempfile
 import time
@@ -100,6 +105,7 @@ async def one_request(http: httpx.AsyncClient, model: str, messages: list[dict],
     begin = time.perf_counter()
     first = None
     usage = None
+    response_id = None
     reply = []
     async with http.stream("POST", "/v1/chat/completions", json=request) as response:
         if response.status_code != 200:
@@ -109,6 +115,7 @@ async def one_request(http: httpx.AsyncClient, model: str, messages: list[dict],
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: "):])
+            response_id = chunk.get("id", response_id)
             if "error" in chunk:
                 raise RuntimeError(f"the stream failed: {chunk['error']}")
             for choice in chunk["choices"]:
@@ -123,7 +130,7 @@ async def one_request(http: httpx.AsyncClient, model: str, messages: list[dict],
     details = usage.get("prompt_tokens_details") or {}
     return {"prompt_tokens": usage["prompt_tokens"], "cached_tokens": details.get("cached_tokens") or 0,
             "miss_reason": details.get("cache_miss_reason"), "ttft_s": (first or end) - begin,
-            "latency_s": end - begin, "ids": tokenized["tokens"], "reply": "".join(reply)}
+            "latency_s": end - begin, "ids": tokenized["tokens"], "reply": "".join(reply), "id": response_id}
 
 
 def generated_tokens(metrics_text: str) -> float:
@@ -206,6 +213,7 @@ async def run_phase(url: str, model: str, args: argparse.Namespace, nonce: bool,
                 session.add_turn(turn, record["reply"])
 
         samples.append((time.perf_counter(), generated_tokens((await http.get("/metrics")).text)))
+        parts_before = await asyncio.to_thread(first_token_parts, url)
         poller = asyncio.create_task(poll_generated(url, samples, stop, args.poll_s))
         start = time.perf_counter()
         try:
@@ -223,10 +231,19 @@ async def run_phase(url: str, model: str, args: argparse.Namespace, nonce: bool,
         if r["previous"] is not None:
             r["shared_tokens"] = common_prefix_length(r["previous"], r["ids"])
     windows = generation_windows(samples, args.window_s)
-    return {"wall_s": wall, "generated_tokens": samples[-1][1] - samples[0][1],
+    parts = mean_parts_ms(parts_before, first_token_parts(url))
+    logged = logged_parts(args.server_log)
+    for r in records:
+        r["ttft_parts_ms"] = logged.get(r["id"])
+    return {"ttft_parts_mean_ms": parts, "wall_s": wall, "generated_tokens": samples[-1][1] - samples[0][1],
             "generation_tokens_per_s": (samples[-1][1] - samples[0][1]) / (samples[-1][0] - samples[0][0]),
             "generation_windows_tokens_per_s": windows, "window_s": args.window_s,
             "requests": [{k: v for k, v in r.items() if k not in ("ids", "previous", "reply")} for r in records]}
+
+
+def parts_p50(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The median of each part (and of the steps queued behind) over requests; empty without any."""
+    return {key: percentile([p[key] for p in parts], 50) for key in parts[0]} if parts else {}
 
 
 def summarise(phase: dict, turns: int) -> dict:
@@ -243,12 +260,14 @@ def summarise(phase: dict, turns: int) -> dict:
                      "shared_tokens": sum(r["shared_tokens"] for r in rs) / len(rs),
                      "cached_of_shared": sum(r["cached_tokens"] for r in rs) / max(shared, 1),
                      "ttft_p50_ms": 1000 * percentile([r["ttft_s"] for r in rs], 50),
-                     "ttft_p90_ms": 1000 * percentile([r["ttft_s"] for r in rs], 90), "miss_reasons": reasons})
+                     "ttft_p90_ms": 1000 * percentile([r["ttft_s"] for r in rs], 90), "miss_reasons": reasons,
+                     "ttft_parts_p50_ms": parts_p50([r["ttft_parts_ms"] for r in rs if r.get("ttft_parts_ms")])})
     requests = phase["requests"]
     prompt = sum(r["prompt_tokens"] for r in requests)
     cached = sum(r["cached_tokens"] for r in requests)
     windows = phase["generation_windows_tokens_per_s"]
-    return {"turns": rows, "wall_s": phase["wall_s"], "prompt_tokens": prompt, "cached_tokens": cached,
+    return {"turns": rows, "ttft_parts_mean_ms": phase["ttft_parts_mean_ms"], "wall_s": phase["wall_s"],
+            "prompt_tokens": prompt, "cached_tokens": cached,
             "computed_tokens": prompt - cached, "shared_tokens": sum(r["shared_tokens"] for r in requests),
             "generated_tokens": phase["generated_tokens"], "generation_tokens_per_s": phase["generation_tokens_per_s"],
             "window_s": phase["window_s"], "generation_windows_tokens_per_s": windows,
@@ -265,6 +284,50 @@ def scrape_misses(url: str) -> dict[str, float]:
                 if sample.name.endswith("_total"):
                     values[sample.labels["reason"]] = sample.value
     return values
+
+
+FIRST_TOKEN_PARTS = ("prompt", "handoff", "queue", "prefill", "delivery")  # server/metrics.py
+
+
+def first_token_parts(url: str) -> dict[str, tuple[float, float]]:
+    """The server's time to first token by part so far: {part: (seconds summed, prompts)} from the
+    `forkpoint_request_<part>_time_seconds` histograms (empty for a server without them)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, tuple[float, float]] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        part = family.name.removeprefix("forkpoint_request_").removesuffix("_time_seconds")
+        if part in FIRST_TOKEN_PARTS:
+            samples = {sample.name.rsplit("_", 1)[-1]: sample.value for sample in family.samples}
+            values[part] = (samples["sum"], samples["count"])
+    return values
+
+
+def mean_parts_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Mean milliseconds per prompt of each part between two `first_token_parts` readings."""
+    means = {}
+    for part, (seconds, count) in after.items():
+        seconds_before, count_before = before.get(part, (0.0, 0.0))
+        means[part] = 1000 * (seconds - seconds_before) / max(count - count_before, 1)
+    return means
+
+
+PARTS_LINE = re.compile(r"request (\S+)-0: first token after [\d.]+ ms: prompt ([\d.]+), hand-off ([\d.]+), "
+                        r"queue ([\d.]+) \((\d+) steps\), prefill ([\d.]+), delivery ([\d.]+) ms")
+
+
+def logged_parts(path: str | None) -> dict[str, dict[str, float]]:
+    """Per response id, the time to first token by part (ms) and the steps queued behind, from the debug
+    lines of a server log (`--server-log` with `--server-log-level debug`); empty without them."""
+    if path is None or not os.path.exists(path):
+        return {}
+    parts = {}
+    for match in map(PARTS_LINE.search, Path(path).read_text(errors="replace").splitlines()):
+        if match:
+            values = [float(v) for v in match.groups()[1:]]
+            parts[match.group(1)] = dict(zip(("prompt", "handoff", "queue", "queued_steps", "prefill", "delivery"),
+                                             values))
+    return parts
 
 
 def server_options(args: argparse.Namespace) -> list[str]:
@@ -302,6 +365,16 @@ def table(name: str, summary: dict) -> str:
                      f"{row['cached_tokens']:>8.0f} {100 * row['cached_of_shared']:>12.1f}% "
                      f"{row['ttft_p50_ms']:>7.0f}ms {row['ttft_p90_ms']:>7.0f}ms  "
                      + ", ".join(f"{k} {v}" for k, v in sorted(row["miss_reasons"].items())))
+    for row in summary["turns"]:
+        parts = row["ttft_parts_p50_ms"]
+        if parts:
+            lines.append(f"turn {row['turn']}: time to first token by part (server log, p50 ms): prompt "
+                         f"{parts['prompt']:.0f}, hand-off {parts['handoff']:.0f}, queue {parts['queue']:.0f} "
+                         f"({parts['queued_steps']:.0f} steps), prefill {parts['prefill']:.0f}, delivery "
+                         f"{parts['delivery']:.0f}")
+    if summary["ttft_parts_mean_ms"]:
+        lines.append("time to first token by part (server, mean ms per request): " + ", ".join(
+            f"{part} {ms:.1f}" for part, ms in summary["ttft_parts_mean_ms"].items()))
     return "\n".join(lines)
 
 
@@ -350,6 +423,10 @@ def main(argv: list[str] | None = None) -> dict:
                         help="serve a config of these shapes with --load-format dummy (default: --model)")
     parser.add_argument("--server-arg", action="append", default=[], help="one more argument for `forkpoint serve`")
     parser.add_argument("--server-log-level", default="warning")
+    parser.add_argument("--server-log", default=None,
+                        help="the started server's output goes to this file (default: stderr); with --server-log-level "
+                             "debug, each turn's time to first token by part (p50) is read from it (with --url: the "
+                             "log of the running server)")
     parser.add_argument("--start-timeout", type=float, default=900)
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4)
@@ -384,13 +461,14 @@ def main(argv: list[str] | None = None) -> dict:
         return summary
 
     process = None
+    server_log = open(args.server_log, "a") if args.server_log is not None and args.url is None else None  # noqa: SIM115
     with tempfile.TemporaryDirectory() as scratch:
         url = args.url
         model_dir = model_dir_for(args, Path(scratch)) if url is None else None
         if args.restart:
             args.server_arg = [*args.server_arg, "--checkpoint-dir", str(Path(scratch) / "checkpoints")]
         if url is None:
-            process, url = start_server(server_options(args), model_dir, args.start_timeout)
+            process, url = start_server(server_options(args), model_dir, args.start_timeout, output=server_log)
         try:
             model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
             before = scrape_misses(url)
@@ -400,7 +478,7 @@ def main(argv: list[str] | None = None) -> dict:
             res["server_misses_reuse_phase"] = {k: after[k] - before.get(k, 0) for k in after}
             if args.restart:
                 stop_server(process)
-                process, url = start_server(server_options(args), model_dir, args.start_timeout)
+                process, url = start_server(server_options(args), model_dir, args.start_timeout, output=server_log)
                 first_turn = argparse.Namespace(**{**vars(args), "turns": 1})
                 phase_done("restart", "after a restart on the same --checkpoint-dir (first turn, new documents)",
                            summarise(asyncio.run(run_phase(url, model, first_turn, nonce=False,
@@ -410,6 +488,8 @@ def main(argv: list[str] | None = None) -> dict:
         finally:
             if process is not None:
                 stop_server(process)
+            if server_log is not None:
+                server_log.close()
     print(f"computed prompt tokens: reuse {reuse['computed_tokens']:,} vs {none['computed_tokens']:,} "
           f"({none['computed_tokens'] / max(reuse['computed_tokens'], 1):.2f}x fewer); wall {reuse['wall_s']:.1f} s vs "
           f"{none['wall_s']:.1f} s ({reuse['wall_s'] / none['wall_s']:.2f}x); generation tokens/s: worst "

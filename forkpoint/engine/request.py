@@ -85,6 +85,11 @@ class Request:
     checkpointing: CheckpointProgress = field(default_factory=CheckpointProgress)
     finish_reason: str | None = None
     first_token_time: float | None = None
+    # when it was first admitted into a step (kept across preemptions), and the scheduler's step count
+    # at arrival and at that admission (RequestMetrics.queued_steps: the steps it waited behind)
+    first_scheduled_time: float | None = None
+    arrival_step: int = 0
+    first_scheduled_step: int | None = None
     # images: placed in prompt_token_ids, with the rotary positions of every token (None: text only)
     multimodal: MultimodalPrompt | None = None
     # logits processors and grammar state (None: none asked for); released when the prompt leaves

@@ -102,6 +102,7 @@ class Scheduler:
         self.block_size = block_pool.block_size
         self.chunk_cap = config.long_prefill_token_threshold or config.max_num_batched_tokens
         self.in_flight: list[ScheduledStep] = []  # scheduled, not yet committed or failed; oldest first
+        self.num_steps = 0  # non-empty steps scheduled so far (a request's queued_steps counts them)
         # ended sequences whose slot and blocks a step in flight still computes on, with whether their
         # turn-end checkpoint is kept (the sequence ended normally) and when they ended
         self.releasing: list[tuple[Request, bool, float]] = []
@@ -121,6 +122,7 @@ class Scheduler:
             for placement in self.auto.placements(request, self._live):
                 self._place(placement, now)
         self._live[request.request_id] = request
+        request.arrival_step = self.num_steps
         self.waiting.append(request)
         if self.registry is not None:
             self.registry.read_ahead(request.hasher.prefix_hash, len(request.prompt_token_ids))
@@ -258,6 +260,7 @@ class Scheduler:
                              planning.requests, planning.written, planning.consumed, planning.finished)
         if not step.empty:
             self.in_flight.append(step)
+            self.num_steps += 1
         return step
 
     def schedule_ahead(self, leave_out: Callable[[Request], bool]) -> ScheduledStep | None:
@@ -454,6 +457,9 @@ class Scheduler:
         request.blocks.extend(self.blocks.allocate(own_needed))
         request.num_computed_tokens = start
         progress.read_from = source
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+            request.first_scheduled_step = self.num_steps
         if source is not None:
             request.num_cached_tokens = start
             self.stats.checkpoint_hits += 1

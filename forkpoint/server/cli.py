@@ -11,6 +11,7 @@ Heavy imports (torch, the engine) happen inside the subcommands, so `--help` is 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 import time
@@ -100,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def freeze_startup_heap() -> None:
+    """Move every object alive after start-up (tokenizer, model, engine: ~380k tracked objects with the
+    Qwen3.5 tokenizer) out of the garbage collector's reach. A full collection while serving would
+    otherwise traverse them all with every thread stopped (measured on CPU: 250 ms, 0.003 ms frozen),
+    stalling every stream at once; vLLM freezes its start-up heap the same way."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -123,6 +133,7 @@ def run_serve(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     llm = LLM(**engine_kwargs(args))
     app = build_app(llm, config, load_time_s=time.perf_counter() - start)
+    freeze_startup_heap()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.shutdown_timeout)
     return 0

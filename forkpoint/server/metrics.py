@@ -50,6 +50,16 @@ ENGINE_POOLS = {
     "checkpoint_slots": ("checkpoint_slots_used", "checkpoint_slots_total"),
 }
 OUTCOMES = ("success", "invalid_request", "rejected", "aborted", "error")
+# the parts of the time to first token (server/generation.py), each a histogram forkpoint_request_<part>_time_seconds
+FIRST_TOKEN_PARTS = {
+    "prompt": "From the request reaching its handler to its prompts being handed to the engine thread (chat "
+              "template rendered, tokenised, admitted), per request.",
+    "handoff": "From the prompts handed to the engine thread to the engine taking them (between two steps), "
+               "per prompt.",
+    "queue": "From the engine taking a prompt to a step first scheduling it, per prompt.",
+    "prefill": "From a prompt's first scheduling to its first sampled token, per prompt.",
+    "delivery": "From a prompt's first sampled token to its handler seeing it, per prompt.",
+}
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
@@ -131,11 +141,21 @@ class ServerMetrics:
         self.e2e = Histogram("forkpoint_e2e_request_latency_seconds",
                              "From arrival to the last generated token, per prompt.",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        # the time to first token, part by part (server/generation.py): vLLM's request_queue_time_seconds and
+        # request_prefill_time_seconds, and the server's own parts before and after the engine
+        self.first_token_parts = {part: Histogram(f"forkpoint_request_{part}_time_seconds", doc,
+                                                  buckets=LATENCY_BUCKETS, registry=self.registry)
+                                  for part, doc in FIRST_TOKEN_PARTS.items()}
         Gauge("forkpoint_requests_waiting", "Sequences (prompts x n) admitted without a first token yet.",
               registry=self.registry).set_function(waiting)
         Gauge("forkpoint_requests_running", "Sequences (prompts x n) generating tokens.",
               registry=self.registry).set_function(running)
         self.registry.register(EngineCollector(engine_snapshot))
+
+    def observe_first_token(self, **seconds: float) -> None:
+        """One prompt's time to first token by part (keys: `FIRST_TOKEN_PARTS`)."""
+        for part, value in seconds.items():
+            self.first_token_parts[part].observe(value)
 
     def count(self, endpoint: str, outcome: str) -> None:
         self.requests.labels(endpoint=endpoint, outcome=outcome).inc()

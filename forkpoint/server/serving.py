@@ -133,6 +133,7 @@ class OpenAIServing:
         return None
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        received = time.monotonic()
         self.check_model(body.model)
         prompt = body.prompt
         batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
@@ -153,9 +154,10 @@ class OpenAIServing:
                                  structured=structured_outputs(body))
         fmt = CompletionFormat(self.prompts.tokenizer, body.logprobs, echo=body.echo, drop_output=score_only,
                                prompt_logprobs=body.prompt_logprobs)
-        return await self._generate("completions", "prompt", "cmpl", body, prompts, params, fmt, request)
+        return await self._generate("completions", "prompt", "cmpl", body, prompts, params, fmt, request, received)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        received = time.monotonic()
         self.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise invalid_request("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -174,7 +176,7 @@ class OpenAIServing:
         # a constrained output is the answer itself: an open <think> in the prompt does not apply to it
         options = ChatOptions.of(body, thinking=prompt.opens_thinking and params.structured_outputs is None)
         fmt = ChatFormat(self.prompts.tokenizer, top, options)
-        return await self._generate("chat", "messages", "chatcmpl", body, [prompt], params, fmt, request)
+        return await self._generate("chat", "messages", "chatcmpl", body, [prompt], params, fmt, request, received)
 
     def _max_tokens(self, requested: int | None, prompts: list[EnginePrompt], prompt_param: str,
                     default: int | None) -> int:
@@ -197,11 +199,11 @@ class OpenAIServing:
 
     async def _generate(self, endpoint: str, prompt_param: str, id_prefix: str, body: SamplingFields,
                         prompts: list[EnginePrompt], params: SamplingParams, fmt: ResponseFormatter,
-                        request: Request) -> Response:
+                        request: Request, received: float) -> Response:
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         gen = Generation(self.worker, self.admission, self.metrics, endpoint=endpoint, prompt_param=prompt_param,
                          request_id=request_id, prompts=prompts, params=params, cache_key=body.prompt_cache_key,
-                         client=body.user or "")
+                         client=body.user or "", received=received)
         await gen.start()
         header = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         if body.stream:

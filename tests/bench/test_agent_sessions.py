@@ -5,6 +5,7 @@ nonce phase reuses nothing, and the JSON and PNG are written."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import sys
@@ -25,11 +26,27 @@ from forkpoint.inputs.turns import common_prefix_length  # noqa: E402
 
 def test_agent_sessions_bench(tmp_path):
     llm = LLM(**{**TEST_LLM_KWARGS, "auto_checkpoints": True})
-    with serve(llm, ServerConfig(served_model_name="agents", log_stats=False)) as running:
-        res = agent_sessions.main(["--url", running.base_url, "--sessions", "2", "--turns", "3", "--system-words",
-                                   "40", "--doc-words", "30", "--tool-words", "15", "--reply-tokens", "3",
-                                   "--out", str(tmp_path)])
-        running.engine_call(lambda engine: engine.check_integrity())
+    log_path = tmp_path / "server.log"  # the in-process server's debug lines, as a started server writes them
+    handler = logging.FileHandler(log_path)
+    server_logger = logging.getLogger("forkpoint.server")
+    level = server_logger.level
+    server_logger.addHandler(handler)
+    server_logger.setLevel(logging.DEBUG)
+    try:
+        with serve(llm, ServerConfig(served_model_name="agents", log_stats=False)) as running:
+            res = agent_sessions.main(["--url", running.base_url, "--sessions", "2", "--turns", "3", "--system-words",
+                                       "40", "--doc-words", "30", "--tool-words", "15", "--reply-tokens", "3",
+                                       "--server-log", str(log_path), "--out", str(tmp_path)])
+            running.engine_call(lambda engine: engine.check_integrity())
+    finally:
+        server_logger.removeHandler(handler)
+        server_logger.setLevel(level)
+        handler.close()
+    for phase in ("reuse", "no_reuse"):  # every turn's parts, joined to the requests by response id
+        for row in res[phase]["turns"]:
+            assert set(row["ttft_parts_p50_ms"]) == {"prompt", "handoff", "queue", "queued_steps", "prefill",
+                                                     "delivery"}
+            assert row["ttft_parts_p50_ms"]["prefill"] > 0
     for row in res["reuse"]["turns"][1:]:
         assert row["cached_tokens"] >= row["shared_tokens"] - 4
         assert set(row["miss_reasons"]) <= {"none", "template_divergence"}
@@ -41,6 +58,9 @@ def test_agent_sessions_bench(tmp_path):
         assert summary["generated_tokens"] == 2 * 3 * 3
         assert summary["worst_window_tokens_per_s"] == min(summary["generation_windows_tokens_per_s"]) > 0
         assert summary["wall_s"] > 0
+        parts = summary["ttft_parts_mean_ms"]  # the server's time to first token by part, all measured
+        assert set(parts) == set(agent_sessions.FIRST_TOKEN_PARTS) and all(ms >= 0 for ms in parts.values())
+        assert parts["prefill"] > 0
     saved = json.loads((tmp_path / "agent_sessions.json").read_text())
     assert saved["reuse"]["prompt_tokens"] == res["reuse"]["prompt_tokens"]
     assert (tmp_path / "agent_sessions.png").stat().st_size > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -121,3 +122,22 @@ def test_bench_against_server(server, tmp_path, capsys):
     assert rows[(4, True)]["tokens_computed"] == 48 + 4 * 4
     assert (tmp_path / "bench_1toN.png").stat().st_size > 0
     assert "speedup" in capsys.readouterr().out
+
+
+def test_serve_freezes_the_startup_heap(monkeypatch):
+    """`serve` hands uvicorn an app whose start-up objects the garbage collector no longer traverses."""
+    import uvicorn
+
+    import forkpoint
+    import forkpoint.server.app
+
+    seen = {}
+    monkeypatch.setattr(forkpoint, "LLM", lambda **kwargs: object())
+    monkeypatch.setattr(forkpoint.server.app, "build_app", lambda llm, config, load_time_s: [object()])
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.setdefault("frozen", gc.get_freeze_count()))
+    gc.unfreeze()
+    try:
+        assert main(["serve", "--port", "1"]) == 0
+    finally:
+        gc.unfreeze()
+    assert seen["frozen"] > 0
