@@ -21,6 +21,9 @@ ENGINE_COUNTERS = {
     "checkpoints_created": ("forkpoint_checkpoints_created", "Checkpoints written."),
     "checkpoint_hits": ("forkpoint_checkpoint_hits", "Requests that started from a checkpoint."),
     "checkpoints_evicted": ("forkpoint_checkpoints_evicted", "Idle checkpoints evicted from a full pool."),
+    "checkpoints_evicted_session_latest": ("forkpoint_checkpoints_evicted_session_latest",
+                                           "Evicted checkpoints that were a live chat session's newest (value "
+                                           "eviction takes them after every other automatic checkpoint)."),
     "requests_deferred": ("forkpoint_requests_deferred", "Requests deferred behind an unready checkpoint."),
     "producer_promotions": ("forkpoint_producer_promotions", "Consumers promoted to producer after a producer failed."),
     "deferral_wait_s_total": ("forkpoint_deferral_wait_seconds", "Seconds requests spent deferred."),

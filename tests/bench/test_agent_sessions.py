@@ -19,7 +19,13 @@ from tests.server.conftest import TEST_LLM_KWARGS, serve
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
 import agent_sessions  # noqa: E402
-from agent_sessions import generation_windows, max_shared_with_others  # noqa: E402
+from agent_sessions import (  # noqa: E402
+    ServerSample,
+    generation_windows,
+    latest_evictions,
+    max_shared_with_others,
+    server_sample,
+)
 
 from forkpoint.inputs.turns import common_prefix_length  # noqa: E402
 
@@ -58,6 +64,7 @@ def test_agent_sessions_bench(tmp_path):
         assert summary["generated_tokens"] == 2 * 3 * 3
         assert summary["worst_window_tokens_per_s"] == min(summary["generation_windows_tokens_per_s"]) > 0
         assert summary["wall_s"] > 0
+        assert summary["evicted_session_latest"] == 0 and 0 < summary["kv_used_fraction_max"] < 1
         parts = summary["ttft_parts_mean_ms"]  # the server's time to first token by part, all measured
         assert set(parts) == set(agent_sessions.FIRST_TOKEN_PARTS) and all(ms >= 0 for ms in parts.values())
         assert parts["prefill"] > 0
@@ -96,3 +103,26 @@ def test_max_shared_with_others_equals_all_pairs():
         expected = [max(common_prefix_length(p, q) for j, q in enumerate(prompts) if j != i)
                     for i, p in enumerate(prompts)]
         assert max_shared_with_others(prompts) == expected
+
+
+def test_server_sample_reads_the_three_series():
+    page = "\n".join([
+        "# TYPE forkpoint_generation_tokens_total counter", "forkpoint_generation_tokens_total 120.0",
+        "# TYPE forkpoint_pool_used gauge", 'forkpoint_pool_used{pool="kv_blocks"} 30.0',
+        'forkpoint_pool_used{pool="state_slots"} 7.0',
+        "# TYPE forkpoint_pool_capacity gauge", 'forkpoint_pool_capacity{pool="kv_blocks"} 40.0',
+        'forkpoint_pool_capacity{pool="state_slots"} 8.0',
+        "# TYPE forkpoint_checkpoints_evicted_session_latest_total counter",
+        "forkpoint_checkpoints_evicted_session_latest_total 3.0", ""])
+    assert server_sample(page, 5.0) == ServerSample(5.0, 120.0, 0.75, 3.0)
+    with pytest.raises(RuntimeError, match="generation_tokens"):
+        server_sample("# TYPE other counter\nother_total 1.0\n", 0.0)
+
+
+def test_latest_evictions_counts_those_below_the_kv_threshold_apart():
+    fractions = [0.1, 0.5, 0.79, 0.85, 0.9, 0.7, 0.6]
+    evicted = [0, 1, 3, 6, 10, 11, 13]
+    samples = [ServerSample(float(t), 0.0, f, e) for t, (f, e) in enumerate(zip(fractions, evicted))]
+    # intervals with both ends below 0.8: 0-1 (+1), 1-2 (+2), 5-6 (+2); the others touch 0.85 / 0.9
+    assert latest_evictions(samples) == (13, 5)
+    assert latest_evictions(samples, kv_threshold=1.0) == (13, 13)
