@@ -107,7 +107,7 @@ class LLMEngine:
         self._launched: list[_Launched] = []  # enqueued steps whose tokens are not processed; oldest first
         # caps on step size after a step ran out of memory (engine/memory_retry.py)
         self._backoff = MemoryBackoff(SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else 1,
-                                      self.config.max_num_batched_tokens)
+                                      self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self._groups: dict[str, _PromptGroup] = {}
         self._seed_counter = self.config.seed
         self._counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished": 0,
@@ -117,11 +117,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
-                    stream: bool = True) -> None:
+                    stream: bool = True, tenant: str = "") -> None:
         """Validate and queue one prompt. Raises ValueError naming the problem; nothing is left behind.
 
         With `stream=False`, `step()` reports this prompt only once it has finished (no per-step
-        detokenisation: the offline API's mode)."""
+        detokenisation: the offline API's mode). `tenant`: the client it comes from (the server's
+        `user`); the checkpoints it registers count against that client's fair share of the pool."""
         params = sampling_params or self.default_sampling_params()
         if params.max_tokens is None and self.generation_defaults.max_new_tokens is not None:
             params = dataclasses.replace(params, max_tokens=self.generation_defaults.max_new_tokens)
@@ -154,6 +155,7 @@ class LLMEngine:
                 processors=processors[index],
                 turn_positions=processed.turn_positions if self.registry is not None else (),
                 turn_end_reusable=processed.turn_end_reusable,
+                tenant=tenant,
             ))
         self._groups[request_id] = _PromptGroup(request_id, processed.text, token_ids, positions, sequences, stream)
         for sequence in sequences:

@@ -4,18 +4,18 @@ step-mates.
 When a step's forward or sampling raises an out-of-memory error (`is_out_of_memory`), the engine
 does not fail the step: its sequences go back to the front of the queue to recompute
 (`Scheduler.requeue`: the failed forward may have written their state rows) and the next steps are
-capped at half the failed step's sequences and, when it computed a prefill chunk (more tokens than
-sequences), at half its tokens (`StepLimits`). A step of decodes alone keeps its token cap, so the
-requeued sequences recompute their context in full-size chunks; should such a chunk run out of
-memory in turn, that step has a prefill and its tokens are halved. Each further failure halves
-again, so the request that needs the memory ends up alone in the smallest step; a step that fails
-holding one sequence and at most `floor_tokens` tokens fails that sequence's prompt with
-`OutOfMemory`::
+capped (`StepLimits`): at half the failed step's tokens when it computed a prefill chunk (a
+sequence with two or more tokens: the memory grows with the chunk), else, a step of decodes alone,
+at half its sequences (the memory grows with the rows). Decodes keep running beside a shrinking prefill, and
+the requeued sequences recompute their context in chunks under the token cap. Each further failure
+halves again, so the request that needs the memory ends up alone in the smallest step (a token cap
+below the number of sequences also caps them); a step that fails holding one sequence and at most
+`floor_tokens` tokens fails that sequence's prompt with `OutOfMemory`::
 
-    step: 8 sequences, 4,096 tokens   -> OOM: requeue the 8, caps 4 sequences / 2,048 tokens
-    step: 4 sequences, 2,048 tokens   -> OOM: requeue the 4, caps 2 / 1,024
-    ...
-    step: 1 sequence, <= floor tokens -> OOM: its prompt fails (OutOfMemory), the others run on
+    step: 8 decodes + a 4,088-token chunk -> OOM: requeue the 9, cap 2,048 tokens
+    step: 8 recomputes + a 2,000-token chunk -> OOM: requeue, cap 1,024 tokens ... (fits: served)
+    step: 64 decodes                      -> OOM: requeue the 64, cap 32 sequences ...
+    step: 1 sequence, <= floor tokens     -> OOM: its prompt fails (OutOfMemory), the others run on
 
 A lone sequence's decode (one token) that runs out of memory therefore fails at once: no smaller
 step exists for it.
@@ -64,13 +64,15 @@ class MemoryBackoff:
 
     floor_tokens: the smallest step the scheduler can plan for a prefill chunk (1, or one scan chunk
     with checkpoint_exact); a lone sequence failing at or below it cannot be helped by a smaller step.
-    max_tokens: the configured token budget of a step (max_num_batched_tokens)."""
+    max_tokens, max_seqs: the configured budgets of a step (max_num_batched_tokens, max_num_seqs)."""
 
-    def __init__(self, floor_tokens: int, max_tokens: int) -> None:
-        if not 1 <= floor_tokens <= max_tokens:
-            raise ValueError(f"need 1 <= floor_tokens <= max_tokens, got {floor_tokens} and {max_tokens}")
+    def __init__(self, floor_tokens: int, max_tokens: int, max_seqs: int) -> None:
+        if not 1 <= floor_tokens <= max_tokens or max_seqs < 1:
+            raise ValueError(f"need 1 <= floor_tokens <= max_tokens and max_seqs >= 1, got {floor_tokens}, "
+                             f"{max_tokens} and {max_seqs}")
         self.floor_tokens = floor_tokens
         self.max_tokens = max_tokens
+        self.max_seqs = max_seqs
         self._limits: StepLimits | None = None
         self._suspects: list[Request] = []  # sequences of the failed steps; the caps hold while one is live
 
@@ -89,14 +91,17 @@ class MemoryBackoff:
         return None
 
     def shrink(self, steps: list[ScheduledStep]) -> StepLimits:
-        """Halve the caps below the largest of `steps`: its sequences, and its tokens if it computed a
-        prefill chunk (never below one sequence and `floor_tokens`); their sequences hold the caps
-        until they leave. Returns the new caps."""
+        """Halve a cap below the largest of `steps`: its tokens if one of its sequences computed two or
+        more and a smaller step exists (`floor_tokens`), else its sequences (then there are at least
+        two: one alone at `floor_tokens` or fewer is the culprit); their sequences hold the caps until
+        they leave. Returns the new caps; each call lowers one of them, so the retries end."""
         sequences = list(dict.fromkeys(r for step in steps for r in step.requests))
         tokens = max(step_tokens(step) for step in steps)
-        prefill = any(step_tokens(step) > len(step.plan.segments) for step in steps)  # a segment of 2+ tokens
-        limits = StepLimits(max_tokens=max(self.floor_tokens, tokens // 2) if prefill else self.max_tokens,
-                            max_seqs=max(1, len(sequences) // 2))
+        halved = max(self.floor_tokens, tokens // 2)
+        if tokens > len(sequences) and halved < tokens:
+            limits = StepLimits(max_tokens=halved, max_seqs=self.max_seqs)
+        else:
+            limits = StepLimits(max_tokens=self.max_tokens, max_seqs=max(1, len(sequences) // 2))
         if self._limits is not None:
             limits = StepLimits(min(limits.max_tokens, self._limits.max_tokens),
                                 min(limits.max_seqs, self._limits.max_seqs))

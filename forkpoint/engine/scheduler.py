@@ -159,7 +159,7 @@ class Scheduler:
                 return
             checkpoint = self.registry.register(producer.hasher.prefix_hash(position), position,
                                                 producer.request_id, now, placement.kind, state,
-                                                self._scores_k(producer, state))
+                                                self._scores_k(producer, state), owner=producer.tenant)
             if checkpoint is None:
                 return
             producer.checkpointing.producing.append(checkpoint)
@@ -623,7 +623,7 @@ class Scheduler:
             checkpoint = self.registry.get(key)
             if checkpoint is None:
                 checkpoint = self.registry.register(key, position, request.request_id, now, kind, state,
-                                                    self._scores_k(request, state))
+                                                    self._scores_k(request, state), owner=request.tenant)
                 if checkpoint is None:
                     logger.debug("no checkpoint slot free for %s at %d: a miss", request.request_id, position)
                     continue  # checkpoint pool full of pinned entries: a miss, never an error

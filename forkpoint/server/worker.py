@@ -80,6 +80,7 @@ class NewRequest:
     cache_key: str | None = None
     turn_positions: tuple[int, ...] = ()
     turn_end_reusable: bool = True
+    tenant: str = ""  # the client (`user`; "" for none) whose checkpoint share it draws on
 
     def engine_prompt(self, engine: Any) -> Any:
         """What `engine.add_request` takes: the prompt, processed here with its turns when it is a dict
@@ -229,7 +230,8 @@ class EngineWorker:
         added: list[str] = []
         try:
             for request in command.requests:
-                self._engine.add_request(request.request_id, request.engine_prompt(self._engine), request.params)
+                self._engine.add_request(request.request_id, request.engine_prompt(self._engine), request.params,
+                                         tenant=request.tenant)
                 added.append(request.request_id)
         except Exception as exc:
             for request_id in added:

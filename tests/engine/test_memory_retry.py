@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from forkpoint import LLM
 from forkpoint.engine.engine import LLMEngine, StepFailed
-from forkpoint.engine.memory_retry import OutOfMemory, is_out_of_memory
+from forkpoint.engine.memory_retry import MemoryBackoff, OutOfMemory, is_out_of_memory
 from forkpoint.step.plan import StepPlan
 from tests.engine.test_faults import GREEDY, SCENARIOS, Arrival, Scenario, assert_drained, assert_outputs_equal, drive
 from tests.tiny_models import token_words
@@ -176,3 +177,46 @@ def test_any_other_fault_still_fails_its_step(model_dir):
     assert caught.value.request_ids == ["a"] and llm.metrics()["steps_retried_for_memory"] == 0
     llm.engine.runner.execute = execute
     assert_drained(llm)
+
+
+class _Sequence:
+    """A stand-in for a live Request (hashed by identity, as Request is)."""
+
+    is_finished = False
+
+
+def _step(*segments: tuple[object, int]) -> SimpleNamespace:
+    """A stand-in for a ScheduledStep: (sequence, tokens) per segment."""
+    return SimpleNamespace(plan=SimpleNamespace(segments=[SimpleNamespace(start=0, end=n) for _, n in segments]),
+                           requests=[sequence for sequence, _ in segments])
+
+
+@pytest.mark.parametrize("floor", [1, 64])
+def test_every_retry_lowers_a_cap_until_the_culprit_is_alone(floor):
+    """Whatever the failing steps hold, each `shrink` lowers the token or the sequence cap, and a
+    step that fits the caps and fails again ends with a culprit: the retries end."""
+    a, b, c = _Sequence(), _Sequence(), _Sequence()
+    cases = [
+        _step((a, 100)),                    # one prefill chunk above the floor
+        _step((a, 1), (a, 1)),              # one sequence cut in two one-token segments
+        _step((a, 40), (b, 1), (c, 1)),     # a chunk at or below the floor with two decodes
+        _step((a, 1), (b, 1)),              # decodes alone
+    ]
+    for step in cases:
+        backoff = MemoryBackoff(floor, max_tokens=8192, max_seqs=256)
+        sizes = []
+        while backoff.culprit([step]) is None:
+            limits = backoff.shrink([step])
+            sizes.append((limits.max_tokens, limits.max_seqs))
+            assert len(sizes) < 20, sizes
+            kept = []  # the next step: the same sequences' segments, cut to the caps (fewest tokens first)
+            room_tokens, room_seqs = limits.max_tokens, limits.max_seqs
+            for sequence, segment in zip(step.requests, step.plan.segments):
+                size = min(segment.end, room_tokens)
+                if size and (sequence in [s for s, _ in kept] or room_seqs):
+                    room_seqs -= sequence not in [s for s, _ in kept]
+                    room_tokens -= size
+                    kept.append((sequence, size))
+            step = _step(*kept)
+        assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
+        assert len(set(step.requests)) == 1 and sum(s.end for s in step.plan.segments) <= floor

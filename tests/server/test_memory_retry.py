@@ -66,6 +66,7 @@ def test_a_request_out_of_memory_alone_is_a_400_and_its_step_mates_finish(spare_
         assert "ran out of memory" in error["message"] and "shorter prompt" in error["message"]
         metrics = srv.wait_idle()
         assert metrics["requests_failed_for_memory"] - before["requests_failed_for_memory"] == 1
+        assert srv.metric("forkpoint_requests_failed_for_memory_total") == metrics["requests_failed_for_memory"]
         srv.engine_call(lambda engine: engine.check_integrity())
 
 
