@@ -7,7 +7,8 @@ does not fail the step: its sequences go back to the front of the queue to recom
 capped (`StepLimits`): at half the failed step's tokens when it computed a prefill chunk (a
 sequence with two or more tokens: the memory grows with the chunk), else, a step of decodes alone,
 at half its sequences (the memory grows with the rows). Decodes keep running beside a shrinking prefill, and
-the requeued sequences recompute their context in chunks under the token cap. Each further failure
+the requeued sequences recompute their context in chunks under the token cap; one sequence takes
+at most half of it, so a long prefill leaves room for the other sequences' decodes. Each further failure
 halves again, so the request that needs the memory ends up alone in the smallest step (a token cap
 below the number of sequences also caps them); a step that fails holding one sequence and at most
 `floor_tokens` tokens fails that sequence's prompt with `OutOfMemory`::
@@ -99,12 +100,13 @@ class MemoryBackoff:
         tokens = max(step_tokens(step) for step in steps)
         halved = max(self.floor_tokens, tokens // 2)
         if tokens > len(sequences) and halved < tokens:
-            limits = StepLimits(max_tokens=halved, max_seqs=self.max_seqs)
+            max_tokens, max_seqs = halved, self.max_seqs
         else:
-            limits = StepLimits(max_tokens=self.max_tokens, max_seqs=max(1, len(sequences) // 2))
+            max_tokens, max_seqs = self.max_tokens, max(1, len(sequences) // 2)
         if self._limits is not None:
-            limits = StepLimits(min(limits.max_tokens, self._limits.max_tokens),
-                                min(limits.max_seqs, self._limits.max_seqs))
+            max_tokens, max_seqs = min(max_tokens, self._limits.max_tokens), min(max_seqs, self._limits.max_seqs)
+        # one sequence gets at most half the tokens (a scan chunk at least): the others' decodes go on
+        limits = StepLimits(max_tokens, max_seqs, max_chunk=max(self.floor_tokens, max_tokens // 2))
         self._limits = limits
         self._suspects = [r for r in self._suspects if not r.is_finished]
         self._suspects += [r for r in sequences if r not in self._suspects]

@@ -64,14 +64,18 @@ class ScheduledStep:
 @dataclass(frozen=True)
 class StepLimits:
     """Caps on one step below the configured ones (engine/memory_retry.py sets them after a step ran
-    out of memory): at most `max_tokens` tokens and `max_seqs` sequences. Both are >= 1."""
+    out of memory): at most `max_tokens` tokens and `max_seqs` sequences, and at most `max_chunk` of
+    the tokens for one sequence (so a long prefill leaves room for the others' decodes). All >= 1,
+    max_chunk <= max_tokens."""
 
     max_tokens: int
     max_seqs: int
+    max_chunk: int
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1 or self.max_seqs < 1:
-            raise ValueError(f"step limits must be >= 1, got {self.max_tokens} tokens and {self.max_seqs} sequences")
+        if min(self.max_tokens, self.max_seqs, self.max_chunk) < 1 or self.max_chunk > self.max_tokens:
+            raise ValueError(f"step limits must be >= 1 with max_chunk <= max_tokens, got {self.max_tokens} tokens, "
+                             f"{self.max_seqs} sequences, {self.max_chunk} per sequence")
 
 
 @dataclass
@@ -88,6 +92,7 @@ class _Planning:
     verifies: list[Verify] = field(default_factory=list)
     score_rows: int = 0  # prompt-logit rows planned so far (at most Scheduler.score_rows)
     seq_room: int | None = None  # sequences the step may still take under its StepLimits (None: no cap)
+    chunk_cap: int | None = None  # tokens of one sequence under its StepLimits (None: Scheduler.chunk_cap)
 
     def take_seq(self) -> None:
         if self.seq_room is not None:
@@ -225,7 +230,8 @@ class Scheduler:
         if self.in_flight:
             raise RuntimeError("a step is still in flight: commit or fail it before scheduling the next")
         now = time.monotonic() if now is None else now
-        planning = _Planning(seq_room=None if limits is None else limits.max_seqs)
+        planning = (_Planning() if limits is None
+                    else _Planning(seq_room=limits.max_seqs, chunk_cap=min(self.chunk_cap, limits.max_chunk)))
         budget = self.config.max_num_batched_tokens
         if limits is not None:
             budget = min(budget, limits.max_tokens)
@@ -420,7 +426,7 @@ class Scheduler:
         that does not finish the sequence ends at a scan-chunk boundary (0 when none fits), so chunked
         prefill runs the recurrent scans over the same chunks as one pass. A request scoring its prompt
         gets at most the step's prompt-logit rows left (`score_rows`): its logits stay O(chunk x vocab)."""
-        count = min(request.num_tokens - start, budget, self.chunk_cap)
+        count = min(request.num_tokens - start, budget, planning.chunk_cap or self.chunk_cap)
         to_score = len(request.prompt_token_ids) - 1 - start
         rows_left = self.score_rows - planning.score_rows
         if request.params.prompt_logprobs is not None and to_score > rows_left:

@@ -156,7 +156,7 @@ def test_a_request_too_big_for_one_step_runs_in_smaller_steps(model_dir):
     llm = LLM(str(model_dir), **scenario.engine_kwargs)
     runner = OutOfMemoryRunner(llm.engine, lambda call, plan: tokens_of(plan, "big") > 8)
     finished, failed = drive(llm.engine, scenario)
-    assert not failed and finished.keys() == expected.keys() and runner.raised >= 3
+    assert not failed and finished.keys() == expected.keys() and runner.raised >= 2
     for request_id, outputs in finished.items():
         assert_outputs_equal(outputs, expected[request_id], request_id)
     assert_drained(llm)

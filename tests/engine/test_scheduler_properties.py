@@ -87,7 +87,8 @@ class _Driver:
         if self.steps - 1 == fault_at and fault_in == "oom":
             self.executor.execute(step.plan)
             self.scheduler.requeue([step])
-            self.limits = StepLimits(max(1, self.scheduler.config.max_num_batched_tokens // 3), 1)
+            budget = max(1, self.scheduler.config.max_num_batched_tokens // 3)
+            self.limits = StepLimits(budget, 1, max_chunk=max(1, budget // 2))
             self._collect()
             return
         if self.steps - 1 == fault_at:
