@@ -465,8 +465,8 @@ class CheckpointRegistry:
     def fair_share(self, owner: str) -> int:
         """The checkpoint slots `owner` may hold before its registrations evict only its own: the
         pool's slots over the owners holding checkpoints, `owner` included (at least one)."""
-        owners = {o for o, count in self._owners.items() if count} | {owner}
-        return max(1, (self._slots.num_free + self._slots.num_used) // len(owners))
+        owners = len(self._owners) + (owner not in self._owners)  # every counted owner holds one or more
+        return max(1, (self._slots.num_free + self._slots.num_used) // owners)
 
     def evict_one(self, *, markers_too: bool = True, owner: str | None = None) -> bool:
         """Evict one idle READY checkpoint by the policy in the module docstring (only `owner`'s
@@ -476,7 +476,8 @@ class CheckpointRegistry:
         if not idle:
             return False
         heads = self.session_heads()
-        over = {o for o, count in self._owners.items() if count > self.fair_share(o)}
+        share = self.fair_share(next(iter(self._owners), ""))  # the same for every owner holding checkpoints
+        over = {o for o, count in self._owners.items() if count > share}
 
         def order(c: Checkpoint) -> tuple[bool, int, float, int]:
             fair = c.owner not in over  # over-share owners' checkpoints go first
