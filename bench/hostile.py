@@ -115,7 +115,8 @@ class Probes:
 
 
 class Bystander:
-    """Keeps `BYSTANDER_STREAMS` streaming completions going; records each stream's event times."""
+    """Keeps `BYSTANDER_STREAMS` streaming completions going; records each stream's event times and
+    counts its errors (a non-200 status, an in-band error event, a transport error)."""
 
     def __init__(self, client: httpx.AsyncClient, model: str) -> None:
         self.client, self.model = client, model
@@ -134,6 +135,8 @@ class Bystander:
                         await response.aread()
                         continue
                     async for line in response.aiter_lines():
+                        if line.startswith('data: {"error"'):  # the stream ended in-band with an error
+                            self.errors += 1
                         if line.startswith("data:"):
                             now = time.perf_counter()
                             self.gaps.append((last, now))
