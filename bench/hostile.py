@@ -115,7 +115,8 @@ class Probes:
 
 
 class Bystander:
-    """Keeps `BYSTANDER_STREAMS` streaming completions going; records each stream's event times."""
+    """Keeps `BYSTANDER_STREAMS` streaming completions going; records each stream's event times and
+    counts its errors (a non-200 status, an in-band error event, a transport error)."""
 
     def __init__(self, client: httpx.AsyncClient, model: str) -> None:
         self.client, self.model = client, model
@@ -134,6 +135,8 @@ class Bystander:
                         await response.aread()
                         continue
                     async for line in response.aiter_lines():
+                        if line.startswith('data: {"error"'):  # the stream ended in-band with an error
+                            self.errors += 1
                         if line.startswith("data:"):
                             now = time.perf_counter()
                             self.gaps.append((last, now))
@@ -242,6 +245,10 @@ def build_cases(max_model_len: int) -> list[Case]:
              lambda m: {"model": m, "prompt": _ids(half, 3), "max_tokens": 1}, True),
         _one("huge_body_8mib", "8 MiB text prompt (~1.4M tokens: too long)", "/v1/completions",
              lambda m: {"model": m, "prompt": _huge_text(8), "max_tokens": 1}),
+        _one("tokenize_8mib", "8 MiB text to /tokenize (~1.4M tokens)", "/tokenize",
+             lambda m: {"model": m, "prompt": _huge_text(8)}),
+        _one("detokenize_1m_ids", "1,000,000 token ids to /detokenize", "/detokenize",
+             lambda m: {"model": m, "tokens": _ids(1_000_000, 4)}),
         _one("n_128", "one prompt, n=128, 16 tokens each", "/v1/completions",
              lambda m: {"model": m, "prompt": "many", "n": 128, "max_tokens": 16, "ignore_eos": True}),
         _one("16_prompts_n_128", "16 prompts x n=128 (2,048 sequences)", "/v1/completions",

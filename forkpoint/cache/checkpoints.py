@@ -32,6 +32,15 @@ its way to read it: waiters keep counting after it becomes ready) are evicted, i
 3. marked checkpoints (kind MARKER), least recently used first. An automatic checkpoint can never
    evict a marked one: `register(..., kind=auto)` evicts only automatic checkpoints to make room.
 
+Tenants (`owner`: the client a request comes from, the server's `user` field; "" for requests
+without one, None for checkpoints restored from the host or disk tier, which remember none): each
+owner's fair share is the checkpoint pool's slots divided by the owners holding checkpoints (the
+registering one included). An owner at or over its share that registers a checkpoint evicts one of
+its own to make room (by the order above), and registers nothing (a miss) when none of its own is
+idle; every eviction takes an over-share owner's checkpoint before anyone else's. So one client
+flooding unique prefixes evicts its own checkpoints, not every other tenant's; with one owner
+(no `user` fields, the offline engine) the policy is exactly the order above.
+
 Sessions: the engine sees no session id (a chat's `prompt_cache_key` stays in the server), so a
 session is recognised by its turns. The checkpoints a request registers at its turn's ends (kinds
 CHAT_TURN, PROMPT_END, TURN_END; the `turn` they carry is the registering request's id) are where
@@ -161,6 +170,7 @@ class Checkpoint:
     # it ends (CHAT_TURN, PROMPT_END, TURN_END) while that turn's session waits for its next turn
     value: float = 0.0
     turn: str | None = None
+    owner: str | None = ""  # the tenant it counts against (see the module docstring)
 
     def __post_init__(self) -> None:
         if self.state_tokens < 0:
@@ -200,6 +210,7 @@ class CheckpointRegistry:
         self._next_number = 0
         self._inflation = 0.0  # GreedyDual's L: the value of the last checkpoint evicted (never decreases)
         self._turns: dict[str, set[bytes]] = {}  # live sessions: turn id -> keys of that turn's end checkpoints
+        self._owners: Counter[str] = Counter()  # tenant -> checkpoints registered for it (None: not counted)
 
     def take_writes(self) -> tuple[int, tuple[DeviceWrite, ...]]:
         """(the number of the first, the writes) recorded and not yet taken, in order, numbered
@@ -296,7 +307,7 @@ class CheckpointRegistry:
         entry = self.host.take(key)
         self._record(Restore(entry.entry_id, slot, tuple(blocks)))
         checkpoint = Checkpoint(key, entry.num_tokens, slot, entry.kind, CheckpointState.READY, None,
-                                state_tokens=entry.state_tokens, blocks=blocks)
+                                state_tokens=entry.state_tokens, blocks=blocks, owner=None)
         self._touch(checkpoint)
         self._by_key[key] = checkpoint
         self._lengths[entry.num_tokens] += 1
@@ -322,17 +333,20 @@ class CheckpointRegistry:
     # ------------------------------------------------------------------ transitions
     def register(self, key: bytes, num_tokens: int, producer: str, now: float,
                  kind: CheckpointKind = CheckpointKind.MARKER, state_tokens: int | None = None,
-                 prompt_scores_k: int | None = None) -> Checkpoint | None:
-        """A new PENDING checkpoint produced by `producer`, keyed by the prefix of `num_tokens` tokens
-        and holding the state after `state_tokens` (default: num_tokens); None when no slot can be
-        freed (a miss)."""
+                 prompt_scores_k: int | None = None, owner: str = "") -> Checkpoint | None:
+        """A new PENDING checkpoint produced by `producer` for tenant `owner`, keyed by the prefix of
+        `num_tokens` tokens and holding the state after `state_tokens` (default: num_tokens); None
+        when no slot can be freed for it (a miss; an owner at its fair share frees only its own)."""
         if key in self._by_key:
             raise RuntimeError("checkpoint registered twice")
-        if self._slots.num_free == 0 and not self.evict_one(markers_too=not kind.automatic):
-            return None
+        if self._slots.num_free == 0:
+            own = owner if self._owners[owner] >= self.fair_share(owner) else None
+            if not self.evict_one(markers_too=not kind.automatic, owner=own):
+                return None
         checkpoint = Checkpoint(key, num_tokens, self._slots.allocate(), kind, CheckpointState.PENDING, producer,
                                 state_tokens=num_tokens if state_tokens is None else state_tokens,
-                                prompt_scores_k=prompt_scores_k, registered_at=now)
+                                prompt_scores_k=prompt_scores_k, registered_at=now, owner=owner)
+        self._owners[owner] += 1
         if kind.ends_turn:
             checkpoint.turn = producer
             self._turns.setdefault(producer, set()).add(key)
@@ -448,20 +462,30 @@ class CheckpointRegistry:
                 heads.add(max(ready, key=_next_turn_reads).key)
         return heads
 
-    def evict_one(self, *, markers_too: bool = True) -> bool:
-        """Evict one idle READY checkpoint by the policy in the module docstring. False when none is."""
+    def fair_share(self, owner: str) -> int:
+        """The checkpoint slots `owner` may hold before its registrations evict only its own: the
+        pool's slots over the owners holding checkpoints, `owner` included (at least one)."""
+        owners = len(self._owners) + (owner not in self._owners)  # every counted owner holds one or more
+        return max(1, (self._slots.num_free + self._slots.num_used) // owners)
+
+    def evict_one(self, *, markers_too: bool = True, owner: str | None = None) -> bool:
+        """Evict one idle READY checkpoint by the policy in the module docstring (only `owner`'s
+        when given). False when none is."""
         idle = [c for c in self._by_key.values() if c.ready and c.pins == 0 and c.waiters == 0 and c.reserved == 0
-                and (markers_too or c.kind.automatic)]
+                and (markers_too or c.kind.automatic) and (owner is None or c.owner == owner)]
         if not idle:
             return False
         heads = self.session_heads()
+        share = self.fair_share(next(iter(self._owners), ""))  # the same for every owner holding checkpoints
+        over = {o for o, count in self._owners.items() if count > share}
 
-        def order(c: Checkpoint) -> tuple[int, float, int]:
+        def order(c: Checkpoint) -> tuple[bool, int, float, int]:
+            fair = c.owner not in over  # over-share owners' checkpoints go first
             if not c.kind.automatic:
-                return 2, 0.0, c.last_used
+                return fair, 2, 0.0, c.last_used
             if c.key in heads:
-                return 1, 0.0, c.last_used
-            return 0, c.value, c.last_used
+                return fair, 1, 0.0, c.last_used
+            return fair, 0, c.value, c.last_used
 
         victim = min(idle, key=order)
         self._inflation = max(self._inflation, victim.value)
@@ -538,7 +562,7 @@ class CheckpointRegistry:
             return None
         self._record(DiskRestore(slot, tuple(blocks), payload))
         checkpoint = Checkpoint(key, header.num_tokens, slot, kind, CheckpointState.READY, None,
-                                state_tokens=header.state_tokens, blocks=blocks)
+                                state_tokens=header.state_tokens, blocks=blocks, owner=None)
         self._touch(checkpoint)
         self._by_key[key] = checkpoint
         self._lengths[header.num_tokens] += 1
@@ -595,6 +619,10 @@ class CheckpointRegistry:
                 del self._turns[checkpoint.turn]
             checkpoint.turn = None
         del self._by_key[checkpoint.key]
+        if checkpoint.owner is not None:
+            self._owners[checkpoint.owner] -= 1
+            if not self._owners[checkpoint.owner]:
+                del self._owners[checkpoint.owner]
         self._lengths[checkpoint.num_tokens] -= 1
         if not self._lengths[checkpoint.num_tokens]:
             del self._lengths[checkpoint.num_tokens]
@@ -616,6 +644,8 @@ class CheckpointRegistry:
             raise AssertionError("checkpoint slots and registry disagree")
         if Counter(c.num_tokens for c in self._by_key.values()) != self._lengths:
             raise AssertionError("checkpoint length index is stale")
+        if Counter(c.owner for c in self._by_key.values() if c.owner is not None) != self._owners:
+            raise AssertionError("the per-tenant checkpoint counts are stale")
         turns: dict[str, set[bytes]] = {}
         for checkpoint in self._by_key.values():
             if checkpoint.turn is not None:

@@ -161,7 +161,8 @@ class AutoCheckpointPlanner:
         key = hasher.prefix_hash(length)
         if self.registry.get(key) is not None:
             return
-        checkpoint = self.registry.register(key, length, request.request_id, now, CheckpointKind.TURN_END)
+        checkpoint = self.registry.register(key, length, request.request_id, now, CheckpointKind.TURN_END,
+                                            owner=request.tenant)
         if checkpoint is None:
             return
         self.registry.keep_state(checkpoint, request.slot, request.blocks[: -(-length // self.block_size)])

@@ -1,8 +1,9 @@
 """Continuous-batching scheduler with checkpoint producers and consumers.
 
 One step is `schedule()` -> the runner executes `step.plan` -> `commit(step)` (or `fail(step)`
-when anything between raised). Every pin, slot and block a step takes is released by exactly one of
-the two. Steps are committed or failed in the order they were scheduled; `schedule()` needs no step
+when anything between raised, or `requeue(steps)` when it raised for lack of memory and the engine
+retries it smaller: engine/memory_retry.py). Every pin, slot and block a step takes is released by
+exactly one of the three. Steps are committed or failed in the order they were scheduled; `schedule()` needs no step
 in flight, while `schedule_ahead()` (asynchronous scheduling) plans the next decode step while one
 decode step is still in flight: each of its sequences then decodes the token that step samples
 (fed to the runner on the device). A sequence that ends while a step in flight still computes for
@@ -60,6 +61,23 @@ class ScheduledStep:
         return self.plan.empty
 
 
+@dataclass(frozen=True)
+class StepLimits:
+    """Caps on one step below the configured ones (engine/memory_retry.py sets them after a step ran
+    out of memory): at most `max_tokens` tokens and `max_seqs` sequences, and at most `max_chunk` of
+    the tokens for one sequence (so a long prefill leaves room for the others' decodes). All >= 1,
+    max_chunk <= max_tokens."""
+
+    max_tokens: int
+    max_seqs: int
+    max_chunk: int
+
+    def __post_init__(self) -> None:
+        if min(self.max_tokens, self.max_seqs, self.max_chunk) < 1 or self.max_chunk > self.max_tokens:
+            raise ValueError(f"step limits must be >= 1 with max_chunk <= max_tokens, got {self.max_tokens} tokens, "
+                             f"{self.max_seqs} sequences, {self.max_chunk} per sequence")
+
+
 @dataclass
 class _Planning:
     """Scratch state of one `schedule()` call."""
@@ -73,6 +91,16 @@ class _Planning:
     written_phase: dict[int, int] = field(default_factory=dict)  # id(checkpoint) -> phase writing it
     verifies: list[Verify] = field(default_factory=list)
     score_rows: int = 0  # prompt-logit rows planned so far (at most Scheduler.score_rows)
+    seq_room: int | None = None  # sequences the step may still take under its StepLimits (None: no cap)
+    chunk_cap: int | None = None  # tokens of one sequence under its StepLimits (None: Scheduler.chunk_cap)
+
+    def take_seq(self) -> None:
+        if self.seq_room is not None:
+            self.seq_room -= 1
+
+    @property
+    def seqs_full(self) -> bool:
+        return self.seq_room == 0
 
 
 @dataclass
@@ -85,6 +113,7 @@ class SchedulerStats:
     preemptions: int = 0
     prompt_tokens_computed: int = 0
     failed_steps: int = 0
+    requeued_steps: int = 0
 
 
 class Scheduler:
@@ -137,7 +166,7 @@ class Scheduler:
                 return
             checkpoint = self.registry.register(producer.hasher.prefix_hash(position), position,
                                                 producer.request_id, now, placement.kind, state,
-                                                self._scores_k(producer, state))
+                                                self._scores_k(producer, state), owner=producer.tenant)
             if checkpoint is None:
                 return
             producer.checkpointing.producing.append(checkpoint)
@@ -198,16 +227,20 @@ class Scheduler:
         self.stats.preemptions += 1
 
     # ------------------------------------------------------------------ one step
-    def schedule(self, now: float | None = None) -> ScheduledStep:
+    def schedule(self, now: float | None = None, limits: StepLimits | None = None) -> ScheduledStep:
+        """The next step under the token and sequence budgets (and `limits`, when given)."""
         if self.in_flight:
             raise RuntimeError("a step is still in flight: commit or fail it before scheduling the next")
         now = time.monotonic() if now is None else now
-        planning = _Planning()
+        planning = (_Planning() if limits is None
+                    else _Planning(seq_room=limits.max_seqs, chunk_cap=min(self.chunk_cap, limits.max_chunk)))
         budget = self.config.max_num_batched_tokens
+        if limits is not None:
+            budget = min(budget, limits.max_tokens)
         preempted = False
 
         for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING or budget == 0:
+            if request.status is not RequestStatus.RUNNING or budget == 0 or planning.seqs_full:
                 continue
             verifying = self.speculation is not None and self.speculation.wants_verify(request)
             if verifying and (len(request.draft_token_ids) >= budget or -(-self.speculation.blocks_needed(request)
@@ -236,10 +269,11 @@ class Scheduler:
                 count = 1 if verifying else count
                 self._plan_chunk(planning, request, request.num_computed_tokens, count, None)
             budget -= count
+            planning.take_seq()
 
         if not preempted:
             for request in list(self.waiting):
-                if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                if budget == 0 or len(self.running) >= self.config.max_num_seqs or planning.seqs_full:
                     break
                 admitted = self._try_admit(planning, request, budget, now)
                 while admitted is None and not self.running and self._evict_waited_on():
@@ -248,6 +282,8 @@ class Scheduler:
                 if admitted is None:
                     break  # out of memory: keep FCFS order
                 budget -= admitted
+                if admitted:
+                    planning.take_seq()
         self._reserve_for_queued()
 
         return self._scheduled(planning)
@@ -327,12 +363,8 @@ class Scheduler:
         """Something between schedule and commit raised: release the step's pins and end every
         request in it with reason "error" (their slots, blocks and unwritten checkpoints go back;
         waiters of those checkpoints are promoted when next scheduled). Returns the ended requests."""
-        self._settle(step)
+        self._unwind(step)
         self.stats.failed_steps += 1
-        if step.plan.writes:  # the runner may not have applied them: the next plan carries them again
-            self.registry.give_back_writes(step.plan.first_write, step.plan.writes)
-        for checkpoint in step.consumed:
-            self.registry.unpin(checkpoint)
         self._release_ended(step, computed=False)
         ended = []
         for request in dict.fromkeys(step.requests):  # a request may own several segments
@@ -340,6 +372,32 @@ class Scheduler:
                 self.finish(request, "error")
                 ended.append(request)
         return ended
+
+    def requeue(self, steps: list[ScheduledStep]) -> list[Request]:
+        """`steps` (every step in flight, oldest first) raised for lack of memory and are retried:
+        release them as `fail` does, but put their unfinished sequences back at the front of the
+        queue, in step order, as preemptions: each recomputes from its longest checkpoint, since
+        the failed forward may have written its state rows. Returns the requeued sequences."""
+        if len(steps) != len(self.in_flight):
+            raise RuntimeError("requeue takes every step in flight: a later step would compute for a requeued sequence")
+        for step in steps:
+            self._unwind(step)
+            self.stats.requeued_steps += 1
+        for step in steps:
+            self._release_ended(step, computed=False)
+        requeued = [r for r in dict.fromkeys(r for step in steps for r in step.requests) if not r.is_finished]
+        for request in reversed(requeued):  # appendleft: the first of the step ends up first in the queue
+            self._preempt(request)
+        return requeued
+
+    def _unwind(self, step: ScheduledStep) -> None:
+        """Settle a step that did not run to its end: its device writes go to the next plan again
+        (the runner may not have applied them) and its readers' pins are released."""
+        self._settle(step)
+        if step.plan.writes:
+            self.registry.give_back_writes(step.plan.first_write, step.plan.writes)
+        for checkpoint in step.consumed:
+            self.registry.unpin(checkpoint)
 
     def _settle(self, step: ScheduledStep) -> None:
         if not self.in_flight or self.in_flight[0] is not step:
@@ -371,7 +429,7 @@ class Scheduler:
         that does not finish the sequence ends at a scan-chunk boundary (0 when none fits), so chunked
         prefill runs the recurrent scans over the same chunks as one pass. A request scoring its prompt
         gets at most the step's prompt-logit rows left (`score_rows`): its logits stay O(chunk x vocab)."""
-        count = min(request.num_tokens - start, budget, self.chunk_cap)
+        count = min(request.num_tokens - start, budget, planning.chunk_cap or self.chunk_cap)
         to_score = len(request.prompt_token_ids) - 1 - start
         rows_left = self.score_rows - planning.score_rows
         if request.params.prompt_logprobs is not None and to_score > rows_left:
@@ -577,7 +635,7 @@ class Scheduler:
             checkpoint = self.registry.get(key)
             if checkpoint is None:
                 checkpoint = self.registry.register(key, position, request.request_id, now, kind, state,
-                                                    self._scores_k(request, state))
+                                                    self._scores_k(request, state), owner=request.tenant)
                 if checkpoint is None:
                     logger.debug("no checkpoint slot free for %s at %d: a miss", request.request_id, position)
                     continue  # checkpoint pool full of pinned entries: a miss, never an error

@@ -142,7 +142,7 @@ class Generation:
             self._state[rid] = "waiting"
         self._sink = OutputSink(asyncio.get_running_loop())
         requests = [NewRequest(rid, p.engine_input(), self._params, self._cache_key, p.turn_positions,
-                               p.turn_end_reusable) for rid, p in zip(self._ids, self._prompts)]
+                               p.turn_end_reusable, tenant=self._client) for rid, p in zip(self._ids, self._prompts)]
         self._submitted = time.monotonic()
         try:
             await self._worker.add_many(requests, self._sink)

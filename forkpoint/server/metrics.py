@@ -27,6 +27,10 @@ ENGINE_COUNTERS = {
     "requests_deferred": ("forkpoint_requests_deferred", "Requests deferred behind an unready checkpoint."),
     "producer_promotions": ("forkpoint_producer_promotions", "Consumers promoted to producer after a producer failed."),
     "deferral_wait_s_total": ("forkpoint_deferral_wait_seconds", "Seconds requests spent deferred."),
+    "steps_retried_for_memory": ("forkpoint_steps_retried_for_memory",
+                                 "Steps that ran out of memory and were requeued in smaller steps."),
+    "requests_failed_for_memory": ("forkpoint_requests_failed_for_memory",
+                                   "Requests that ran out of memory alone in the smallest step (a 400)."),
     "cuda_graph_core_capture_failures": ("forkpoint_cuda_graph_core_capture_failures",
                                          "Steps whose recurrent-core CUDA graph capture failed (their cores ran "
                                          "eagerly)."),

@@ -45,7 +45,7 @@ from forkpoint.server.responses import (
     ResponseFormatter,
     prompt_logprobs_json,
 )
-from forkpoint.server.worker import EngineFailure, EngineWorker, ServerShuttingDown
+from forkpoint.server.worker import EngineFailure, EngineWorker, RequestOutOfMemory, ServerShuttingDown
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (without a generation config)
 
@@ -235,6 +235,8 @@ class OpenAIServing:
         # answered here, not raised: the outcome is already counted by the Generation
         if isinstance(exc, ServerShuttingDown):
             return APIError(str(exc), status=503, type="service_unavailable_error", code="shutting_down").response()
+        if isinstance(exc, RequestOutOfMemory):
+            return APIError(str(exc), status=400, code="out_of_memory").response()
         if isinstance(exc, EngineFailure):
             return APIError(str(exc), status=500, type="server_error").response()
         if exc is not None:
@@ -274,7 +276,9 @@ class OpenAIServing:
                         yield _sse({**chunk, "choices": [fmt.chunk_choice(delta)]})
             if include_usage:
                 yield _sse({**chunk, "choices": [], "usage": usage.as_dict()})
-        except (EngineFailure, ServerShuttingDown) as exc:  # the status line is sent: report in-band
+        except RequestOutOfMemory as exc:  # the status line is sent: report in-band
+            yield _sse(error_body(str(exc), "invalid_request_error", code="out_of_memory"))
+        except (EngineFailure, ServerShuttingDown) as exc:
             yield _sse(error_body(str(exc), "server_error"))
         gen.close()
         yield _sse("[DONE]")
