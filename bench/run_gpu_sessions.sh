@@ -10,6 +10,8 @@
 # .whl/srv/*.whl = fastapi, starlette, uvicorn, pydantic, pydantic-core, httpx, anyio, prometheus-client, ...):
 #   bash bench/run_gpu_sessions.sh              # STEPS=a: off32, off256, on32
 #   STEPS=b bash bench/run_gpu_sessions.sh      # host64, restart32, nohost64
+#   STEPS=c bash bench/run_gpu_sessions.sh      # off32, b4096, b2048, on32: a reused turn's time to first token
+#                                               # by part at step budgets 8192 (default), 4096, 2048
 # STEPS may also list step names in the order wanted, e.g. STEPS="restart32 host64".
 #
 # Steps (workload: --turns 6 --system-words 1400 --doc-words 800 --tool-words 160 --reply-tokens 64, i.e. a
@@ -23,6 +25,7 @@
 #   a  off256    256 sessions, thinking off           start 31 + A ~35 (~110 if reuse stalls as in issue 32)
 #                                                     + B ~115 (5.4M prompt tokens at 55k/s) + stop        ~190-270 s
 #   a  on32       32 sessions, thinking on            start 31 + A ~15 + B ~21 + stop                      ~80 s
+#   c  b4096      32 sessions, thinking off, --max-num-batched-tokens 4096 (and b2048: 2048)        ~80 s each
 #   b  host64     64 sessions, --checkpoint-host-bytes 40000000000 (issue 32's server)
 #                                                     start 160 cold / 31 + A ~25-60 + B ~38 + stop        ~135 s warm
 #   b  restart32  32 sessions, --restart (disk tier in a scratch dir): start + A ~15 + stop (the disk writer
@@ -38,7 +41,8 @@
 #
 # Knobs (environment): TOTAL (560), STEPS (a), SHAPE_ARGS ("--shape qwen3.5-35b-a3b --server-arg=--device=cuda"),
 # WORKLOAD_ARGS (above), SMALL_SESSIONS (32), LARGE_SESSIONS (256), HOST_SESSIONS (64), HOST_BYTES (40000000000),
-# SERVER_LOG_LEVEL (info: the start-up summary and the stats lines), PYTHON (python3), INSTALL (1: install the
+# SERVER_LOG_LEVEL (debug: the start-up summary, the stats lines, each request's time to first token by part
+# and the checkpoints' life cycle; each step's server log is <step>.server.log in logs.tar.gz), PYTHON (python3), INSTALL (1: install the
 # wheels into /tmp/site). CPU dry run of the same script (embedded default model, ~1-2 minutes):
 #   OUT=/tmp/x INSTALL=0 PYTHON=/work/main/.venv/bin/python SHAPE_ARGS="--server-arg=--max-model-len=8192" \
 #   WORKLOAD_ARGS="--turns 2 --system-words 60 --doc-words 40 --tool-words 20 --reply-tokens 4" \
@@ -59,11 +63,12 @@ SMALL_SESSIONS="${SMALL_SESSIONS:-32}"
 LARGE_SESSIONS="${LARGE_SESSIONS:-256}"
 HOST_SESSIONS="${HOST_SESSIONS:-64}"
 HOST_BYTES="${HOST_BYTES:-40000000000}"
-SERVER_LOG_LEVEL="${SERVER_LOG_LEVEL:-info}"
+SERVER_LOG_LEVEL="${SERVER_LOG_LEVEL:-debug}"
 STEPS="${STEPS:-a}"
 case "$STEPS" in
   a) STEP_LIST="off32 off256 on32" ;;
   b) STEP_LIST="host64 restart32 nohost64" ;;
+  c) STEP_LIST="off32 b4096 b2048 on32" ;;
   *) STEP_LIST="$STEPS" ;;
 esac
 left() { echo $(( TOTAL - ($(date +%s) - START) )); }
@@ -73,6 +78,8 @@ step_args() {  # the step's own arguments of agent_sessions.py
     off32) echo "--sessions $SMALL_SESSIONS --thinking off" ;;
     off256) echo "--sessions $LARGE_SESSIONS --thinking off" ;;
     on32) echo "--sessions $SMALL_SESSIONS --thinking on" ;;
+    b4096) echo "--sessions $SMALL_SESSIONS --thinking off --server-arg=--max-num-batched-tokens=4096" ;;
+    b2048) echo "--sessions $SMALL_SESSIONS --thinking off --server-arg=--max-num-batched-tokens=2048" ;;
     host64) echo "--sessions $HOST_SESSIONS --thinking off --server-arg=--checkpoint-host-bytes=$HOST_BYTES" ;;
     restart32) echo "--sessions $SMALL_SESSIONS --thinking off --restart" ;;
     nohost64) echo "--sessions $HOST_SESSIONS --thinking off --server-arg=--checkpoint-host-bytes=0" ;;
@@ -103,7 +110,7 @@ wait_gpu_free() {  # a killed server's memory is freed when its process is gone:
 }
 
 for name in $STEP_LIST; do
-  step_args "$name" > /dev/null || { echo "unknown step '$name' (off32 off256 on32 host64 restart32 nohost64)"; exit 2; }
+  step_args "$name" > /dev/null || { echo "unknown step '$name' (off32 off256 on32 b4096 b2048 host64 restart32 nohost64)"; exit 2; }
 done
 
 if [ "${INSTALL:-1}" != 0 ] && compgen -G ".whl/*.whl" > /dev/null; then
@@ -143,7 +150,7 @@ for name in $STEP_LIST; do
   fi
   FIRST=0
   # shellcheck disable=SC2046,SC2086  # word splitting of the argument lists is intended
-  ARGS="$SHAPE_ARGS $WORKLOAD_ARGS $(step_args "$name") --server-log-level $SERVER_LOG_LEVEL --out $OUT --name $name"
+  ARGS="$SHAPE_ARGS $WORKLOAD_ARGS $(step_args "$name") --server-log-level $SERVER_LOG_LEVEL --server-log $LOGS/$name.server.log --out $OUT --name $name"
   echo "== $name: timeout $BUDGET s, at $(( $(date +%s) - START )) s: agent_sessions.py $ARGS"
   T0=$(date +%s)
   # shellcheck disable=SC2086
@@ -156,10 +163,11 @@ for name in $STEP_LIST; do
       "agent_sessions.py $ARGS"
     cat "$LOGS/$name.out"
     echo "-- server start-up (each start) and stats lines:"
-    grep -E "memory: |start-up [0-9.]+ s|host tier: (off|[0-9.]+ GiB of)|disk tier: (off|/)|Traceback|Error" \
-      "$LOGS/$name.log" | grep -v "^.*INFO forkpoint: " | cut -c1-300 | head -24
-    grep -E "forkpoint.server: prompt [0-9.]+ tokens/s" "$LOGS/$name.log" | cut -c1-400 | tail -40
-    [ "$RC" != 0 ] && [ "$RC" != 124 ] && tail -15 "$LOGS/$name.log"
+    grep -hE "memory: |start-up [0-9.]+ s|host tier: (off|[0-9.]+ GiB of)|disk tier: (off|/)|Traceback|Error" \
+      "$LOGS/$name.log" "$LOGS/$name.server.log" 2>/dev/null | grep -v "^.*INFO forkpoint: " | cut -c1-300 | head -24
+    grep -hE "forkpoint.server: prompt [0-9.]+ tokens/s" "$LOGS/$name.server.log" "$LOGS/$name.log" 2>/dev/null \
+      | cut -c1-400 | tail -40
+    [ "$RC" != 0 ] && [ "$RC" != 124 ] && tail -15 "$LOGS/$name.log" "$LOGS/$name.server.log"
   } >> "$OUT/summary.txt" 2>&1
   tail -n +1 "$LOGS/$name.out" | grep -E "^computed|^results" || true
   wait_gpu_free
