@@ -5,18 +5,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
 from forkpoint.server.cli import _model_name, build_parser, main
 from forkpoint.server.engine_args import engine_kwargs
+from tests.server.conftest import serve_process
 
 ENGINE_OPTIONS = ["--dtype", "--device", "--seed", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
                   "--block-size", "--checkpoint-token", "--no-checkpoints", "--max-checkpoints-per-request",
@@ -69,25 +65,10 @@ def test_hub_names_are_served_as_given_with_their_revision(tmp_path):
 
 
 def test_serve_process_answers_and_stops_on_sigint(tmp_path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log = open(tmp_path / "serve.log", "w+")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "forkpoint.server.cli", "serve", "--port", str(port), "--max-model-len", "2048",
-         "--served-model-name", "cli-test", "--marker-in-user-content", "reject", "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline, log.seek(0) or log.read()
-            time.sleep(0.3)
+    args = ["--max-model-len", "2048", "--served-model-name", "cli-test", "--marker-in-user-content", "reject",
+            "--log-level", "warning"]
+    with serve_process(args, tmp_path / "serve.log") as running:
+        base, process = running.base_url, running.process
         assert httpx.get(f"{base}/v1/models").json()["data"][0]["max_model_len"] == 2048
         response = httpx.post(f"{base}/v1/completions", timeout=60,
                               json={"model": "cli-test", "prompt": "hi", "max_tokens": 1})
@@ -96,11 +77,6 @@ def test_serve_process_answers_and_stops_on_sigint(tmp_path):
         assert rejected.status_code == 400
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        log.close()
 
 
 def test_generate_prints_outputs_and_timings(capsys):

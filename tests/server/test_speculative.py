@@ -14,13 +14,8 @@ server verification accepts several tokens a step, rejects, and rolls the recurr
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -33,7 +28,7 @@ from forkpoint.server.config import ServerConfig
 from forkpoint.server.engine_args import engine_kwargs
 from forkpoint.server.stats import StatsLine, speculative_summary
 from tests.engine.test_speculative import OracleDrafts
-from tests.server.conftest import MARKER, RunningServer, serve
+from tests.server.conftest import MARKER, RunningServer, serve, serve_process
 from tests.tiny_models import add_mtp_weights, token_words
 
 K = 3
@@ -295,25 +290,10 @@ def test_generate_reports_the_acceptance(word_mtp_model, capsys):
 def test_serve_process_with_the_flag(word_mtp_model, tmp_path):
     """`forkpoint serve MODEL --speculative-config ...` as a real process: the start-up summary says
     what runs, greedy answers come, /metrics has the acceptance series, SIGINT stops it."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log = open(tmp_path / "serve.log", "w+")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "forkpoint.server.cli", "serve", str(word_mtp_model), "--port", str(port),
-         "--max-model-len", "1024", "--speculative-config", SPEC_JSON, "--served-model-name", "spec-cli"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline, log.seek(0) or log.read()
-            time.sleep(0.3)
+    args = [str(word_mtp_model), "--max-model-len", "1024", "--speculative-config", SPEC_JSON,
+            "--served-model-name", "spec-cli"]
+    with serve_process(args, tmp_path / "serve.log") as running:
+        base, process = running.base_url, running.process
         response = httpx.post(f"{base}/v1/completions", timeout=60,
                               json={"model": "spec-cli", "prompt": token_words(11, 6), "max_tokens": 8,
                                     "temperature": 0.0})
@@ -321,10 +301,4 @@ def test_serve_process_with_the_flag(word_mtp_model, tmp_path):
         assert "forkpoint_spec_decode_num_drafts_total" in httpx.get(f"{base}/metrics").text
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 0
-        log.seek(0)
-        assert f"speculative decoding: mtp head drafts {K} tokens per step" in log.read()
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        log.close()
+        assert f"speculative decoding: mtp head drafts {K} tokens per step" in running.output()
