@@ -37,7 +37,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from forkpoint.cache.checkpoints import CacheMissReason, CheckpointKind, CheckpointRegistry
+from forkpoint.cache.checkpoint_types import CacheMissReason, CheckpointKind
+from forkpoint.cache.checkpoints import CheckpointRegistry
 from forkpoint.cache.hashing import PrefixHasher
 from forkpoint.cache.prefix_index import PrefixIndex
 from forkpoint.engine.request import Request, SharedPrefix

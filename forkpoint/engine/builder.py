@@ -24,7 +24,7 @@ from forkpoint.cache.checkpoints import CheckpointRegistry
 from forkpoint.cache.host_tier import HostTier
 from forkpoint.cache.sizing import default_host_tier_bytes, physical_memory_bytes, pools_of_sizes
 from forkpoint.cache.state_pool import StatePool
-from forkpoint.config import EngineConfig, ModelConfig, VisionConfig
+from forkpoint.config import EngineConfig, ModelConfig
 from forkpoint.distributed.runner import TensorParallelRunner
 from forkpoint.engine.output_processor import OutputProcessor
 from forkpoint.engine.scheduler import Scheduler
@@ -43,6 +43,7 @@ from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_size
 from forkpoint.runner.speculative import MTPDrafter
 from forkpoint.runner.storage import DeviceStorage, plan_storage
 from forkpoint.structured import GrammarCompiler
+from forkpoint.vision_config import VisionConfig
 
 logger = logging.getLogger("forkpoint")
 

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from forkpoint.cache.checkpoints import CacheMissReason
+from forkpoint.cache.checkpoint_types import CacheMissReason
 from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig
 from forkpoint.engine.builder import EngineBuilder, EngineParts
 from forkpoint.engine.holdings import check_holdings

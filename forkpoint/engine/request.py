@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from forkpoint.cache.checkpoints import CacheMissReason, Checkpoint, CheckpointKind
+from forkpoint.cache.checkpoint_types import CacheMissReason, Checkpoint, CheckpointKind
 from forkpoint.cache.hashing import PrefixHasher
 from forkpoint.inputs.multimodal import MultimodalPrompt
 from forkpoint.runner.logits_processors import RequestProcessors
@@ -104,7 +104,7 @@ class Request:
     # (engine/speculative.py); set by the engine with each step's tokens, used up by the plan
     draft_token_ids: tuple[int, ...] = ()
     # the client it comes from (the server's `user`; "" for none): its checkpoints count against that
-    # tenant's fair share of the checkpoint pool (cache/checkpoints.py)
+    # tenant's fair share of the checkpoint pool (cache/eviction.py)
     tenant: str = ""
 
     @property

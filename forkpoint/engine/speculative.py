@@ -24,8 +24,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from forkpoint.cache.state_pool import StatePool
-from forkpoint.config import SpeculativeConfig
 from forkpoint.engine.request import Request
+from forkpoint.speculative_config import SpeculativeConfig
 from forkpoint.step.plan import Segment, SegmentKind, Verify
 from forkpoint.step.result import Verified
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from forkpoint.cache.checkpoints import Checkpoint, CheckpointRegistry
+from forkpoint.cache.checkpoint_types import Checkpoint
+from forkpoint.cache.checkpoints import CheckpointRegistry
 from forkpoint.engine.request import Request
 from forkpoint.engine.scheduler import ScheduledStep
 from forkpoint.step.plan import StepPlan

@@ -9,6 +9,8 @@ import argparse
 import json
 from typing import Any
 
+from forkpoint.speculative_config import SpeculativeConfig
+
 
 def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, title: str = "engine") -> None:
     """The engine options (the keyword arguments of `LLM`)."""
@@ -110,8 +112,6 @@ def _json_object(text: str, example: str = '{"disable_any_whitespace": false}') 
 def _speculative_config(text: str) -> dict:
     """--speculative-config: a JSON object that `SpeculativeConfig.from_value` accepts (its message
     names the key that is wrong), kept as the dict so that replicas get plain data."""
-    from forkpoint.config import SpeculativeConfig  # imports torch: only when the flag is given
-
     value = _json_object(text, example='{"method": "mtp", "num_speculative_tokens": 3}')
     try:
         SpeculativeConfig.from_value(value)

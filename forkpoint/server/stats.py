@@ -18,10 +18,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from forkpoint.config import SpeculativeConfig
 from forkpoint.kernels import kernel_variants
 from forkpoint.llm import LLM
 from forkpoint.server.config import ServerConfig
+from forkpoint.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger("forkpoint.server")
 

@@ -1,4 +1,4 @@
-"""Per-tenant shares of the checkpoint pool (cache/checkpoints.py, "Tenants"): a client that floods
+"""Per-tenant shares of the checkpoint pool (cache/eviction.py, "Tenants"): a client that floods
 unique prefixes evicts its own checkpoints, not everyone else's; with one tenant the order is the
 plain value policy's. Registry alone (no model, no scheduler)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from forkpoint.cache.checkpoints import CheckpointKind
+from forkpoint.cache.checkpoint_types import CheckpointKind
 from tests.cache.test_eviction import _Pools
 
 SLOTS = 8
@@ -32,7 +32,7 @@ def test_a_flooding_tenant_evicts_its_own_checkpoints(kind):
         pools.check()
     assert all(pools.registry.get(key) is not None for key in victims)
     held = [c.owner for c in pools.registry]
-    assert held.count("flood") == SLOTS - 3 and pools.registry.fair_share("flood") == SLOTS // 2
+    assert held.count("flood") == SLOTS - 3 and pools.registry.eviction.fair_share("flood") == SLOTS // 2
     assert {c.key for c in pools.registry if c.owner == "flood"} == {f"flood-{i}".encode() for i in range(95, 100)}
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from forkpoint import LLM, SamplingParams
-from forkpoint.cache.checkpoints import CheckpointKind
+from forkpoint.cache.checkpoint_types import CheckpointKind
 from tests.helpers import assert_same_outputs
 from tests.tiny_models import words
 

@@ -1,5 +1,5 @@
 """Many sessions, few checkpoint rows, through the engine: each session's latest turn end survives
-the others' turns (eviction by value, cache/checkpoints.py), so every turn from the second on computes
+the others' turns (eviction by value, cache/eviction.py), so every turn from the second on computes
 only its new tokens, and the outputs equal an engine's without checkpoints (float32 CPU, tiny model)."""
 
 from __future__ import annotations

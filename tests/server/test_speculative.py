@@ -22,11 +22,11 @@ import httpx
 import pytest
 
 from forkpoint import LLM, SamplingParams
-from forkpoint.config import SpeculativeConfig
 from forkpoint.server.cli import build_parser, main
 from forkpoint.server.config import ServerConfig
 from forkpoint.server.engine_args import engine_kwargs
 from forkpoint.server.stats import StatsLine, speculative_summary
+from forkpoint.speculative_config import SpeculativeConfig
 from tests.engine.test_speculative import OracleDrafts
 from tests.server.conftest import MARKER, RunningServer, serve, serve_process
 from tests.tiny_models import add_mtp_weights, token_words

@@ -1,5 +1,5 @@
 """Through HTTP: one client (its `user`) that floods unique marked prefixes cannot evict another
-client's checkpoints (cache/checkpoints.py, per-tenant shares); without `user` fields it can."""
+client's checkpoints (cache/eviction.py, per-tenant shares); without `user` fields it can."""
 
 from __future__ import annotations
 
