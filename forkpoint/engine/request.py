@@ -103,6 +103,9 @@ class Request:
     # speculative decoding: the MTP head's drafts of the tokens after the last one, verified next step
     # (engine/speculative.py); set by the engine with each step's tokens, used up by the plan
     draft_token_ids: tuple[int, ...] = ()
+    # the client it comes from (the server's `user`; "" for none): its checkpoints count against that
+    # tenant's fair share of the checkpoint pool (cache/checkpoints.py)
+    tenant: str = ""
 
     @property
     def token_ids(self) -> list[int]:
