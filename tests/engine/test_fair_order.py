@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from forkpoint import LLM, SamplingParams
 from forkpoint.cache.block_pool import BlockPool
@@ -15,7 +17,7 @@ from forkpoint.cache.state_pool import StatePool
 from forkpoint.config import EngineConfig
 from forkpoint.engine import scheduler as scheduler_module
 from forkpoint.engine.fair_order import step_order
-from forkpoint.engine.request import Request
+from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler import Scheduler
 from tests.engine.fake_executor import FakeExecutor, reference
 from tests.helpers import assert_same_outputs
@@ -80,6 +82,8 @@ class _Engine:
                 self.scheduler.config = dataclasses.replace(self.scheduler.config, max_num_batched_tokens=cut_budget)
             step = self.scheduler.schedule()
             self.planned.append({r.request_id for r in step.requests})
+            # a sequence is never preempted after being planned into the same step
+            assert all(r.status is RequestStatus.RUNNING and r.slot is not None for r in step.requests)
             tokens = self.executor.execute(step.plan)
             self.scheduler.commit(step)
             by_id = {r.request_id: r for r in step.requests}
@@ -170,3 +174,28 @@ def test_outputs_equal_a_step_that_holds_every_sequence(moe_model, monkeypatch):
     reordered.clear()
     assert_same_outputs(cut, run(cut_budget=None))
     assert not any(reordered)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)  # the same examples each run
+@given(
+    prompts=st.lists(st.tuples(st.sampled_from(["", "alice", "bob"]), st.integers(1, 12), st.integers(1, 4)),
+                     min_size=1, max_size=6),
+    budget=st.integers(2, 40),
+    cut=st.tuples(st.integers(0, 4), st.integers(1, 8)),
+    spare_blocks=st.integers(0, 12),
+)
+def test_cut_steps_and_preemption_keep_every_output(prompts, budget, cut, spare_blocks):
+    """Random clients (tenant, prompt length, n) under a token budget cut down after a few steps
+    and KV blocks short enough to preempt: every sequence ends with the fake model's greedy output,
+    no step computes for a sequence it preempted, and the pools drain."""
+    longest = max(length for _, length, _ in prompts) + PARAMS.max_tokens
+    config = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=8, block_size=4,
+                          num_kv_blocks=-(-longest // 4) + spare_blocks, checkpoint_pool_size=1)
+    engine = _Engine(config)
+    for p, (tenant, length, n) in enumerate(prompts):
+        engine.add(f"p{p}", [p, *range(length - 1)], n, tenant)
+    engine.run(cut_from_step=cut[0], cut_budget=min(budget, cut[1]))
+    for request in engine.sequences:
+        assert request.finish_reason == "length"
+        assert request.output_token_ids == reference(request.prompt_token_ids, PARAMS.max_tokens)
+    assert engine.blocks.num_used == 0 and engine.states.requests.num_used == 0
