@@ -11,7 +11,8 @@ it (it stopped, or was aborted) leaves the running list at once but keeps its sl
 
 `schedule()` plans running requests first (decodes and prefill chunks, in order; round robin by client
 when the token budget cannot hold them all: engine/fair_order.py), then waiting
-requests in arrival order under the token and sequence budgets. A waiting request whose longest
+requests in arrival order under the token and sequence budgets (by client when they cannot all be
+admitted: a client with fewer running sequences goes first). A waiting request whose longest
 matching checkpoint is still being produced is *deferred*: it keeps its place in the queue and later
 requests are scheduled past it. It wakes in the step in which the checkpoint is ready, or in the same
 step when the producer's chunk reaches the checkpoint (then its segment runs in a later phase of the
@@ -35,7 +36,7 @@ from forkpoint.cache.checkpoints import CacheMissReason, Checkpoint, CheckpointK
 from forkpoint.cache.state_pool import ZERO_SLOT, StatePool
 from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig
 from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner, Placement
-from forkpoint.engine.fair_order import step_order
+from forkpoint.engine.fair_order import admission_order, step_order
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.speculative import Speculation
 from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan, Verify
@@ -240,7 +241,8 @@ class Scheduler:
             budget -= count
 
         if not preempted:
-            for request in list(self.waiting):
+            room = self.config.max_num_seqs - len(self.running)
+            for request in admission_order(self.waiting, self.running, budget, room, self.chunk_cap):
                 if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                     break
                 admitted = self._try_admit(planning, request, budget, now)

@@ -16,7 +16,7 @@ from forkpoint.cache.hashing import PrefixHasher
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.config import EngineConfig
 from forkpoint.engine import scheduler as scheduler_module
-from forkpoint.engine.fair_order import step_order
+from forkpoint.engine.fair_order import admission_order, step_order
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler import Scheduler
 from tests.engine.fake_executor import FakeExecutor, reference
@@ -53,6 +53,23 @@ def test_a_prefill_chunk_counts_its_capped_tokens():
     assert step_order([prefill, decode], budget=8, chunk_cap=8) == [prefill, decode]  # both first of their client
     second = _request("p2", "p", 1, list(range(20)))
     assert step_order([prefill, second, decode], budget=16, chunk_cap=8) == [prefill, decode, second]
+
+
+def test_admission_is_first_come_first_served_while_all_fit():
+    waiting = [_request(f"a{i}", "a", i, [1, 2]) for i in range(3)] + [_request("b", "b", 0, [3])]
+    assert admission_order(waiting, [], budget=7, seq_room=4, chunk_cap=8) == waiting
+
+
+def test_admission_ranks_a_client_after_its_running_sequences():
+    running = [_request(f"r{i}", "pa", i, [1, 2], tenant="alice", computed=2) for i in range(2)]
+    alice = [_request(f"a{i}", f"q{i}", 0, [1, 2], tenant="alice") for i in range(3)]
+    bob = [_request(f"b{i}", "pb", i, [3, 4], tenant="bob") for i in range(2)]
+    carol = _request("c", "pc", 0, [5])
+    waiting = [*alice, bob[0], bob[1], carol]
+    # ranks: alice 2, 3, 4 (two running); bob 0, 1; carol 0
+    assert admission_order(waiting, running, budget=100, seq_room=3, chunk_cap=8) == [
+        bob[0], carol, bob[1], alice[0], alice[1], alice[2]]
+    assert admission_order(waiting, running, budget=5, seq_room=8, chunk_cap=8)[:2] == [bob[0], carol]
 
 
 class _Engine:
@@ -138,6 +155,30 @@ def test_without_the_fair_order_the_stream_waits_for_the_flood(monkeypatch):
     assert steps[-1] >= PARAMS.max_tokens + 10, steps  # 10 steps or more without a token for it
     for request in engine.sequences:
         assert request.output_token_ids == reference(request.prompt_token_ids, PARAMS.max_tokens)
+
+
+def _queued_behind_a_flood() -> _Engine:
+    """One prompt x n=24 (no tenant: one client), then another client's single request; 8 sequence
+    slots, so the flood's sequences cannot all run at once."""
+    engine = _Engine(EngineConfig(max_num_batched_tokens=64, max_num_seqs=8, block_size=4, num_kv_blocks=256,
+                                  checkpoint_pool_size=1))
+    engine.add("flood", [7, 1, 3], 24, "")
+    engine.add("stream", [9, 8], 1, "")
+    engine.run(cut_from_step=0, cut_budget=64)
+    return engine
+
+
+def test_a_new_client_is_admitted_ahead_of_a_flood_queued_before_it():
+    engine = _queued_behind_a_flood()
+    assert _stream_steps(engine) == list(range(PARAMS.max_tokens))  # in the first step, then every step
+    for request in engine.sequences:
+        assert request.output_token_ids == reference(request.prompt_token_ids, PARAMS.max_tokens)
+
+
+def test_first_come_first_served_the_new_client_waits_for_the_flood(monkeypatch):
+    monkeypatch.setattr(scheduler_module, "admission_order", lambda waiting, *args: list(waiting))
+    steps = _stream_steps(_queued_behind_a_flood())
+    assert steps[0] >= 2 * PARAMS.max_tokens, steps  # two waves of 8 flood sequences ran first
 
 
 def test_outputs_equal_a_step_that_holds_every_sequence(moe_model, monkeypatch):
