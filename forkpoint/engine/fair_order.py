@@ -32,9 +32,14 @@ def client_of(request: Request) -> str:
     return f"tenant:{request.tenant}" if request.tenant else f"prompt:{request.parent_id}"
 
 
-def _demand(requests: Iterable[Request], chunk_cap: int) -> int:
-    """An upper bound on the tokens `requests` take this step: what each has left, capped, plus its drafts."""
-    return sum(min(r.num_tokens - r.num_computed_tokens, chunk_cap) + len(r.draft_token_ids) for r in requests)
+def _fit(requests: Iterable[Request], budget: int, chunk_cap: int) -> bool:
+    """Whether `budget` tokens hold an upper bound on what `requests` take this step: what each has
+    left, capped at `chunk_cap`, plus its drafts. Stops at the first request past the budget."""
+    for request in requests:
+        budget -= min(request.num_tokens - request.num_computed_tokens, chunk_cap) + len(request.draft_token_ids)
+        if budget < 0:
+            return False
+    return True
 
 
 def _round_robin(requests: Sequence[Request], ahead: Counter[str]) -> list[Request]:
@@ -52,7 +57,7 @@ def _round_robin(requests: Sequence[Request], ahead: Counter[str]) -> list[Reque
 def step_order(running: Sequence[Request], budget: int, chunk_cap: int) -> list[Request]:
     """`running` in the order a step with `budget` tokens (at most `chunk_cap` per sequence) plans
     them: unchanged when every next chunk fits, else round robin by client. A permutation of `running`."""
-    if _demand(running, chunk_cap) <= budget:
+    if _fit(running, budget, chunk_cap):
         return list(running)
     return _round_robin(running, Counter())
 
@@ -62,6 +67,6 @@ def admission_order(waiting: Sequence[Request], running: Sequence[Request], budg
     """`waiting` in the order a step with `budget` tokens left and room for `seq_room` more
     sequences tries to admit them: the queue order when all fit, else by rank (module docstring).
     A permutation of `waiting`."""
-    if len(waiting) <= seq_room and _demand(waiting, chunk_cap) <= budget:
+    if len(waiting) <= seq_room and _fit(waiting, budget, chunk_cap):
         return list(waiting)
     return _round_robin(waiting, Counter(client_of(r) for r in running))
