@@ -54,10 +54,11 @@ def _round_robin(requests: Sequence[Request], ahead: Counter[str]) -> list[Reque
     return [request for _, _, request in sorted(ranked, key=lambda entry: entry[:2])]
 
 
-def step_order(running: Sequence[Request], budget: int, chunk_cap: int) -> list[Request]:
-    """`running` in the order a step with `budget` tokens (at most `chunk_cap` per sequence) plans
-    them: unchanged when every next chunk fits, else round robin by client. A permutation of `running`."""
-    if _fit(running, budget, chunk_cap):
+def step_order(running: Sequence[Request], budget: int, chunk_cap: int, seq_room: int | None = None) -> list[Request]:
+    """`running` in the order a step with `budget` tokens (at most `chunk_cap` per sequence) and at
+    most `seq_room` sequences (None: no cap below max_num_seqs) plans them: unchanged when every
+    next chunk fits, else round robin by client. A permutation of `running`."""
+    if (seq_room is None or len(running) <= seq_room) and _fit(running, budget, chunk_cap):
         return list(running)
     return _round_robin(running, Counter())
 

@@ -46,6 +46,13 @@ def test_short_budget_takes_one_sequence_per_client_per_round():
     assert step_order([*a, b, *c], budget=3, chunk_cap=8) == [a[0], b, c[0], a[1], c[1], a[2], a[3]]
 
 
+def test_a_sequence_cap_below_the_running_count_takes_round_robin():
+    running = [_request(f"a{i}", "a", i, [1, 2], computed=1) for i in range(3)] + [_request("b", "b", 0, [3, 4],
+                                                                                            computed=1)]
+    assert step_order(running, budget=100, chunk_cap=8, seq_room=4) == running
+    assert step_order(running, budget=100, chunk_cap=8, seq_room=2) == [running[0], running[3], *running[1:3]]
+
+
 def test_a_prefill_chunk_counts_its_capped_tokens():
     prefill = _request("p", "p", 0, list(range(20)))  # 20 tokens left, 8 a step
     decode = _request("d", "d", 0, [1, 2], computed=1)
@@ -149,7 +156,7 @@ def test_an_admitted_stream_decodes_every_step_beside_one_clients_prefills(flood
 def test_without_the_fair_order_the_stream_waits_for_the_flood(monkeypatch):
     """The failure the order fixes: planned in running order, the flood's earlier-admitted prefill
     takes whole steps' budgets and the admitted stream gets no token in them."""
-    monkeypatch.setattr(scheduler_module, "step_order", lambda running, budget, chunk_cap: list(running))
+    monkeypatch.setattr(scheduler_module, "step_order", lambda running, *args: list(running))
     engine = _one_client_floods("alice", "bob")
     steps = _stream_steps(engine)
     assert steps[-1] >= PARAMS.max_tokens + 10, steps  # 10 steps or more without a token for it
@@ -189,8 +196,8 @@ def test_outputs_equal_a_step_that_holds_every_sequence(moe_model, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
     reordered = []
 
-    def counted(running, budget, chunk_cap):
-        order = step_order(running, budget, chunk_cap)
+    def counted(running, *args):
+        order = step_order(running, *args)
         reordered.append(order != list(running))
         return order
 
