@@ -10,8 +10,10 @@ decode step is still in flight: each of its sequences then decodes the token tha
 it (it stopped, or was aborted) leaves the running list at once but keeps its slot and blocks
 (`releasing`) until the last such step is committed or failed.
 
-`schedule()` plans running requests first (decodes and prefill chunks, in order), then waiting
-requests in arrival order under the token and sequence budgets. A waiting request whose longest
+`schedule()` plans running requests first (decodes and prefill chunks, in order; round robin by client
+when the token budget cannot hold them all: engine/fair_order.py), then waiting
+requests in arrival order under the token and sequence budgets (by client when they cannot all be
+admitted: a client with fewer running sequences goes first). A waiting request whose longest
 matching checkpoint is still being produced is *deferred*: it keeps its place in the queue and later
 requests are scheduled past it. It wakes in the step in which the checkpoint is ready, or in the same
 step when the producer's chunk reaches the checkpoint (then its segment runs in a later phase of the
@@ -35,6 +37,7 @@ from forkpoint.cache.checkpoints import CacheMissReason, Checkpoint, CheckpointK
 from forkpoint.cache.state_pool import ZERO_SLOT, StatePool
 from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig
 from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner, Placement
+from forkpoint.engine.fair_order import admission_order, step_order
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.speculative import Speculation
 from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan, Verify
@@ -239,7 +242,8 @@ class Scheduler:
             budget = min(budget, limits.max_tokens)
         preempted = False
 
-        for request in list(self.running):
+        for request in step_order(self.running, budget, planning.chunk_cap or self.chunk_cap,
+                                  planning.seq_room):  # per-client round robin when short
             if request.status is not RequestStatus.RUNNING or budget == 0 or planning.seqs_full:
                 continue
             verifying = self.speculation is not None and self.speculation.wants_verify(request)
@@ -254,7 +258,7 @@ class Scheduler:
             if count == 0:
                 continue
             needed = self.speculation.blocks_needed(request) if verifying else request.num_computed_tokens + count
-            if not self._grow_blocks(request, needed):
+            if not self._grow_blocks(request, needed, planning.requests):
                 if request.status is RequestStatus.FINISHED:
                     planning.finished.append(request)
                 preempted = True
@@ -272,7 +276,10 @@ class Scheduler:
             planning.take_seq()
 
         if not preempted:
-            for request in list(self.waiting):
+            room = self.config.max_num_seqs - len(self.running)
+            room = room if planning.seq_room is None else min(room, planning.seq_room)
+            for request in admission_order(self.waiting, self.running, budget, room,
+                                           planning.chunk_cap or self.chunk_cap):
                 if budget == 0 or len(self.running) >= self.config.max_num_seqs or planning.seqs_full:
                     break
                 admitted = self._try_admit(planning, request, budget, now)
@@ -439,9 +446,10 @@ class Scheduler:
         return max(count, 0)
 
     # ------------------------------------------------------------------ memory
-    def _grow_blocks(self, request: Request, num_tokens: int) -> bool:
+    def _grow_blocks(self, request: Request, num_tokens: int, planned: list[Request]) -> bool:
         """Give a running request blocks for `num_tokens` tokens, evicting idle checkpoints and then
-        preempting later requests. False when `request` itself had to be preempted."""
+        preempting the most recently admitted request not `planned` in this step (at worst `request`
+        itself). False when `request` itself had to be preempted."""
         need = -(-num_tokens // self.block_size) - len(request.blocks)
         while need > self.blocks.num_free:
             if self.registry is not None and self._evict_for_memory():
@@ -452,7 +460,7 @@ class Scheduler:
                 # alone with every evictable block freed: recomputing could never fit, so stop here
                 self.finish(request, "length")
                 return False
-            victim = self.running[-1]
+            victim = next(r for r in reversed(self.running) if r not in planned)  # `request` is not planned yet
             self._preempt(victim)
             if victim is request:
                 return False
