@@ -37,8 +37,8 @@ from forkpoint.engine.holdings import check_holdings
 from forkpoint.engine.memory_retry import MemoryBackoff, is_out_of_memory
 from forkpoint.engine.metrics import checkpoint_metrics, pool_metrics
 from forkpoint.engine.request import Request
-from forkpoint.engine.scheduler import ScheduledStep
 from forkpoint.engine.step_io import plan_with_sampling, record_prompt_scores
+from forkpoint.engine.step_planning import ScheduledStep
 from forkpoint.inputs.processor import ProcessedPrompt
 from forkpoint.outputs import RequestOutput
 from forkpoint.runner.logits_processors import build_request_processors

@@ -35,7 +35,7 @@ from __future__ import annotations
 import sys
 
 from forkpoint.engine.request import Request
-from forkpoint.engine.scheduler import ScheduledStep, StepLimits
+from forkpoint.engine.step_planning import ScheduledStep, StepLimits
 
 CPU_ALLOCATOR_FAILURE = "DefaultCPUAllocator: can't allocate memory"
 

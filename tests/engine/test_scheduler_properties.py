@@ -21,7 +21,8 @@ from forkpoint.cache.host_tier import HostTier
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.config import EngineConfig
 from forkpoint.engine.request import Request, RequestStatus
-from forkpoint.engine.scheduler import Scheduler, StepLimits
+from forkpoint.engine.scheduler import Scheduler
+from forkpoint.engine.step_planning import StepLimits
 from forkpoint.sampling_params import SamplingParams
 from forkpoint.step.plan import StepPlan
 from tests.engine.fake_executor import FakeExecutor, reference
