@@ -26,16 +26,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-@pytest.fixture(scope="module")
-def model_dir(moe_model):
-    return moe_model[0]
-
-
-@pytest.fixture(scope="module")
-def plain(model_dir):
-    return LLM(str(model_dir), enable_checkpoints=False, num_kv_blocks=256)
-
-
 def computed(llm: LLM, fn):
     before = llm.metrics()["prompt_tokens_computed"]
     result = fn()

@@ -22,16 +22,6 @@ MARK = "<|mamba_checkpoint|>"
 SYSTEM = token_words(3, 70)  # 70 tokens: 4 full blocks and a partial one
 
 
-@pytest.fixture(scope="module")
-def model_dir(moe_model):
-    return moe_model[0]
-
-
-@pytest.fixture(scope="module")
-def plain(model_dir):
-    return LLM(str(model_dir), enable_checkpoints=False, num_kv_blocks=256)
-
-
 def disk_llm(model_dir, directory, **kwargs) -> LLM:
     return LLM(str(model_dir), num_kv_blocks=256, checkpoint_dir=str(directory), **kwargs)
 

@@ -47,11 +47,6 @@ def tokens_of(plan: StepPlan, request_id: str) -> int:
     return sum(s.end - s.start for s in plan.segments if s.request_id.split("#")[0] == request_id)
 
 
-@pytest.fixture(scope="module")
-def model_dir(moe_model):
-    return moe_model[0]
-
-
 @pytest.mark.parametrize("error, expected", [
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
     (MemoryError(), True),

@@ -4,18 +4,12 @@ only its new tokens, and the outputs equal an engine's without checkpoints (floa
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from forkpoint import LLM, SamplingParams
 from tests.helpers import assert_same_outputs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
-
-
-@pytest.fixture(scope="module")
-def model_dir(moe_model):
-    return moe_model[0]
 
 
 def test_each_sessions_turn_end_survives_the_other_sessions_turns(model_dir):
