@@ -1,15 +1,22 @@
 """Agent sessions through the HTTP server, as an agent framework drives it (issue 26's workload).
 
-S sessions run concurrently, T turns each, through `/v1/chat/completions` (the official openai client,
-streaming): a shared system prompt, a per-session document, then per turn the assistant's reply sent
-back as text (with a tool call) and a tool result. Phase A is the workload as is; phase B runs the same
+S sessions run concurrently, T turns each, through `/v1/chat/completions` (streaming, the requests an
+OpenAI client sends, over httpx: the device has no `openai` package): a shared system prompt, a
+per-session document, then per turn the assistant's reply sent back as text (with a tool call) and a
+tool result. Phase A is the workload as is; phase B runs the same
 shapes on the same server with a unique nonce opening every request, so nothing can be reused.
 
 Per turn (over sessions): prompt tokens, cached tokens (`usage.prompt_tokens_details.cached_tokens`),
 the tokens the turn shares with the session's previous turn (the longest common prefix of the rendered
 prompts' token ids, from `/tokenize`; turn 0: with the other sessions' first prompts), TTFT p50/p90 and
 the miss reasons the server gave (`cache_miss_reason`); totals per phase, and the server's
-`forkpoint_cache_misses_total` by reason. JSON + PNG under --out (bench/results/).
+`forkpoint_cache_misses_total` by reason. Per phase: the server's time to first token by part (mean ms per
+request: prompt rendered and tokenised, hand-off to the engine thread, queue, prefill, delivery; the
+`forkpoint_request_<part>_time_seconds` histograms; per turn, p50 and the steps queued behind, from the
+server's debug lines with `--server-log FILE --server-log-level debug`), its wall time and the server's generation
+throughput (`forkpoint_generation_tokens_total`, read every --poll-s) over the phase and per --window-s
+window (10 s; the worst window is issue 32's measure). Each phase's table is printed, and the JSON so far
+written, as soon as the phase ends; JSON + PNG under --out (bench/results/) at the end.
 
 `--restart` (started servers only): the server runs with `--checkpoint-dir` (a scratch directory);
 after phase A it is stopped and started again on the same directory, and phase R sends the first
@@ -23,6 +30,7 @@ Usage:
         --doc-words 800 --tool-words 160 --reply-tokens 64 --server-arg=--device=cuda   # H200, dummy weights
     python bench/agent_sessions.py --url http://127.0.0.1:8000      # a server already running
     python bench/agent_sessions.py --restart                        # + the first turn after a restart
+    python bench/agent_sessions.py --server-log-level debug --server-log /tmp/server.log   # + TTFT by part per turn
 """
 
 from __future__ import annotations
@@ -32,14 +40,15 @@ import asyncio
 import json
 import os
 import random
+import re
 import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from openai import AsyncOpenAI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,42 +95,143 @@ def build_sessions(args: argparse.Namespace, documents_seed: int | None = None) 
             for s in range(args.sessions)]
 
 
-async def one_request(client: AsyncOpenAI, http: httpx.AsyncClient, model: str, messages: list[dict],
-                      args: argparse.Namespace) -> dict:
+async def one_request(http: httpx.AsyncClient, model: str, messages: list[dict], args: argparse.Namespace) -> dict:
+    """One streamed chat request as an OpenAI client sends it (plain httpx and SSE: the device has no
+    `openai` package); the prompt's token ids come from `/tokenize` with the same body."""
     kwargs = {} if args.thinking == "unset" else {"enable_thinking": args.thinking == "on"}
     body = {"messages": messages, "tools": TOOLS, "chat_template_kwargs": kwargs}
     tokenized = (await http.post("/tokenize", json=body)).json()
+    request = {**body, "model": model, "max_tokens": args.reply_tokens, "temperature": 0.0, "stream": True,
+               "stream_options": {"include_usage": True}, "ignore_eos": True, "min_tokens": args.reply_tokens}
     begin = time.perf_counter()
     first = None
     usage = None
+    response_id = None
     reply = []
-    stream = await client.chat.completions.create(
-        model=model, messages=messages, tools=TOOLS, max_tokens=args.reply_tokens, temperature=0.0, stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"chat_template_kwargs": kwargs, "ignore_eos": True, "min_tokens": args.reply_tokens})
-    async for chunk in stream:
-        if chunk.choices:
-            delta = chunk.choices[0].delta
-            piece = (delta.content or "") + (getattr(delta, "reasoning_content", None) or "")
-            if piece and first is None:
-                first = time.perf_counter()
-            reply.append(delta.content or "")
-        if chunk.usage is not None:
-            usage = chunk.usage
+    async with http.stream("POST", "/v1/chat/completions", json=request) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"/v1/chat/completions answered {response.status_code}: "
+                               f"{(await response.aread()).decode()[:500]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            response_id = chunk.get("id", response_id)
+            if "error" in chunk:
+                raise RuntimeError(f"the stream failed: {chunk['error']}")
+            for choice in chunk["choices"]:
+                delta = choice.get("delta", {})
+                piece = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+                if piece and first is None:
+                    first = time.perf_counter()
+                reply.append(delta.get("content") or "")
+            if chunk.get("usage"):
+                usage = chunk["usage"]
     end = time.perf_counter()
-    details = usage.prompt_tokens_details
-    return {"prompt_tokens": usage.prompt_tokens, "cached_tokens": details.cached_tokens or 0,
-            "miss_reason": (details.model_extra or {}).get("cache_miss_reason"), "ttft_s": (first or end) - begin,
-            "latency_s": end - begin, "ids": tokenized["tokens"], "reply": "".join(reply)}
+    details = usage.get("prompt_tokens_details") or {}
+    return {"prompt_tokens": usage["prompt_tokens"], "cached_tokens": details.get("cached_tokens") or 0,
+            "miss_reason": details.get("cache_miss_reason"), "ttft_s": (first or end) - begin,
+            "latency_s": end - begin, "ids": tokenized["tokens"], "reply": "".join(reply), "id": response_id}
+
+
+@dataclass(frozen=True)
+class ServerSample:
+    """What the poller reads from `/metrics` at one time: generated tokens so far, the KV pool's used
+    fraction, and the evictions of a live session's newest checkpoint so far."""
+
+    time: float
+    generated: float
+    kv_used_fraction: float
+    evicted_session_latest: float
+
+
+def server_sample(metrics_text: str, at: float) -> ServerSample:
+    """A `ServerSample` from a `/metrics` page (`forkpoint_generation_tokens_total`,
+    `forkpoint_pool_used/capacity{pool="kv_blocks"}`, `forkpoint_checkpoints_evicted_session_latest_total`;
+    a series the server lacks counts 0, but the generated tokens must be there)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if family.name in ("forkpoint_pool_used", "forkpoint_pool_capacity"):
+                if sample.labels.get("pool") == "kv_blocks":
+                    totals[family.name] = sample.value
+            elif sample.name.endswith("_total"):
+                totals[family.name] = totals.get(family.name, 0.0) + sample.value
+    if "forkpoint_generation_tokens" not in totals:
+        raise RuntimeError("/metrics has no forkpoint_generation_tokens_total")
+    capacity = totals.get("forkpoint_pool_capacity", 0.0)
+    return ServerSample(at, totals["forkpoint_generation_tokens"],
+                        totals.get("forkpoint_pool_used", 0.0) / capacity if capacity else 0.0,
+                        totals.get("forkpoint_checkpoints_evicted_session_latest", 0.0))
+
+
+def latest_evictions(samples: list[ServerSample], kv_threshold: float = 0.8) -> tuple[float, float]:
+    """(evictions of a live session's newest checkpoint between the first and last sample, those of
+    them in intervals whose both ends read the KV pool below `kv_threshold` full): issue 26 asks for
+    none while KV is below 80%."""
+    below = sum(b.evicted_session_latest - a.evicted_session_latest for a, b in zip(samples, samples[1:])
+                if a.kv_used_fraction < kv_threshold and b.kv_used_fraction < kv_threshold)
+    return samples[-1].evicted_session_latest - samples[0].evicted_session_latest, below
+
+
+async def poll_server(url: str, samples: list[ServerSample], stop: asyncio.Event, interval_s: float) -> None:
+    """Append a `ServerSample` every `interval_s` until `stop` is set, on a connection of its own (the
+    sessions' pool never delays it)."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        while True:
+            try:
+                await asyncio.wait_for(stop.wait(), interval_s)
+                return
+            except TimeoutError:
+                samples.append(server_sample((await http.get("/metrics")).text, time.perf_counter()))
+
+
+def generation_windows(samples: list[tuple[float, float]], width_s: float) -> list[float]:
+    """Generation tokens/s in consecutive windows of `width_s` seconds from the first sample, the
+    counter read at each window edge by linear interpolation between the samples around it (samples:
+    (time, counter), time ascending, at least 2). Only whole windows count; a phase shorter than one
+    window is one window over all samples."""
+    times = [t for t, _ in samples]
+    counts = [c for _, c in samples]
+
+    def at(t: float) -> float:
+        i = max(j for j in range(len(times)) if times[j] <= t)
+        if i == len(times) - 1:
+            return counts[i]
+        fraction = (t - times[i]) / (times[i + 1] - times[i])
+        return counts[i] + fraction * (counts[i + 1] - counts[i])
+
+    whole = int((times[-1] - times[0]) // width_s)
+    if whole == 0:
+        return [(counts[-1] - counts[0]) / max(times[-1] - times[0], 1e-9)]
+    edges = [times[0] + k * width_s for k in range(whole + 1)]
+    return [(at(b) - at(a)) / width_s for a, b in zip(edges, edges[1:])]
+
+
+def max_shared_with_others(prompts: list[list[int]]) -> list[int]:
+    """For each prompt, the longest prefix it shares with any other one: that other is always one of
+    its neighbours in sorted order, so this costs a sort, not all pairs (256 sessions: 65k pairs)."""
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i])
+    best = [0] * len(prompts)
+    for a, b in zip(order, order[1:]):
+        shared = common_prefix_length(prompts[a], prompts[b])
+        best[a] = max(best[a], shared)
+        best[b] = max(best[b], shared)
+    return best
 
 
 async def run_phase(url: str, model: str, args: argparse.Namespace, nonce: bool,
                     documents_seed: int | None = None) -> dict:
-    """All sessions concurrently, each turn after the one before; returns per-request records."""
+    """All sessions concurrently, each turn after the one before; returns per-request records, the
+    wall time and the server's generation throughput per window (`/metrics`, polled)."""
     sessions = build_sessions(args, documents_seed)
     records: list[dict] = []
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=3600, max_retries=0)
-    async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
+    limits = httpx.Limits(max_connections=2 * args.sessions + 8, max_keepalive_connections=2 * args.sessions + 8)
+    samples: list[ServerSample] = []
+    stop = asyncio.Event()
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
         async def drive(session: Session) -> None:
             previous = None
             for turn in range(args.turns):
@@ -129,25 +239,48 @@ async def run_phase(url: str, model: str, args: argparse.Namespace, nonce: bool,
                 if nonce:  # a unique first token run: nothing of this request was ever computed
                     first = messages[0]
                     messages = [{**first, "content": f"[{uuid.uuid4().hex}] " + first["content"]}, *messages[1:]]
-                record = await one_request(client, http, model, messages, args)
+                record = await one_request(http, model, messages, args)
                 record.update(session=session.index, turn=turn, previous=previous)
                 records.append(record)
                 previous = record["ids"]
                 session.add_turn(turn, record["reply"])
 
+        samples.append(server_sample((await http.get("/metrics")).text, time.perf_counter()))
+        parts_before = await asyncio.to_thread(first_token_parts, url)
+        poller = asyncio.create_task(poll_server(url, samples, stop, args.poll_s))
         start = time.perf_counter()
-        await asyncio.gather(*(drive(s) for s in sessions))
-        wall = time.perf_counter() - start
-    await client.close()
-    first_prompts = [r["ids"] for r in records if r["turn"] == 0]
+        try:
+            await asyncio.gather(*(drive(s) for s in sessions))
+        finally:
+            wall = time.perf_counter() - start
+            stop.set()
+            await poller
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:  # after the last token of the phase
+        samples.append(server_sample((await http.get("/metrics")).text, time.perf_counter()))
+    first_records = [r for r in records if r["turn"] == 0]
+    for r, shared in zip(first_records, max_shared_with_others([r["ids"] for r in first_records])):
+        r["shared_tokens"] = shared
     for r in records:
         if r["previous"] is not None:
             r["shared_tokens"] = common_prefix_length(r["previous"], r["ids"])
-        else:
-            r["shared_tokens"] = max((common_prefix_length(r["ids"], other) for other in first_prompts
-                                      if other is not r["ids"]), default=0)
-    return {"wall_s": wall, "requests": [{k: v for k, v in r.items() if k not in ("ids", "previous", "reply")}
-                                         for r in records]}
+    windows = generation_windows([(x.time, x.generated) for x in samples], args.window_s)
+    evicted_latest, evicted_latest_below = latest_evictions(samples)
+    parts = mean_parts_ms(parts_before, first_token_parts(url))
+    logged = logged_parts(args.server_log)
+    for r in records:
+        r["ttft_parts_ms"] = logged.get(r["id"])
+    first, last = samples[0], samples[-1]
+    return {"ttft_parts_mean_ms": parts, "wall_s": wall, "generated_tokens": last.generated - first.generated,
+            "generation_tokens_per_s": (last.generated - first.generated) / (last.time - first.time),
+            "evicted_session_latest": evicted_latest, "evicted_session_latest_kv_below_80": evicted_latest_below,
+            "kv_used_fraction_max": max(x.kv_used_fraction for x in samples),
+            "generation_windows_tokens_per_s": windows, "window_s": args.window_s,
+            "requests": [{k: v for k, v in r.items() if k not in ("ids", "previous", "reply")} for r in records]}
+
+
+def parts_p50(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The median of each part (and of the steps queued behind) over requests; empty without any."""
+    return {key: percentile([p[key] for p in parts], 50) for key in parts[0]} if parts else {}
 
 
 def summarise(phase: dict, turns: int) -> dict:
@@ -164,12 +297,20 @@ def summarise(phase: dict, turns: int) -> dict:
                      "shared_tokens": sum(r["shared_tokens"] for r in rs) / len(rs),
                      "cached_of_shared": sum(r["cached_tokens"] for r in rs) / max(shared, 1),
                      "ttft_p50_ms": 1000 * percentile([r["ttft_s"] for r in rs], 50),
-                     "ttft_p90_ms": 1000 * percentile([r["ttft_s"] for r in rs], 90), "miss_reasons": reasons})
+                     "ttft_p90_ms": 1000 * percentile([r["ttft_s"] for r in rs], 90), "miss_reasons": reasons,
+                     "ttft_parts_p50_ms": parts_p50([r["ttft_parts_ms"] for r in rs if r.get("ttft_parts_ms")])})
     requests = phase["requests"]
     prompt = sum(r["prompt_tokens"] for r in requests)
     cached = sum(r["cached_tokens"] for r in requests)
-    return {"turns": rows, "wall_s": phase["wall_s"], "prompt_tokens": prompt, "cached_tokens": cached,
-            "computed_tokens": prompt - cached, "shared_tokens": sum(r["shared_tokens"] for r in requests)}
+    windows = phase["generation_windows_tokens_per_s"]
+    return {"turns": rows, "ttft_parts_mean_ms": phase["ttft_parts_mean_ms"], "wall_s": phase["wall_s"],
+            "prompt_tokens": prompt, "cached_tokens": cached,
+            "computed_tokens": prompt - cached, "shared_tokens": sum(r["shared_tokens"] for r in requests),
+            "generated_tokens": phase["generated_tokens"], "generation_tokens_per_s": phase["generation_tokens_per_s"],
+            "window_s": phase["window_s"], "generation_windows_tokens_per_s": windows,
+            "worst_window_tokens_per_s": min(windows), "evicted_session_latest": phase["evicted_session_latest"],
+            "evicted_session_latest_kv_below_80": phase["evicted_session_latest_kv_below_80"],
+            "kv_used_fraction_max": phase["kv_used_fraction_max"]}
 
 
 def scrape_misses(url: str) -> dict[str, float]:
@@ -182,6 +323,50 @@ def scrape_misses(url: str) -> dict[str, float]:
                 if sample.name.endswith("_total"):
                     values[sample.labels["reason"]] = sample.value
     return values
+
+
+FIRST_TOKEN_PARTS = ("prompt", "handoff", "queue", "prefill", "delivery")  # server/metrics.py
+
+
+def first_token_parts(url: str) -> dict[str, tuple[float, float]]:
+    """The server's time to first token by part so far: {part: (seconds summed, prompts)} from the
+    `forkpoint_request_<part>_time_seconds` histograms (empty for a server without them)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, tuple[float, float]] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        part = family.name.removeprefix("forkpoint_request_").removesuffix("_time_seconds")
+        if part in FIRST_TOKEN_PARTS:
+            samples = {sample.name.rsplit("_", 1)[-1]: sample.value for sample in family.samples}
+            values[part] = (samples["sum"], samples["count"])
+    return values
+
+
+def mean_parts_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Mean milliseconds per prompt of each part between two `first_token_parts` readings."""
+    means = {}
+    for part, (seconds, count) in after.items():
+        seconds_before, count_before = before.get(part, (0.0, 0.0))
+        means[part] = 1000 * (seconds - seconds_before) / max(count - count_before, 1)
+    return means
+
+
+PARTS_LINE = re.compile(r"request (\S+)-0: first token after [\d.]+ ms: prompt ([\d.]+), hand-off ([\d.]+), "
+                        r"queue ([\d.]+) \((\d+) steps\), prefill ([\d.]+), delivery ([\d.]+) ms")
+
+
+def logged_parts(path: str | None) -> dict[str, dict[str, float]]:
+    """Per response id, the time to first token by part (ms) and the steps queued behind, from the debug
+    lines of a server log (`--server-log` with `--server-log-level debug`); empty without them."""
+    if path is None or not os.path.exists(path):
+        return {}
+    parts = {}
+    for match in map(PARTS_LINE.search, Path(path).read_text(errors="replace").splitlines()):
+        if match:
+            values = [float(v) for v in match.groups()[1:]]
+            parts[match.group(1)] = dict(zip(("prompt", "handoff", "queue", "queued_steps", "prefill", "delivery"),
+                                             values))
+    return parts
 
 
 def server_options(args: argparse.Namespace) -> list[str]:
@@ -208,7 +393,12 @@ def model_dir_for(args: argparse.Namespace, scratch: Path) -> str | None:
 
 def table(name: str, summary: dict) -> str:
     lines = [f"{name}: {summary['wall_s']:.1f} s, prompt {summary['prompt_tokens']:,} tokens, cached "
-             f"{summary['cached_tokens']:,}, computed {summary['computed_tokens']:,}",
+             f"{summary['cached_tokens']:,}, computed {summary['computed_tokens']:,}; generated "
+             f"{summary['generated_tokens']:,.0f} tokens, {summary['generation_tokens_per_s']:,.1f}/s (server), worst "
+             f"{summary['window_s']:g}-s window {summary['worst_window_tokens_per_s']:,.1f}/s of "
+             f"{len(summary['generation_windows_tokens_per_s'])}; a live session's newest checkpoint evicted "
+             f"{summary['evicted_session_latest']:.0f} times ({summary['evicted_session_latest_kv_below_80']:.0f} "
+             f"with KV below 80%, KV at most {100 * summary['kv_used_fraction_max']:.1f}% full)",
              f"{'turn':>4} {'prompt':>8} {'shared':>8} {'cached':>8} {'cached/shared':>13} {'TTFT p50':>9} "
              f"{'TTFT p90':>9}  miss reasons"]
     for row in summary["turns"]:
@@ -216,6 +406,16 @@ def table(name: str, summary: dict) -> str:
                      f"{row['cached_tokens']:>8.0f} {100 * row['cached_of_shared']:>12.1f}% "
                      f"{row['ttft_p50_ms']:>7.0f}ms {row['ttft_p90_ms']:>7.0f}ms  "
                      + ", ".join(f"{k} {v}" for k, v in sorted(row["miss_reasons"].items())))
+    for row in summary["turns"]:
+        parts = row["ttft_parts_p50_ms"]
+        if parts:
+            lines.append(f"turn {row['turn']}: time to first token by part (server log, p50 ms): prompt "
+                         f"{parts['prompt']:.0f}, hand-off {parts['handoff']:.0f}, queue {parts['queue']:.0f} "
+                         f"({parts['queued_steps']:.0f} steps), prefill {parts['prefill']:.0f}, delivery "
+                         f"{parts['delivery']:.0f}")
+    if summary["ttft_parts_mean_ms"]:
+        lines.append("time to first token by part (server, mean ms per request): " + ", ".join(
+            f"{part} {ms:.1f}" for part, ms in summary["ttft_parts_mean_ms"].items()))
     return "\n".join(lines)
 
 
@@ -227,7 +427,7 @@ def plot(res: dict, path: str) -> None:
 
     reuse, none = res["reuse"]["turns"], res["no_reuse"]["turns"]
     turns = [r["turn"] for r in reuse]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right, windows) = plt.subplots(1, 3, figsize=(16, 4))
     left.plot(turns, [r["ttft_p50_ms"] for r in reuse], "o-", label="reuse, p50")
     left.plot(turns, [r["ttft_p90_ms"] for r in reuse], "o--", label="reuse, p90")
     left.plot(turns, [r["ttft_p50_ms"] for r in none], "s-", label="no reuse (nonce), p50")
@@ -241,6 +441,14 @@ def plot(res: dict, path: str) -> None:
     right.set_xlabel("turn")
     right.set_ylabel("tokens per request (mean)")
     right.legend()
+    for key, label, style in (("reuse", "reuse", "o-"), ("no_reuse", "no reuse (nonce)", "s-")):
+        rates = res[key]["generation_windows_tokens_per_s"]
+        width_s = res[key]["window_s"]
+        windows.plot([width_s * (k + 0.5) for k in range(len(rates))], rates, style, label=label)
+    windows.set_xlabel("time in the phase (s), window centres")
+    windows.set_ylabel("generated tokens/s (server)")
+    windows.set_ylim(bottom=0)
+    windows.legend()
     fig.suptitle(f"agent sessions: {res['config']['sessions']} sessions x {res['config']['turns']} turns, "
                  f"{res['config']['shape']}")
     fig.tight_layout()
@@ -256,6 +464,10 @@ def main(argv: list[str] | None = None) -> dict:
                         help="serve a config of these shapes with --load-format dummy (default: --model)")
     parser.add_argument("--server-arg", action="append", default=[], help="one more argument for `forkpoint serve`")
     parser.add_argument("--server-log-level", default="warning")
+    parser.add_argument("--server-log", default=None,
+                        help="the started server's output goes to this file (default: stderr); with --server-log-level "
+                             "debug, each turn's time to first token by part (p50) is read from it (with --url: the "
+                             "log of the running server)")
     parser.add_argument("--start-timeout", type=float, default=900)
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4)
@@ -268,6 +480,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--name", default="agent_sessions", help="file name of the JSON and PNG (no suffix)")
+    parser.add_argument("--window-s", type=float, default=10.0,
+                        help="width of the windows of generation throughput (default: 10 s)")
+    parser.add_argument("--poll-s", type=float, default=0.5, help="how often /metrics is read (default: 0.5 s)")
     parser.add_argument("--restart", action="store_true",
                         help="serve with --checkpoint-dir, restart the server after phase A and send the first turn "
                              "of new sessions (same system prompt, new documents) before phase B")
@@ -275,44 +490,56 @@ def main(argv: list[str] | None = None) -> dict:
     if args.restart and args.url is not None:
         parser.error("--restart starts and restarts the server itself: leave out --url")
 
+    res = {"config": {k: v for k, v in vars(args).items() if k not in ("out", "url")},
+           "machine": machine_info(), "code": code_version()}
+
+    def phase_done(key: str, title: str, summary: dict) -> dict:
+        """Print the phase's table at once and write the JSON so far: a run stopped later keeps it."""
+        res[key] = summary
+        print(table(title, summary), flush=True)
+        os.makedirs(args.out, exist_ok=True)
+        Path(args.out, f"{args.name}.json").write_text(json.dumps(res, indent=1))
+        return summary
+
     process = None
-    restart = None
+    server_log = open(args.server_log, "a") if args.server_log is not None and args.url is None else None  # noqa: SIM115
     with tempfile.TemporaryDirectory() as scratch:
         url = args.url
         model_dir = model_dir_for(args, Path(scratch)) if url is None else None
         if args.restart:
             args.server_arg = [*args.server_arg, "--checkpoint-dir", str(Path(scratch) / "checkpoints")]
         if url is None:
-            process, url = start_server(server_options(args), model_dir, args.start_timeout)
+            process, url = start_server(server_options(args), model_dir, args.start_timeout, output=server_log)
         try:
             model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
             before = scrape_misses(url)
-            reuse = summarise(asyncio.run(run_phase(url, model, args, nonce=False)), args.turns)
+            reuse = phase_done("reuse", "reuse", summarise(asyncio.run(run_phase(url, model, args, nonce=False)),
+                                                           args.turns))
             after = scrape_misses(url)
+            res["server_misses_reuse_phase"] = {k: after[k] - before.get(k, 0) for k in after}
             if args.restart:
                 stop_server(process)
-                process, url = start_server(server_options(args), model_dir, args.start_timeout)
+                process, url = start_server(server_options(args), model_dir, args.start_timeout, output=server_log)
                 first_turn = argparse.Namespace(**{**vars(args), "turns": 1})
-                restart = summarise(asyncio.run(run_phase(url, model, first_turn, nonce=False,
-                                                          documents_seed=args.seed + 1)), 1)
-            none = summarise(asyncio.run(run_phase(url, model, args, nonce=True)), args.turns)
+                phase_done("restart", "after a restart on the same --checkpoint-dir (first turn, new documents)",
+                           summarise(asyncio.run(run_phase(url, model, first_turn, nonce=False,
+                                                           documents_seed=args.seed + 1)), 1))
+            none = phase_done("no_reuse", "no reuse (a nonce opens every request)",
+                              summarise(asyncio.run(run_phase(url, model, args, nonce=True)), args.turns))
         finally:
             if process is not None:
                 stop_server(process)
-    res = {"config": {k: v for k, v in vars(args).items() if k not in ("out", "url")}, "reuse": reuse,
-           "no_reuse": none, "server_misses_reuse_phase": {k: after[k] - before.get(k, 0) for k in after},
-           "machine": machine_info(), "code": code_version()}
-    if restart is not None:
-        res["restart"] = restart
-        print(table("after a restart on the same --checkpoint-dir (first turn, new documents)", restart))
-    print(table("reuse", reuse))
-    print(table("no reuse (a nonce opens every request)", none))
+            if server_log is not None:
+                server_log.close()
     print(f"computed prompt tokens: reuse {reuse['computed_tokens']:,} vs {none['computed_tokens']:,} "
           f"({none['computed_tokens'] / max(reuse['computed_tokens'], 1):.2f}x fewer); wall {reuse['wall_s']:.1f} s vs "
-          f"{none['wall_s']:.1f} s; server miss reasons (reuse phase): {res['server_misses_reuse_phase']}")
+          f"{none['wall_s']:.1f} s ({reuse['wall_s'] / none['wall_s']:.2f}x); generation tokens/s: worst "
+          f"{args.window_s:g}-s window {reuse['worst_window_tokens_per_s']:,.1f} vs "
+          f"{none['worst_window_tokens_per_s']:,.1f}, phase {reuse['generation_tokens_per_s']:,.1f} vs "
+          f"{none['generation_tokens_per_s']:,.1f}; server miss reasons (reuse phase): "
+          f"{res['server_misses_reuse_phase']}")
     print("results:", write_results(res, args.out, args.name, plot))
     return res
-
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,10 @@ free loopback port, or uses --url (with --server-pid for the RSS columns). For e
 
     status       the HTTP status(es) of the case's request(s) (count x status)
     time         wall seconds of the case
-    /health max  the slowest of the /health probes sent every 100 ms while the case ran
+    /health      the slowest and the 99th percentile of the /health probes sent every 100 ms while the
+                 case ran, from a process of their own (bench/health_probe.py), and the slowest of the
+                 same probes sent from the bench's own event loop ("bench loop": it measures that loop
+                 too, busy with the case's requests and the bystander)
     RSS          the server's VmRSS before, its peak during (sampled every 50 ms) and 2 s after; kept =
                  after - before
     bystander    the largest gap between consecutive events (request start, then each streamed chunk) of
@@ -28,8 +31,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -60,7 +65,9 @@ class Row:
     what: str
     statuses: dict[str, int]
     time_s: float
-    health_max_ms: float
+    health_max_ms: float  # from the probe process
+    health_p99_ms: float
+    health_bench_loop_max_ms: float  # the same probes sent from the bench's event loop
     rss_before_mib: float | None
     rss_peak_mib: float | None
     rss_after_mib: float | None
@@ -90,7 +97,7 @@ def rss_mib(pid: int | None) -> float | None:
 
 # ---------------------------------------------------------------------------------------- probes
 class Probes:
-    """/health latency and server RSS, sampled while a case runs."""
+    """/health latency (from the bench's loop) and server RSS, sampled while a case runs."""
 
     def __init__(self, client: httpx.AsyncClient, pid: int | None) -> None:
         self.client, self.pid = client, pid
@@ -114,8 +121,33 @@ class Probes:
             await asyncio.sleep(RSS_EVERY_S)
 
 
+class HealthProcess:
+    """/health probes from a process of its own (bench/health_probe.py), sent while it runs."""
+
+    def __init__(self, url: str) -> None:
+        probe = Path(__file__).parent / "health_probe.py"
+        self.process = subprocess.Popen([sys.executable, str(probe), url, str(HEALTH_EVERY_S)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    async def stop(self, start: float, end: float) -> list[float]:
+        """Close the probe's stdin (its request in flight completes) and return the latencies (ms) of
+        the probes in flight during [start, end) (time.monotonic())."""
+        out, _ = await asyncio.to_thread(self.process.communicate, "", 120)  # "": closes its stdin
+        samples = [line.split() for line in out.splitlines()]
+        return [float(ms) for begin, ms, _ in samples if float(begin) < end and float(begin) + float(ms) / 1000 > start]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank q-th percentile (nan for no values)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
 class Bystander:
-    """Keeps `BYSTANDER_STREAMS` streaming completions going; records each stream's event times."""
+    """Keeps `BYSTANDER_STREAMS` streaming completions going; records each stream's event times and
+    counts its errors (a non-200 status, an in-band error event, a transport error)."""
 
     def __init__(self, client: httpx.AsyncClient, model: str) -> None:
         self.client, self.model = client, model
@@ -134,6 +166,8 @@ class Bystander:
                         await response.aread()
                         continue
                     async for line in response.aiter_lines():
+                        if line.startswith('data: {"error"'):  # the stream ended in-band with an error
+                            self.errors += 1
                         if line.startswith("data:"):
                             now = time.perf_counter()
                             self.gaps.append((last, now))
@@ -242,6 +276,10 @@ def build_cases(max_model_len: int) -> list[Case]:
              lambda m: {"model": m, "prompt": _ids(half, 3), "max_tokens": 1}, True),
         _one("huge_body_8mib", "8 MiB text prompt (~1.4M tokens: too long)", "/v1/completions",
              lambda m: {"model": m, "prompt": _huge_text(8), "max_tokens": 1}),
+        _one("tokenize_8mib", "8 MiB text to /tokenize (~1.4M tokens)", "/tokenize",
+             lambda m: {"model": m, "prompt": _huge_text(8)}),
+        _one("detokenize_1m_ids", "1,000,000 token ids to /detokenize", "/detokenize",
+             lambda m: {"model": m, "tokens": _ids(1_000_000, 4)}),
         _one("n_128", "one prompt, n=128, 16 tokens each", "/v1/completions",
              lambda m: {"model": m, "prompt": "many", "n": 128, "max_tokens": 16, "ignore_eos": True}),
         _one("16_prompts_n_128", "16 prompts x n=128 (2,048 sequences)", "/v1/completions",
@@ -266,21 +304,23 @@ def build_cases(max_model_len: int) -> list[Case]:
     ]
 
 
-async def run_case(case: Case, client: httpx.AsyncClient, model: str, pid: int | None) -> Row:
+async def run_case(case: Case, client: httpx.AsyncClient, url: str, model: str, pid: int | None) -> Row:
     payload = case.prepare(model)
     probes, bystander, stop = Probes(client, pid), Bystander(client, model), asyncio.Event()
+    health = HealthProcess(url)  # started now: a Python process takes a while to send its first probe
     streams = [asyncio.ensure_future(bystander.stream_forever(i, stop)) for i in range(BYSTANDER_STREAMS)]
     await asyncio.sleep(3.0)  # the bystander is streaming before the case starts
     rss_before = rss_mib(pid)
     watchers = [asyncio.ensure_future(probes.health(stop)), asyncio.ensure_future(probes.memory(stop))]
-    start = time.perf_counter()
+    start, start_monotonic = time.perf_counter(), time.monotonic()
     try:
         statuses, note = await case.run(client, model, payload)
     except Exception as exc:  # a case that cannot complete is a row, not the end of the run
         statuses, note = [0], f"client error: {type(exc).__name__}: {str(exc)[:80]}"
-    end = time.perf_counter()
+    end, end_monotonic = time.perf_counter(), time.monotonic()
     stop.set()
     await asyncio.gather(*watchers)
+    health_ms = await health.stop(start_monotonic, end_monotonic)
     await asyncio.sleep(0.5)  # let the streams' open gaps close
     for task in streams:
         task.cancel()
@@ -291,8 +331,9 @@ async def run_case(case: Case, client: httpx.AsyncClient, model: str, pid: int |
     counts: dict[str, int] = {}
     for status in statuses:
         counts[str(status)] = counts.get(str(status), 0) + 1
-    return Row(case.name, case.what, counts, end - start, max(probes.health_ms, default=float("nan")),
-               rss_before, max(probes.rss, default=rss_before), rss_after, gap, bystander.errors, note)
+    return Row(case.name, case.what, counts, end - start, max(health_ms, default=float("nan")),
+               percentile(health_ms, 99), max(probes.health_ms, default=float("nan")), rss_before,
+               max(probes.rss, default=rss_before), rss_after, gap, bystander.errors, note)
 
 
 async def run_all(args: argparse.Namespace, url: str, pid: int | None, code: dict) -> dict:
@@ -312,7 +353,7 @@ async def run_all(args: argparse.Namespace, url: str, pid: int | None, code: dic
         for case in cases:
             if case.name not in wanted:
                 continue
-            row = await run_case(case, client, model, pid)
+            row = await run_case(case, client, url, model, pid)
             print(format_row(row, rows[0].bystander_gap_s if rows and rows[0].case == "baseline" else None),
                   flush=True)
             rows.append(row)
@@ -321,7 +362,8 @@ async def run_all(args: argparse.Namespace, url: str, pid: int | None, code: dic
 
 
 # ---------------------------------------------------------------------------------------- output
-HEADER = (f"{'case':<22} {'status':<14} {'time s':>7} {'/health max ms':>14} {'RSS before':>10} {'peak':>7} "
+HEADER = (f"{'case':<22} {'status':<14} {'time s':>7} {'/health max ms':>14} {'p99':>5} {'bench loop':>10} "
+          f"{'RSS before':>10} {'peak':>7} "
           f"{'after':>7} {'kept':>6} {'bystander gap s':>15} {'x base':>6}  note")
 
 
@@ -333,7 +375,8 @@ def format_row(row: Row, baseline_gap: float | None) -> str:
     status = " ".join(f"{n}x{s}" if n > 1 else s for s, n in sorted(row.statuses.items())) or "-"
     ratio = f"{row.bystander_gap_s / baseline_gap:.1f}" if baseline_gap else "-"
     kept = "-" if row.rss_kept_mib is None else f"{row.rss_kept_mib:+.0f}"
-    return (f"{row.case:<22} {status:<14} {row.time_s:>7.1f} {row.health_max_ms:>14.0f} {_mib(row.rss_before_mib):>10} "
+    return (f"{row.case:<22} {status:<14} {row.time_s:>7.1f} {row.health_max_ms:>14.0f} {row.health_p99_ms:>5.0f} "
+            f"{row.health_bench_loop_max_ms:>10.0f} {_mib(row.rss_before_mib):>10} "
             f"{_mib(row.rss_peak_mib):>7} {_mib(row.rss_after_mib):>7} {kept:>6} {row.bystander_gap_s:>15.2f} "
             f"{ratio:>6}  {row.note}")
 
@@ -341,13 +384,16 @@ def format_row(row: Row, baseline_gap: float | None) -> str:
 def markdown_table(result: dict) -> str:
     rows = result["rows"]
     base = next((r["bystander_gap_s"] for r in rows if r["case"] == "baseline"), None)
-    lines = ["| case | request | status | time (s) | /health max (ms) | RSS before / peak / after (MiB) | kept (MiB) "
-             "| bystander largest gap (s) | x baseline | note |", "|" + "---|" * 10]
+    lines = ["| case | request | status | time (s) | /health max / p99 (ms) | /health max, bench loop (ms) "
+             "| RSS before / peak / after (MiB) | kept (MiB) | bystander largest gap (s) | x baseline | note |",
+             "|" + "---|" * 11]
     for r in rows:
         status = ", ".join(f"{n} x {s}" for s, n in sorted(r["statuses"].items())) or "-"
         kept = (r["rss_after_mib"] - r["rss_before_mib"]) if r["rss_after_mib"] is not None else None
         ratio = f"{r['bystander_gap_s'] / base:.1f}" if base else "-"
-        lines.append(f"| {r['case']} | {r['what']} | {status} | {r['time_s']:.1f} | {r['health_max_ms']:.0f} | "
+        lines.append(f"| {r['case']} | {r['what']} | {status} | {r['time_s']:.1f} | "
+                     f"{r['health_max_ms']:.0f} / {r['health_p99_ms']:.0f} | "
+                     f"{r['health_bench_loop_max_ms']:.0f} | "
                      f"{_mib(r['rss_before_mib'])} / {_mib(r['rss_peak_mib'])} / {_mib(r['rss_after_mib'])} | "
                      f"{'-' if kept is None else f'{kept:+.0f}'} | {r['bystander_gap_s']:.2f} | {ratio} | "
                      f"{r['note'].replace('|', '/')} |")

@@ -8,6 +8,10 @@
 #   bash bench/run_gpu_check.sh
 # Files in $OUT: gpu_check.log (pytest), gpu_check.xml (JUnit), gpu_check_summary.txt (the table), env.log.
 # WORKERS (default 8) pytest-xdist processes share the GPU (tiny models): Triton compiles in parallel.
+# DIST (default worksteal where pytest-xdist >= 3.2, else loadfile) spreads the tests: by file, the longest file
+# (tests/kernels/test_gpu_kernels.py, 468 s of tests at acf14b7) bounded the whole check at ~494 s.
+# Each worker gets nproc / WORKERS CPU threads (OMP_NUM_THREADS, unless set): the float32 CPU references of the
+# model tests ran 8 workers x all cores' threads on 16 cores.
 # TOTAL (default 570) bounds the whole call; a test that runs past PER_TEST seconds fails alone.
 set -u
 START=$(date +%s)
@@ -32,7 +36,12 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 } > "$OUT/env.log" 2>&1
 cat "$OUT/env.log"
 XDIST=""
-python3 -c "import xdist" 2>/dev/null && XDIST="-n $WORKERS --dist loadfile"
+if python3 -c "import xdist" 2>/dev/null; then
+  DIST="${DIST:-$(python3 -c "import xdist; v = tuple(int(p) for p in xdist.__version__.split('.')[:2]); \
+print('worksteal' if v >= (3, 2) else 'loadfile')" 2>/dev/null || echo loadfile)}"
+  XDIST="-n $WORKERS --dist $DIST"
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / WORKERS > 0 ? $(nproc) / WORKERS : 1 ))}"
+fi
 TIMEOUT=""
 python3 -c "import pytest_timeout" 2>/dev/null && TIMEOUT="--timeout $PER_TEST"
 LEFT=$(( TOTAL - ($(date +%s) - START) - 15 ))

@@ -7,22 +7,27 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import IO
 
 import httpx
 
 
-def start_server(options: Sequence[str], model: str | None, timeout_s: float) -> tuple[subprocess.Popen, str]:
-    """Start `forkpoint serve [model] --port P options...` (its output goes to stderr) and wait until
-    `/health` answers 200. Returns (the process, its base URL); the caller stops the process. Raises
-    RuntimeError, the process killed, when it exits or does not answer within `timeout_s`."""
+def start_server(options: Sequence[str], model: str | None, timeout_s: float, *, output: IO | None = None,
+                 env: Mapping[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Start `forkpoint serve [model] --port P options...` (its output goes to `output`, default stderr;
+    environment `env`, default this process's) and wait until `/health` answers 200. Returns (the
+    process, its base URL); the caller stops the process. Raises RuntimeError, the process killed, when
+    it exits or does not answer within `timeout_s`."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "forkpoint.server.cli", "serve", "--port", str(port)]
     if model:
         command.append(model)
-    process = subprocess.Popen(command + list(options), stdout=sys.stderr, stderr=sys.stderr)
+    output = sys.stderr if output is None else output
+    process = subprocess.Popen(command + list(options), stdout=output, stderr=output,
+                               env=None if env is None else dict(env))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while True:

@@ -1,7 +1,10 @@
 """Frozen configuration objects, built once and passed down.
 
 `ModelConfig` is the model architecture read from a Hugging Face `config.json`; `EngineConfig` holds
-the engine's knobs (the keyword arguments of `LLM`). Neither changes after construction.
+the engine's knobs (the keyword arguments of `LLM`). Neither changes after construction. The value
+objects they are made of live in sibling modules: `vision_config.py` (the vision tower),
+`quantization_config.py` (block-wise FP8 weights), `mamba2_config.py` (the Mamba2 hybrids' mixers),
+`speculative_config.py` and `structured_outputs_config.py` (two engine knobs given as dicts, as in vLLM).
 """
 
 from __future__ import annotations
@@ -18,6 +21,15 @@ from forkpoint.mamba2_config import (
     Mamba2HybridConfig,
     mamba2_hybrid_fields,
 )
+from forkpoint.quantization_config import Fp8BlockQuantization
+from forkpoint.speculative_config import SpeculativeConfig
+from forkpoint.structured_outputs_config import StructuredOutputsConfig
+from forkpoint.vision_config import VISION_ACTIVATIONS, VisionConfig
+
+# importable from here: the two configurations and the value objects they are made of (each in its
+# sibling module; VISION_ACTIVATIONS goes with VisionConfig)
+__all__ = ["SCAN_CHUNK_TOKENS", "SUPPORTED_MODEL_TYPES", "VISION_ACTIVATIONS", "EngineConfig", "Fp8BlockQuantization",
+           "ModelConfig", "SpeculativeConfig", "StructuredOutputsConfig", "VisionConfig"]
 
 # Hugging Face model types that forkpoint runs, mapped to the text-config key holding their
 # text model (None: the config is the text config itself).
@@ -29,129 +41,6 @@ SUPPORTED_MODEL_TYPES: dict[str, str | None] = {
     "qwen3_5_moe": "text_config",
     **{model_type: None for model_type in MAMBA2_MODEL_TYPES},
 }
-
-# activation names of vision MLPs -> torch.nn.functional.gelu's `approximate`
-VISION_ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
-
-
-@dataclass(frozen=True)
-class VisionConfig:
-    """The vision tower of a multimodal Qwen3.5 checkpoint (`vision_config` in config.json) and the
-    ids of the tokens that place images in a prompt.
-
-    A patch is `in_channels x temporal_patch_size x patch_size x patch_size` pixels; every
-    `spatial_merge_size**2` neighbouring patches become one `<|image_pad|>` token of width
-    `out_hidden_size` (== the text model's hidden size).
-    """
-
-    depth: int
-    hidden_size: int
-    hidden_act: str
-    intermediate_size: int
-    num_heads: int
-    in_channels: int
-    patch_size: int
-    temporal_patch_size: int
-    spatial_merge_size: int
-    out_hidden_size: int
-    num_position_embeddings: int
-    rope_theta: float
-    image_token_id: int
-    video_token_id: int
-    vision_start_token_id: int
-    vision_end_token_id: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @classmethod
-    def from_dict(cls, vision: dict, raw: dict) -> VisionConfig:
-        """`vision`: the `vision_config` entry; `raw`: the whole config (token ids live at its top level)."""
-        rope = dict(vision.get("rope_parameters") or {})
-        patch, temporal = vision.get("patch_size", 16), vision.get("temporal_patch_size", 2)
-        if not isinstance(patch, int) or not isinstance(temporal, int):
-            raise ValueError(f"vision_config patch_size {patch!r} / temporal_patch_size {temporal!r}: only square "
-                             "integer patches are supported")
-        config = cls(
-            depth=int(vision.get("depth", 27)),
-            hidden_size=int(vision.get("hidden_size", 1152)),
-            hidden_act=str(vision.get("hidden_act", "gelu_pytorch_tanh")),
-            intermediate_size=int(vision.get("intermediate_size", 4304)),
-            num_heads=int(vision.get("num_heads", 16)),
-            in_channels=int(vision.get("in_channels", 3)),
-            patch_size=patch,
-            temporal_patch_size=temporal,
-            spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
-            out_hidden_size=int(vision.get("out_hidden_size", 3584)),
-            num_position_embeddings=int(vision.get("num_position_embeddings", 2304)),
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
-            image_token_id=int(raw.get("image_token_id", 248056)),
-            video_token_id=int(raw.get("video_token_id", 248057)),
-            vision_start_token_id=int(raw.get("vision_start_token_id", 248053)),
-            vision_end_token_id=int(raw.get("vision_end_token_id", 248054)),
-        )
-        if config.hidden_size % config.num_heads or config.head_dim % 4:
-            raise ValueError("vision_config hidden_size / num_heads must be a multiple of 4 (2-D rotary embedding)")
-        if config.hidden_act not in VISION_ACTIVATIONS:
-            raise ValueError(f"unsupported vision hidden_act {config.hidden_act!r}: forkpoint knows "
-                             f"{sorted(VISION_ACTIVATIONS)}")
-        side = int(config.num_position_embeddings**0.5)
-        if side * side != config.num_position_embeddings:
-            raise ValueError("vision_config num_position_embeddings must be a square number")
-        return config
-
-
-
-@dataclass(frozen=True)
-class Fp8BlockQuantization:
-    """Block-wise FP8 weights as Qwen's FP8 releases store them (config.json `quantization_config`:
-    `quant_method: "fp8"`, `fmt: "e4m3"`, `activation_scheme: "dynamic"`, `weight_block_size: [bn, bk]`).
-
-    Each quantised weight W [N, K] is stored as `float8_e4m3fn` with a float32 `<name>_scale_inv`
-    [ceil(N / bn), ceil(K / bk)] (one scale per bn x bk block; kernels/fp8/reference.py). Which modules
-    are quantised is read from the checkpoint (the tensors that have a scale); `modules_to_not_convert`
-    (or vLLM's `ignored_layers`) only steers dummy weights (models/fp8_modules.py)."""
-
-    block: tuple[int, int] = (128, 128)
-    modules_to_not_convert: tuple[str, ...] = ()
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> Fp8BlockQuantization:
-        """Validate a checkpoint's `quantization_config`; ValueError naming the field that forkpoint does
-        not support, and what it does support."""
-        method = raw.get("quant_method")
-        if method != "fp8":
-            raise ValueError(f"quantization_config.quant_method {method!r} is not supported: forkpoint loads "
-                             "block-wise FP8 checkpoints (quant_method 'fp8', as Qwen's FP8 releases) and unquantised "
-                             "ones; use the bf16 release of this model")
-        fmt = raw.get("fmt", "e4m3")
-        if fmt != "e4m3":
-            raise ValueError(f"quantization_config.fmt {fmt!r} is not supported: only 'e4m3' (float8_e4m3fn) weights")
-        scheme = raw.get("activation_scheme", "dynamic")
-        if scheme != "dynamic":
-            raise ValueError(f"quantization_config.activation_scheme {scheme!r} is not supported: only 'dynamic' "
-                             "(activations quantised per token group at run time, no stored input scales)")
-        block = raw.get("weight_block_size")
-        if block is None:
-            raise ValueError("quantization_config.weight_block_size is missing: per-tensor FP8 scales are not "
-                             "supported, only block-wise FP8 (weight_block_size [bn, bk], e.g. [128, 128])")
-        if (not isinstance(block, (list, tuple)) or len(block) != 2
-                or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-            raise ValueError(f"quantization_config.weight_block_size must be two positive integers [bn, bk], "
-                             f"got {block!r}")
-        if raw.get("kv_cache_scheme"):
-            raise ValueError("quantization_config.kv_cache_scheme is not supported: forkpoint keeps the KV cache in "
-                             "the model dtype (kv_cache_dtype='auto')")
-        skipped = list(raw.get("modules_to_not_convert") or []) + list(raw.get("ignored_layers") or [])
-        if not all(isinstance(name, str) for name in skipped):
-            raise ValueError(f"quantization_config.modules_to_not_convert must list module names, got {skipped!r}")
-        return cls(block=(int(block[0]), int(block[1])), modules_to_not_convert=tuple(skipped))
-
-    def to_dict(self) -> dict:
-        """The `quantization_config` entry of config.json that `from_dict` reads back to this value."""
-        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": list(self.block), "modules_to_not_convert": list(self.modules_to_not_convert)}
 
 
 @dataclass(frozen=True)
@@ -395,76 +284,6 @@ SCAN_CHUNK_TOKENS = 64
 
 
 @dataclass(frozen=True)
-class StructuredOutputsConfig:
-    """How JSON schemas become grammars; vLLM's `structured_outputs_config` keys, with defaults that give
-    what vLLM's default backend does with additional properties.
-
-    disable_additional_properties: True (default, as vLLM's xgrammar backend): an object schema that
-        lists `properties` and does not mention `additionalProperties` allows no other properties.
-        False: strict JSON Schema semantics (any other property allowed unless the schema forbids it;
-        a model may then add properties until max_tokens).
-    disable_any_whitespace: True (default): compact JSON, no whitespace between tokens. False (vLLM's
-        default): any whitespace between tokens; weak or random models may then write whitespace until
-        max_tokens (on the embedded random-weight model 7 of 8 runs of a one-boolean schema did).
-    """
-
-    disable_additional_properties: bool = True
-    disable_any_whitespace: bool = True
-
-    @classmethod
-    def from_value(cls, value: StructuredOutputsConfig | dict | None) -> StructuredOutputsConfig:
-        """From a `StructuredOutputsConfig`, a dict of its keys (as vLLM's `--structured-outputs-config`),
-        or None (the defaults). Raises ValueError naming unknown keys or non-boolean values."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if not isinstance(value, dict):
-            raise ValueError(f"structured_outputs_config must be a dict such as "
-                             f"{{\"disable_any_whitespace\": false}}, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"structured_outputs_config has unknown keys {unknown}: known are {sorted(known)}")
-        for key, flag in value.items():
-            if not isinstance(flag, bool):
-                raise ValueError(f"structured_outputs_config[{key!r}] must be true or false, got {flag!r}")
-        return cls(**value)
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding (vLLM's `speculative_config`): `method` "mtp" drafts with the model's own
-    multi-token-prediction head (models/mtp.py), `num_speculative_tokens` k tokens per step, verified in
-    one target forward of k + 1 tokens per sequence (engine/speculative.py, runner/speculative.py)."""
-
-    method: str
-    num_speculative_tokens: int
-
-    @classmethod
-    def from_value(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
-        """From a `SpeculativeConfig`, a dict such as {"method": "mtp", "num_speculative_tokens": 3}, or
-        None (off). Raises ValueError naming the key that is wrong and what it takes."""
-        if value is None or isinstance(value, cls):
-            return value
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict such as {{\"method\": \"mtp\", "
-                             f"\"num_speculative_tokens\": 3}}, got {type(value).__name__}")
-        unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
-        if unknown:
-            raise ValueError(f"speculative_config has unknown keys {unknown}: known are ['method', "
-                             "'num_speculative_tokens']")
-        method = value.get("method", "mtp")
-        if method != "mtp":
-            raise ValueError(f"speculative_config method {method!r} is not supported: forkpoint drafts with the "
-                             "model's MTP head, method 'mtp'")
-        k = value.get("num_speculative_tokens")
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
-            raise ValueError(f"speculative_config num_speculative_tokens must be an integer from 1 to 16, got {k!r}")
-        return cls(method, k)
-
-
-@dataclass(frozen=True)
 class EngineConfig:
     """Engine knobs: the keyword arguments of `LLM`, validated.
 
@@ -594,9 +413,13 @@ class EngineConfig:
             raise ValueError("async_scheduling needs tensor_parallel_size=1: the tensor-parallel ranks run "
                              "every step in lockstep; drop one of the two")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
-        if self.speculative_config is not None and (self.async_scheduling or self.tensor_parallel_size > 1):
-            raise ValueError("speculative_config does not run with async_scheduling or tensor_parallel_size > 1 yet: "
-                             "drop one of the two")
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ValueError("speculative_config does not run with async_scheduling yet (a verify step reads its "
+                             "drafts on the host before the next step is planned): drop one of the two")
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config does not run with tensor_parallel_size {self.tensor_parallel_size} "
+                             "yet (the MTP head is not split over ranks): use tensor_parallel_size 1 or drop "
+                             "speculative_config")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
         if self.max_images_per_prompt < 0 or self.image_embedding_cache_bytes < 0:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from forkpoint import LLM, SamplingParams, StructuredOutputsParams
 
-# why a checkpoint exists (cache/checkpoints.py CheckpointKind values), as the table says it
+# why a checkpoint exists (cache/checkpoint_types.py CheckpointKind values), as the table says it
 REASONS = {"marker": "the marker", "shared_prefix": "shared prefix", "junction": "junction with an earlier prompt",
            "prompt_end": "the same prompt again", "turn_end": "the end of an earlier turn"}
 

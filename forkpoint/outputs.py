@@ -39,6 +39,27 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class RequestMetrics:
+    """When a prompt moved through the engine (vLLM's `RequestOutput.metrics`), for latency breakdowns.
+
+    Times are `time.monotonic()` seconds of the engine's process. arrival_time: the engine took the
+    prompt (`add_request`); first_scheduled_time: its first sequence was first admitted into a step
+    (None: still queued); first_token_time: its first generated token was sampled (None: none yet);
+    queued_steps: steps the engine scheduled between arrival and that first admission (what it waited
+    behind: other requests' decodes and prefill chunks, a producer's checkpoint, memory)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    queued_steps: int = 0
+
+    @property
+    def time_in_queue(self) -> float | None:
+        """Seconds from arrival to the first admission (None while queued)."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+
 @dataclass
 class RequestOutput:
     """Output of one prompt. prompt_token_ids never contain the checkpoint marker;
@@ -58,3 +79,4 @@ class RequestOutput:
     # first, else {token_id: Logprob} holding the actual token and the top k given the tokens before it
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     cache_miss_reason: str | None = None
+    metrics: RequestMetrics | None = None  # when the prompt was queued, scheduled, first sampled

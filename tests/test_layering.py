@@ -9,7 +9,8 @@ from pathlib import Path
 
 import forkpoint
 
-RANK = {"config": 0, "mamba2_config": 0, "sampling_params": 0, "outputs": 0, "step": 1, "kernels": 1, "cache": 1,
+RANK = {"config": 0, "mamba2_config": 0, "vision_config": 0, "quantization_config": 0, "speculative_config": 0,
+        "structured_outputs_config": 0, "sampling_params": 0, "outputs": 0, "step": 1, "kernels": 1, "cache": 1,
         "models": 2, "inputs": 2, "structured": 2, "runner": 3, "engine": 4, "distributed": 4, "llm": 5, "server": 6,
         "demo": 6,
         "__init__": 7}

@@ -14,38 +14,15 @@ of the checkpoint pool) plus references to the KV blocks covering the prefix. It
   same step share its prefix blocks.
 - ORPHANED: the producer left (finished, aborted, preempted, failed) before writing it, and
   requests wait for it; the next of them to be scheduled is promoted to producer.
-- READY: written; holds KV block references; idle ones are evicted by the value policy below.
+- READY: written; holds KV block references; idle ones are evicted (below).
 
 Readers and waiters: `pins` counts the segments of the step in flight that read it (taken when
 scheduled, released when the step is committed or fails); `waiters` counts the requests deferred on
 it. Both are transitions of this class; callers never write a checkpoint's fields.
 
-Eviction policy (explicit): only idle READY checkpoints (no pins, and no deferred request still on
-its way to read it: waiters keep counting after it becomes ready) are evicted, in this order:
-
-1. automatic checkpoints that are not a live session's latest, lowest value first. The value is
-   GreedyDual-Size-Frequency's: `inflation + (1 + hits) x state_tokens` (the tokens each read saves,
-   weighted by how often it was read), set when it is registered, written, read or restored; each
-   eviction raises `inflation` to the victim's value, so what was last used long ago loses to what
-   is used now even when it saves more (recency), without a clock in the formula;
-2. the latest checkpoint of each live session, the session idle longest first (`session_heads`);
-3. marked checkpoints (kind MARKER), least recently used first. An automatic checkpoint can never
-   evict a marked one: `register(..., kind=auto)` evicts only automatic checkpoints to make room.
-
-Sessions: the engine sees no session id (a chat's `prompt_cache_key` stays in the server), so a
-session is recognised by its turns. The checkpoints a request registers at its turn's ends (kinds
-CHAT_TURN, PROMPT_END, TURN_END; the `turn` they carry is the registering request's id) are where
-that conversation's next turn can start. While none of them has been read, the session is waiting
-for its next turn: it is live, and its *latest* checkpoint is the one the next turn will read (the
-longest CHAT_TURN when the turn has one: chat templates re-render the previous reply, so a chat's
-next prompt leaves the turn at its rendered history; else the longest of its prompt end and turn
-end: a completion client resends the text). Reading any of them means the next turn came (or the
-prompt was sent again): that turn's checkpoints become ordinary ones (order 1) and the reader's own
-turn-end checkpoints are the session's latest from then on. A session that never comes back keeps
-its latest checkpoint until the pool holds nothing else to evict, and then goes first (idle longest).
-
-Under KV pressure the scheduler evicts in the same order until the blocks it needs are free
-(scheduler.py `_evict_for_memory`): a checkpoint's KV references are given back with its row.
+Eviction (cache/eviction.py, `EvictionPolicy`): only idle READY checkpoints (no pins, no waiters, no
+reservations) are evicted: automatic ones by value (GreedyDual) first, then the live sessions' latest
+ones, then marked ones; a tenant over its fair share of the pool evicts its own first.
 
 Device memory: the registry touches no tensor. The writes its transitions imply (a spill to the
 host tier on eviction, a restore on a hit in the host tier, a row copy into a kept turn end) are
@@ -61,128 +38,31 @@ miss, and the slot and blocks taken for it are released at once.
 
 from __future__ import annotations
 
-import enum
-import itertools
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 
 from forkpoint.cache.block_pool import BlockPool
+from forkpoint.cache.checkpoint_types import (
+    CacheMissReason,
+    Checkpoint,
+    CheckpointCounters,
+    CheckpointKind,
+    CheckpointState,
+)
 from forkpoint.cache.disk_format import DamagedFile, FileDamage
 from forkpoint.cache.disk_tier import DiskTier
+from forkpoint.cache.eviction import EvictionPolicy
 from forkpoint.cache.host_tier import HostTier
 from forkpoint.cache.state_pool import SlotAllocator
 from forkpoint.step.plan import DeviceWrite, DiskDrop, DiskRestore, DiskSave, HostDrop, Restore, Spill, StateCopy
 
 logger = logging.getLogger("forkpoint.checkpoints")
 
-
-class CheckpointState(enum.Enum):
-    PENDING = "pending"
-    ORPHANED = "orphaned"
-    READY = "ready"
-    EVICTED = "evicted"  # removed from the registry (a stale reference reads this)
-
-
-class CheckpointKind(enum.Enum):
-    """Why a checkpoint exists: a marker (or checkpoint_positions) or the engine's own placement."""
-
-    MARKER = "marker"
-    SHARED_PREFIX = "shared_prefix"  # the common prefix of requests that arrived together
-    JUNCTION = "junction"  # where a prompt leaves a prefix computed before
-    PROMPT_END = "prompt_end"  # all but the last token of a prompt (the same prompt sent again)
-    TURN_END = "turn_end"  # prompt plus all but the last output token of a finished request
-    CHAT_TURN = "chat_turn"  # a chat's rendered history before its generation prompt (or a tool result's end)
-
-    @property
-    def automatic(self) -> bool:
-        return self is not CheckpointKind.MARKER
-
-    @property
-    def ends_turn(self) -> bool:
-        """Where a conversation's next turn can start (a session's latest checkpoint is one of these)."""
-        return self in (CheckpointKind.CHAT_TURN, CheckpointKind.PROMPT_END, CheckpointKind.TURN_END)
-
-
-class CacheMissReason(enum.Enum):
-    """Why a request's reuse stopped short of the tokens it shares with prompts computed before
-    (`RequestOutput.cache_miss_reason`; None there when it reused all it could)."""
-
-    DISABLED = "disabled"  # checkpoints are off (enable_checkpoints=False)
-    BELOW_MINIMUM = "below_minimum"  # the shared prefix is shorter than auto_checkpoint_min_tokens
-    NO_CHECKPOINT = "no_checkpoint"  # no state was kept where the prompt leaves the earlier one
-    TEMPLATE_DIVERGENCE = "template_divergence"  # it leaves an earlier turn inside that turn's generation prompt
-    # or output: the template re-rendered it, or the client's text re-tokenised differently
-    EVICTED_DEVICE = "evicted_device"  # a checkpoint stood there and was evicted (no host tier)
-    EVICTED_HOST = "evicted_host"  # ... and is not in the host tier either
-    EVICTED_DISK = "evicted_disk"  # ... nor in the disk tier (checkpoint_dir), or its file is gone
-    DISK_TRUNCATED = "disk_truncated"  # its file in the disk tier is shorter than its header says
-    DISK_CORRUPT = "disk_corrupt"  # its file's checksum, magic or fields do not match (deleted)
-    DISK_FOREIGN = "disk_foreign"  # its file was written for another model, dtype, layout or tokenizer
-    DISK_READ_ERROR = "disk_read_error"  # the operating system could not read its file
-    WAIT_TIMEOUT = "wait_timeout"  # it stopped waiting for an unready checkpoint (checkpoint_wait_s)
-    PROMPT_LOGPROBS = "prompt_logprobs"  # the checkpoint there carries no prompt scores for its top-k
-
-
 _DAMAGE_REASONS = {
     FileDamage.MISSING: CacheMissReason.EVICTED_DISK, FileDamage.TRUNCATED: CacheMissReason.DISK_TRUNCATED,
     FileDamage.CORRUPT: CacheMissReason.DISK_CORRUPT, FileDamage.FOREIGN: CacheMissReason.DISK_FOREIGN,
     FileDamage.READ_ERROR: CacheMissReason.DISK_READ_ERROR}
-
-
-@dataclass(eq=False)
-class Checkpoint:
-    """Read-only for everyone but `CheckpointRegistry` (see the module docstring)."""
-
-    key: bytes
-    num_tokens: int
-    slot: int
-    kind: CheckpointKind
-    state: CheckpointState
-    producer: str | None
-    # the position its state and KV hold (<= num_tokens, the prefix it is keyed by); less only with
-    # checkpoint_exact, where readers compute tokens [state_tokens, ...) themselves
-    state_tokens: int = -1
-    # prompt logprobs of the prefix, for readers that ask for them (opaque here; see
-    # runner/prompt_logprobs.py PromptScores): the top-k its producer computes (None: it computes none)
-    # and, once written, the scores themselves
-    prompt_scores_k: int | None = None
-    prompt_scores: object | None = None
-    blocks: list[int] = field(default_factory=list)
-    producer_blocks: list[int] = field(default_factory=list)
-    pins: int = 0
-    waiters: int = 0
-    reserved: int = 0  # queued requests that will read it (scheduler: reserve / unreserve)
-    hits: int = 0
-    last_used: int = 0
-    registered_at: float = 0.0
-    # eviction (see the module docstring): its GreedyDual value, and the id of the request whose turn
-    # it ends (CHAT_TURN, PROMPT_END, TURN_END) while that turn's session waits for its next turn
-    value: float = 0.0
-    turn: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.state_tokens < 0:
-            self.state_tokens = self.num_tokens
-        if not 0 < self.state_tokens <= self.num_tokens:
-            raise ValueError(f"a checkpoint's state position {self.state_tokens} must lie in 1..{self.num_tokens}")
-
-    @property
-    def ready(self) -> bool:
-        return self.state is CheckpointState.READY
-
-
-@dataclass
-class CheckpointCounters:
-    """Per kind: created (became ready), hits (segments that read it), tokens_saved, evicted;
-    evicted_session_latest: evictions of a live session's latest checkpoint (the last resort)."""
-
-    created: Counter[CheckpointKind] = field(default_factory=Counter)
-    hits: Counter[CheckpointKind] = field(default_factory=Counter)
-    tokens_saved: Counter[CheckpointKind] = field(default_factory=Counter)
-    evicted: Counter[CheckpointKind] = field(default_factory=Counter)
-    evicted_session_latest: int = 0
 
 
 class CheckpointRegistry:
@@ -194,12 +74,10 @@ class CheckpointRegistry:
         self.disk = disk  # READY checkpoints are written through to files, read back on a miss elsewhere
         self._by_key: dict[bytes, Checkpoint] = {}
         self._lengths: Counter[int] = Counter()
-        self._clock = itertools.count(1)
+        self.eviction = EvictionPolicy(slots, self._by_key)  # the order idle checkpoints leave in
         self.counters = CheckpointCounters()
         self._writes: list[tuple[int, DeviceWrite]] = []  # (number, write) not yet taken, in order
         self._next_number = 0
-        self._inflation = 0.0  # GreedyDual's L: the value of the last checkpoint evicted (never decreases)
-        self._turns: dict[str, set[bytes]] = {}  # live sessions: turn id -> keys of that turn's end checkpoints
 
     def take_writes(self) -> tuple[int, tuple[DeviceWrite, ...]]:
         """(the number of the first, the writes) recorded and not yet taken, in order, numbered
@@ -296,8 +174,8 @@ class CheckpointRegistry:
         entry = self.host.take(key)
         self._record(Restore(entry.entry_id, slot, tuple(blocks)))
         checkpoint = Checkpoint(key, entry.num_tokens, slot, entry.kind, CheckpointState.READY, None,
-                                state_tokens=entry.state_tokens, blocks=blocks)
-        self._touch(checkpoint)
+                                state_tokens=entry.state_tokens, blocks=blocks, owner=None)
+        self.eviction.track(checkpoint)
         self._by_key[key] = checkpoint
         self._lengths[entry.num_tokens] += 1
         logger.debug("restored from the host tier: %d-token %s checkpoint", entry.num_tokens, entry.kind.value)
@@ -322,21 +200,21 @@ class CheckpointRegistry:
     # ------------------------------------------------------------------ transitions
     def register(self, key: bytes, num_tokens: int, producer: str, now: float,
                  kind: CheckpointKind = CheckpointKind.MARKER, state_tokens: int | None = None,
-                 prompt_scores_k: int | None = None) -> Checkpoint | None:
-        """A new PENDING checkpoint produced by `producer`, keyed by the prefix of `num_tokens` tokens
-        and holding the state after `state_tokens` (default: num_tokens); None when no slot can be
-        freed (a miss)."""
+                 prompt_scores_k: int | None = None, owner: str = "") -> Checkpoint | None:
+        """A new PENDING checkpoint produced by `producer` for tenant `owner`, keyed by the prefix of
+        `num_tokens` tokens and holding the state after `state_tokens` (default: num_tokens); None
+        when no slot can be freed for it (a miss; an owner at its fair share frees only its own)."""
         if key in self._by_key:
             raise RuntimeError("checkpoint registered twice")
-        if self._slots.num_free == 0 and not self.evict_one(markers_too=not kind.automatic):
-            return None
+        if self._slots.num_free == 0:
+            own = owner if self.eviction.at_share(owner) else None
+            if not self.evict_one(markers_too=not kind.automatic, owner=own):
+                return None
         checkpoint = Checkpoint(key, num_tokens, self._slots.allocate(), kind, CheckpointState.PENDING, producer,
                                 state_tokens=num_tokens if state_tokens is None else state_tokens,
-                                prompt_scores_k=prompt_scores_k, registered_at=now)
-        if kind.ends_turn:
-            checkpoint.turn = producer
-            self._turns.setdefault(producer, set()).add(key)
-        self._touch(checkpoint)
+                                prompt_scores_k=prompt_scores_k, registered_at=now,
+                                turn=producer if kind.ends_turn else None, owner=owner)
+        self.eviction.track(checkpoint)
         self._by_key[key] = checkpoint
         self._lengths[num_tokens] += 1
         logger.debug("registered: %d-token %s checkpoint, producer %s", num_tokens, kind.value, producer)
@@ -363,7 +241,7 @@ class CheckpointRegistry:
         if checkpoint.prompt_scores is None:
             checkpoint.prompt_scores_k = None
         self.counters.created[checkpoint.kind] += 1
-        self._touch(checkpoint)
+        self.eviction.touch(checkpoint)
         if self.disk is not None:
             self._save(checkpoint)
         logger.debug("ready: %d tokens (%s)", checkpoint.num_tokens, checkpoint.kind.value)
@@ -430,42 +308,22 @@ class CheckpointRegistry:
         checkpoint.hits += 1
         self.counters.hits[checkpoint.kind] += 1
         self.counters.tokens_saved[checkpoint.kind] += tokens_saved
-        if checkpoint.turn is not None:
-            self._end_session_wait(checkpoint.turn)  # its session's next turn came (module docstring)
-        self._touch(checkpoint)
+        self.eviction.read(checkpoint)
 
     def unpin(self, checkpoint: Checkpoint) -> None:
         if checkpoint.pins <= 0:
             raise RuntimeError("checkpoint pin count would go negative")
         checkpoint.pins -= 1
 
-    def session_heads(self) -> set[bytes]:
-        """The keys of each live session's latest READY checkpoint (see the module docstring)."""
-        heads = set()
-        for keys in self._turns.values():
-            ready = [self._by_key[key] for key in keys if self._by_key[key].ready]
-            if ready:
-                heads.add(max(ready, key=_next_turn_reads).key)
-        return heads
-
-    def evict_one(self, *, markers_too: bool = True) -> bool:
-        """Evict one idle READY checkpoint by the policy in the module docstring. False when none is."""
+    def evict_one(self, *, markers_too: bool = True, owner: str | None = None) -> bool:
+        """Evict one idle READY checkpoint in the eviction policy's order (cache/eviction.py; only
+        `owner`'s when given). False when none is."""
         idle = [c for c in self._by_key.values() if c.ready and c.pins == 0 and c.waiters == 0 and c.reserved == 0
-                and (markers_too or c.kind.automatic)]
+                and (markers_too or c.kind.automatic) and (owner is None or c.owner == owner)]
         if not idle:
             return False
-        heads = self.session_heads()
-
-        def order(c: Checkpoint) -> tuple[int, float, int]:
-            if not c.kind.automatic:
-                return 2, 0.0, c.last_used
-            if c.key in heads:
-                return 1, 0.0, c.last_used
-            return 0, c.value, c.last_used
-
-        victim = min(idle, key=order)
-        self._inflation = max(self._inflation, victim.value)
-        if victim.key in heads:
+        victim, session_latest = self.eviction.victim(idle)
+        if session_latest:
             self.counters.evicted_session_latest += 1
         if self.host is not None:
             entry, dropped = self.host.spill(victim.key, victim.num_tokens, victim.state_tokens, victim.kind,
@@ -538,8 +396,8 @@ class CheckpointRegistry:
             return None
         self._record(DiskRestore(slot, tuple(blocks), payload))
         checkpoint = Checkpoint(key, header.num_tokens, slot, kind, CheckpointState.READY, None,
-                                state_tokens=header.state_tokens, blocks=blocks)
-        self._touch(checkpoint)
+                                state_tokens=header.state_tokens, blocks=blocks, owner=None)
+        self.eviction.track(checkpoint)
         self._by_key[key] = checkpoint
         self._lengths[header.num_tokens] += 1
         logger.debug("restored from the disk tier: %d-token %s checkpoint", header.num_tokens, kind.value)
@@ -573,27 +431,12 @@ class CheckpointRegistry:
                     return _DAMAGE_REASONS[failure[1]]
         return None
 
-    def _touch(self, checkpoint: Checkpoint) -> None:
-        checkpoint.last_used = next(self._clock)
-        checkpoint.value = self._inflation + (1 + checkpoint.hits) * checkpoint.state_tokens
-
-    def _end_session_wait(self, turn: str) -> None:
-        """The session whose turn `turn` ended is no longer waiting on it: its checkpoints become
-        ordinary ones."""
-        for key in self._turns.pop(turn, ()):
-            self._by_key[key].turn = None
-
     def _expect(self, checkpoint: Checkpoint, state: CheckpointState) -> None:
         if checkpoint.state is not state:
             raise RuntimeError(f"checkpoint is {checkpoint.state.value}, expected {state.value}")
 
     def _remove(self, checkpoint: Checkpoint) -> None:
-        if checkpoint.turn is not None:
-            keys = self._turns[checkpoint.turn]
-            keys.discard(checkpoint.key)
-            if not keys:
-                del self._turns[checkpoint.turn]
-            checkpoint.turn = None
+        self.eviction.forget(checkpoint)
         del self._by_key[checkpoint.key]
         self._lengths[checkpoint.num_tokens] -= 1
         if not self._lengths[checkpoint.num_tokens]:
@@ -616,12 +459,7 @@ class CheckpointRegistry:
             raise AssertionError("checkpoint slots and registry disagree")
         if Counter(c.num_tokens for c in self._by_key.values()) != self._lengths:
             raise AssertionError("checkpoint length index is stale")
-        turns: dict[str, set[bytes]] = {}
-        for checkpoint in self._by_key.values():
-            if checkpoint.turn is not None:
-                turns.setdefault(checkpoint.turn, set()).add(checkpoint.key)
-        if turns != self._turns:
-            raise AssertionError("the live sessions' turn index disagrees with the checkpoints' turns")
+        self.eviction.check_integrity()
         for key, checkpoint in self._by_key.items():
             name = f"{checkpoint.num_tokens}-token {checkpoint.state.value} checkpoint"
             if checkpoint.pins != readers.get(key, 0):
@@ -645,9 +483,3 @@ class CheckpointRegistry:
         for key in set(readers) | set(waiters) | set(producers) | set(reserved):
             if key not in self._by_key:
                 raise AssertionError("a request refers to a checkpoint the registry does not hold")
-
-
-def _next_turn_reads(checkpoint: Checkpoint) -> tuple[bool, int]:
-    """Which of a turn's end checkpoints its session's next turn reads (the largest is the session's
-    latest): a chat turn's rendered history before a prompt end or turn end, then the longest."""
-    return checkpoint.kind is CheckpointKind.CHAT_TURN, checkpoint.num_tokens

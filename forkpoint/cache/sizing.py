@@ -27,7 +27,7 @@ rows (tests/cache/test_sizing.py).
 
 Elasticity today is in the bookkeeping: KV blocks are shared by running requests and READY
 checkpoints (a checkpoint holds references on its prefix's blocks), and under KV pressure the
-scheduler evicts idle checkpoints (value order, cache/checkpoints.py) until the blocks it needs are
+scheduler evicts idle checkpoints (value order, cache/eviction.py) until the blocks it needs are
 free, so checkpoints use whatever KV the running requests leave and give it back on demand. The row
 count C is fixed at start-up. The next step, byte-level elasticity, is one arena: KV pages and state
 rows carved from a single device buffer in page units (a 61 MiB state row is 196 KV blocks of

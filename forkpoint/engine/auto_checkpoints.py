@@ -37,7 +37,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from forkpoint.cache.checkpoints import CacheMissReason, CheckpointKind, CheckpointRegistry
+from forkpoint.cache.checkpoint_types import CacheMissReason, CheckpointKind
+from forkpoint.cache.checkpoints import CheckpointRegistry
 from forkpoint.cache.hashing import PrefixHasher
 from forkpoint.cache.prefix_index import PrefixIndex
 from forkpoint.engine.request import Request, SharedPrefix
@@ -161,7 +162,8 @@ class AutoCheckpointPlanner:
         key = hasher.prefix_hash(length)
         if self.registry.get(key) is not None:
             return
-        checkpoint = self.registry.register(key, length, request.request_id, now, CheckpointKind.TURN_END)
+        checkpoint = self.registry.register(key, length, request.request_id, now, CheckpointKind.TURN_END,
+                                            owner=request.tenant)
         if checkpoint is None:
             return
         self.registry.keep_state(checkpoint, request.slot, request.blocks[: -(-length // self.block_size)])

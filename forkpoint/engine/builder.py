@@ -11,18 +11,20 @@ sees the graphs' buffers and memory pool as used.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.checkpoints import CheckpointRegistry
 from forkpoint.cache.host_tier import HostTier
 from forkpoint.cache.sizing import default_host_tier_bytes, physical_memory_bytes, pools_of_sizes
 from forkpoint.cache.state_pool import StatePool
-from forkpoint.config import EngineConfig, ModelConfig, VisionConfig
+from forkpoint.config import EngineConfig, ModelConfig
 from forkpoint.distributed.runner import TensorParallelRunner
 from forkpoint.engine.output_processor import OutputProcessor
 from forkpoint.engine.scheduler import Scheduler
@@ -41,6 +43,7 @@ from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_size
 from forkpoint.runner.speculative import MTPDrafter
 from forkpoint.runner.storage import DeviceStorage, plan_storage
 from forkpoint.structured import GrammarCompiler
+from forkpoint.vision_config import VisionConfig
 
 logger = logging.getLogger("forkpoint")
 
@@ -50,6 +53,26 @@ def _tokenizer_spells_images(tokenizer, vision: VisionConfig) -> bool:
     placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
     ids = tokenizer.encode(placeholder, add_special_tokens=False)
     return ids == [vision.vision_start_token_id, vision.image_token_id, vision.vision_end_token_id]
+
+
+def _stores_mtp_weights(model_path: Path) -> bool:
+    """Whether the safetensors checkpoint in `model_path` stores any `mtp.*` tensor: the names from its
+    shard index, else from the files' headers (nothing else is read)."""
+    index = model_path / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            names = list(json.loads(index.read_text())["weight_map"])
+        else:
+            names = []
+            files = sorted(model_path.glob("*.safetensors"))
+            if not files:
+                raise ValueError(f"no *.safetensors weights in {model_path}")
+            for file in files:
+                with safe_open(str(file), framework="pt") as handle:
+                    names.extend(handle.keys())
+    except (OSError, json.JSONDecodeError, KeyError, SafetensorError) as err:
+        raise ValueError(f"cannot read the tensor names of the checkpoint in {model_path}: {err}") from err
+    return any(name.startswith("mtp.") for name in names)
 
 
 @dataclass(frozen=True)
@@ -201,6 +224,11 @@ class EngineBuilder:
             raise ValueError(f"speculative_config method 'mtp' needs a model with MTP layers, but {model_path}'s "
                              "config.json declares none (mtp_num_hidden_layers / num_nextn_predict_layers): drop "
                              "speculative_config or use a Qwen3.5 / Qwen3-Next checkpoint that has its mtp.* weights")
+        if self.config.load_format != "dummy" and not _stores_mtp_weights(model_path):
+            raise ValueError(f"speculative_config method 'mtp' needs the model's MTP weights, but the checkpoint in "
+                             f"{model_path} stores no mtp.* tensors although config.json declares {count} MTP "
+                             "layer(s) (some conversions and quantisations drop them): use a checkpoint that keeps "
+                             "them, or drop speculative_config")
         return count
 
     def _capture_graphs(self, model) -> PiecewiseForward | None:

@@ -30,14 +30,15 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from forkpoint.cache.checkpoints import CacheMissReason
-from forkpoint.config import EngineConfig
+from forkpoint.cache.checkpoint_types import CacheMissReason
+from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig
 from forkpoint.engine.builder import EngineBuilder, EngineParts
 from forkpoint.engine.holdings import check_holdings
+from forkpoint.engine.memory_retry import MemoryBackoff, is_out_of_memory
 from forkpoint.engine.metrics import checkpoint_metrics, pool_metrics
 from forkpoint.engine.request import Request
-from forkpoint.engine.scheduler import ScheduledStep
 from forkpoint.engine.step_io import plan_with_sampling, record_prompt_scores
+from forkpoint.engine.step_planning import ScheduledStep
 from forkpoint.inputs.processor import ProcessedPrompt
 from forkpoint.outputs import RequestOutput
 from forkpoint.runner.logits_processors import build_request_processors
@@ -104,19 +105,24 @@ class LLMEngine:
         # a plain attribute: benchmarks may switch it between steps (EngineConfig rejects it under TP)
         self.async_scheduling = self.config.async_scheduling
         self._launched: list[_Launched] = []  # enqueued steps whose tokens are not processed; oldest first
+        # caps on step size after a step ran out of memory (engine/memory_retry.py)
+        self._backoff = MemoryBackoff(SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else 1,
+                                      self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self._groups: dict[str, _PromptGroup] = {}
         self._seed_counter = self.config.seed
         self._counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished": 0,
-                          "requests_aborted": 0, "requests_failed": 0, "steps": 0}
+                          "requests_aborted": 0, "requests_failed": 0, "steps": 0,
+                          "steps_retried_for_memory": 0, "requests_failed_for_memory": 0}
         logger.info("%s", self.startup.summary())
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
-                    stream: bool = True) -> None:
+                    stream: bool = True, tenant: str = "") -> None:
         """Validate and queue one prompt. Raises ValueError naming the problem; nothing is left behind.
 
         With `stream=False`, `step()` reports this prompt only once it has finished (no per-step
-        detokenisation: the offline API's mode)."""
+        detokenisation: the offline API's mode). `tenant`: the client it comes from (the server's
+        `user`); the checkpoints it registers count against that client's fair share of the pool."""
         params = sampling_params or self.default_sampling_params()
         if params.max_tokens is None and self.generation_defaults.max_new_tokens is not None:
             params = dataclasses.replace(params, max_tokens=self.generation_defaults.max_new_tokens)
@@ -149,6 +155,7 @@ class LLMEngine:
                 processors=processors[index],
                 turn_positions=processed.turn_positions if self.registry is not None else (),
                 turn_end_reusable=processed.turn_end_reusable,
+                tenant=tenant,
             ))
         self._groups[request_id] = _PromptGroup(request_id, processed.text, token_ids, positions, sequences, stream)
         for sequence in sequences:
@@ -198,10 +205,12 @@ class LLMEngine:
         If the forward or sampling raises, every prompt with a sequence in the step ends (its other
         sequences are aborted), everything the step took is released, and `StepFailed` is raised with
         the cause and the outputs of the other prompts that finished in the step; the engine stays
-        usable for the requests that were not in the step."""
+        usable for the requests that were not in the step. A raise for lack of memory is retried in
+        smaller steps instead, and fails only a prompt that runs out of memory alone
+        (engine/memory_retry.py)."""
         if self._launched:
             return self._advance()
-        step = self.scheduler.schedule()
+        step = self.scheduler.schedule(limits=self._backoff.limits())
         if step.empty:
             if step.finished:
                 return self._collect({r.parent_id: self._groups[r.parent_id] for r in step.finished})
@@ -213,13 +222,13 @@ class LLMEngine:
             try:
                 self._launched.append(self._launch(step))
             except Exception as error:
-                raise self._fail_steps([step], error) from error
+                return self._step_raised([step], error)
             return self._advance()
         try:
             result = self.runner.execute(plan_with_sampling(step)).result()
             record_prompt_scores(step, result, self.registry)
         except Exception as error:
-            raise self._fail_steps([step], error) from error
+            return self._step_raised([step], error)
         try:
             self.scheduler.commit(step)
             outputs = self._record(step, result)
@@ -285,7 +294,8 @@ class LLMEngine:
         the oldest enqueued step (wait for its tokens, commit, outputs)."""
         current = self._launched[0]
         ahead = None
-        if self.async_scheduling and self._decodes_on_device(self.scheduler.running):
+        if (self.async_scheduling and self._backoff.limits() is None
+                and self._decodes_on_device(self.scheduler.running)):  # running ahead would bypass the caps
             ahead = self.scheduler.schedule_ahead(lambda r: self.output_processor.ends_by_length(r, 1))
         launch_error = None
         if ahead is not None:
@@ -299,7 +309,7 @@ class LLMEngine:
         except Exception as error:
             failed = [launched.step for launched in self._launched]
             self._launched.clear()
-            raise self._fail_steps(failed + ([ahead] if launch_error is not None else []), error) from error
+            return self._step_raised(failed + ([ahead] if launch_error is not None else []), error)
         self._launched.pop(0)
         try:
             self.scheduler.commit(current.step)
@@ -309,7 +319,7 @@ class LLMEngine:
             self._launched.clear()
             raise self._fail_steps(failed + ([ahead] if launch_error is not None else []), error) from error
         if launch_error is not None:
-            raise self._fail_steps([ahead], launch_error, outputs) from launch_error
+            return self._step_raised([ahead], launch_error, outputs)
         self._complete_idle_steps()
         self._persist_when_idle()
         return outputs
@@ -348,6 +358,29 @@ class LLMEngine:
                 self._launched.clear()
                 self._fail_steps(failed, error)
                 return
+
+    def _step_raised(self, steps: list[ScheduledStep], error: Exception,
+                     outputs: list[RequestOutput] | None = None) -> list[RequestOutput]:
+        """The forward or sampling of `steps` (every step in flight, oldest first, none committed)
+        raised. For lack of memory: requeue their sequences under smaller caps and return `outputs`
+        with those of prompts that ended while scheduling them, or, when one sequence ran out of
+        memory alone in the smallest step, fail its prompt. Anything else fails the steps. Raises
+        `StepFailed` for a failure."""
+        if not is_out_of_memory(error):
+            raise self._fail_steps(steps, error, outputs) from error
+        culprit = self._backoff.culprit(steps)
+        if culprit is not None:
+            self._counters["requests_failed_for_memory"] += 1
+            raise self._fail_steps(steps, self._backoff.describe(culprit, error), outputs) from error
+        limits = self._backoff.shrink(steps)
+        requeued = self.scheduler.requeue(steps)
+        self._counters["steps_retried_for_memory"] += 1
+        logger.warning("a step ran out of memory (%s: %s): %d sequence(s) requeued; steps now take at most %d "
+                       "token(s) and %d sequence(s) until they leave", type(error).__name__, error, len(requeued),
+                       limits.max_tokens, limits.max_seqs)
+        ended = {r.parent_id: self._groups[r.parent_id] for step in steps for r in step.finished
+                 if r.parent_id in self._groups}
+        return (outputs or []) + self._collect(ended)
 
     def _fail_steps(self, steps: list[ScheduledStep], error: Exception,
                     outputs: list[RequestOutput] | None = None) -> StepFailed:

@@ -4,7 +4,8 @@ runner report their own: `Scheduler.metrics`, `ModelRunner.metrics`)."""
 from __future__ import annotations
 
 from forkpoint.cache.block_pool import BlockPool
-from forkpoint.cache.checkpoints import CheckpointKind, CheckpointRegistry
+from forkpoint.cache.checkpoint_types import CheckpointKind
+from forkpoint.cache.checkpoints import CheckpointRegistry
 from forkpoint.cache.disk_format import FileDamage
 from forkpoint.cache.state_pool import StatePool
 

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from forkpoint.engine.request import Request
 from forkpoint.inputs.detokenizer import IncrementalDetokenizer
-from forkpoint.outputs import CompletionOutput, Logprob, RequestOutput
+from forkpoint.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 
 @dataclass
@@ -109,6 +109,7 @@ class OutputProcessor:
             outputs=completions,
             num_cached_tokens=max(s.num_cached_tokens for s in sequences),
             cache_miss_reason=first.cache_miss_reason.value if first.cache_miss_reason is not None else None,
+            metrics=request_metrics(sequences),
             checkpoint_positions=list(checkpoint_positions),
             finished=finished,
         )
@@ -156,3 +157,15 @@ class OutputProcessor:
         if state.stop_at is not None:
             return state.detokenizer.final_text[: state.stop_at]
         return state.detokenizer.final_text if sequence.is_finished else state.detokenizer.text
+
+
+def request_metrics(sequences: Sequence[Request]) -> RequestMetrics:
+    """When one prompt's sequences (which arrive together) were first scheduled and first sampled:
+    the earliest of them."""
+    scheduled = [s for s in sequences if s.first_scheduled_time is not None]
+    sampled = [s.first_token_time for s in sequences if s.first_token_time is not None]
+    first = min(scheduled, key=lambda s: s.first_scheduled_time, default=None)
+    return RequestMetrics(arrival_time=sequences[0].arrival_time,
+                          first_scheduled_time=first.first_scheduled_time if first is not None else None,
+                          first_token_time=min(sampled, default=None),
+                          queued_steps=first.first_scheduled_step - first.arrival_step if first is not None else 0)

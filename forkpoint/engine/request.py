@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from forkpoint.cache.checkpoints import CacheMissReason, Checkpoint, CheckpointKind
+from forkpoint.cache.checkpoint_types import CacheMissReason, Checkpoint, CheckpointKind
 from forkpoint.cache.hashing import PrefixHasher
 from forkpoint.inputs.multimodal import MultimodalPrompt
 from forkpoint.runner.logits_processors import RequestProcessors
@@ -85,6 +85,11 @@ class Request:
     checkpointing: CheckpointProgress = field(default_factory=CheckpointProgress)
     finish_reason: str | None = None
     first_token_time: float | None = None
+    # when it was first admitted into a step (kept across preemptions), and the scheduler's step count
+    # at arrival and at that admission (RequestMetrics.queued_steps: the steps it waited behind)
+    first_scheduled_time: float | None = None
+    arrival_step: int = 0
+    first_scheduled_step: int | None = None
     # images: placed in prompt_token_ids, with the rotary positions of every token (None: text only)
     multimodal: MultimodalPrompt | None = None
     # logits processors and grammar state (None: none asked for); released when the prompt leaves
@@ -98,6 +103,9 @@ class Request:
     # speculative decoding: the MTP head's drafts of the tokens after the last one, verified next step
     # (engine/speculative.py); set by the engine with each step's tokens, used up by the plan
     draft_token_ids: tuple[int, ...] = ()
+    # the client it comes from (the server's `user`; "" for none): its checkpoints count against that
+    # tenant's fair share of the checkpoint pool (cache/eviction.py)
+    tenant: str = ""
 
     @property
     def token_ids(self) -> list[int]:

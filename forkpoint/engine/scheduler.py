@@ -1,16 +1,19 @@
 """Continuous-batching scheduler with checkpoint producers and consumers.
 
 One step is `schedule()` -> the runner executes `step.plan` -> `commit(step)` (or `fail(step)`
-when anything between raised). Every pin, slot and block a step takes is released by exactly one of
-the two. Steps are committed or failed in the order they were scheduled; `schedule()` needs no step
+when anything between raised, or `requeue(steps)` when it raised for lack of memory and the engine
+retries it smaller: engine/memory_retry.py). Every pin, slot and block a step takes is released by
+exactly one of the three. Steps are committed or failed in the order they were scheduled; `schedule()` needs no step
 in flight, while `schedule_ahead()` (asynchronous scheduling) plans the next decode step while one
 decode step is still in flight: each of its sequences then decodes the token that step samples
 (fed to the runner on the device). A sequence that ends while a step in flight still computes for
 it (it stopped, or was aborted) leaves the running list at once but keeps its slot and blocks
 (`releasing`) until the last such step is committed or failed.
 
-`schedule()` plans running requests first (decodes and prefill chunks, in order), then waiting
-requests in arrival order under the token and sequence budgets. A waiting request whose longest
+`schedule()` plans running requests first (decodes and prefill chunks, in order; round robin by client
+when the token budget cannot hold them all: engine/fair_order.py), then waiting
+requests in arrival order under the token and sequence budgets (by client when they cannot all be
+admitted: a client with fewer running sequences goes first). A waiting request whose longest
 matching checkpoint is still being produced is *deferred*: it keeps its place in the queue and later
 requests are scheduled past it. It wakes in the step in which the checkpoint is ready, or in the same
 step when the producer's chunk reaches the checkpoint (then its segment runs in a later phase of the
@@ -18,7 +21,9 @@ same forward). When KV blocks run out, idle checkpoints are evicted first, then 
 admitted running request is preempted (recompute).
 
 Checkpoint life cycle transitions are the registry's (cache/checkpoints.py); this class decides
-when to ask for them and keeps each request's side (`Request.checkpointing`).
+when to ask for them, and engine/checkpoint_claims.py keeps each request's side
+(`Request.checkpointing`: claims, waits, reservations). A step's value objects and its scratch
+planning state are in engine/step_planning.py.
 """
 
 from __future__ import annotations
@@ -27,64 +32,22 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 from forkpoint.cache.block_pool import BlockPool
-from forkpoint.cache.checkpoints import CacheMissReason, Checkpoint, CheckpointKind, CheckpointRegistry, CheckpointState
+from forkpoint.cache.checkpoints import CacheMissReason, Checkpoint, CheckpointRegistry, CheckpointState
 from forkpoint.cache.state_pool import ZERO_SLOT, StatePool
 from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig
 from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner, Placement
+from forkpoint.engine.checkpoint_claims import CheckpointClaims
+from forkpoint.engine.fair_order import admission_order, step_order
 from forkpoint.engine.request import Request, RequestStatus
+from forkpoint.engine.scheduler_stats import SchedulerStats
 from forkpoint.engine.speculative import Speculation
-from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan, Verify
+from forkpoint.engine.step_planning import ScheduledStep, StepLimits, StepPlanning
+from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan
 
 logger = logging.getLogger("forkpoint.checkpoints")
-
-
-@dataclass
-class ScheduledStep:
-    """One step as the engine sees it: the runner's `plan` plus what commit/fail must settle.
-
-    requests[i] owns plan.segments[i]; written: (checkpoint, producer) pairs this step writes;
-    consumed: checkpoints pinned by this step's readers (one entry per pin); finished: requests
-    that ended while scheduling (they can never fit)."""
-
-    plan: StepPlan
-    requests: list[Request]
-    written: list[tuple[Checkpoint, Request]]
-    consumed: list[Checkpoint]
-    finished: list[Request]
-
-    @property
-    def empty(self) -> bool:
-        return self.plan.empty
-
-
-@dataclass
-class _Planning:
-    """Scratch state of one `schedule()` call."""
-
-    segments: list[Segment] = field(default_factory=list)
-    requests: list[Request] = field(default_factory=list)
-    kv_copies: list[KVCopy] = field(default_factory=list)
-    written: list[tuple[Checkpoint, Request]] = field(default_factory=list)
-    consumed: list[Checkpoint] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)
-    written_phase: dict[int, int] = field(default_factory=dict)  # id(checkpoint) -> phase writing it
-    verifies: list[Verify] = field(default_factory=list)
-    score_rows: int = 0  # prompt-logit rows planned so far (at most Scheduler.score_rows)
-
-
-@dataclass
-class SchedulerStats:
-    requests_deferred: int = 0
-    producer_promotions: int = 0
-    checkpoint_hits: int = 0
-    checkpoint_wait_timeouts: int = 0
-    deferral_wait_s_total: float = 0.0
-    preemptions: int = 0
-    prompt_tokens_computed: int = 0
-    failed_steps: int = 0
 
 
 class Scheduler:
@@ -99,9 +62,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
+        self.claims = CheckpointClaims(registry, self.stats, self.state_position)
         self.block_size = block_pool.block_size
         self.chunk_cap = config.long_prefill_token_threshold or config.max_num_batched_tokens
         self.in_flight: list[ScheduledStep] = []  # scheduled, not yet committed or failed; oldest first
+        self.num_steps = 0  # non-empty steps scheduled so far (a request's queued_steps counts them)
         # ended sequences whose slot and blocks a step in flight still computes on, with whether their
         # turn-end checkpoint is kept (the sequence ended normally) and when they ended
         self.releasing: list[tuple[Request, bool, float]] = []
@@ -121,6 +86,7 @@ class Scheduler:
             for placement in self.auto.placements(request, self._live):
                 self._place(placement, now)
         self._live[request.request_id] = request
+        request.arrival_step = self.num_steps
         self.waiting.append(request)
         if self.registry is not None:
             self.registry.read_ahead(request.hasher.prefix_hash, len(request.prompt_token_ids))
@@ -135,7 +101,7 @@ class Scheduler:
                 return
             checkpoint = self.registry.register(producer.hasher.prefix_hash(position), position,
                                                 producer.request_id, now, placement.kind, state,
-                                                self._scores_k(producer, state))
+                                                self.claims.scores_k(producer, state), owner=producer.tenant)
             if checkpoint is None:
                 return
             producer.checkpointing.producing.append(checkpoint)
@@ -183,8 +149,8 @@ class Scheduler:
         progress.producing = []
         progress.read_from = None
         if progress.waiting_on is not None:
-            self._stop_waiting(request)
-        self._unreserve(request)
+            self.claims.stop_waiting(request)
+        self.claims.unreserve(request)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -196,16 +162,21 @@ class Scheduler:
         self.stats.preemptions += 1
 
     # ------------------------------------------------------------------ one step
-    def schedule(self, now: float | None = None) -> ScheduledStep:
+    def schedule(self, now: float | None = None, limits: StepLimits | None = None) -> ScheduledStep:
+        """The next step under the token and sequence budgets (and `limits`, when given)."""
         if self.in_flight:
             raise RuntimeError("a step is still in flight: commit or fail it before scheduling the next")
         now = time.monotonic() if now is None else now
-        planning = _Planning()
+        planning = (StepPlanning() if limits is None
+                    else StepPlanning(seq_room=limits.max_seqs, chunk_cap=min(self.chunk_cap, limits.max_chunk)))
         budget = self.config.max_num_batched_tokens
+        if limits is not None:
+            budget = min(budget, limits.max_tokens)
         preempted = False
 
-        for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING or budget == 0:
+        for request in step_order(self.running, budget, planning.chunk_cap or self.chunk_cap,
+                                  planning.seq_room):  # per-client round robin when short
+            if request.status is not RequestStatus.RUNNING or budget == 0 or planning.seqs_full:
                 continue
             verifying = self.speculation is not None and self.speculation.wants_verify(request)
             if verifying and (len(request.draft_token_ids) >= budget or -(-self.speculation.blocks_needed(request)
@@ -219,7 +190,7 @@ class Scheduler:
             if count == 0:
                 continue
             needed = self.speculation.blocks_needed(request) if verifying else request.num_computed_tokens + count
-            if not self._grow_blocks(request, needed):
+            if not self._grow_blocks(request, needed, planning.requests):
                 if request.status is RequestStatus.FINISHED:
                     planning.finished.append(request)
                 preempted = True
@@ -234,10 +205,14 @@ class Scheduler:
                 count = 1 if verifying else count
                 self._plan_chunk(planning, request, request.num_computed_tokens, count, None)
             budget -= count
+            planning.take_seq()
 
         if not preempted:
-            for request in list(self.waiting):
-                if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            room = self.config.max_num_seqs - len(self.running)
+            room = room if planning.seq_room is None else min(room, planning.seq_room)
+            for request in admission_order(self.waiting, self.running, budget, room,
+                                           planning.chunk_cap or self.chunk_cap):
+                if budget == 0 or len(self.running) >= self.config.max_num_seqs or planning.seqs_full:
                     break
                 admitted = self._try_admit(planning, request, budget, now)
                 while admitted is None and not self.running and self._evict_waited_on():
@@ -246,11 +221,13 @@ class Scheduler:
                 if admitted is None:
                     break  # out of memory: keep FCFS order
                 budget -= admitted
-        self._reserve_for_queued()
+                if admitted:
+                    planning.take_seq()
+        self.claims.reserve_for_queued(self.waiting)
 
         return self._scheduled(planning)
 
-    def _scheduled(self, planning: _Planning) -> ScheduledStep:
+    def _scheduled(self, planning: StepPlanning) -> ScheduledStep:
         """The step, in flight unless empty; its plan takes the device writes recorded since the last one."""
         first, writes = self.registry.take_writes() if self.registry is not None and planning.segments else (0, ())
         step = ScheduledStep(StepPlan(tuple(planning.segments), tuple(planning.kv_copies), writes=writes,
@@ -258,6 +235,7 @@ class Scheduler:
                              planning.requests, planning.written, planning.consumed, planning.finished)
         if not step.empty:
             self.in_flight.append(step)
+            self.num_steps += 1
         return step
 
     def schedule_ahead(self, leave_out: Callable[[Request], bool]) -> ScheduledStep | None:
@@ -289,7 +267,7 @@ class Scheduler:
         growth = [-(-(ends[r.request_id] + 1) // self.block_size) - len(r.blocks) for r in decoding]
         if sum(growth) > self.blocks.num_free:
             return None
-        planning = _Planning()
+        planning = StepPlanning()
         for request, need in zip(decoding, growth):
             if need > 0:
                 request.blocks.extend(self.blocks.allocate(need))
@@ -317,19 +295,16 @@ class Scheduler:
             producer.checkpointing.producing.remove(checkpoint)
         for checkpoint in step.consumed:
             self.registry.unpin(checkpoint)
-        self._reserve_for_queued()  # before the turn-end registrations of the requests this step ended
+        # before the turn-end registrations of the requests this step ended
+        self.claims.reserve_for_queued(self.waiting)
         self._release_ended(step, computed=True)
 
     def fail(self, step: ScheduledStep) -> list[Request]:
         """Something between schedule and commit raised: release the step's pins and end every
         request in it with reason "error" (their slots, blocks and unwritten checkpoints go back;
         waiters of those checkpoints are promoted when next scheduled). Returns the ended requests."""
-        self._settle(step)
+        self._unwind(step)
         self.stats.failed_steps += 1
-        if step.plan.writes:  # the runner may not have applied them: the next plan carries them again
-            self.registry.give_back_writes(step.plan.first_write, step.plan.writes)
-        for checkpoint in step.consumed:
-            self.registry.unpin(checkpoint)
         self._release_ended(step, computed=False)
         ended = []
         for request in dict.fromkeys(step.requests):  # a request may own several segments
@@ -337,6 +312,32 @@ class Scheduler:
                 self.finish(request, "error")
                 ended.append(request)
         return ended
+
+    def requeue(self, steps: list[ScheduledStep]) -> list[Request]:
+        """`steps` (every step in flight, oldest first) raised for lack of memory and are retried:
+        release them as `fail` does, but put their unfinished sequences back at the front of the
+        queue, in step order, as preemptions: each recomputes from its longest checkpoint, since
+        the failed forward may have written its state rows. Returns the requeued sequences."""
+        if len(steps) != len(self.in_flight):
+            raise RuntimeError("requeue takes every step in flight: a later step would compute for a requeued sequence")
+        for step in steps:
+            self._unwind(step)
+            self.stats.requeued_steps += 1
+        for step in steps:
+            self._release_ended(step, computed=False)
+        requeued = [r for r in dict.fromkeys(r for step in steps for r in step.requests) if not r.is_finished]
+        for request in reversed(requeued):  # appendleft: the first of the step ends up first in the queue
+            self._preempt(request)
+        return requeued
+
+    def _unwind(self, step: ScheduledStep) -> None:
+        """Settle a step that did not run to its end: its device writes go to the next plan again
+        (the runner may not have applied them) and its readers' pins are released."""
+        self._settle(step)
+        if step.plan.writes:
+            self.registry.give_back_writes(step.plan.first_write, step.plan.writes)
+        for checkpoint in step.consumed:
+            self.registry.unpin(checkpoint)
 
     def _settle(self, step: ScheduledStep) -> None:
         if not self.in_flight or self.in_flight[0] is not step:
@@ -363,12 +364,12 @@ class Scheduler:
         checkpoint_exact the scan-chunk boundary at or before it (0: the checkpoint is useless)."""
         return position - position % SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else position
 
-    def _chunk(self, planning: _Planning, request: Request, start: int, budget: int) -> int:
+    def _chunk(self, planning: StepPlanning, request: Request, start: int, budget: int) -> int:
         """Tokens of `request` to compute from `start` this step. With checkpoint_exact, a chunk
         that does not finish the sequence ends at a scan-chunk boundary (0 when none fits), so chunked
         prefill runs the recurrent scans over the same chunks as one pass. A request scoring its prompt
         gets at most the step's prompt-logit rows left (`score_rows`): its logits stay O(chunk x vocab)."""
-        count = min(request.num_tokens - start, budget, self.chunk_cap)
+        count = min(request.num_tokens - start, budget, planning.chunk_cap or self.chunk_cap)
         to_score = len(request.prompt_token_ids) - 1 - start
         rows_left = self.score_rows - planning.score_rows
         if request.params.prompt_logprobs is not None and to_score > rows_left:
@@ -378,9 +379,10 @@ class Scheduler:
         return max(count, 0)
 
     # ------------------------------------------------------------------ memory
-    def _grow_blocks(self, request: Request, num_tokens: int) -> bool:
+    def _grow_blocks(self, request: Request, num_tokens: int, planned: list[Request]) -> bool:
         """Give a running request blocks for `num_tokens` tokens, evicting idle checkpoints and then
-        preempting later requests. False when `request` itself had to be preempted."""
+        preempting the most recently admitted request not `planned` in this step (at worst `request`
+        itself). False when `request` itself had to be preempted."""
         need = -(-num_tokens // self.block_size) - len(request.blocks)
         while need > self.blocks.num_free:
             if self.registry is not None and self._evict_for_memory():
@@ -391,7 +393,7 @@ class Scheduler:
                 # alone with every evictable block freed: recomputing could never fit, so stop here
                 self.finish(request, "length")
                 return False
-            victim = self.running[-1]
+            victim = next(r for r in reversed(self.running) if r not in planned)  # `request` is not planned yet
             self._preempt(victim)
             if victim is request:
                 return False
@@ -400,15 +402,15 @@ class Scheduler:
         return True
 
     # ------------------------------------------------------------------ admission
-    def _try_admit(self, planning: _Planning, request: Request, budget: int, now: float) -> int | None:
+    def _try_admit(self, planning: StepPlanning, request: Request, budget: int, now: float) -> int | None:
         """Admit `request` into this step. Returns tokens scheduled, 0 when deferred, None when out of memory.
         Its reservation, if any, is given up (it looks up its checkpoint afresh)."""
         progress = request.checkpointing
-        self._unreserve(request)
+        self.claims.unreserve(request)
         longest = ready = None
         if self.registry is not None:
             longest, ready = self.registry.lookup(request.hasher.prefix_hash, len(request.prompt_token_ids),
-                                                  self._readable_by(request))
+                                                  self.claims.readable_by(request))
         source = ready
         if longest is not None and not longest.ready:
             if longest.state is CheckpointState.ORPHANED:
@@ -421,9 +423,9 @@ class Scheduler:
                     self.stats.checkpoint_wait_timeouts += 1
                     logger.debug("wait bound: %s computes the %d-token prefix itself", request.request_id,
                                  longest.num_tokens)
-                    self._stop_waiting(request, now)
+                    self.claims.stop_waiting(request, now)
                 else:
-                    self._wait_on(request, longest, now)
+                    self.claims.wait_on(request, longest, now)
                     return 0
 
         if self.states.requests.num_free == 0:
@@ -454,6 +456,9 @@ class Scheduler:
         request.blocks.extend(self.blocks.allocate(own_needed))
         request.num_computed_tokens = start
         progress.read_from = source
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+            request.first_scheduled_step = self.num_steps
         if source is not None:
             request.num_cached_tokens = start
             self.stats.checkpoint_hits += 1
@@ -463,36 +468,11 @@ class Scheduler:
             self.auto.miss_reason(request, start) if self.auto is not None else CacheMissReason.DISABLED
             if self.registry is None else self.registry.disk_miss(request.hasher.prefix_hash, start,
                                                                   len(request.prompt_token_ids)))
-        self._claim_checkpoints(request, start, now)
+        self.claims.claim(request, start, now)
         if progress.waiting_on is not None:
-            self._stop_waiting(request, now)
+            self.claims.stop_waiting(request, now)
         self._plan_chunk(planning, request, start, count, source)
         return count
-
-    def _reserve_for_queued(self) -> None:
-        """Every queued request (not admitted this step: token budget, sequence limit or memory)
-        reserves the longest READY device checkpoint of its prompt (unready ones are never evicted),
-        so that the registrations before its admission cannot evict it (a burst of more requests
-        than one step admits, sharing a prefix, would otherwise lose it to the newer automatic
-        checkpoints of the requests admitted first). Called after each step's admissions and at
-        each commit, before the turn-end registrations of the requests the step ended."""
-        if self.registry is None or not len(self.registry):
-            return
-        for request in self.waiting:
-            progress = request.checkpointing
-            if progress.reserved is not None or progress.waiting_on is not None:
-                continue
-            _, ready = self.registry.lookup(request.hasher.prefix_hash, len(request.prompt_token_ids),
-                                            self._readable_by(request), restore=False)
-            if ready is not None:
-                progress.reserved = ready
-                self.registry.reserve(ready)
-
-    def _unreserve(self, request: Request) -> None:
-        progress = request.checkpointing
-        if progress.reserved is not None:
-            self.registry.unreserve(progress.reserved)
-            progress.reserved = None
 
     def _evict_for_memory(self) -> bool:
         """Free one checkpoint's blocks for a running or admitted request: an idle one, else (memory
@@ -501,7 +481,7 @@ class Scheduler:
             return True
         reserving = [r for r in self.waiting if r.checkpointing.reserved is not None]
         for request in reserving:
-            self._unreserve(request)
+            self.claims.unreserve(request)
         return bool(reserving) and self.registry.evict_one()
 
     def _evict_waited_on(self) -> bool:
@@ -511,87 +491,11 @@ class Scheduler:
         ready_waits = [r for r in self.waiting
                        if r.checkpointing.waiting_on is not None and r.checkpointing.waiting_on.ready]
         for request in ready_waits:
-            self._stop_waiting(request)
+            self.claims.stop_waiting(request)
         return bool(ready_waits) and self.registry.evict_one()
 
-    @staticmethod
-    def _readable_by(request: Request) -> Callable[[Checkpoint], bool] | None:
-        """Prompt logprobs need a score for every prompt token: such a request reads only checkpoints
-        that carry (or whose producer computes) the prefix's scores with at least its top-k."""
-        k = request.params.prompt_logprobs
-        if k is None:
-            return None
-        return lambda c: c.prompt_scores_k is not None and c.prompt_scores_k >= k
-
-    def _scores_k(self, request: Request, state_position: int) -> int | None:
-        """The prompt-logprob top-k a checkpoint this request writes at `state_position` will carry
-        (none when the position's last score is the sampling row, at the prompt's end)."""
-        if state_position >= len(request.prompt_token_ids):
-            return None
-        return request.params.prompt_logprobs
-
-    def _wait_on(self, request: Request, checkpoint: Checkpoint, now: float) -> None:
-        progress = request.checkpointing
-        if progress.waiting_on is checkpoint:
-            return
-        if progress.waiting_on is not None:
-            self._stop_waiting(request)  # switching checkpoints: the wait goes on, account it once at the end
-        progress.waiting_on = checkpoint
-        self.registry.add_waiter(checkpoint)
-        if progress.deferred_since is None:
-            progress.deferred_since = now
-        if not progress.was_deferred:
-            progress.was_deferred = True
-            self.stats.requests_deferred += 1
-            logger.debug("deferred: %s waits for the %d-token checkpoint of %s", request.request_id,
-                         checkpoint.num_tokens, checkpoint.producer)
-
-    def _stop_waiting(self, request: Request, now: float | None = None) -> None:
-        progress = request.checkpointing
-        checkpoint = progress.waiting_on
-        if checkpoint is not None:
-            progress.waiting_on = None
-            self.registry.drop_waiter(checkpoint)
-        if progress.deferred_since is not None and now is not None:
-            self.stats.deferral_wait_s_total += now - progress.deferred_since
-            progress.deferred_since = None
-
-    def _claim_checkpoints(self, request: Request, start: int, now: float) -> None:
-        """Register (or adopt, when orphaned) every checkpoint this request will pass."""
-        if self.registry is None:
-            return
-        producing = request.checkpointing.producing
-        wanted = dict(request.checkpointing.auto_positions)
-        wanted.update(dict.fromkeys(request.checkpoint_positions, CheckpointKind.MARKER))  # markers win
-        for position, kind in sorted(wanted.items()):
-            state = self.state_position(position)
-            if state <= start:
-                continue
-            key = request.hasher.prefix_hash(position)
-            checkpoint = self.registry.get(key)
-            if checkpoint is None:
-                checkpoint = self.registry.register(key, position, request.request_id, now, kind, state,
-                                                    self._scores_k(request, state))
-                if checkpoint is None:
-                    logger.debug("no checkpoint slot free for %s at %d: a miss", request.request_id, position)
-                    continue  # checkpoint pool full of pinned entries: a miss, never an error
-                producing.append(checkpoint)
-            elif checkpoint.state is CheckpointState.ORPHANED:
-                self._promote(request, checkpoint)
-        # orphans this request matched on its way (prefix of its prompt without a marker) are adopted too
-        for checkpoint in self.registry.orphans_between(request.hasher.prefix_hash, start,
-                                                        len(request.prompt_token_ids)):
-            if checkpoint.state_tokens > start:  # it will pass the position the state is kept at
-                self._promote(request, checkpoint)
-        producing.sort(key=lambda c: c.state_tokens)
-
-    def _promote(self, request: Request, checkpoint: Checkpoint) -> None:
-        self.registry.promote(checkpoint, request.request_id, self._scores_k(request, checkpoint.state_tokens))
-        self.stats.producer_promotions += 1
-        request.checkpointing.producing.append(checkpoint)
-
     # ------------------------------------------------------------------ segments
-    def _plan_chunk(self, planning: _Planning, request: Request, start: int, count: int,
+    def _plan_chunk(self, planning: StepPlanning, request: Request, start: int, count: int,
                     source: Checkpoint | None) -> None:
         """Split tokens [start, start+count) at this request's checkpoints into segments."""
         end = start + count
@@ -604,28 +508,15 @@ class Scheduler:
         for checkpoint in cuts:
             hi = checkpoint.state_tokens
             dests = (checkpoint.slot, request.slot) if hi == end else (checkpoint.slot,)
-            self._add_segment(planning, request, lo, hi, initial, dests, SegmentKind.PREFILL, phase)
+            planning.add_segment(request, lo, hi, initial, dests, SegmentKind.PREFILL, phase)
             planning.written_phase[id(checkpoint)] = phase
             self.registry.writing(checkpoint, request.blocks)
             planning.written.append((checkpoint, request))
             lo, initial, phase = hi, checkpoint.slot, phase + 1
         if lo < end:
             is_decode = end - lo == 1 and initial == request.slot and phase == 0 and lo > 0
-            self._add_segment(planning, request, lo, end, initial, (request.slot,),
+            planning.add_segment(request, lo, end, initial, (request.slot,),
                               SegmentKind.DECODE if is_decode else SegmentKind.PREFILL, phase)
-
-    @staticmethod
-    def _add_segment(planning: _Planning, request: Request, start: int, end: int, initial: int,
-                     dests: tuple[int, ...], kind: SegmentKind, phase: int) -> None:
-        planning.segments.append(Segment(
-            request_id=request.request_id, start=start, end=end, token_ids=request.tokens(start, end),
-            block_table=request.blocks, initial_slot=initial, dest_slots=dests, kind=kind, phase=phase,
-            samples=end == request.num_tokens, multimodal=request.multimodal,
-            prompt_logit_rows=0 if request.params.prompt_logprobs is None else max(
-                0, min(end, len(request.prompt_token_ids) - 1) - start),
-            next_token=request.tokens(end, end + 1)[0] if end < request.num_tokens else None))
-        planning.score_rows += planning.segments[-1].prompt_logit_rows
-        planning.requests.append(request)
 
     # ------------------------------------------------------------------ metrics and integrity
     def metrics(self) -> dict[str, int | float]:

@@ -24,8 +24,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from forkpoint.cache.state_pool import StatePool
-from forkpoint.config import SpeculativeConfig
 from forkpoint.engine.request import Request
+from forkpoint.speculative_config import SpeculativeConfig
 from forkpoint.step.plan import Segment, SegmentKind, Verify
 from forkpoint.step.result import Verified
 
@@ -136,8 +136,10 @@ class Speculation:
         return [slot for chain in self._chains.values() for slot in chain.slots if slot != chain.request.slot]
 
     def metrics(self) -> dict[str, int | float]:
-        """Acceptance: per draft position i the rate (accepted / verified there), the mean acceptance
-        length (tokens emitted per verification: accepted drafts plus the target's own token)."""
+        """Acceptance: verifications, draft tokens verified and accepted, in total and per draft position
+        i (1-based: `spec_draft_tokens_pos_i`, `spec_accepted_tokens_pos_i`, the counts behind
+        `spec_acceptance_rate_pos_i` = accepted / verified there), and the mean acceptance length
+        (tokens emitted per verification: accepted drafts plus the target's own token)."""
         values: dict[str, int | float] = {
             "spec_verifications": self.verifications,
             "spec_draft_tokens": sum(self.proposed_at.values()),
@@ -146,5 +148,7 @@ class Speculation:
         }
         for i in range(1, self.k + 1):
             proposed = self.proposed_at[i]
+            values[f"spec_draft_tokens_pos_{i}"] = proposed
+            values[f"spec_accepted_tokens_pos_{i}"] = self.accepted_at[i]
             values[f"spec_acceptance_rate_pos_{i}"] = self.accepted_at[i] / proposed if proposed else 0.0
         return values

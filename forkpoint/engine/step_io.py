@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from forkpoint.cache.checkpoints import Checkpoint, CheckpointRegistry
+from forkpoint.cache.checkpoint_types import Checkpoint
+from forkpoint.cache.checkpoints import CheckpointRegistry
 from forkpoint.engine.request import Request
-from forkpoint.engine.scheduler import ScheduledStep
+from forkpoint.engine.step_planning import ScheduledStep
 from forkpoint.step.plan import StepPlan
 from forkpoint.step.result import PromptScores, SegmentScores, StepResult, truncate
 from forkpoint.step.sampling import PromptScoring, StepSampling, TokenSampling

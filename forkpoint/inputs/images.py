@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from forkpoint.config import VisionConfig
+from forkpoint.vision_config import VisionConfig
 
 # formats PIL decodes reliably for photographs and screenshots (MPO: multi-picture JPEG)
 SUPPORTED_FORMATS = frozenset({"PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP", "TIFF"})

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from forkpoint.config import VisionConfig
 from forkpoint.inputs.images import ImageInput, ImageProcessorConfig, prepare_image
+from forkpoint.vision_config import VisionConfig
 
 
 @dataclass(frozen=True, eq=False)

@@ -166,6 +166,15 @@ def install_request_guards(app: FastAPI, metrics: ServerMetrics, max_request_byt
     app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes, on_reject=on_too_large)
 
 
+def _decode(tokenizer, token_ids: list[int]) -> str:
+    """`token_ids` decoded, or a 400 naming the field when one is no token of the vocabulary."""
+    try:
+        validate_token_ids(token_ids, len(tokenizer))
+    except ValueError as err:
+        raise invalid_request(str(err), param="tokens") from None
+    return tokenizer.decode(token_ids)
+
+
 def add_openai_routes(app: FastAPI, *, serving: OpenAIServing, prompts: PromptBuilder, tokenizer,
                       metrics: ServerMetrics, model_root: str, max_model_len: int, served_model_name: str,
                       created: int) -> None:
@@ -192,7 +201,11 @@ def add_openai_routes(app: FastAPI, *, serving: OpenAIServing, prompts: PromptBu
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         """Token ids as the engine will see them (markers removed) and the checkpoint positions
-        the markers and flags stand for: send both back as a token-id prompt for the same effect."""
+        the markers and flags stand for: send both back as a token-id prompt for the same effect.
+        Built in the tokenizer pool; a text that cannot fit max_model_len is a 400
+        (context_length_exceeded) after little more than max_model_len tokens of it were counted
+        (prompt_length.py), where counting all of a body-limit text would hold a pool thread for
+        tens of seconds."""
         serving.check_model(body.model)
         reject_unencodable_text(body)
         if body.prompt is not None:
@@ -206,12 +219,13 @@ def add_openai_routes(app: FastAPI, *, serving: OpenAIServing, prompts: PromptBu
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
+        """The text of `tokens`, checked and decoded in the tokenizer pool. At most max_model_len ids:
+        no prompt and output of this model is longer, and more would only hold a pool thread."""
         serving.check_model(body.model)
-        try:
-            validate_token_ids(body.tokens, len(tokenizer))
-        except ValueError as err:
-            raise invalid_request(str(err), param="tokens") from None
-        return {"prompt": await prompts.run(tokenizer.decode, body.tokens)}
+        if len(body.tokens) > max_model_len:
+            raise invalid_request(f"tokens has {len(body.tokens)} ids, but one request decodes at most max_model_len "
+                                  f"= {max_model_len}: split them over several requests", param="tokens")
+        return {"prompt": await prompts.run(_decode, tokenizer, body.tokens)}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -11,6 +11,7 @@ Heavy imports (torch, the engine) happen inside the subcommands, so `--help` is 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 import time
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from forkpoint.server.bench_cli import add_bench_args, run_bench
 from forkpoint.server.config import DEFAULT_MODEL_NAME, MarkerPolicy, ServerConfig, default_tokenizer_workers
-from forkpoint.server.engine_args import add_engine_args, engine_kwargs
+from forkpoint.server.engine_args import add_engine_args, check_engine_kwargs, engine_kwargs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def freeze_startup_heap() -> None:
+    """Move every object alive after start-up (tokenizer, model, engine: ~380k tracked objects with the
+    Qwen3.5 tokenizer) out of the garbage collector's reach. A full collection while serving would
+    otherwise traverse them all with every thread stopped (measured on CPU: 250 ms, 0.003 ms frozen),
+    stalling every stream at once; vLLM freezes its start-up heap the same way."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -115,6 +125,7 @@ def run_serve(args: argparse.Namespace) -> int:
         cache_isolation=args.cache_isolation, max_num_seqs_per_request=args.max_num_seqs_per_request,
         max_waiting_per_user=args.max_waiting_per_user, tokenizer_workers=args.tokenizer_workers,
     )
+    check_engine_kwargs(engine_kwargs(args))
     if args.data_parallel_size != 1 or args.ray_address is not None:
         from forkpoint.server.replicas.launch import serve_replicas
 
@@ -122,6 +133,7 @@ def run_serve(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     llm = LLM(**engine_kwargs(args))
     app = build_app(llm, config, load_time_s=time.perf_counter() - start)
+    freeze_startup_heap()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.shutdown_timeout)
     return 0
@@ -149,6 +161,10 @@ def run_generate(args: argparse.Namespace) -> int:
     elapsed = done - loaded
     print(f"load {loaded - start:.2f} s | generate {elapsed:.2f} s for {len(outputs)} prompt(s): "
           f"{prompt_tokens} prompt tokens, {generated} generated ({generated / elapsed:.1f} tokens/s)")
+    metrics = llm.metrics()
+    if metrics.get("spec_verifications"):
+        print(f"speculative: mean acceptance length {metrics['spec_mean_acceptance_length']:.2f}, "
+              f"{metrics['spec_accepted_tokens']} of {metrics['spec_draft_tokens']} draft tokens accepted")
     return 0
 
 

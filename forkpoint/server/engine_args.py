@@ -9,6 +9,8 @@ import argparse
 import json
 from typing import Any
 
+from forkpoint.speculative_config import SpeculativeConfig
+
 
 def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, title: str = "engine") -> None:
     """The engine options (the keyword arguments of `LLM`)."""
@@ -83,6 +85,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
     group.add_argument("--enforce-eager", action="store_true",
                        help="run every step eagerly: no CUDA graphs of the forward's token-wise parts "
                             "(faster start-up, slower small steps; CUDA only)")
+    group.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                       help="speculative decoding with the model's multi-token-prediction head, as vLLM's: "
+                            "'{\"method\": \"mtp\", \"num_speculative_tokens\": K}' drafts K tokens (1 to 16) per "
+                            "step and verifies them in one forward; outputs keep the model's distribution (greedy: "
+                            "the same tokens). Needs a Qwen3.5 / Qwen3-Next checkpoint with its mtp.* weights; not "
+                            "with --async-scheduling or --tensor-parallel-size > 1 yet (default: off)")
     group.add_argument("--structured-outputs-config", type=_json_object, default=None, metavar="JSON",
                        help="how JSON schemas read, as vLLM's: '{\"disable_additional_properties\": false}' gives "
                             "strict JSON Schema semantics (extra properties allowed unless the schema forbids "
@@ -91,13 +99,24 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
                             "tokens (default true: compact JSON)")
 
 
-def _json_object(text: str) -> dict:
+def _json_object(text: str, example: str = '{"disable_any_whitespace": false}') -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+        raise argparse.ArgumentTypeError(f"not JSON ({err}): pass a JSON object such as '{example}'") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object such as '{\"disable_any_whitespace\": false}'")
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{example}'")
+    return value
+
+
+def _speculative_config(text: str) -> dict:
+    """--speculative-config: a JSON object that `SpeculativeConfig.from_value` accepts (its message
+    names the key that is wrong), kept as the dict so that replicas get plain data."""
+    value = _json_object(text, example='{"method": "mtp", "num_speculative_tokens": 3}')
+    try:
+        SpeculativeConfig.from_value(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
     return value
 
 
@@ -116,5 +135,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         checkpoint_host_bytes=args.checkpoint_host_bytes, checkpoint_exact=args.checkpoint_exact,
         checkpoint_dir=args.checkpoint_dir, checkpoint_dir_bytes=args.checkpoint_dir_bytes,
         tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
-        structured_outputs_config=args.structured_outputs_config,
+        structured_outputs_config=args.structured_outputs_config, speculative_config=args.speculative_config,
     )
+
+
+def check_engine_kwargs(kwargs: dict[str, Any]) -> None:
+    """Validate `kwargs` as `LLM` will (`EngineConfig`), before anything loads: a refused option or
+    combination (e.g. --speculative-config with --async-scheduling) is a ValueError naming it at once,
+    also where the engines start in other processes (replicas, tensor-parallel ranks)."""
+    from forkpoint.config import EngineConfig  # imports torch: only when a command runs
+
+    EngineConfig(**kwargs)

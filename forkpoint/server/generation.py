@@ -7,6 +7,7 @@ Everything here runs on the server's event loop, so the counters need no lock.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -17,6 +18,8 @@ from forkpoint.server.metrics import ServerMetrics
 from forkpoint.server.prompts import EnginePrompt
 from forkpoint.server.request_params import rejected_param
 from forkpoint.server.worker import EngineWorker, NewRequest, OutputSink, ServerShuttingDown
+
+logger = logging.getLogger("forkpoint.server")
 
 
 class Admission:
@@ -98,12 +101,14 @@ class Generation:
     however the request ends: it aborts the prompts that have not finished and releases their
     admission places, so a client that goes away frees its engine resources.
     endpoint: label of the request in the outcome metric; prompt_param: the request field
-    named in a 400 when the engine rejects a prompt.
+    named in a 400 when the engine rejects a prompt. received: when the HTTP request reached its
+    handler (`time.monotonic()`; default: now), the start of its time to first token.
     """
 
     def __init__(self, worker: EngineWorker, admission: Admission, metrics: ServerMetrics, *,
                  endpoint: str, prompt_param: str, request_id: str, prompts: Sequence[EnginePrompt],
-                 params: SamplingParams, cache_key: str | None = None, client: str = "") -> None:
+                 params: SamplingParams, cache_key: str | None = None, client: str = "",
+                 received: float | None = None) -> None:
         self._cache_key = cache_key  # prompt_cache_key: replicas route the group together
         self._client = client  # the request's `user` ("" without one): its admission places are its client's
         self._endpoint = endpoint
@@ -115,7 +120,9 @@ class Generation:
         self._index = {rid: i for i, rid in enumerate(self._ids)}
         self._prompts = prompts
         self._params = params
-        self._arrival = time.monotonic()
+        self._arrival = time.monotonic() if received is None else received
+        self._submitted = self._arrival  # when the prompts were handed to the engine thread
+        self._added = self._arrival  # when the engine had taken them (add_many returned)
         self._state = dict.fromkeys(self._ids, "new")  # new -> waiting -> running -> done
         self._sink: OutputSink | None = None
         self._outcome: str | None = None
@@ -135,9 +142,11 @@ class Generation:
             self._state[rid] = "waiting"
         self._sink = OutputSink(asyncio.get_running_loop())
         requests = [NewRequest(rid, p.engine_input(), self._params, self._cache_key, p.turn_positions,
-                               p.turn_end_reusable) for rid, p in zip(self._ids, self._prompts)]
+                               p.turn_end_reusable, tenant=self._client) for rid, p in zip(self._ids, self._prompts)]
+        self._submitted = time.monotonic()
         try:
             await self._worker.add_many(requests, self._sink)
+            self._added = time.monotonic()
             self._started = True
         except ValueError as err:
             self._release_all()
@@ -186,10 +195,35 @@ class Generation:
             self._admission.first_token(self._params.n, self._client)
             self._state[rid] = "running"
             self._metrics.ttft.observe(now - self._arrival)
+            self._first_token_breakdown(output, now)
         if output.finished and self._state[rid] == "running":
             self._admission.release("running", self._params.n, self._client)
             self._state[rid] = "done"
             self._metrics.e2e.observe(now - self._arrival)
+
+    def _first_token_breakdown(self, output: RequestOutput, now: float) -> None:
+        """Where the time to `output`'s first token went, into the latency histograms and a debug log
+        line: prompt (rendered, tokenised, admitted), hand-off (queued for the engine thread, which
+        takes new prompts between steps), queue (until a step first schedules it, behind how many
+        steps), prefill (to its first sampled token), delivery (the engine's output work and the
+        hop to the event loop). Only for an engine on this clock: its arrival time lies between the
+        hand-off and its acknowledgement (replicas' engines in other processes may have other clocks)."""
+        times = output.metrics
+        if (times is None or times.first_scheduled_time is None or times.first_token_time is None
+                or not self._submitted <= times.arrival_time <= self._added):
+            return
+        prompt, handoff = self._submitted - self._arrival, times.arrival_time - self._submitted
+        queue = times.first_scheduled_time - times.arrival_time
+        prefill = times.first_token_time - times.first_scheduled_time
+        delivery = now - times.first_token_time
+        self._metrics.observe_first_token(prompt=prompt, handoff=handoff, queue=queue, prefill=prefill,
+                                          delivery=delivery)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("request %s: first token after %.1f ms: prompt %.1f, hand-off %.1f, queue %.1f (%d steps), "
+                         "prefill %.1f, delivery %.1f ms; %d of %d prompt tokens cached", output.request_id,
+                         1000 * (now - self._arrival), 1000 * prompt, 1000 * handoff, 1000 * queue,
+                         times.queued_steps, 1000 * prefill, 1000 * delivery, output.num_cached_tokens,
+                         len(output.prompt_token_ids))
 
     def _release_all(self) -> None:
         """Give back the admission places of every unfinished prompt and mark it done."""

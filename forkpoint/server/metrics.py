@@ -21,14 +21,34 @@ ENGINE_COUNTERS = {
     "checkpoints_created": ("forkpoint_checkpoints_created", "Checkpoints written."),
     "checkpoint_hits": ("forkpoint_checkpoint_hits", "Requests that started from a checkpoint."),
     "checkpoints_evicted": ("forkpoint_checkpoints_evicted", "Idle checkpoints evicted from a full pool."),
+    "checkpoints_evicted_session_latest": ("forkpoint_checkpoints_evicted_session_latest",
+                                           "Evicted checkpoints that were a live chat session's newest (value "
+                                           "eviction takes them after every other automatic checkpoint)."),
     "requests_deferred": ("forkpoint_requests_deferred", "Requests deferred behind an unready checkpoint."),
     "producer_promotions": ("forkpoint_producer_promotions", "Consumers promoted to producer after a producer failed."),
     "deferral_wait_s_total": ("forkpoint_deferral_wait_seconds", "Seconds requests spent deferred."),
+    "steps_retried_for_memory": ("forkpoint_steps_retried_for_memory",
+                                 "Steps that ran out of memory and were requeued in smaller steps."),
+    "requests_failed_for_memory": ("forkpoint_requests_failed_for_memory",
+                                   "Requests that ran out of memory alone in the smallest step (a 400)."),
     "cuda_graph_core_capture_failures": ("forkpoint_cuda_graph_core_capture_failures",
                                          "Steps whose recurrent-core CUDA graph capture failed (their cores ran "
                                          "eagerly)."),
     "cuda_graph_core_replay_steps": ("forkpoint_cuda_graph_core_replay_steps",
                                      "Steps whose later recurrent cores replayed a captured core graph."),
+    # speculative decoding (--speculative-config), vLLM's spec_decode_* series
+    "spec_verifications": ("forkpoint_spec_decode_num_drafts",
+                           "Verifications of drafted tokens: one per sequence and step that verified drafts."),
+    "spec_draft_tokens": ("forkpoint_spec_decode_num_draft_tokens", "Draft tokens verified by the target model."),
+    "spec_accepted_tokens": ("forkpoint_spec_decode_num_accepted_tokens", "Draft tokens the target model accepted."),
+}
+# engine.metrics() key prefix (draft position i >= 1 follows) -> (metric name without "_total", help);
+# exposed labelled by `position` from 0, as vLLM's spec_decode_num_accepted_tokens_per_pos
+SPEC_PER_POSITION = {
+    "spec_accepted_tokens_pos_": ("forkpoint_spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted, by draft position (0: the first draft token)."),
+    "spec_draft_tokens_pos_": ("forkpoint_spec_decode_num_draft_tokens_per_pos",
+                               "Draft tokens verified, by draft position (0: the first draft token)."),
 }
 # pool name -> (used key, total key) of engine.metrics()
 ENGINE_POOLS = {
@@ -37,6 +57,16 @@ ENGINE_POOLS = {
     "checkpoint_slots": ("checkpoint_slots_used", "checkpoint_slots_total"),
 }
 OUTCOMES = ("success", "invalid_request", "rejected", "aborted", "error")
+# the parts of the time to first token (server/generation.py), each a histogram forkpoint_request_<part>_time_seconds
+FIRST_TOKEN_PARTS = {
+    "prompt": "From the request reaching its handler to its prompts being handed to the engine thread (chat "
+              "template rendered, tokenised, admitted), per request.",
+    "handoff": "From the prompts handed to the engine thread to the engine taking them (between two steps), "
+               "per prompt.",
+    "queue": "From the engine taking a prompt to a step first scheduling it, per prompt.",
+    "prefill": "From a prompt's first scheduling to its first sampled token, per prompt.",
+    "delivery": "From a prompt's first sampled token to its handler seeing it, per prompt.",
+}
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
@@ -51,6 +81,13 @@ class EngineCollector(Collector):
         for key, (name, doc) in ENGINE_COUNTERS.items():
             if key in values:
                 yield CounterMetricFamily(name, doc, value=values[key])
+        for prefix, (name, doc) in SPEC_PER_POSITION.items():
+            positions = sorted(int(key[len(prefix):]) for key in values if key.startswith(prefix))
+            if positions:
+                family = CounterMetricFamily(name, doc, labels=["position"])
+                for i in positions:
+                    family.add_metric([str(i - 1)], values[f"{prefix}{i}"])
+                yield family
         if "prompt_tokens_total" in values and "prompt_tokens_computed" in values:
             yield CounterMetricFamily(
                 "forkpoint_prompt_tokens_reused", "Prompt tokens taken from checkpoints instead of computed.",
@@ -111,11 +148,21 @@ class ServerMetrics:
         self.e2e = Histogram("forkpoint_e2e_request_latency_seconds",
                              "From arrival to the last generated token, per prompt.",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        # the time to first token, part by part (server/generation.py): vLLM's request_queue_time_seconds and
+        # request_prefill_time_seconds, and the server's own parts before and after the engine
+        self.first_token_parts = {part: Histogram(f"forkpoint_request_{part}_time_seconds", doc,
+                                                  buckets=LATENCY_BUCKETS, registry=self.registry)
+                                  for part, doc in FIRST_TOKEN_PARTS.items()}
         Gauge("forkpoint_requests_waiting", "Sequences (prompts x n) admitted without a first token yet.",
               registry=self.registry).set_function(waiting)
         Gauge("forkpoint_requests_running", "Sequences (prompts x n) generating tokens.",
               registry=self.registry).set_function(running)
         self.registry.register(EngineCollector(engine_snapshot))
+
+    def observe_first_token(self, **seconds: float) -> None:
+        """One prompt's time to first token by part (keys: `FIRST_TOKEN_PARTS`)."""
+        for part, value in seconds.items():
+            self.first_token_parts[part].observe(value)
 
     def count(self, endpoint: str, outcome: str) -> None:
         self.requests.labels(endpoint=endpoint, outcome=outcome).inc()

@@ -123,10 +123,10 @@ class PromptBuilder:
 
     def from_text(self, text: str, positions: Sequence[int] | None = None, *, param: str = "prompt",
                   process: bool = True, cache_salt: str | None = None) -> EnginePrompt:
-        """A completion prompt string (markers in it obey the policy)."""
+        """A completion prompt string (markers in it obey the policy). `process=False` (for /tokenize):
+        ids and positions only; a text that cannot fit max_model_len is refused all the same."""
         text = self._client_text(text, param)
-        if process:
-            self._within_length(text, param)
+        self._within_length(text, param)
         try:
             raw = prompt_to_token_ids(text, self.tokenizer)
         except ValueError as err:
@@ -150,11 +150,12 @@ class PromptBuilder:
                       cache_salt: str | None = None) -> EnginePrompt:
         """A chat conversation, rendered with the tokenizer's chat template (images decoded in
         this thread: handlers on the event loop use `from_messages_async`). `process=False`: ids
-        and positions only, not the engine's processing (for /tokenize: no length limit)."""
+        and positions only, not the engine's processing (for /tokenize: no exact length limit, but a
+        rendering that cannot fit max_model_len is refused before it is tokenised whole)."""
         conversation = [self._message(i, message) for i, message in enumerate(messages)]
         template_kwargs = {key: self._client_value(value, "tools" if key == "tools" else "chat_template_kwargs")
                            for key, value in (template_kwargs or {}).items()}
-        token_ids, sources, thinking = self._render(conversation, add_generation_prompt, template_kwargs, process)
+        token_ids, sources, thinking = self._render(conversation, add_generation_prompt, template_kwargs)
         self._only_placed_markers(messages, token_ids)
         turns, breakpoints, reusable = self._chat_positions(messages, conversation, token_ids,
                                                             add_generation_prompt and process, template_kwargs)
@@ -224,16 +225,15 @@ class PromptBuilder:
                             cache_salt=prompt.get("cache_salt"))
 
     def _render(self, conversation: list[dict[str, Any]], add_generation_prompt: bool,
-                template_kwargs: dict[str, Any] | None, check_length: bool) -> tuple[list[int], list[Any], bool]:
+                template_kwargs: dict[str, Any] | None) -> tuple[list[int], list[Any], bool]:
         """Token ids of the rendered conversation (markers still in), its image sources in order,
-        and whether the prompt leaves a thought open. check_length: refuse a rendering that cannot
-        fit max_model_len before tokenising all of it."""
+        and whether the prompt leaves a thought open. A rendering that cannot fit max_model_len is
+        refused before it is tokenised whole."""
         try:
             text, sources = render_chat_with_images(self.tokenizer, conversation,
                                                     add_generation_prompt=add_generation_prompt,
                                                     **(template_kwargs or {}))
-            if check_length:
-                self._within_length(text, "messages")
+            self._within_length(text, "messages")
             raw = prompt_to_token_ids(text, self.tokenizer)
         except ValueError as err:
             raise invalid_request(str(err), param="messages") from None

@@ -45,7 +45,7 @@ from forkpoint.server.responses import (
     ResponseFormatter,
     prompt_logprobs_json,
 )
-from forkpoint.server.worker import EngineFailure, EngineWorker, ServerShuttingDown
+from forkpoint.server.worker import EngineFailure, EngineWorker, RequestOutOfMemory, ServerShuttingDown
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (without a generation config)
 
@@ -133,6 +133,7 @@ class OpenAIServing:
         return None
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        received = time.monotonic()
         self.check_model(body.model)
         prompt = body.prompt
         batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
@@ -153,9 +154,10 @@ class OpenAIServing:
                                  structured=structured_outputs(body))
         fmt = CompletionFormat(self.prompts.tokenizer, body.logprobs, echo=body.echo, drop_output=score_only,
                                prompt_logprobs=body.prompt_logprobs)
-        return await self._generate("completions", "prompt", "cmpl", body, prompts, params, fmt, request)
+        return await self._generate("completions", "prompt", "cmpl", body, prompts, params, fmt, request, received)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        received = time.monotonic()
         self.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise invalid_request("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -174,7 +176,7 @@ class OpenAIServing:
         # a constrained output is the answer itself: an open <think> in the prompt does not apply to it
         options = ChatOptions.of(body, thinking=prompt.opens_thinking and params.structured_outputs is None)
         fmt = ChatFormat(self.prompts.tokenizer, top, options)
-        return await self._generate("chat", "messages", "chatcmpl", body, [prompt], params, fmt, request)
+        return await self._generate("chat", "messages", "chatcmpl", body, [prompt], params, fmt, request, received)
 
     def _max_tokens(self, requested: int | None, prompts: list[EnginePrompt], prompt_param: str,
                     default: int | None) -> int:
@@ -197,11 +199,11 @@ class OpenAIServing:
 
     async def _generate(self, endpoint: str, prompt_param: str, id_prefix: str, body: SamplingFields,
                         prompts: list[EnginePrompt], params: SamplingParams, fmt: ResponseFormatter,
-                        request: Request) -> Response:
+                        request: Request, received: float) -> Response:
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         gen = Generation(self.worker, self.admission, self.metrics, endpoint=endpoint, prompt_param=prompt_param,
                          request_id=request_id, prompts=prompts, params=params, cache_key=body.prompt_cache_key,
-                         client=body.user or "")
+                         client=body.user or "", received=received)
         await gen.start()
         header = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         if body.stream:
@@ -233,6 +235,8 @@ class OpenAIServing:
         # answered here, not raised: the outcome is already counted by the Generation
         if isinstance(exc, ServerShuttingDown):
             return APIError(str(exc), status=503, type="service_unavailable_error", code="shutting_down").response()
+        if isinstance(exc, RequestOutOfMemory):
+            return APIError(str(exc), status=400, code="out_of_memory").response()
         if isinstance(exc, EngineFailure):
             return APIError(str(exc), status=500, type="server_error").response()
         if exc is not None:
@@ -272,7 +276,9 @@ class OpenAIServing:
                         yield _sse({**chunk, "choices": [fmt.chunk_choice(delta)]})
             if include_usage:
                 yield _sse({**chunk, "choices": [], "usage": usage.as_dict()})
-        except (EngineFailure, ServerShuttingDown) as exc:  # the status line is sent: report in-band
+        except RequestOutOfMemory as exc:  # the status line is sent: report in-band
+            yield _sse(error_body(str(exc), "invalid_request_error", code="out_of_memory"))
+        except (EngineFailure, ServerShuttingDown) as exc:
             yield _sse(error_body(str(exc), "server_error"))
         gen.close()
         yield _sse("[DONE]")

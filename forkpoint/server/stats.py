@@ -7,7 +7,8 @@ both built from `LLM.metrics()` snapshots (the engine thread's latest, never the
     forkpoint.server: prompt 812.4 tokens/s, generation 96.0 tokens/s | running 4, waiting 0 |
         KV 12.3% (252/2048), state slots 4/64, checkpoint slots 3/32 | checkpoints: 3 hits, 1,536 prompt
         tokens reused, hit rate 65.2% of prompt tokens since start | by kind chat_turn 48.0%, marker 9.1%;
-        2 evicted; misses template_divergence 3
+        2 evicted; misses template_divergence 3 | speculative: mean acceptance length 2.40, 84 of 180 draft
+        tokens accepted (46.7%), per position 0.72, 0.45, 0.23
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from forkpoint.kernels import kernel_variants
 from forkpoint.llm import LLM
 from forkpoint.server.config import ServerConfig
+from forkpoint.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger("forkpoint.server")
 
@@ -52,6 +54,7 @@ def startup_summary(llm: LLM, config: ServerConfig, max_request_bytes: int, load
         lines.append("checkpoints off: markers and checkpoint controls are ignored")
     lines.append(engine.runner.graph_summary() if engine.graphs_off_reason is None
                  else f"CUDA graphs: off, every step runs eagerly ({engine.graphs_off_reason})")
+    lines.append(speculative_summary(cfg.speculative_config))
     lines.append(host_tier_summary(values))
     if cfg.enable_checkpoints:
         lines.append(disk_tier_summary(values, cfg.checkpoint_dir))
@@ -61,6 +64,15 @@ def startup_summary(llm: LLM, config: ServerConfig, max_request_bytes: int, load
                  f"{config.max_waiting_requests} prompts waiting (--max-waiting-requests); stats every "
                  + (f"{config.log_stats_interval_s:g} s" if config.log_stats else "- (--disable-log-stats)"))
     return lines
+
+
+def speculative_summary(spec: SpeculativeConfig | None) -> str:
+    """The start-up line on speculative decoding."""
+    if spec is None:
+        return "speculative decoding: off (--speculative-config)"
+    return (f"speculative decoding: {spec.method} head drafts {spec.num_speculative_tokens} tokens per step, the "
+            "model verifies them in one forward (steps with drafts run eagerly; sequences with penalties or "
+            "logits processors, structured outputs included, decode one token a step)")
 
 
 def host_tier_summary(values: dict[str, float]) -> str:
@@ -139,7 +151,23 @@ class StatsLine:
                 f"{values.get('state_slots_total', 0)}, checkpoint slots {values.get('checkpoint_slots_used', 0)}/"
                 f"{values.get('checkpoint_slots_total', 0)} | checkpoints: {delta('checkpoint_hits'):.0f} hits, "
                 f"{max(reused, 0):,.0f} prompt tokens reused, hit rate {share} of prompt tokens since start"
-                + _tier_traffic(values, delta) + _disk_traffic(values, delta) + _by_kind(values, last))
+                + _tier_traffic(values, delta) + _disk_traffic(values, delta) + _by_kind(values, last)
+                + _speculation(values, delta))
+
+
+def _speculation(values: dict[str, float], delta: Callable[[str], float]) -> str:
+    """' | speculative: ...' for the stats line (the interval's acceptance, as vLLM's SpecDecoding
+    line), or '' when nothing was verified in it."""
+    verifications = delta("spec_verifications")
+    if verifications <= 0:
+        return ""
+    drafted, accepted = delta("spec_draft_tokens"), delta("spec_accepted_tokens")
+    positions = sorted(int(key.removeprefix("spec_draft_tokens_pos_")) for key in values
+                       if key.startswith("spec_draft_tokens_pos_"))
+    rates = [delta(f"spec_accepted_tokens_pos_{i}") / max(delta(f"spec_draft_tokens_pos_{i}"), 1) for i in positions]
+    return (f" | speculative: mean acceptance length {(accepted + verifications) / verifications:.2f}, "
+            f"{accepted:.0f} of {drafted:.0f} draft tokens accepted ({100 * accepted / max(drafted, 1):.1f}%), "
+            "per position " + ", ".join(f"{rate:.2f}" for rate in rates))
 
 
 SAVED_PREFIX = "checkpoint_tokens_saved_"

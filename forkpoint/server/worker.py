@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from forkpoint.engine.engine import LLMEngine, StepFailed
+from forkpoint.engine.memory_retry import OutOfMemory
 from forkpoint.outputs import RequestOutput
 from forkpoint.runner.errors import RunnerUnusable
 from forkpoint.sampling_params import SamplingParams
@@ -41,6 +42,11 @@ class ServerShuttingDown(RuntimeError):
 
 class EngineFailure(RuntimeError):
     """The engine raised while stepping; the requests in flight were aborted."""
+
+
+class RequestOutOfMemory(EngineFailure):
+    """The request ran out of memory alone in the smallest step (engine/memory_retry.py): the
+    client's to fix (a 400), not the server's."""
 
 
 class OutputSink:
@@ -74,6 +80,7 @@ class NewRequest:
     cache_key: str | None = None
     turn_positions: tuple[int, ...] = ()
     turn_end_reusable: bool = True
+    tenant: str = ""  # the client (`user`; "" for none) whose checkpoint share it draws on
 
     def engine_prompt(self, engine: Any) -> Any:
         """What `engine.add_request` takes: the prompt, processed here with its turns when it is a dict
@@ -223,7 +230,8 @@ class EngineWorker:
         added: list[str] = []
         try:
             for request in command.requests:
-                self._engine.add_request(request.request_id, request.engine_prompt(self._engine), request.params)
+                self._engine.add_request(request.request_id, request.engine_prompt(self._engine), request.params,
+                                         tenant=request.tenant)
                 added.append(request.request_id)
         except Exception as exc:
             for request_id in added:
@@ -244,7 +252,8 @@ class EngineWorker:
                 self._fail_all(EngineFailure(f"the engine failed: {failure.cause}"))
                 return
             # the engine released the step and stays usable: only the requests in that step fail
-            self._fail_some(failure.request_ids, EngineFailure(
+            self._fail_some(failure.request_ids, RequestOutOfMemory(str(failure.cause))
+                            if isinstance(failure.cause, OutOfMemory) else EngineFailure(
                 f"the engine failed while generating: {type(failure.cause).__name__}: {failure.cause}"))
             outputs = failure.outputs
         except Exception as exc:

@@ -19,10 +19,10 @@ import llguidance.hf
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from forkpoint.config import StructuredOutputsConfig
 from forkpoint.sampling_params import StructuredOutputsParams
 from forkpoint.structured.json_schema import forbid_additional_properties
 from forkpoint.structured.matcher import GrammarMatcher
+from forkpoint.structured_outputs_config import StructuredOutputsConfig
 
 DEFAULT_CACHE_SIZE = 128
 

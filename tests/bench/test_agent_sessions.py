@@ -5,8 +5,12 @@ nonce phase reuses nothing, and the JSON and PNG are written."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import random
 import sys
+
+import pytest
 
 from forkpoint import LLM
 from forkpoint.server.config import ServerConfig
@@ -15,21 +19,55 @@ from tests.server.conftest import TEST_LLM_KWARGS, serve
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
 import agent_sessions  # noqa: E402
+from agent_sessions import (  # noqa: E402
+    ServerSample,
+    generation_windows,
+    latest_evictions,
+    max_shared_with_others,
+    server_sample,
+)
+
+from forkpoint.inputs.turns import common_prefix_length  # noqa: E402
 
 
 def test_agent_sessions_bench(tmp_path):
     llm = LLM(**{**TEST_LLM_KWARGS, "auto_checkpoints": True})
-    with serve(llm, ServerConfig(served_model_name="agents", log_stats=False)) as running:
-        res = agent_sessions.main(["--url", running.base_url, "--sessions", "2", "--turns", "3", "--system-words",
-                                   "40", "--doc-words", "30", "--tool-words", "15", "--reply-tokens", "3",
-                                   "--out", str(tmp_path)])
-        running.engine_call(lambda engine: engine.check_integrity())
+    log_path = tmp_path / "server.log"  # the in-process server's debug lines, as a started server writes them
+    handler = logging.FileHandler(log_path)
+    server_logger = logging.getLogger("forkpoint.server")
+    level = server_logger.level
+    server_logger.addHandler(handler)
+    server_logger.setLevel(logging.DEBUG)
+    try:
+        with serve(llm, ServerConfig(served_model_name="agents", log_stats=False)) as running:
+            res = agent_sessions.main(["--url", running.base_url, "--sessions", "2", "--turns", "3", "--system-words",
+                                       "40", "--doc-words", "30", "--tool-words", "15", "--reply-tokens", "3",
+                                       "--server-log", str(log_path), "--out", str(tmp_path)])
+            running.engine_call(lambda engine: engine.check_integrity())
+    finally:
+        server_logger.removeHandler(handler)
+        server_logger.setLevel(level)
+        handler.close()
+    for phase in ("reuse", "no_reuse"):  # every turn's parts, joined to the requests by response id
+        for row in res[phase]["turns"]:
+            assert set(row["ttft_parts_p50_ms"]) == {"prompt", "handoff", "queue", "queued_steps", "prefill",
+                                                     "delivery"}
+            assert row["ttft_parts_p50_ms"]["prefill"] > 0
     for row in res["reuse"]["turns"][1:]:
         assert row["cached_tokens"] >= row["shared_tokens"] - 4
         assert set(row["miss_reasons"]) <= {"none", "template_divergence"}
     assert all(row["cached_tokens"] == 0 for row in res["no_reuse"]["turns"])
     assert res["reuse"]["computed_tokens"] < res["no_reuse"]["computed_tokens"]
     assert res["server_misses_reuse_phase"]["template_divergence"] >= 4
+    for phase in ("reuse", "no_reuse"):  # ignore_eos + min_tokens: exactly reply-tokens per request
+        summary = res[phase]
+        assert summary["generated_tokens"] == 2 * 3 * 3
+        assert summary["worst_window_tokens_per_s"] == min(summary["generation_windows_tokens_per_s"]) > 0
+        assert summary["wall_s"] > 0
+        assert summary["evicted_session_latest"] == 0 and 0 < summary["kv_used_fraction_max"] < 1
+        parts = summary["ttft_parts_mean_ms"]  # the server's time to first token by part, all measured
+        assert set(parts) == set(agent_sessions.FIRST_TOKEN_PARTS) and all(ms >= 0 for ms in parts.values())
+        assert parts["prefill"] > 0
     saved = json.loads((tmp_path / "agent_sessions.json").read_text())
     assert saved["reuse"]["prompt_tokens"] == res["reuse"]["prompt_tokens"]
     assert (tmp_path / "agent_sessions.png").stat().st_size > 0
@@ -44,3 +82,47 @@ def test_agent_sessions_bench_after_a_restart(tmp_path):
     [row] = res["restart"]["turns"]
     assert row["shared_tokens"] > 200 and row["cached_tokens"] == row["shared_tokens"]
     assert res["restart"]["computed_tokens"] == res["restart"]["prompt_tokens"] - 2 * row["shared_tokens"]
+
+
+def test_generation_windows_interpolate_the_counter_at_each_edge():
+    """Samples of a counter that runs 10 tokens/s for 10 s, stops for 10 s, then runs 30 tokens/s: the
+    windows see exactly that; the last partial window is left out."""
+    times = (0.0, 3.0, 7.5, 10.0, 12.0, 19.0, 20.0, 21.0, 26.0, 30.0, 34.0)
+    samples = [(t, 10.0 * min(t, 10) + 30.0 * max(t - 20, 0)) for t in times]
+    assert generation_windows(samples, 10.0) == pytest.approx([10.0, 0.0, 30.0])
+    assert generation_windows(samples, 15.0) == pytest.approx([100 / 15, 300 / 15])  # edge 15 between 12 and 19
+
+def test_generation_windows_of_a_phase_shorter_than_one_window():
+    assert generation_windows([(1.0, 5.0), (2.0, 9.0), (3.0, 13.0)], 10.0) == [4.0]
+
+
+def test_max_shared_with_others_equals_all_pairs():
+    rng = random.Random(3)
+    for _ in range(50):
+        prompts = [[rng.randrange(3) for _ in range(rng.randrange(6))] for _ in range(rng.randrange(2, 8))]
+        expected = [max(common_prefix_length(p, q) for j, q in enumerate(prompts) if j != i)
+                    for i, p in enumerate(prompts)]
+        assert max_shared_with_others(prompts) == expected
+
+
+def test_server_sample_reads_the_three_series():
+    page = "\n".join([
+        "# TYPE forkpoint_generation_tokens_total counter", "forkpoint_generation_tokens_total 120.0",
+        "# TYPE forkpoint_pool_used gauge", 'forkpoint_pool_used{pool="kv_blocks"} 30.0',
+        'forkpoint_pool_used{pool="state_slots"} 7.0',
+        "# TYPE forkpoint_pool_capacity gauge", 'forkpoint_pool_capacity{pool="kv_blocks"} 40.0',
+        'forkpoint_pool_capacity{pool="state_slots"} 8.0',
+        "# TYPE forkpoint_checkpoints_evicted_session_latest_total counter",
+        "forkpoint_checkpoints_evicted_session_latest_total 3.0", ""])
+    assert server_sample(page, 5.0) == ServerSample(5.0, 120.0, 0.75, 3.0)
+    with pytest.raises(RuntimeError, match="generation_tokens"):
+        server_sample("# TYPE other counter\nother_total 1.0\n", 0.0)
+
+
+def test_latest_evictions_counts_those_below_the_kv_threshold_apart():
+    fractions = [0.1, 0.5, 0.79, 0.85, 0.9, 0.7, 0.6]
+    evicted = [0, 1, 3, 6, 10, 11, 13]
+    samples = [ServerSample(float(t), 0.0, f, e) for t, (f, e) in enumerate(zip(fractions, evicted))]
+    # intervals with both ends below 0.8: 0-1 (+1), 1-2 (+2), 5-6 (+2); the others touch 0.85 / 0.9
+    assert latest_evictions(samples) == (13, 5)
+    assert latest_evictions(samples, kv_threshold=1.0) == (13, 13)

@@ -1,4 +1,4 @@
-"""Eviction by value (cache/checkpoints.py): tokens saved, reads, recency and live sessions, on the
+"""Eviction by value (cache/eviction.py): tokens saved, reads, recency and live sessions, on the
 registry alone (no model, no scheduler). A session's turn registers its end checkpoints (chat turn,
 prompt end, turn end) as its request does; its next turn reads the chat turn, then registers its own."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections import Counter
 
 from forkpoint.cache.block_pool import BlockPool
-from forkpoint.cache.checkpoints import Checkpoint, CheckpointKind, CheckpointRegistry
+from forkpoint.cache.checkpoint_types import Checkpoint, CheckpointKind
+from forkpoint.cache.checkpoints import CheckpointRegistry
 from forkpoint.cache.state_pool import StatePool
 
 
@@ -66,7 +67,7 @@ def test_many_sessions_small_pool_keep_each_live_sessions_latest_checkpoint():
         for session in range(sessions):  # every session's next turn finds where it starts
             assert pools.registry.get(_key(session, turn, "chat")) is not None, (session, turn)
     latest = {pools.registry.get(_key(s, turns - 1, "chat")).key for s in range(sessions)}
-    assert pools.registry.session_heads() == latest
+    assert pools.registry.eviction.session_heads() == latest
     assert len(pools.registry) == 40 and pools.registry.num_evicted == sessions * turns * 3 - 40
     assert pools.registry.counters.evicted_session_latest == 0
 
@@ -81,7 +82,7 @@ def test_a_session_that_never_comes_back_goes_first_among_the_latest():
     pools.ready(_key(3, 0, "chat"), 500, "s3", CheckpointKind.CHAT_TURN)  # only latest ones left: idle longest
     assert pools.registry.get(_key(1, 0, "chat")) is None
     assert pools.registry.counters.evicted_session_latest == 1
-    assert pools.registry.session_heads() == {_key(2, 0, "chat"), _key(0, 1, "chat"), _key(3, 0, "chat")}
+    assert pools.registry.eviction.session_heads() == {_key(2, 0, "chat"), _key(0, 1, "chat"), _key(3, 0, "chat")}
     pools.check()
 
 
@@ -119,8 +120,8 @@ def test_the_next_turn_reads_a_chats_history_end_else_the_longest_end():
     pools.ready(b"chat-end", 1100, "chat", CheckpointKind.TURN_END)
     pools.ready(b"text-prompt", 1000, "text", CheckpointKind.PROMPT_END)
     pools.ready(b"text-end", 1100, "text", CheckpointKind.TURN_END)
-    assert pools.registry.session_heads() == {b"chat", b"text-end"}
+    assert pools.registry.eviction.session_heads() == {b"chat", b"text-end"}
     pools.read(b"text-prompt")  # the same prompt sent again: that turn's session moved on
-    assert pools.registry.session_heads() == {b"chat"}
-    assert pools.registry.reset() and not pools.registry.session_heads()
+    assert pools.registry.eviction.session_heads() == {b"chat"}
+    assert pools.registry.reset() and not pools.registry.eviction.session_heads()
     pools.check()

@@ -137,11 +137,6 @@ def arrivals(model_dir) -> list[Arrival]:
     ]
 
 
-@pytest.fixture(scope="module")
-def model_dir(moe_model):
-    return moe_model[0]
-
-
 @pytest.mark.parametrize("engine_kwargs", [dict(enable_checkpoints=False), dict(),
                                            dict(num_kv_blocks=40, block_size=4, max_num_seqs=4)],
                          ids=["plain", "checkpoints", "small_pools"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from forkpoint import LLM, SamplingParams
-from forkpoint.cache.checkpoints import CheckpointKind
+from forkpoint.cache.checkpoint_types import CheckpointKind
 from tests.helpers import assert_same_outputs
 from tests.tiny_models import words
 
@@ -24,16 +24,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
-
-
-@pytest.fixture(scope="module")
-def model_dir(moe_model):
-    return moe_model[0]
-
-
-@pytest.fixture(scope="module")
-def plain(model_dir):
-    return LLM(str(model_dir), enable_checkpoints=False, num_kv_blocks=256)
 
 
 def computed(llm: LLM, fn):

@@ -16,16 +16,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs
 MARK = "<|mamba_checkpoint|>"
 
 
-@pytest.fixture(scope="module")
-def model_dir(moe_model):
-    return moe_model[0]
-
-
-@pytest.fixture(scope="module")
-def plain(model_dir):
-    return LLM(str(model_dir), enable_checkpoints=False, num_kv_blocks=256)
-
-
 def test_a_reply_sent_back_as_other_text_still_reuses_the_history(model_dir, plain):
     """The client rewrites each reply (as a client that re-tokenises or edits it): the turn end does not
     match, the chat-turn boundary does. A marker in the system prompt with max_checkpoints_per_request=1

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import torch
 
 from forkpoint import LLM, SamplingParams
@@ -14,11 +13,6 @@ from tests.tiny_models import words
 MARK = "<|mamba_checkpoint|>"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
 ANCHOR = torch.randint(0, 150, (12,), generator=torch.Generator().manual_seed(12)).tolist()
-
-
-@pytest.fixture(scope="module")
-def model_dir(moe_model):
-    return moe_model[0]
 
 
 def record_plans(llm: LLM) -> list:

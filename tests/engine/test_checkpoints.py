@@ -37,11 +37,6 @@ def finish_clean(llm: LLM) -> None:
     assert metrics["state_slots_used"] == 0
 
 
-@pytest.fixture(scope="module")
-def model_dir(moe_model):
-    return moe_model[0]
-
-
 def test_one_to_n_equals_no_checkpoint_run(model_dir, moe_model):
     anchor, suffixes = anchor_and_suffixes(37, [5, 9, 3, 12, 7, 1])  # 37: not a multiple of block_size 16
     prompts = [f"{anchor} {MARK} {s}" for s in suffixes]

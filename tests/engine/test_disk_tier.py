@@ -22,16 +22,6 @@ MARK = "<|mamba_checkpoint|>"
 SYSTEM = token_words(3, 70)  # 70 tokens: 4 full blocks and a partial one
 
 
-@pytest.fixture(scope="module")
-def model_dir(moe_model):
-    return moe_model[0]
-
-
-@pytest.fixture(scope="module")
-def plain(model_dir):
-    return LLM(str(model_dir), enable_checkpoints=False, num_kv_blocks=256)
-
-
 def disk_llm(model_dir, directory, **kwargs) -> LLM:
     return LLM(str(model_dir), num_kv_blocks=256, checkpoint_dir=str(directory), **kwargs)
 
@@ -238,10 +228,12 @@ def test_gpu_a_disk_restore_gives_the_device_checkpoints_bits(model_dir, tmp_pat
         return [storage.conv_stack[:, checkpoint.slot].cpu(), storage.ssm_stack[:, checkpoint.slot].cpu(), *kv]
 
     expected = bits(first)
-    device_hit = first.generate(f"{SYSTEM} {words(3, 8, 9)}", GREEDY, use_tqdm=False)[0]
     settle(first)
+    # the second engine runs the consumer first: had the first engine run it before, the second would
+    # find that run's own prompt-end checkpoint (72 tokens) on disk instead of the 70-token one
     second = disk_llm(model_dir, tmp_path, device="cuda")
     disk_hit = second.generate(f"{SYSTEM} {words(3, 8, 9)}", GREEDY, use_tqdm=False)[0]
+    device_hit = first.generate(f"{SYSTEM} {words(3, 8, 9)}", GREEDY, use_tqdm=False)[0]
     assert device_hit.num_cached_tokens == disk_hit.num_cached_tokens == 70
     assert second.metrics()["checkpoints_loaded_from_disk"] == 1
     assert all(torch.equal(a, b) for a, b in zip(expected, bits(second)))

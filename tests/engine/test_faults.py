@@ -120,11 +120,6 @@ def assert_outputs_equal(ours: list, theirs: list, label: str) -> None:
             assert a.keys() == b.keys() and all(abs(a[t] - b[t]) <= 1e-5 for t in a), label
 
 
-@pytest.fixture(scope="module")
-def model_dir(moe_model):
-    return moe_model[0]
-
-
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
 def test_a_fault_at_any_step_leaves_nothing_behind(model_dir, scenario):
     fresh = LLM(str(model_dir), **scenario.engine_kwargs)

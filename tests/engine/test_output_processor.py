@@ -82,3 +82,30 @@ def test_an_aborted_sequence_is_freed(llm):
     engine.output_processor.free("abort-me")
     engine.output_processor.check_integrity(set())
     engine.check_integrity()
+
+
+def test_request_metrics_say_when_a_prompt_was_queued_scheduled_and_sampled(llm):
+    """Nine prompts, at most eight sequences: the ninth waits for a slot. Its metrics count the steps
+    scheduled before it was admitted, and arrival <= first scheduling <= first token."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    start = engine.metrics()["steps"]
+    for i in range(9):
+        engine.add_request(f"timing-{i}", prompt(20 + i), params)
+    late = engine.sequences("timing-8")[0]
+    steps_before = None
+    final = {}
+    while engine.has_unfinished_requests():
+        steps = engine.metrics()["steps"]
+        for output in engine.step():
+            final[output.request_id] = output
+        if steps_before is None and late.first_scheduled_time is not None:
+            steps_before = steps - start  # the steps this call's step waited behind
+    assert steps_before is not None and steps_before > 0
+    for request_id, output in final.items():
+        times = output.metrics
+        assert times.arrival_time <= times.first_scheduled_time <= times.first_token_time, request_id
+        assert times.time_in_queue == times.first_scheduled_time - times.arrival_time
+    assert final["timing-8"].metrics.queued_steps == steps_before
+    assert final["timing-0"].metrics.queued_steps == 0
+    llm.engine.check_integrity()

@@ -22,6 +22,7 @@ from forkpoint.cache.state_pool import StatePool
 from forkpoint.config import EngineConfig
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler import Scheduler
+from forkpoint.engine.step_planning import StepLimits
 from forkpoint.sampling_params import SamplingParams
 from forkpoint.step.plan import StepPlan
 from tests.engine.fake_executor import FakeExecutor, reference
@@ -54,6 +55,7 @@ class _Driver:
         self.finished: dict[str, list[Request]] = {}
         self.now = 0.0
         self.steps = 0
+        self.limits: StepLimits | None = None  # after an "oom" fault: the caps of engine/memory_retry.py
 
     def add(self, request_id: str, spec: dict) -> None:
         tokens, positions = _prompt(spec)
@@ -74,13 +76,22 @@ class _Driver:
 
     def step(self, fault_at: int | None, fault_in: str) -> None:
         """One engine step; the `fault_at`-th step with work fails in `fault_in`: "runner" (before
-        the runner applied the plan's device writes) or "forward" (after)."""
+        the runner applied the plan's device writes), "forward" (after), or "oom" (after the whole
+        forward wrote its state rows and KV, out of memory: its sequences are requeued and every
+        later step is capped at a third of the token budget and one sequence)."""
         self.now += 0.01
-        step = self.scheduler.schedule(self.now)
+        step = self.scheduler.schedule(self.now, self.limits)
         if step.empty:
             self._collect()
             return
         self.steps += 1
+        if self.steps - 1 == fault_at and fault_in == "oom":
+            self.executor.execute(step.plan)
+            self.scheduler.requeue([step])
+            budget = max(1, self.scheduler.config.max_num_batched_tokens // 3)
+            self.limits = StepLimits(budget, 1, max_chunk=max(1, budget // 2))
+            self._collect()
+            return
         if self.steps - 1 == fault_at:
             if fault_in == "forward":
                 self.executor.apply(step.plan)
@@ -147,7 +158,7 @@ class _Driver:
     checkpoint_slots=st.integers(1, 4),
     host_bytes=st.sampled_from([0, 0, 12, 40]),
     fault_at=st.one_of(st.none(), st.integers(0, 10)),
-    fault_in=st.sampled_from(["runner", "forward"]),  # before the runner applied the writes, or after
+    fault_in=st.sampled_from(["runner", "forward", "oom"]),  # before the runner applied the writes, after, or OOM
     auto_min_tokens=st.sampled_from([4, 12, 10_000]),  # 10_000: automatic checkpoints never placed
 )
 def test_scheduler_plans_always_read_the_right_states(requests, budget, chunk_cap, block_size, spare_blocks,

@@ -1,21 +1,15 @@
 """Many sessions, few checkpoint rows, through the engine: each session's latest turn end survives
-the others' turns (eviction by value, cache/checkpoints.py), so every turn from the second on computes
+the others' turns (eviction by value, cache/eviction.py), so every turn from the second on computes
 only its new tokens, and the outputs equal an engine's without checkpoints (float32 CPU, tiny model)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from forkpoint import LLM, SamplingParams
 from tests.helpers import assert_same_outputs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
-
-
-@pytest.fixture(scope="module")
-def model_dir(moe_model):
-    return moe_model[0]
 
 
 def test_each_sessions_turn_end_survives_the_other_sessions_turns(model_dir):

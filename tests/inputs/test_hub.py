@@ -77,3 +77,17 @@ def test_unknown_names_are_clear_errors(offline, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is a file, not a directory"):
         resolve_model_dir(str(tmp_path / "file"))
+
+
+def test_without_a_network_a_cached_name_still_loads_and_a_missing_one_says_why(offline, monkeypatch):
+    """HF_HUB_OFFLINE unset and no network (a node without internet access): a name in the cache
+    resolves from it, one that is not fails naming the cache and the network."""
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+
+    def no_dns(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "name resolution in an offline test")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    assert resolve_model_dir("org/tiny") == offline / "models--org--tiny" / "snapshots" / COMMIT
+    with pytest.raises(ValueError, match="not in the Hub cache .*the Hub could not be reached: check the network"):
+        resolve_model_dir("org/missing")

@@ -16,7 +16,6 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
 
-from forkpoint.config import VisionConfig
 from forkpoint.inputs.chat import IMAGE_PLACEHOLDER, render_chat_with_images
 from forkpoint.inputs.images import (
     ImageProcessorConfig,
@@ -27,6 +26,7 @@ from forkpoint.inputs.images import (
     smart_resize,
 )
 from forkpoint.inputs.multimodal import ImagePromptProcessor, mrope_positions
+from forkpoint.vision_config import VisionConfig
 from tests.tiny_models import random_image
 
 VISION = VisionConfig.from_dict({"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,

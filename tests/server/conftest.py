@@ -8,13 +8,17 @@ for tests that need their own server configuration: they start short-lived serve
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 import httpx
 import openai
@@ -137,3 +141,45 @@ def anchor_text() -> Callable[[str], str]:
     def make(tag: str) -> str:
         return f"Listing {tag}: " + " ".join(f"item-{tag}-{i} costs {i * 7 % 13} euros;" for i in range(8))
     return make
+
+
+@dataclass
+class ServeProcess:
+    """`forkpoint serve` in a child process: `base_url` answers; `log` holds its output (stdout and stderr)."""
+
+    process: subprocess.Popen
+    base_url: str
+    log: IO[str]
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+
+@contextmanager
+def serve_process(args: Sequence[str], log_path: Path, start_timeout_s: float = 120) -> Iterator[ServeProcess]:
+    """`python -m forkpoint.server.cli serve --port P args...` on a free loopback port, once `/health`
+    answers 200; the test fails with the log if the process exits or does not answer within
+    `start_timeout_s`. A process still running at exit is killed."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with open(log_path, "w+") as log:
+        process = subprocess.Popen([sys.executable, "-m", "forkpoint.server.cli", "serve", "--port", str(port), *args],
+                                   stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        running = ServeProcess(process, f"http://127.0.0.1:{port}", log)
+        try:
+            deadline = time.monotonic() + start_timeout_s
+            while True:
+                try:
+                    if httpx.get(f"{running.base_url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert process.poll() is None and time.monotonic() < deadline, running.output()
+                time.sleep(0.3)
+            yield running
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()

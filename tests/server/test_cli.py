@@ -3,25 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
 from forkpoint.server.cli import _model_name, build_parser, main
 from forkpoint.server.engine_args import engine_kwargs
+from tests.server.conftest import serve_process
 
 ENGINE_OPTIONS = ["--dtype", "--device", "--seed", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
                   "--block-size", "--checkpoint-token", "--no-checkpoints", "--max-checkpoints-per-request",
                   "--load-format", "--enforce-eager", "--tensor-parallel-size", "--async-scheduling", "--revision",
                   "--tokenizer-revision", "--download-dir", "--structured-outputs-config", "--checkpoint-dir",
-                  "--checkpoint-dir-bytes"]
+                  "--checkpoint-dir-bytes", "--speculative-config"]
 SERVE_OPTIONS = ["--host", "--port", "--served-model-name", "--max-waiting-requests", "--marker-in-user-content"]
 BENCH_OPTIONS = ["--url", "--anchor-tokens", "--suffix-tokens", "--n", "--max-tokens", "--concurrency", "--out"]
 
@@ -56,6 +53,10 @@ def test_hub_names_are_served_as_given_with_their_revision(tmp_path):
     assert (engine_kwargs(args)["checkpoint_dir"], engine_kwargs(args)["checkpoint_dir_bytes"]) == (str(tmp_path), 4096)
     assert kwargs["download_dir"] == str(tmp_path)
     assert kwargs["structured_outputs_config"] == {"disable_additional_properties": False}
+    assert kwargs["speculative_config"] is None
+    spec = engine_kwargs(build_parser().parse_args(["serve", "--speculative-config",
+                                                    '{"method": "mtp", "num_speculative_tokens": 2}']))
+    assert spec["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
     assert _model_name("Qwen/Qwen3.5-35B-A3B") == "Qwen/Qwen3.5-35B-A3B"
     limits = engine_kwargs(build_parser().parse_args(["serve", "--prompt-score-bytes", "1048576",
                                                       "--long-prefill-token-threshold", "512"]))
@@ -64,25 +65,10 @@ def test_hub_names_are_served_as_given_with_their_revision(tmp_path):
 
 
 def test_serve_process_answers_and_stops_on_sigint(tmp_path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log = open(tmp_path / "serve.log", "w+")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "forkpoint.server.cli", "serve", "--port", str(port), "--max-model-len", "2048",
-         "--served-model-name", "cli-test", "--marker-in-user-content", "reject", "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline, log.seek(0) or log.read()
-            time.sleep(0.3)
+    args = ["--max-model-len", "2048", "--served-model-name", "cli-test", "--marker-in-user-content", "reject",
+            "--log-level", "warning"]
+    with serve_process(args, tmp_path / "serve.log") as running:
+        base, process = running.base_url, running.process
         assert httpx.get(f"{base}/v1/models").json()["data"][0]["max_model_len"] == 2048
         response = httpx.post(f"{base}/v1/completions", timeout=60,
                               json={"model": "cli-test", "prompt": "hi", "max_tokens": 1})
@@ -91,11 +77,6 @@ def test_serve_process_answers_and_stops_on_sigint(tmp_path):
         assert rejected.status_code == 400
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        log.close()
 
 
 def test_generate_prints_outputs_and_timings(capsys):
@@ -117,3 +98,22 @@ def test_bench_against_server(server, tmp_path, capsys):
     assert rows[(4, True)]["tokens_computed"] == 48 + 4 * 4
     assert (tmp_path / "bench_1toN.png").stat().st_size > 0
     assert "speedup" in capsys.readouterr().out
+
+
+def test_serve_freezes_the_startup_heap(monkeypatch):
+    """`serve` hands uvicorn an app whose start-up objects the garbage collector no longer traverses."""
+    import uvicorn
+
+    import forkpoint
+    import forkpoint.server.app
+
+    seen = {}
+    monkeypatch.setattr(forkpoint, "LLM", lambda **kwargs: object())
+    monkeypatch.setattr(forkpoint.server.app, "build_app", lambda llm, config, load_time_s: [object()])
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.setdefault("frozen", gc.get_freeze_count()))
+    gc.unfreeze()
+    try:
+        assert main(["serve", "--port", "1"]) == 0
+    finally:
+        gc.unfreeze()
+    assert seen["frozen"] > 0

@@ -1,12 +1,19 @@
 """Admission (server/generation.py): places counted in sequences (prompts x n), per request and
-per client (the request's `user`), all given back."""
+per client (the request's `user`), all given back; a request's time to first token by part."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
+from forkpoint.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from forkpoint.sampling_params import SamplingParams
 from forkpoint.server.errors import APIError
-from forkpoint.server.generation import Admission
+from forkpoint.server.generation import Admission, Generation
+from forkpoint.server.metrics import ServerMetrics
+from forkpoint.server.prompts import EnginePrompt
 
 
 def test_n_takes_n_places_and_gives_them_back():
@@ -38,3 +45,49 @@ def test_one_client_cannot_fill_the_queue_for_everyone():
     with pytest.raises(APIError) as info:  # more than one client may ever hold: never fits
         admission.admit(1, n=4, client="new")
     assert info.value.status == 400 and info.value.param == "n"
+
+
+class _Worker:
+    """add_many takes the prompt at `now`, and 20 ms later delivers one first-token output whose engine
+    times (arrival, first scheduled, first token) are `engine_times(now)`."""
+
+    def __init__(self, engine_times) -> None:
+        self.engine_times = engine_times
+
+    async def add_many(self, requests, sink) -> None:
+        now = time.monotonic()
+        await asyncio.sleep(0.02)
+        times = RequestMetrics(*self.engine_times(now), queued_steps=2)
+        completion = CompletionOutput(0, "x", [7])
+        sink.queue.put_nowait([RequestOutput(requests[0].request_id, None, [1, 2], [completion], metrics=times)])
+
+    def abort(self, request_ids) -> None:
+        pass
+
+
+def _first_token_parts(engine_times) -> dict[str, float]:
+    metrics = ServerMetrics(dict, lambda: 0, lambda: 0, endpoints=("chat",))
+
+    async def run() -> None:
+        gen = Generation(_Worker(engine_times), Admission(4, 1), metrics, endpoint="chat", prompt_param="messages",
+                         request_id="r", prompts=[EnginePrompt([1, 2], ())], params=SamplingParams(max_tokens=1),
+                         received=time.monotonic() - 0.5)
+        await gen.start()
+        async for _ in gen.outputs():
+            break
+        gen.close()
+
+    asyncio.run(run())
+    return {part: histogram._sum.get() for part, histogram in metrics.first_token_parts.items()}
+
+
+def test_first_token_parts_add_up_on_the_engine_clock():
+    parts = _first_token_parts(lambda now: (now, now + 0.005, now + 0.015))
+    assert parts["prompt"] >= 0.5 and parts["queue"] == pytest.approx(0.005) and parts["prefill"] == pytest.approx(0.01)
+    assert parts["handoff"] >= 0 and parts["delivery"] >= 0.005
+
+
+def test_first_token_parts_are_left_out_for_an_engine_on_another_clock():
+    """A replica's engine in another process: its monotonic times say nothing on this clock."""
+    parts = _first_token_parts(lambda now: (now - 1000.0, now - 999.9, now - 999.8))
+    assert all(value == 0 for value in parts.values())

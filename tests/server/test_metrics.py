@@ -56,3 +56,29 @@ def test_metrics_count_a_one_to_two_run(server, anchor_text):
     assert after[("forkpoint_checkpoints_pending", ())] == 0
     assert after[("forkpoint_pool_used", (("pool", "state_slots"),))] == 0
     assert after[("forkpoint_pool_used", (("pool", "checkpoint_slots"),))] >= 1
+
+
+def test_time_to_first_token_parts_add_up_to_it(server):
+    """Each streamed chat request's time to first token splits into prompt, hand-off, queue, prefill
+    and delivery (one histogram each); the parts add up to the whole."""
+    server.wait_idle()
+    parts = ("prompt", "handoff", "queue", "prefill", "delivery")
+    before = server.metrics()
+    client = server.client()
+    for question in ("Which river?", "Which city?"):
+        stream = client.chat.completions.create(model=server.model, max_tokens=3, stream=True,
+                                                messages=[{"role": "user", "content": question}])
+        assert [chunk for chunk in stream]
+    server.wait_idle()
+    after = server.metrics()
+
+    def delta(name: str) -> float:
+        return after.get((name, ()), 0.0) - before.get((name, ()), 0.0)
+
+    assert delta("forkpoint_time_to_first_token_seconds_count") == 2
+    for part in parts:
+        assert delta(f"forkpoint_request_{part}_time_seconds_count") == 2, part
+        assert delta(f"forkpoint_request_{part}_time_seconds_sum") >= 0, part
+    total = sum(delta(f"forkpoint_request_{part}_time_seconds_sum") for part in parts)
+    assert abs(total - delta("forkpoint_time_to_first_token_seconds_sum")) < 1e-6
+    assert delta("forkpoint_request_prefill_time_seconds_sum") > 0

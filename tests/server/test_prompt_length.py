@@ -61,4 +61,36 @@ def test_the_server_refuses_a_huge_prompt_without_tokenising_it(server, tokenize
     error = response.json()["error"]
     assert response.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == "messages"
     assert max(encoded) <= PIECE_CHARS and sum(encoded) <= 4 * PIECE_CHARS
-    assert server.post("/tokenize", json={"prompt": text}).json()["count"] > 4096  # /tokenize counts it all
+
+
+@pytest.mark.parametrize("field", ["prompt", "messages"])
+def test_tokenize_refuses_a_huge_text_without_tokenising_it(server, tokenizer, monkeypatch, field):
+    """/tokenize (vLLM's endpoint) of a text far beyond max_model_len: a 400 after at most two pieces
+    of it were tokenised (counting 1 MB whole would hold a tokenizer thread for seconds)."""
+    text = "lorem ipsum dolor " * 60_000
+    encoded: list[int] = []
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda piece, **kw: encoded.append(len(piece)) or encode(piece, **kw))
+    body = {"prompt": text} if field == "prompt" else {"messages": [{"role": "user", "content": text}]}
+    response = server.post("/tokenize", json=body)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == field
+    assert "max_model_len is 4096" in error["message"]
+    assert max(encoded) <= PIECE_CHARS and sum(encoded) <= 2 * PIECE_CHARS
+
+
+def test_tokenize_still_counts_a_text_of_one_piece_exactly(server, tokenizer):
+    """Within one piece the count is exact, also beyond max_model_len (as vLLM's /tokenize)."""
+    text = "word " * 5000
+    assert len(text) <= PIECE_CHARS
+    count = server.post("/tokenize", json={"prompt": text}).json()["count"]
+    assert count == len(tokenizer.encode(text, add_special_tokens=False)) > 4096
+
+
+def test_detokenize_takes_at_most_max_model_len_ids(server, tokenizer):
+    ids = tokenizer.encode("word " * 4096, add_special_tokens=False)[:4096]
+    assert server.post("/detokenize", json={"tokens": ids}).json()["prompt"] == tokenizer.decode(ids)
+    response = server.post("/detokenize", json={"tokens": ids + ids[:1]})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "tokens" and "4097 ids" in error["message"]
+    assert "split them" in error["message"]

@@ -26,7 +26,7 @@ class ScriptedEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def add_request(self, request_id, prompt, params) -> None:
+    def add_request(self, request_id, prompt, params, *, tenant: str = "") -> None:
         self.requests.append(request_id)
 
     def abort_request(self, request_id) -> None:

@@ -9,9 +9,10 @@ import json
 import pytest
 
 from forkpoint import LLM, SamplingParams, StructuredOutputsParams
-from forkpoint.config import EngineConfig, StructuredOutputsConfig
+from forkpoint.config import EngineConfig
 from forkpoint.structured import GrammarCompiler
 from forkpoint.structured.json_schema import forbid_additional_properties
+from forkpoint.structured_outputs_config import StructuredOutputsConfig
 
 SAME = {"type": "object", "properties": {"same": {"type": "boolean"}}, "required": ["same"]}
 

@@ -1,0 +1,123 @@
+"""A step that fails for lack of memory is retried smaller, so one request's memory never fails its
+step-mates.
+
+When a step's forward or sampling raises an out-of-memory error (`is_out_of_memory`), the engine
+does not fail the step: its sequences go back to the front of the queue to recompute
+(`Scheduler.requeue`: the failed forward may have written their state rows) and the next steps are
+capped (`StepLimits`): at half the failed step's tokens when it computed a prefill chunk (a
+sequence with two or more tokens: the memory grows with the chunk), else, a step of decodes alone,
+at half its sequences (the memory grows with the rows). Decodes keep running beside a shrinking prefill, and
+the requeued sequences recompute their context in chunks under the token cap; one sequence takes
+at most half of it, so a long prefill leaves room for the other sequences' decodes. Each further failure
+halves again, so the request that needs the memory ends up alone in the smallest step (a token cap
+below the number of sequences also caps them); a step that fails holding one sequence and at most
+`floor_tokens` tokens fails that sequence's prompt with `OutOfMemory`::
+
+    step: 8 decodes + a 4,088-token chunk -> OOM: requeue the 9, cap 2,048 tokens
+    step: 8 recomputes + a 2,000-token chunk -> OOM: requeue, cap 1,024 tokens ... (fits: served)
+    step: 64 decodes                      -> OOM: requeue the 64, cap 32 sequences ...
+    step: 1 sequence, <= floor tokens     -> OOM: its prompt fails (OutOfMemory), the others run on
+
+A lone sequence's decode (one token) that runs out of memory therefore fails at once: no smaller
+step exists for it.
+
+The caps hold until every sequence that was in a failed step has left the engine: lifting them
+sooner would run the culprit at full size again, fail again and recompute for ever. Requests that
+arrive meanwhile run in the capped steps too (fewer tokens per step, the same outputs).
+
+Caught: `torch.OutOfMemoryError` (the CUDA caching allocator), Python's `MemoryError` (a host
+allocation in Python code) and the RuntimeError of PyTorch's CPU allocator ("DefaultCPUAllocator:
+can't allocate memory"). Anything else fails the step as before (engine.py `StepFailed`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from forkpoint.engine.request import Request
+from forkpoint.engine.step_planning import ScheduledStep, StepLimits
+
+CPU_ALLOCATOR_FAILURE = "DefaultCPUAllocator: can't allocate memory"
+
+
+class OutOfMemory(RuntimeError):
+    """A prompt ran out of memory with one of its sequences alone in the smallest step: it cannot
+    run on this server as it is (the message names the sizes and the fix)."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an allocation failure (see the module doc for the three kinds). The engine
+    imports no torch (tests/test_layering.py): its error class is taken from the loaded module, and
+    without torch loaded no torch error exists."""
+    torch = sys.modules.get("torch")
+    if isinstance(error, MemoryError) or (torch is not None and isinstance(error, torch.OutOfMemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and CPU_ALLOCATOR_FAILURE in str(error)
+
+
+def step_tokens(step: ScheduledStep) -> int:
+    """Tokens the step's forward computes (all its segments)."""
+    return sum(segment.end - segment.start for segment in step.plan.segments)
+
+
+class MemoryBackoff:
+    """The caps on step size after out-of-memory failures, and the sequences that hold them up.
+
+    floor_tokens: the smallest step the scheduler can plan for a prefill chunk (1, or one scan chunk
+    with checkpoint_exact); a lone sequence failing at or below it cannot be helped by a smaller step.
+    max_tokens, max_seqs: the configured budgets of a step (max_num_batched_tokens, max_num_seqs)."""
+
+    def __init__(self, floor_tokens: int, max_tokens: int, max_seqs: int) -> None:
+        if not 1 <= floor_tokens <= max_tokens or max_seqs < 1:
+            raise ValueError(f"need 1 <= floor_tokens <= max_tokens and max_seqs >= 1, got {floor_tokens}, "
+                             f"{max_tokens} and {max_seqs}")
+        self.floor_tokens = floor_tokens
+        self.max_tokens = max_tokens
+        self.max_seqs = max_seqs
+        self._limits: StepLimits | None = None
+        self._suspects: list[Request] = []  # sequences of the failed steps; the caps hold while one is live
+
+    def limits(self) -> StepLimits | None:
+        """The caps for the next step (None: none), lifted once every suspect has finished."""
+        if self._limits is not None and all(r.is_finished for r in self._suspects):
+            self._limits, self._suspects = None, []
+        return self._limits
+
+    def culprit(self, steps: list[ScheduledStep]) -> Request | None:
+        """The sequence to fail when `steps` (the steps in flight that raised) held it alone in at most
+        `floor_tokens` tokens, else None (then `shrink` before retrying)."""
+        sequences = list(dict.fromkeys(r for step in steps for r in step.requests))
+        if len(sequences) == 1 and max(step_tokens(step) for step in steps) <= self.floor_tokens:
+            return sequences[0]
+        return None
+
+    def shrink(self, steps: list[ScheduledStep]) -> StepLimits:
+        """Halve a cap below the largest of `steps`: its tokens if one of its sequences computed two or
+        more and a smaller step exists (`floor_tokens`), else its sequences (then there are at least
+        two: one alone at `floor_tokens` or fewer is the culprit); their sequences hold the caps until
+        they leave. Returns the new caps; each call lowers one of them, so the retries end."""
+        sequences = list(dict.fromkeys(r for step in steps for r in step.requests))
+        tokens = max(step_tokens(step) for step in steps)
+        halved = max(self.floor_tokens, tokens // 2)
+        if tokens > len(sequences) and halved < tokens:
+            max_tokens, max_seqs = halved, self.max_seqs
+        else:
+            max_tokens, max_seqs = self.max_tokens, max(1, len(sequences) // 2)
+        if self._limits is not None:
+            max_tokens, max_seqs = min(max_tokens, self._limits.max_tokens), min(max_seqs, self._limits.max_seqs)
+        # one sequence gets at most half the tokens (a scan chunk at least): the others' decodes go on
+        limits = StepLimits(max_tokens, max_seqs, max_chunk=max(self.floor_tokens, max_tokens // 2))
+        self._limits = limits
+        self._suspects = [r for r in self._suspects if not r.is_finished]
+        self._suspects += [r for r in sequences if r not in self._suspects]
+        return limits
+
+    def describe(self, culprit: Request, error: BaseException) -> OutOfMemory:
+        """The error its prompt fails with: the memory, the sizes, the fix."""
+        tokens = len(culprit.prompt_token_ids) + len(culprit.output_token_ids)
+        scoring = (f", scoring its prompt (prompt_logprobs={culprit.params.prompt_logprobs})"
+                   if culprit.params.prompt_logprobs is not None else "")
+        return OutOfMemory(
+            f"request {culprit.parent_id!r} ran out of memory running alone in a step of at most "
+            f"{self.floor_tokens} token(s) ({tokens} tokens so far{scoring}; {type(error).__name__}: {error}): "
+            "it cannot run on this server; send a shorter prompt, fewer sequences (n) or fewer logprobs")

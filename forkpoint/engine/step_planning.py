@@ -1,0 +1,88 @@
+"""One step as the scheduler plans it and the engine settles it: `ScheduledStep` (the runner's plan
+plus what commit / fail must settle), `StepLimits` (caps a memory retry sets: engine/memory_retry.py)
+and `StepPlanning` (the scratch state of one `Scheduler.schedule()` call, which turns token ranges
+into segments)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from forkpoint.cache.checkpoint_types import Checkpoint
+from forkpoint.engine.request import Request
+from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan, Verify
+
+
+@dataclass
+class ScheduledStep:
+    """One step as the engine sees it: the runner's `plan` plus what commit/fail must settle.
+
+    requests[i] owns plan.segments[i]; written: (checkpoint, producer) pairs this step writes;
+    consumed: checkpoints pinned by this step's readers (one entry per pin); finished: requests
+    that ended while scheduling (they can never fit)."""
+
+    plan: StepPlan
+    requests: list[Request]
+    written: list[tuple[Checkpoint, Request]]
+    consumed: list[Checkpoint]
+    finished: list[Request]
+
+    @property
+    def empty(self) -> bool:
+        return self.plan.empty
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    """Caps on one step below the configured ones (engine/memory_retry.py sets them after a step ran
+    out of memory): at most `max_tokens` tokens and `max_seqs` sequences, and at most `max_chunk` of
+    the tokens for one sequence (so a long prefill leaves room for the others' decodes). All >= 1,
+    max_chunk <= max_tokens."""
+
+    max_tokens: int
+    max_seqs: int
+    max_chunk: int
+
+    def __post_init__(self) -> None:
+        if min(self.max_tokens, self.max_seqs, self.max_chunk) < 1 or self.max_chunk > self.max_tokens:
+            raise ValueError(f"step limits must be >= 1 with max_chunk <= max_tokens, got {self.max_tokens} tokens, "
+                             f"{self.max_seqs} sequences, {self.max_chunk} per sequence")
+
+
+@dataclass
+class StepPlanning:
+    """Scratch state of one `Scheduler.schedule()` call: the segments planned so far and what they
+    take (pins, checkpoints written, prompt-logit rows), under the step's `StepLimits` if any."""
+
+    segments: list[Segment] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    kv_copies: list[KVCopy] = field(default_factory=list)
+    written: list[tuple[Checkpoint, Request]] = field(default_factory=list)
+    consumed: list[Checkpoint] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+    written_phase: dict[int, int] = field(default_factory=dict)  # id(checkpoint) -> phase writing it
+    verifies: list[Verify] = field(default_factory=list)
+    score_rows: int = 0  # prompt-logit rows planned so far (at most Scheduler.score_rows)
+    seq_room: int | None = None  # sequences the step may still take under its StepLimits (None: no cap)
+    chunk_cap: int | None = None  # tokens of one sequence under its StepLimits (None: Scheduler.chunk_cap)
+
+    def add_segment(self, request: Request, start: int, end: int, initial: int, dests: tuple[int, ...],
+                    kind: SegmentKind, phase: int) -> None:
+        """Plan tokens [start, end) of `request` as one segment read from state row `initial`, written
+        to rows `dests`, in `phase` of the forward."""
+        self.segments.append(Segment(
+            request_id=request.request_id, start=start, end=end, token_ids=request.tokens(start, end),
+            block_table=request.blocks, initial_slot=initial, dest_slots=dests, kind=kind, phase=phase,
+            samples=end == request.num_tokens, multimodal=request.multimodal,
+            prompt_logit_rows=0 if request.params.prompt_logprobs is None else max(
+                0, min(end, len(request.prompt_token_ids) - 1) - start),
+            next_token=request.tokens(end, end + 1)[0] if end < request.num_tokens else None))
+        self.score_rows += self.segments[-1].prompt_logit_rows
+        self.requests.append(request)
+
+    def take_seq(self) -> None:
+        if self.seq_room is not None:
+            self.seq_room -= 1
+
+    @property
+    def seqs_full(self) -> bool:
+        return self.seq_room == 0
