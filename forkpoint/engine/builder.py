@@ -263,4 +263,7 @@ class EngineBuilder:
         shapes = model.pool_shapes(self.dtype)
         sizes = plan_storage(self.config, shapes, self.max_model_len, self.device, reserved)
         self.block_pool, self.state_pool = pools_of_sizes(sizes, self.config.block_size)
-        return DeviceStorage(sizes, self.config.block_size, shapes, self.device)
+        # on CUDA the host tier's copies run on a copy stream into an arena of pinned pages
+        # (runner/host_copies.py); the CPU keeps the plain copies, the reference
+        arena = self._host_tier_bytes() if self.config.enable_checkpoints and self.device.type == "cuda" else 0
+        return DeviceStorage(sizes, self.config.block_size, shapes, self.device, host_arena_bytes=arena)

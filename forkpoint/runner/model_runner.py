@@ -308,7 +308,7 @@ class ModelRunner:
         """Apply the plan's device writes (first; a failed step's come again and are skipped), then
         the step's batch (images encoded and attached) and the segments its logits
         rows belong to; `feed` as in `build_forward_batch`."""
-        self.storage.apply(plan.writes, plan.first_write)
+        self.storage.apply(plan.writes, plan.first_write, forward=plan)
         batch, sampled = build_forward_batch(plan, self.block_size, self.device, feed)
         if self.multimodal is not None:
             batch = self.multimodal.attach(plan.ordered(), batch)

@@ -21,14 +21,16 @@ rows = 1 + R + C + 1 (cache/state_pool.py's row layout). Flattened to [L * rows,
 are i * rows .. i * rows + rows - 1: the same slot indices plus a row offset address any layer, so
 one CUDA graph of the recurrent core serves every layer (runner/piecewise.py).
 
-Copies to and from the host are enqueued on the device stream (non-blocking into and out of pinned
-memory on CUDA), ordered before any later kernel that reuses the rows and blocks; nothing waits.
+The host tier's copies (`host`, runner/host_copies.py): with `host_arena_bytes` (the engine's CUDA
+path) in an arena of pinned pages, on a copy stream with events, overlapping the forwards; the
+compute stream waits (on the GPU) before it writes a row or block a spill still reads (`apply`'s
+`forward`: only the rows and blocks that forward writes). Without (the CPU reference, and the
+tensor-parallel ranks), plain copies in order on the current stream. Nothing here blocks the host.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -36,22 +38,28 @@ from forkpoint.cache.sizing import PoolShapes, PoolSizes, plan_pools
 from forkpoint.cache.state_pool import ZERO_SLOT
 from forkpoint.config import EngineConfig
 from forkpoint.models.qwen3_5 import LayerCaches
-from forkpoint.runner.disk_io import DiskWriter, payload_tensors, split_payload
-from forkpoint.step.plan import DeviceWrite, DiskDrop, DiskRestore, DiskSave, HostDrop, Restore, Spill, StateCopy
-
-
-@dataclass(frozen=True)
-class HostCopy:
-    """One host entry's tensors (see the module docstring)."""
-
-    conv: torch.Tensor
-    ssm: torch.Tensor
-    k: tuple[torch.Tensor, ...]
-    v: tuple[torch.Tensor, ...]
+from forkpoint.runner.disk_io import DiskWriter, split_payload
+from forkpoint.runner.host_copies import ArenaHostCopies, PlainHostCopies, PoolTensors, device_index
+from forkpoint.step.plan import (
+    DeviceWrite,
+    DiskDrop,
+    DiskRestore,
+    DiskSave,
+    HostDrop,
+    Restore,
+    SegmentKind,
+    Spill,
+    StateCopy,
+    StepPlan,
+)
 
 
 class DeviceStorage:
-    def __init__(self, sizes: PoolSizes, block_size: int, shapes: PoolShapes, device: torch.device) -> None:
+    """The pools' tensors and the host tier's copies (module docstring). host_arena_bytes: the host
+    tier's byte budget, held as an arena copied on a stream (CUDA; the CPU in tests); 0 for plain copies."""
+
+    def __init__(self, sizes: PoolSizes, block_size: int, shapes: PoolShapes, device: torch.device,
+                 host_arena_bytes: int = 0) -> None:
         self.device = device
         self.block_size = block_size
         self.num_blocks = sizes.num_kv_blocks
@@ -68,34 +76,58 @@ class DeviceStorage:
         # single views (not unbind's multi-output views, which autograd forbids writing in place)
         self.conv = [self.conv_stack[i] for i in range(layers)]
         self.ssm = [self.ssm_stack[i] for i in range(layers)]
-        self.host: dict[int, HostCopy] = {}
+        pools = PoolTensors(self.conv_stack, self.ssm_stack, tuple(self.k), tuple(self.v))
+        self.host = ArenaHostCopies(pools, host_arena_bytes) if host_arena_bytes > 0 else PlainHostCopies(pools)
         self.disk: DiskWriter | None = None  # the disk tier's writer (`attach_disk`), None without one
         self.writes_applied = 0  # the number of the next device write to apply (step/plan.py)
-        self._pinned = device.type == "cuda"
         self.caches = LayerCaches(conv=self.conv, ssm=self.ssm, k=self.k, v=self.v, conv_stack=self.conv_stack,
                                   ssm_stack=self.ssm_stack)
 
     # ------------------------------------------------------------------ the plan's writes
-    def apply(self, writes: Sequence[DeviceWrite], first: int = 0) -> None:
+    def apply(self, writes: Sequence[DeviceWrite], first: int = 0, forward: StepPlan | None = None) -> None:
         """Apply a plan's device writes (numbered `first`, `first` + 1, ...) in order, enqueued on the
         device stream. Each number is applied once: those below `writes_applied` (a failed step's,
-        given again) are skipped; a number past it means a write was lost and raises."""
+        given again) are skipped; a number past it means a write was lost and raises. Then the
+        compute stream waits for the spills still reading rows or blocks that `forward` (the plan
+        whose forward runs next) writes, or, without one, for every spill still reading."""
         skip = self.writes_applied - first
         if skip < 0:
             raise RuntimeError(f"device writes {self.writes_applied} .. {first - 1} were never applied")
         for write in writes[skip:]:
             self._apply(write)
             self.writes_applied += 1
+        if not self.host.reading:
+            return
+        if forward is None or forward.verifies:  # (speculative steps: written rows not listed here)
+            self.host.wait_for_all()
+        else:
+            self.host.wait_for(*self.forward_writes(forward))
+
+    def forward_writes(self, plan: StepPlan) -> tuple[set[int], set[int]]:
+        """(state rows, KV blocks) the plan's forward may write: each segment's destination rows (a
+        decode's own row, updated in place), the blocks of its table from the one holding position
+        `start` on (its positions start .. end - 1, and any the table holds past them, e.g. for draft
+        tokens), and the copy-on-write targets."""
+        rows, blocks, size = set(), set(), self.block_size
+        for segment in plan.segments:
+            rows.update(segment.dest_slots)
+            if segment.kind is SegmentKind.DECODE:
+                rows.add(segment.initial_slot)
+            blocks.update(segment.block_table[segment.start // size:])
+        blocks.update(copy.dst_block for copy in plan.kv_copies)
+        return rows, blocks
 
     def _apply(self, write: DeviceWrite) -> None:
         if isinstance(write, StateCopy):
             self.copy_slot(write.src_slot, write.dst_slot)
         elif isinstance(write, Spill):
-            self._spill(write)
+            self.host.spill(write)
         elif isinstance(write, Restore):
-            self._restore(write)
+            if write.slot == ZERO_SLOT:
+                raise ValueError("the zero state row is never written")
+            self.host.restore(write)
         elif isinstance(write, HostDrop):
-            del self.host[write.entry]
+            self.host.drop(write.entry)
         elif isinstance(write, DiskSave):
             self._disk_save(write)
         elif isinstance(write, DiskRestore):
@@ -109,28 +141,9 @@ class DeviceStorage:
         """Copy the state of every layer from row `src` to row `dst`."""
         if dst == ZERO_SLOT:
             raise ValueError("the zero state row is never written")
+        self.host.wait_for((dst,), ())
         self.conv_stack[:, dst].copy_(self.conv_stack[:, src])
         self.ssm_stack[:, dst].copy_(self.ssm_stack[:, src])
-
-    def _spill(self, write: Spill) -> None:
-        if write.entry in self.host:
-            raise RuntimeError(f"host entry {write.entry} written twice")
-        index = torch.tensor(write.blocks, dtype=torch.long, device=self.device)
-        self.host[write.entry] = HostCopy(
-            self._to_host(self.conv_stack[:, write.slot]), self._to_host(self.ssm_stack[:, write.slot]),
-            tuple(self._to_host(k.index_select(0, index)) for k in self.k),
-            tuple(self._to_host(v.index_select(0, index)) for v in self.v))
-
-    def _restore(self, write: Restore) -> None:
-        if write.slot == ZERO_SLOT:
-            raise ValueError("the zero state row is never written")
-        saved = self.host.pop(write.entry)
-        self.conv_stack[:, write.slot].copy_(saved.conv, non_blocking=True)
-        self.ssm_stack[:, write.slot].copy_(saved.ssm, non_blocking=True)
-        if write.blocks:
-            index = torch.tensor(write.blocks, dtype=torch.long, device=self.device)
-            for cache, kept in zip(self.k + self.v, saved.k + saved.v):
-                cache.index_copy_(0, index, kept.to(self.device, non_blocking=True))
 
     def attach_disk(self, writer: DiskWriter) -> None:
         """The disk tier's writer, which the plans' `DiskSave`s and `DiskDrop`s go to."""
@@ -142,18 +155,11 @@ class DeviceStorage:
         return self.disk
 
     def _disk_save(self, write: DiskSave) -> None:
-        """Host copies of the row and blocks (enqueued on the device stream), written by the writer's
-        thread once they are done; the checkpoint stays on the device."""
+        """Host copies of the row and blocks (enqueued as the host tier's copies are: on the copy
+        stream on CUDA), written by the writer's thread once they are done; the checkpoint stays on
+        the device."""
         writer = self._writer()
-        index = torch.tensor(write.blocks, dtype=torch.long, device=self.device)
-        tensors = payload_tensors(self._to_host(self.conv_stack[:, write.slot]),
-                                  self._to_host(self.ssm_stack[:, write.slot]),
-                                  [self._to_host(k.index_select(0, index)) for k in self.k],
-                                  [self._to_host(v.index_select(0, index)) for v in self.v])
-        ready = None
-        if self.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record()
+        tensors, ready = self.host.copy_out(write.slot, write.blocks)
         writer.save(write.name, write.key, write.num_tokens, write.state_tokens, len(write.blocks), write.kind,
                     tensors, ready)
 
@@ -165,17 +171,13 @@ class DeviceStorage:
                    (tuple(self.ssm_stack[:, 0].shape), self.ssm_stack.dtype)]
         targets += [((n, *cache.shape[1:]), cache.dtype) for cache in (t for pair in zip(self.k, self.v) for t in pair)]
         conv, ssm, *kv = split_payload(write.payload, targets)
+        self.host.wait_for((write.slot,), write.blocks)
         self.conv_stack[:, write.slot].copy_(conv)
         self.ssm_stack[:, write.slot].copy_(ssm)
         if n:
-            index = torch.tensor(write.blocks, dtype=torch.long, device=self.device)
+            index = device_index(write.blocks, self.device)
             for cache, kept in zip((t for pair in zip(self.k, self.v) for t in pair), kv):
                 cache.index_copy_(0, index, kept.to(self.device))
-
-    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pinned)
-        host.copy_(tensor, non_blocking=self._pinned)
-        return host
 
     # ------------------------------------------------------------------ checks
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -183,14 +185,16 @@ class DeviceStorage:
         named = {"conv_stack": self.conv_stack, "ssm_stack": self.ssm_stack}
         named.update({f"k{j}": k for j, k in enumerate(self.k)})
         named.update({f"v{j}": v for j, v in enumerate(self.v)})
-        for entry, copy in self.host.items():
+        for entry, copy in self.host.copies().items():
             named.update({f"host{entry}.conv": copy.conv, f"host{entry}.ssm": copy.ssm})
             named.update({f"host{entry}.k{j}": k for j, k in enumerate(copy.k)})
             named.update({f"host{entry}.v{j}": v for j, v in enumerate(copy.v)})
         return named
 
     def check_integrity(self) -> None:
-        """The per-layer states are views of the stacks, and the zero row is zero."""
+        """The per-layer states are views of the stacks, the zero row is zero, and the host tier's
+        arena pages each belong to one entry or are free."""
+        self.host.check_integrity()
         for layer, (conv, ssm) in enumerate(zip(self.conv, self.ssm)):
             stacked = self.conv_stack[layer], self.ssm_stack[layer]
             if conv.data_ptr() != stacked[0].data_ptr() or ssm.data_ptr() != stacked[1].data_ptr():

@@ -134,14 +134,18 @@ def test_recorded_plans_replayed_directly_and_pickled_give_the_engines_bytes(mod
     shapes = engine.runner.model.pool_shapes(engine.dtype)
     sizes = PoolSizes(engine.block_pool.num_blocks, engine.state_pool.requests.count,
                       engine.state_pool.checkpoints.count)
-    direct, pickled = (ModelRunner(engine.runner.model, DeviceStorage(sizes, engine.config.block_size, shapes, CPU),
-                                   CPU) for _ in range(2))
+    # the third through the host tier's arena (the CUDA path's bookkeeping and byte layout)
+    direct, pickled, arena = (ModelRunner(engine.runner.model, DeviceStorage(
+        sizes, engine.config.block_size, shapes, CPU, host_arena_bytes=arena_bytes), CPU)
+        for arena_bytes in (0, 0, engine.config.checkpoint_host_bytes))
     for plan, blob in recorded:
         direct.execute(plan)
         pickled.execute(pickle.loads(blob))
+        arena.execute(plan)
+        arena.storage.check_integrity()
     expected = engine.runner.storage.tensors()
     assert expected["ssm_stack"].abs().sum() > 0 and any(name.startswith("host") for name in expected)
-    for runner in (direct, pickled):
+    for runner in (direct, pickled, arena):
         replayed = runner.storage.tensors()
         assert replayed.keys() == expected.keys()
         for name, tensor in expected.items():
