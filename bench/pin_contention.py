@@ -3,8 +3,8 @@ background thread pins, by method (issue 32: with 64 chat sessions the server's 
 from ~33k to ~20k tokens/s while the host tier first filled, its arena pinning 1 GiB chunks on a
 background thread, runner/host_arena.py).
 
-Methods of pinning `--gib` GiB in `--chunk-mib` MiB pieces, each piece new memory (kept until the end,
-so PyTorch's pinned-memory cache never hands a piece back):
+Methods of pinning `--gib` GiB in `--chunk-mib` MiB pieces, each piece new memory (all kept until the
+row's end, so PyTorch's pinned-memory cache never hands a piece back):
   alloc      torch.empty(pin_memory=True): PyTorch's pinned allocator (cudaHostAlloc), the arena's way
   register   pageable torch.empty, its pages touched first (no CUDA call), then cudaHostRegister
 
@@ -76,6 +76,8 @@ class Pinner:
 def make_loads(device: torch.device, launches: int, matmul_ms: float) -> dict:
     small = torch.zeros(1 << 16, device=device)
     size = 2048
+    warm = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    warm @ warm  # cuBLAS's first call (its set-up) is not the load
     while True:
         a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
         torch.cuda.synchronize()
@@ -109,16 +111,18 @@ def iterations(load, until=None, count: int = 20) -> list[float]:
 
 
 def measure(method: str, load_name: str, load, pieces: int, piece_bytes: int) -> dict:
+    """One row. The solo pinning's memory is kept until the concurrent one is done: freed pinned memory
+    goes to PyTorch's pinned-memory cache, which would hand it back without pinning anything."""
     iterations(load, count=5)  # warm
     alone = iterations(load)
     solo = Pinner(method, pieces, piece_bytes)
     solo.run()
-    solo.close()
     pinner = Pinner(method, pieces, piece_bytes)
     thread = threading.Thread(target=pinner.run)
     thread.start()
     during = iterations(load, until=lambda: not thread.is_alive())
     thread.join()
+    solo.close()
     pinner.close()
     return {"method": method, "load": load_name, "alone_p50_ms": statistics.median(alone), "alone_max_ms": max(alone),
             "during_p50_ms": statistics.median(during) if during else float("nan"),
