@@ -264,6 +264,11 @@ class EngineBuilder:
         sizes = plan_storage(self.config, shapes, self.max_model_len, self.device, reserved)
         self.block_pool, self.state_pool = pools_of_sizes(sizes, self.config.block_size)
         # on CUDA the host tier's copies run on a copy stream into an arena of pinned pages
-        # (runner/host_copies.py); the CPU keeps the plain copies, the reference
+        # (runner/host_copies.py); the CPU keeps the plain copies, the reference. A size the user gave
+        # is pinned ahead, in the background from start-up on, so that pinning (slow, and in the driver
+        # beside the step loop's launches) is over before the tier fills; the size taken from the
+        # machine is pinned as the tier first fills (several engines in one process, tests, hold
+        # only what they use)
         arena = self._host_tier_bytes() if self.config.enable_checkpoints and self.device.type == "cuda" else 0
-        return DeviceStorage(sizes, self.config.block_size, shapes, self.device, host_arena_bytes=arena)
+        return DeviceStorage(sizes, self.config.block_size, shapes, self.device, host_arena_bytes=arena,
+                             pin_host_arena_ahead=self.config.checkpoint_host_bytes is not None)

@@ -16,8 +16,12 @@ first time one of its pages is handed out and kept for the arena's life: the are
 as far as the tier has ever filled, and never twice. Pinning a GiB takes a while (and a pinned
 allocation may synchronise the device), so with `prefetch` the chunk after the one just taken is
 allocated at once on a background thread, off the step loop: the tier fills without waiting for it
-unless it fills faster than memory is pinned. Allocation takes the lowest free pages, so an entry's
-pages are few runs (one on a fresh arena) and each run one copy per tensor piece.
+unless it fills faster than memory is pinned. With `ahead` the background thread allocates every
+chunk, in order, from construction on: the whole arena is pinned while the engine starts, not while
+it serves (pinning runs in the driver beside the step loop's launches), at the price of holding the
+tier's full size from the start. `ahead_seconds` is then how long that took, once it is done.
+Allocation takes the lowest free pages, so an entry's pages are few runs (one on a fresh arena) and
+each run one copy per tensor piece.
 
 `PageAllocator` is the bookkeeping alone (no torch): free runs sorted by start page, merged on free.
 """
@@ -25,12 +29,16 @@ pages are few runs (one on a fresh arena) and each run one copy per tensor piece
 from __future__ import annotations
 
 import bisect
+import logging
+import time
 import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 30
 
@@ -138,10 +146,11 @@ class ArenaSpan:
 
 class HostArena:
     """`num_pages` pages of `page_bytes` bytes (pinned when `pinned`), in chunks allocated on first use
-    (and, with `prefetch`, the next one in the background)."""
+    (and, with `prefetch`, the next one in the background), or with `ahead` all of them in the
+    background from construction on."""
 
     def __init__(self, num_pages: int, page_bytes: int, pinned: bool, chunk_bytes: int = CHUNK_BYTES,
-                 prefetch: bool = False) -> None:
+                 prefetch: bool = False, ahead: bool = False) -> None:
         if page_bytes < 1:
             raise ValueError(f"host arena pages need at least one byte, got {page_bytes}")
         self.page_bytes = page_bytes
@@ -151,9 +160,18 @@ class HostArena:
         self._chunks: list[torch.Tensor | None] = [None] * -(-num_pages // self.pages_per_chunk)
         self._coming: dict[int, Future] = {}  # chunks being allocated in the background
         self._prefetcher = None
-        if prefetch:
+        self.ahead_seconds: float | None = None  # with `ahead`: seconds to allocate every chunk, once done
+        if prefetch or ahead:
             self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forkpoint-host-arena")
             weakref.finalize(self, self._prefetcher.shutdown, wait=False)
+        if ahead:
+            began = time.perf_counter()
+            for index in range(len(self._chunks)):
+                self._coming[index] = self._prefetcher.submit(self._new_chunk, index)
+            if self._coming:
+                self._coming[len(self._chunks) - 1].add_done_callback(lambda last: self._ahead_done(last, began))
+            else:
+                self.ahead_seconds = 0.0
 
     @property
     def num_pages(self) -> int:
@@ -233,6 +251,18 @@ class HostArena:
                     self._chunks[following] is None and following not in self._coming:
                 self._coming[following] = self._prefetcher.submit(self._new_chunk, following)
         return chunk
+
+    def _ahead_done(self, last: Future, began: float) -> None:
+        """The background thread allocated the last chunk (or failed to): log what was pinned and how fast."""
+        self.ahead_seconds = time.perf_counter() - began
+        total = self.num_pages * self.page_bytes
+        if last.exception() is not None:
+            logger.warning("host tier: allocating %.1f GiB ahead failed after %.1f s: %s", total / 2**30,
+                           self.ahead_seconds, last.exception())
+            return
+        logger.info("host tier: %.1f GiB %s ahead in %.1f s (%.2f GB/s), off the step loop", total / 2**30,
+                    "pinned" if self.pinned else "allocated", self.ahead_seconds,
+                    total / 1e9 / max(self.ahead_seconds, 1e-9))
 
     def _new_chunk(self, index: int) -> torch.Tensor:
         pages = min(self.pages_per_chunk, self.num_pages - index * self.pages_per_chunk)

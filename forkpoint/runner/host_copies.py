@@ -164,9 +164,11 @@ class ArenaHostCopies:
     slot_bytes + n_blocks * block_bytes and keeps their sum within it). Pages are block_bytes each
     (slot_bytes without attention layers); an entry rounds up to whole pages, so the arena holds
     capacity // page_bytes pages plus one per entry the budget can hold (capacity // slot_bytes):
-    whatever the tier keeps fits, and ArenaFull means the bookkeeping broke its bound."""
+    whatever the tier keeps fits, and ArenaFull means the bookkeeping broke its bound. pin_ahead: on
+    CUDA, pin the whole arena in the background from now on (HostArena's `ahead`) instead of chunk by
+    chunk as the tier first fills."""
 
-    def __init__(self, pools: PoolTensors, capacity_bytes: int) -> None:
+    def __init__(self, pools: PoolTensors, capacity_bytes: int, pin_ahead: bool = False) -> None:
         self.pools = pools
         layers = pools.conv_stack.shape[0]
         self._conv_bytes = _row_bytes(pools.conv_stack)
@@ -179,7 +181,7 @@ class ArenaHostCopies:
             raise ValueError("a host tier needs state rows or KV blocks to hold")
         num_pages = capacity_bytes // page + (capacity_bytes // self.slot_bytes if self.slot_bytes else 0)
         cuda = pools.device.type == "cuda"
-        self.arena = HostArena(num_pages, page, pinned=cuda, prefetch=cuda)
+        self.arena = HostArena(num_pages, page, pinned=cuda, prefetch=cuda, ahead=cuda and pin_ahead)
         self.stream = torch.cuda.Stream(pools.device) if cuda else None
         self._entries: dict[int, _Entry] = {}
         # spills whose copies may still read a row / block: the compute stream waits before writing it

@@ -59,7 +59,7 @@ class DeviceStorage:
     tier's byte budget, held as an arena copied on a stream (CUDA; the CPU in tests); 0 for plain copies."""
 
     def __init__(self, sizes: PoolSizes, block_size: int, shapes: PoolShapes, device: torch.device,
-                 host_arena_bytes: int = 0) -> None:
+                 host_arena_bytes: int = 0, pin_host_arena_ahead: bool = False) -> None:
         self.device = device
         self.block_size = block_size
         self.num_blocks = sizes.num_kv_blocks
@@ -77,7 +77,8 @@ class DeviceStorage:
         self.conv = [self.conv_stack[i] for i in range(layers)]
         self.ssm = [self.ssm_stack[i] for i in range(layers)]
         pools = PoolTensors(self.conv_stack, self.ssm_stack, tuple(self.k), tuple(self.v))
-        self.host = ArenaHostCopies(pools, host_arena_bytes) if host_arena_bytes > 0 else PlainHostCopies(pools)
+        self.host = (ArenaHostCopies(pools, host_arena_bytes, pin_host_arena_ahead) if host_arena_bytes > 0
+                     else PlainHostCopies(pools))
         self.disk: DiskWriter | None = None  # the disk tier's writer (`attach_disk`), None without one
         self.writes_applied = 0  # the number of the next device write to apply (step/plan.py)
         self.caches = LayerCaches(conv=self.conv, ssm=self.ssm, k=self.k, v=self.v, conv_stack=self.conv_stack,

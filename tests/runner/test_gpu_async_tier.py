@@ -192,6 +192,11 @@ def test_engine_with_the_host_tier_gives_the_outputs_without_it(model_dir):  # n
     tiered = LLM(str(model_dir), device="cuda", dtype="bfloat16", checkpoint_host_bytes=1 << 28, **engine_args)
     plain = LLM(str(model_dir), device="cuda", dtype="bfloat16", checkpoint_host_bytes=0, **engine_args)
     assert isinstance(tiered.engine.runner.storage.host, ArenaHostCopies)
+    arena = tiered.engine.runner.storage.host.arena  # a size given: pinned ahead, in the background
+    arena.settle()
+    assert arena.pinned and arena.ahead_seconds is not None
+    assert arena.allocated_bytes == arena.num_pages * arena.page_bytes >= 1 << 28
+    print(f"GPU_TIER pinned {arena.allocated_bytes / 2**20:.0f} MiB ahead in {arena.ahead_seconds:.3f} s")
     generator = torch.Generator().manual_seed(7)
     marker = tiered.checkpoint_token_id
     anchors = [random_ids(generator, 140 + 30 * i) for i in range(5)]
