@@ -324,7 +324,7 @@ class EngineConfig:
     # the disk tier (cache/disk_tier.py): READY checkpoints written through to files under this
     # directory, keyed by prefix, model, dtype, layout and tokenizer, read back after a restart (None:
     # no disk tier); bounded by checkpoint_dir_bytes (None: a quarter of the file system's free space
-    # at start-up), least recently used files leave first
+    # plus the directory's files at start-up, cache/sizing.py), least recently used files leave first
     checkpoint_dir: str | None = None
     checkpoint_dir_bytes: int | None = None
     # keep every checkpoint's state at a multiple of SCAN_CHUNK_TOKENS at or before its position, and

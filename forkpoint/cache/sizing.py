@@ -41,6 +41,7 @@ is not done yet.
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,6 +66,9 @@ MAX_CHECKPOINTS_PER_REQUEST_ROW = 8
 HOST_TIER_RAM_SHARE = 0.25
 HOST_TIER_MAX_BYTES = 64 << 30
 HOST_TIER_MIN_RAM_BYTES = 16 << 30
+# the disk tier when checkpoint_dir_bytes is not given: a quarter of the space it may use, the file
+# system's free space plus what the checkpoint directory already holds
+DISK_TIER_SPACE_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,26 @@ def default_host_tier_bytes(ram_bytes: int, on_cuda: bool, tensor_parallel_size:
     if not on_cuda or ram_bytes < HOST_TIER_MIN_RAM_BYTES:
         return 0
     return min(int(ram_bytes * HOST_TIER_RAM_SHARE), HOST_TIER_MAX_BYTES) // tensor_parallel_size
+
+
+def default_disk_tier_bytes(root: Path) -> int:
+    """The disk tier's bound when the user gives no `checkpoint_dir_bytes`: DISK_TIER_SPACE_SHARE of
+    the file system's free space plus the bytes of the files already under `root`. Those are the
+    tier's own from earlier runs: counted as free, a restart would shrink the bound by what the tier
+    wrote and evict its oldest files, the most shared prefixes (a system prompt's checkpoint is
+    written first). `root` need not exist yet (its nearest existing parent's file system counts)."""
+    held = 0
+    if root.is_dir():
+        for path in root.rglob("*"):
+            try:
+                if path.is_file():
+                    held += path.stat().st_size
+            except OSError:  # a file removed while we walk
+                continue
+    probe = root
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return int((shutil.disk_usage(probe).free + held) * DISK_TIER_SPACE_SHARE)
 
 
 def physical_memory_bytes(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:

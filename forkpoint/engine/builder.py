@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -22,7 +22,12 @@ from safetensors import SafetensorError, safe_open
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.checkpoints import CheckpointRegistry
 from forkpoint.cache.host_tier import HostTier
-from forkpoint.cache.sizing import default_host_tier_bytes, physical_memory_bytes, pools_of_sizes
+from forkpoint.cache.sizing import (
+    default_disk_tier_bytes,
+    default_host_tier_bytes,
+    physical_memory_bytes,
+    pools_of_sizes,
+)
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.config import EngineConfig, ModelConfig
 from forkpoint.distributed.runner import TensorParallelRunner
@@ -178,7 +183,10 @@ class EngineBuilder:
                 if host_bytes > 0 else None)
         disk = None  # the disk tier: its directory here, its writer in the storage (tensor_parallel_size 1)
         if config.enable_checkpoints and config.checkpoint_dir is not None:
-            disk, writer = open_disk_tier(config, model_path, Path(config.tokenizer or model_path),
+            root = Path(config.checkpoint_dir).expanduser()
+            disk_config = replace(config, checkpoint_dir_bytes=config.checkpoint_dir_bytes
+                                  or default_disk_tier_bytes(root))
+            disk, writer = open_disk_tier(disk_config, model_path, Path(config.tokenizer or model_path),
                                           shapes, self.device, self.dtype)
             storage.attach_disk(writer)
         self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool, host, disk)

@@ -98,3 +98,22 @@ def test_checkpoint_host_bytes_none_means_from_the_machine():
     assert EngineConfig(checkpoint_host_bytes=0).checkpoint_host_bytes == 0
     with pytest.raises(ValueError, match="checkpoint_host_bytes must be >= 0"):
         EngineConfig(checkpoint_host_bytes=-1)
+
+
+def test_default_disk_tier_bytes_counts_the_directorys_own_files_as_space_it_may_use(tmp_path, monkeypatch):
+    """A restart finds the files it wrote: they must not shrink its bound (counted as used space they
+    would, and the bound's LRU would evict the oldest files, the most shared prefixes)."""
+    from collections import namedtuple
+
+    from forkpoint.cache.sizing import DISK_TIER_SPACE_SHARE, default_disk_tier_bytes
+
+    usage = namedtuple("usage", "total used free")
+    free = {"bytes": 4_000_000}
+    monkeypatch.setattr("forkpoint.cache.sizing.shutil.disk_usage", lambda path: usage(10**9, 0, free["bytes"]))
+    root = tmp_path / "checkpoints"
+    assert default_disk_tier_bytes(root / "not" / "yet") == int(4_000_000 * DISK_TIER_SPACE_SHARE)  # no dir yet
+    (root / "model-a").mkdir(parents=True)
+    (root / "model-a" / "x.ckpt").write_bytes(b"\0" * 600_000)
+    (root / "model-a" / "y.ckpt").write_bytes(b"\0" * 400_000)
+    free["bytes"] -= 1_000_000  # the files took that space
+    assert default_disk_tier_bytes(root) == int(4_000_000 * DISK_TIER_SPACE_SHARE)
