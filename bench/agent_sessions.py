@@ -30,6 +30,7 @@ Usage:
         --doc-words 800 --tool-words 160 --reply-tokens 64 --server-arg=--device=cuda   # H200, dummy weights
     python bench/agent_sessions.py --url http://127.0.0.1:8000      # a server already running
     python bench/agent_sessions.py --restart                        # + the first turn after a restart
+    python bench/agent_sessions.py --tool-seconds 1.0               # tools that take ~1 s: sessions drift apart
     python bench/agent_sessions.py --server-log-level debug --server-log /tmp/server.log   # + TTFT by part per turn
 """
 
@@ -234,7 +235,10 @@ async def run_phase(url: str, model: str, args: argparse.Namespace, nonce: bool,
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
         async def drive(session: Session) -> None:
             previous = None
+            tool_time = random.Random(args.seed * 7919 + session.index)  # the same delays in every phase
             for turn in range(args.turns):
+                if turn and args.tool_seconds > 0:  # the tool runs before its result comes back
+                    await asyncio.sleep(tool_time.expovariate(1 / args.tool_seconds))
                 messages = session.messages
                 if nonce:  # a unique first token run: nothing of this request was ever computed
                     first = messages[0]
@@ -478,6 +482,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--thinking", default="off", choices=["off", "on", "unset"],
                         help="chat_template_kwargs enable_thinking (default: off)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tool-seconds", type=float, default=0.0,
+                        help="mean seconds a tool runs before its result is sent (exponential, seeded per session, "
+                             "the same in both phases; default 0: each turn follows the last reply at once, which "
+                             "keeps sessions with equal replies in lock-step)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--name", default="agent_sessions", help="file name of the JSON and PNG (no suffix)")
     parser.add_argument("--window-s", type=float, default=10.0,

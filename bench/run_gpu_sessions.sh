@@ -12,6 +12,8 @@
 #   STEPS=b bash bench/run_gpu_sessions.sh      # host64, restart32, nohost64
 #   STEPS=c bash bench/run_gpu_sessions.sh      # off32, b4096, b2048, on32: a reused turn's time to first token
 #                                               # by part at step budgets 8192 (default), 4096, 2048
+#   STEPS=d bash bench/run_gpu_sessions.sh      # tool32, host64, restart32: sessions whose tools take time, and
+#                                               # issue 32's and the restart's rows after their fixes
 # STEPS may also list step names in the order wanted, e.g. STEPS="restart32 host64".
 #
 # Steps (workload: --turns 6 --system-words 1400 --doc-words 800 --tool-words 160 --reply-tokens 64, i.e. a
@@ -31,6 +33,8 @@
 #   b  restart32  32 sessions, --restart (disk tier in a scratch dir): start + A ~15 + stop (the disk writer
 #                 drains, ~10-30 s) + start 31 + R (first turn, new documents) ~3 + B ~21 + stop          ~130-150 s warm
 #   b  nohost64   64 sessions, --checkpoint-host-bytes 0 (issue 32's missing isolation)                   ~110 s warm
+#   d  tool32     32 sessions, thinking off, --tool-seconds $TOOL_SECONDS (1.0): each tool result comes back after
+#                 an exponential delay, so sessions drift apart as real ones do (A and B wait the same)  ~+5 s per phase
 # Set a: ~15 s install + ~205 + ~230 + ~80 = ~530 s on a fresh machine (on32 is the one that may be skipped);
 # set b: ~15 + ~265 (cold) + ~150 + ~110 = ~540 s (nohost64 may be skipped). Steps need (seconds left to start):
 # off256 90, on32 60, host64 90, restart32 110, nohost64 80; the first step always runs.
@@ -41,7 +45,7 @@
 #
 # Knobs (environment): TOTAL (560), STEPS (a), SHAPE_ARGS ("--shape qwen3.5-35b-a3b --server-arg=--device=cuda"),
 # WORKLOAD_ARGS (above), SMALL_SESSIONS (32), LARGE_SESSIONS (256), HOST_SESSIONS (64), HOST_BYTES (40000000000),
-# SERVER_LOG_LEVEL (debug: the start-up summary, the stats lines, each request's time to first token by part
+# TOOL_SECONDS (1.0, tool32's mean tool time), SERVER_LOG_LEVEL (debug: the start-up summary, the stats lines, each request's time to first token by part
 # and the checkpoints' life cycle; each step's server log is <step>.server.log in logs.tar.gz), PYTHON (python3), INSTALL (1: install the
 # wheels into /tmp/site). CPU dry run of the same script (embedded default model, ~1-2 minutes):
 #   OUT=/tmp/x INSTALL=0 PYTHON=/work/main/.venv/bin/python SHAPE_ARGS="--server-arg=--max-model-len=8192" \
@@ -64,11 +68,13 @@ LARGE_SESSIONS="${LARGE_SESSIONS:-256}"
 HOST_SESSIONS="${HOST_SESSIONS:-64}"
 HOST_BYTES="${HOST_BYTES:-40000000000}"
 SERVER_LOG_LEVEL="${SERVER_LOG_LEVEL:-debug}"
+TOOL_SECONDS="${TOOL_SECONDS:-1.0}"
 STEPS="${STEPS:-a}"
 case "$STEPS" in
   a) STEP_LIST="off32 off256 on32" ;;
   b) STEP_LIST="host64 restart32 nohost64" ;;
   c) STEP_LIST="off32 b4096 b2048 on32" ;;
+  d) STEP_LIST="tool32 host64 restart32" ;;
   *) STEP_LIST="$STEPS" ;;
 esac
 left() { echo $(( TOTAL - ($(date +%s) - START) )); }
@@ -83,6 +89,7 @@ step_args() {  # the step's own arguments of agent_sessions.py
     host64) echo "--sessions $HOST_SESSIONS --thinking off --server-arg=--checkpoint-host-bytes=$HOST_BYTES" ;;
     restart32) echo "--sessions $SMALL_SESSIONS --thinking off --restart" ;;
     nohost64) echo "--sessions $HOST_SESSIONS --thinking off --server-arg=--checkpoint-host-bytes=0" ;;
+    tool32) echo "--sessions $SMALL_SESSIONS --thinking off --tool-seconds $TOOL_SECONDS" ;;
     *) return 1 ;;
   esac
 }
@@ -110,7 +117,7 @@ wait_gpu_free() {  # a killed server's memory is freed when its process is gone:
 }
 
 for name in $STEP_LIST; do
-  step_args "$name" > /dev/null || { echo "unknown step '$name' (off32 off256 on32 b4096 b2048 host64 restart32 nohost64)"; exit 2; }
+  step_args "$name" > /dev/null || { echo "unknown step '$name' (off32 off256 on32 b4096 b2048 host64 restart32 nohost64 tool32)"; exit 2; }
 done
 
 if [ "${INSTALL:-1}" != 0 ] && compgen -G ".whl/*.whl" > /dev/null; then
