@@ -142,10 +142,14 @@ def plan_pools(config: EngineConfig, shapes: PoolShapes, max_model_len: int, fre
 
 
 def _request_slots(config: EngineConfig, budget: int, per_slot: int) -> int:
-    """Request rows: num_state_slots, else max_num_seqs within REQUEST_STATE_MAX_SHARE of `budget`."""
+    """Request rows: num_state_slots, else a row per sequence (max_num_seqs) and, with speculative
+    decoding, k spare rows per sequence for its verifications (engine/speculative.py: one row per
+    verified draft), within REQUEST_STATE_MAX_SHARE of `budget` (fewer: a verification that finds no
+    spare rows decodes plainly)."""
     if config.num_state_slots is not None:
         return config.num_state_slots
-    return max(1, min(config.max_num_seqs, int(budget * REQUEST_STATE_MAX_SHARE) // per_slot))
+    spares = config.speculative_config.num_speculative_tokens if config.speculative_config is not None else 0
+    return max(1, min(config.max_num_seqs * (1 + spares), int(budget * REQUEST_STATE_MAX_SHARE) // per_slot))
 
 
 def _checkpoint_slots(config: EngineConfig, left: int, per_slot: int, request_slots: int) -> int:

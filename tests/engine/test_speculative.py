@@ -166,6 +166,24 @@ def test_all_drafts_right_emit_k_plus_one_tokens_a_step(tiny_model_factory, tmp_
     assert llm.metrics()["spec_verifications"] == 8
 
 
+def test_every_running_sequence_verifies_at_max_num_seqs(tiny_model_factory, tmp_path_factory):
+    """The pools hold k spare rows per sequence (cache/sizing.py): at max_num_seqs running, each
+    still verifies every step instead of decoding plainly for want of rows."""
+    source, _ = tiny_model_factory("qwen3_5_text")
+    directory = tmp_path_factory.mktemp("full_batch")
+    add_mtp_weights(source, directory)
+    prompts = [token_words(21, 12), token_words(22, 9)]
+    params = dataclasses.replace(GREEDY, max_tokens=1 + 3 * (K + 1))
+    reference = LLM(str(directory), max_num_seqs=2).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(directory), speculative_config=SPEC, max_num_seqs=2)
+    assert llm.engine.scheduler.states.requests.count == 2 * (1 + K)
+    OracleDrafts(llm, continuations(reference), corrupt=False)
+    assert_same_outputs(generate_checked(llm, prompts, params), reference)
+    metrics = llm.metrics()
+    assert metrics["spec_verifications"] == 2 * 3  # per sequence: after the prefill's token, 3 steps of k + 1
+    assert metrics["spec_mean_acceptance_length"] == K + 1
+
+
 def test_stop_inside_the_accepted_tokens_keeps_exactly_the_kept_tokens(tiny_model_factory, tmp_path_factory):
     """A stop token among the accepted drafts ends the request there; its turn-end checkpoint then holds
     the state of the tokens it kept (a later turn that reads it matches the plain engine)."""
