@@ -29,6 +29,7 @@ from starlette.types import Scope
 from forkpoint.inputs.markers import validate_token_ids
 from forkpoint.inputs.template_sandbox import TemplateLimits, TemplateSandbox
 from forkpoint.llm import LLM
+from forkpoint.server.auth import APIKeyAuth
 from forkpoint.server.config import ServerConfig
 from forkpoint.server.errors import (
     CLIENT_CLOSED_REQUEST,
@@ -127,7 +128,7 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
     app.state.tokenizer_pool = tokenizer_pool
     app.state.max_request_bytes = max_request_bytes
 
-    install_request_guards(app, metrics, max_request_bytes)
+    install_request_guards(app, metrics, max_request_bytes, config.api_keys)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -142,10 +143,12 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
     return app
 
 
-def install_request_guards(app: FastAPI, metrics: ServerMetrics, max_request_bytes: int) -> None:
-    """The error handlers (OpenAI-shaped error bodies, each counted under its endpoint's outcome)
-    and the request-size limit (413 before the body is read when Content-Length says so) that
-    every front end shares (one engine's app, the replicas' ingress)."""
+def install_request_guards(app: FastAPI, metrics: ServerMetrics, max_request_bytes: int,
+                           api_keys: tuple[str, ...] = ()) -> None:
+    """The error handlers (OpenAI-shaped error bodies, each counted under its endpoint's outcome),
+    the request-size limit (413 before the body is read when Content-Length says so) and, with
+    `api_keys`, the key check (401 before anything else; server/auth.py) that every front end shares
+    (one engine's app, the replicas' ingress)."""
 
     def on_error(request: Request, status: int) -> None:
         endpoint = GENERATION_ENDPOINTS.get(request.url.path)
@@ -164,6 +167,8 @@ def install_request_guards(app: FastAPI, metrics: ServerMetrics, max_request_byt
 
     install_error_handlers(app, on_error)
     app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes, on_reject=on_too_large)
+    if api_keys:  # added last: the outermost, so a request without a valid key gets no further
+        app.add_middleware(APIKeyAuth, keys=api_keys)
 
 
 def _decode(tokenizer, token_ids: list[int]) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -62,9 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--trust-request-chat-template", action="store_true",
                       help="run chat templates that requests supply (chat_template_kwargs.chat_template) in a "
                            "sandboxed process with time, memory, loop and output limits; without it they get 400")
-    http.add_argument("--cache-isolation", choices=("none", "user"), default="none",
+    http.add_argument("--cache-isolation", choices=("none", "user", "api-key"), default="none",
                       help="'user': a request without cache_salt is salted by its user field, so tenants share no "
-                           "checkpoint or KV block and cached_tokens reveals nothing across them (default: none)")
+                           "checkpoint or KV block and cached_tokens reveals nothing across them; 'api-key': by the "
+                           "API key it presented (needs --api-key) (default: none)")
+    http.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                      help="require 'Authorization: Bearer <KEY>' (any of the keys given) on every route but /health "
+                           "and /metrics, else 401; each key is a client for admission and checkpoint shares "
+                           "(default: $FORKPOINT_API_KEY, else no key)")
     http.add_argument("--disable-log-stats", action="store_true",
                       help="no periodic stats line (throughput, queues, pools, checkpoint reuse) in the log")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -110,6 +116,14 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key, else $FORKPOINT_API_KEY (one key, as vLLM's VLLM_API_KEY; it keeps the key out of `ps`)."""
+    if args.api_key:
+        return tuple(args.api_key)
+    from_env = os.environ.get("FORKPOINT_API_KEY", "")
+    return (from_env,) if from_env else ()
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -124,6 +138,7 @@ def run_serve(args: argparse.Namespace) -> int:
         log_stats=not args.disable_log_stats, trust_request_chat_template=args.trust_request_chat_template,
         cache_isolation=args.cache_isolation, max_num_seqs_per_request=args.max_num_seqs_per_request,
         max_waiting_per_user=args.max_waiting_per_user, tokenizer_workers=args.tokenizer_workers,
+        api_keys=api_keys(args),
     )
     check_engine_kwargs(engine_kwargs(args))
     if args.data_parallel_size != 1 or args.ray_address is not None:

@@ -57,8 +57,12 @@ class ServerConfig:
         while others are still admitted (None: no per-client bound).
     tokenizer_workers: threads that build prompts (render, tokenise, decode images), so one huge
         prompt occupies one of them and the others go on (default: the CPU count, 2 to 8).
-    cache_isolation: "none" (requests share reuse unless they send different `cache_salt`s) or "user"
-        (a request without `cache_salt` is salted by its `user` field: tenants share no checkpoint).
+    cache_isolation: "none" (requests share reuse unless they send different `cache_salt`s), "user"
+        (a request without `cache_salt` is salted by its `user` field: tenants share no checkpoint) or
+        "api-key" (salted by the API key it presented; needs `api_keys`).
+    api_keys: vLLM's --api-key: with keys, every route but /health and /metrics needs
+        `Authorization: Bearer <one of them>` (401 otherwise), and a request's client (its admission
+        places, its checkpoint share) is the key it presented, not its `user` field (server/auth.py).
     """
 
     served_model_name: str = DEFAULT_MODEL_NAME
@@ -74,6 +78,7 @@ class ServerConfig:
     max_num_seqs_per_request: int = 256
     max_waiting_per_user: int | None = None
     tokenizer_workers: int = field(default_factory=default_tokenizer_workers)
+    api_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -93,6 +98,11 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.cache_isolation not in ("none", "user"):
-            raise ValueError(f"cache_isolation must be 'none' or 'user', got {self.cache_isolation!r}")
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        if not all(isinstance(key, str) and key for key in self.api_keys):
+            raise ValueError("api_keys must be non-empty strings")
+        if self.cache_isolation not in ("none", "user", "api-key"):
+            raise ValueError(f"cache_isolation must be 'none', 'user' or 'api-key', got {self.cache_isolation!r}")
+        if self.cache_isolation == "api-key" and not self.api_keys:
+            raise ValueError("cache_isolation 'api-key' needs api_keys (--api-key): without keys requests name no key")
 

@@ -102,13 +102,18 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
+
+def api_client(request: Request) -> str | None:
+    """The client the request's API key names ("key<i>", server/auth.py), or None on a server without keys."""
+    return request.scope.get("state", {}).get("api_client")
+
 class OpenAIServing:
     """Handlers of the two generation endpoints, bound to one engine worker."""
 
     def __init__(self, *, model_name: str, max_model_len: int, prompts: PromptBuilder, worker: EngineWorker,
                  admission: Admission, metrics: ServerMetrics, default_max_tokens: int | None = None,
                  template_sandbox: TemplateSandbox | None = None, cache_isolation: str = "none") -> None:
-        self.cache_isolation = cache_isolation  # "user": requests without cache_salt are salted by `user`
+        self.cache_isolation = cache_isolation  # "user" / "api-key": requests without cache_salt are salted by it
         self.template_sandbox = template_sandbox  # runs request-supplied chat templates (None: they are a 400)
         self.default_max_tokens = default_max_tokens  # the model's generation_config.json max_new_tokens
         self.model_name = model_name
@@ -123,13 +128,16 @@ class OpenAIServing:
             raise invalid_request(f"model {model!r} does not exist: this server serves {self.model_name!r}",
                                   param="model", code="model_not_found")
 
-    def cache_salt(self, body: CompletionRequest | ChatCompletionRequest) -> str | None:
+    def cache_salt(self, body: CompletionRequest | ChatCompletionRequest, request: Request) -> str | None:
         """The request's cache namespace: its `cache_salt`; with `--cache-isolation user`, the `user`
-        field's (a request without one shares the unsalted namespace), so tenants never share reuse."""
+        field's (a request without one shares the unsalted namespace); with `api-key`, the key's it
+        presented: tenants never share reuse."""
         if body.cache_salt is not None:
             return body.cache_salt
         if self.cache_isolation == "user" and body.user:
             return f"user:{body.user}"
+        if self.cache_isolation == "api-key":
+            return f"api-key:{api_client(request)}"
         return None
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -137,7 +145,7 @@ class OpenAIServing:
         self.check_model(body.model)
         prompt = body.prompt
         batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
-        salt = self.cache_salt(body)
+        salt = self.cache_salt(body, request)
         prompts = await self.prompts.run(lambda: [
             self.prompts.from_text(p, body.checkpoint_positions, cache_salt=salt) if isinstance(p, str)
             else self.prompts.from_token_ids(p, body.checkpoint_positions, cache_salt=salt) for p in batch])
@@ -163,7 +171,7 @@ class OpenAIServing:
             raise invalid_request("top_logprobs needs logprobs: true", param="top_logprobs")
         prompt = await self.prompts.from_messages_async(body.messages, add_generation_prompt=body.add_generation_prompt,
                                                         template_kwargs=template_kwargs(body, self.template_sandbox),
-                                                        cache_salt=self.cache_salt(body))
+                                                        cache_salt=self.cache_salt(body, request))
         max_tokens = self._max_tokens(body.max_new_tokens, [prompt], "messages", self.default_max_tokens)
         top = (body.top_logprobs or 0) if body.logprobs else None
         structured, forced = structured_outputs(body), tool_constraint(body)
@@ -203,7 +211,7 @@ class OpenAIServing:
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         gen = Generation(self.worker, self.admission, self.metrics, endpoint=endpoint, prompt_param=prompt_param,
                          request_id=request_id, prompts=prompts, params=params, cache_key=body.prompt_cache_key,
-                         client=body.user or "", received=received)
+                         client=api_client(request) or body.user or "", received=received)
         await gen.start()
         header = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         if body.stream:

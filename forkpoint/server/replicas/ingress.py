@@ -101,7 +101,7 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
                          default_max_request_bytes(tokenizer, info.max_model_len, takes_images=False))
     serving = OpenAIServing(model_name=config.served_model_name, max_model_len=info.max_model_len,
                             prompts=prompts, worker=cluster, admission=admission, metrics=metrics,
-                            default_max_tokens=info.default_max_tokens)
+                            default_max_tokens=info.default_max_tokens, cache_isolation=config.cache_isolation)
     created = int(time.time())
 
     async def poll() -> None:
@@ -137,7 +137,7 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
     app.state.metrics = metrics
     app.state.config = config
 
-    install_request_guards(app, metrics, max_request_bytes)
+    install_request_guards(app, metrics, max_request_bytes, config.api_keys)
 
     @app.get("/health")
     async def health() -> JSONResponse:
