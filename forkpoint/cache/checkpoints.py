@@ -306,6 +306,8 @@ class CheckpointRegistry:
             raise RuntimeError(f"cannot read a {checkpoint.state.value} checkpoint")
         checkpoint.pins += 1
         checkpoint.hits += 1
+        if self.disk is not None:
+            self.disk.touch(checkpoint.key)
         self.counters.hits[checkpoint.kind] += 1
         self.counters.tokens_saved[checkpoint.kind] += tokens_saved
         self.eviction.read(checkpoint)

@@ -8,8 +8,9 @@ This class keeps the index and decides; the bytes move elsewhere:
   it). The registry records a `DiskSave` plan write; the runner's storage copies the state row and
   blocks to the host and a background thread writes the file under a temporary name, then renames it
   (runner/disk_io.py), so a reader never sees half a file. Files leave least recently used first
-  (modification time at start-up, then use) when `capacity_bytes` would be exceeded, other
-  identities' files included; a `DiskDrop` plan write deletes them, in order after any pending write.
+  (modification time at start-up, then use: loads, and reads in memory through `touch`) when
+  `capacity_bytes` would be exceeded, other identities' files included; a `DiskDrop` plan write
+  deletes them, in order after any pending write.
 - **load** (`load`): on a lookup that misses the device and host tiers, the file is read whole here
   and verified (identity, key, length, header and payload checksums) before anything uses it; the
   payload then travels in a `DiskRestore` plan write. A file that is missing, truncated, corrupt,
@@ -51,6 +52,7 @@ logger = logging.getLogger("forkpoint.checkpoints")
 
 STALE_TEMPORARY_S = 3600.0  # a temporary file this old is a crashed writer's: deleted at start-up
 DEFAULT_READ_AHEAD_BYTES = 2 << 30  # files read ahead and not yet taken, at most
+TOUCH_INTERVAL_S = 60.0  # a file's modification time follows its checkpoint's reads at most this often
 _REMEMBERED_FAILURES = 1024
 
 
@@ -94,6 +96,7 @@ class DiskTier:
         self.read_ahead_bytes = read_ahead_bytes
         self._ahead: OrderedDict[bytes, tuple[Future, int]] = OrderedDict()  # key -> (read, its file's bytes)
         self._ahead_bytes = 0
+        self._touched: dict[bytes, float] = {}  # key -> time.monotonic() of its file's last utime by `touch`
         self._reader: ThreadPoolExecutor | None = None  # started on the first read ahead
         self.num_bytes = 0
         self.counters = DiskCounters()
@@ -171,6 +174,25 @@ class DiskTier:
         self._failures.pop(key, None)
         self.counters.saved += 1
         return name, dropped
+
+    def touch(self, key: bytes) -> None:
+        """Checkpoint `key` was read in memory: its file (when it has one) is as recently used, so a
+        full tier deletes it after files nobody reads (a shared system prompt's checkpoint, written
+        first and read by every new session, would otherwise be the first to go), and, at most every
+        TOUCH_INTERVAL_S, its modification time tells the next start-up, which orders files by it."""
+        entry = self._by_key.get(key)
+        if entry is None:
+            return
+        self._files.move_to_end(entry.name)
+        now = time.monotonic()
+        last = self._touched.get(key)
+        if last is not None and now - last < TOUCH_INTERVAL_S:
+            return
+        self._touched[key] = now
+        try:
+            os.utime(self.path(entry.name))
+        except OSError:  # not written yet (the writer's file gets its time then), or gone: nothing to tell
+            pass
 
     def read_ahead(self, key: bytes) -> None:
         """Start reading checkpoint `key`'s file on the reader thread (unless it is being read or the
@@ -256,6 +278,7 @@ class DiskTier:
             self._drop_ahead(entry.key)
         if entry.key is not None:
             del self._by_key[entry.key]
+            self._touched.pop(entry.key, None)
             self._lengths[entry.num_tokens] -= 1
             if not self._lengths[entry.num_tokens]:
                 del self._lengths[entry.num_tokens]

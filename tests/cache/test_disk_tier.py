@@ -173,3 +173,26 @@ def test_reads_ahead_are_taken_by_loads_and_bounded(tmp_path):
     disk.read_ahead(key(2))
     disk.clear()  # a file that leaves the index drops its read
     disk.check_integrity()
+
+
+def test_reads_in_memory_keep_a_file_recent_and_tell_the_next_start_up(tmp_path, monkeypatch):
+    """The oldest file is the one read most (a system prompt's checkpoint): touched by its reads in
+    memory, a full tier deletes the unread files first, and its modification time follows (rate-limited)."""
+    size = HEADER_BYTES + SLOT + BLOCK
+    disk = tier(tmp_path, capacity=2 * size)
+    names = [disk.save(key(i), 10 + i, 1)[0] for i in range(2)]
+    for name, i in zip(names, range(2)):
+        write(tmp_path / name, key(i), 10 + i, 1)
+        os.utime(tmp_path / name, (1000 + i, 1000 + i))
+    utimes = []
+    real_utime = os.utime
+    monkeypatch.setattr("forkpoint.cache.disk_tier.os.utime", lambda path, *a: (utimes.append(path),
+                                                                                real_utime(path, *a)))
+    disk.touch(key(0))
+    disk.touch(key(0))  # within TOUCH_INTERVAL_S: the order moves, the file's time is not written again
+    disk.touch(key(7))  # no file: nothing
+    assert utimes == [tmp_path / names[0]] and os.stat(tmp_path / names[0]).st_mtime > 1001
+    assert disk.save(key(2), 12, 1)[1] == [names[1]]  # the unread file leaves, not the read one
+    disk.check_integrity()
+    restarted = tier(tmp_path, capacity=size)  # the next start-up keeps the file read last
+    assert key(0) in restarted and key(1) not in restarted
