@@ -22,6 +22,7 @@ except ImportError as err:  # an optional dependency: say how to get it
                       "pip install 'forkpoint[serve]'") from err
 from transformers import PreTrainedTokenizerBase
 
+from forkpoint.cache.sizing import default_host_tier_bytes, physical_memory_bytes
 from forkpoint.inputs.hub import resolve_model_dir
 from forkpoint.inputs.tokenizer import load_tokenizer
 from forkpoint.server.config import ServerConfig
@@ -35,6 +36,18 @@ from forkpoint.server.replicas.deployment import (
 from forkpoint.server.replicas.ingress import build_cluster_app
 
 logger = logging.getLogger("forkpoint.distributed")
+
+
+def host_tier_share(engine_kwargs: dict[str, Any], num_replicas: int, num_gpus: float) -> dict[str, Any]:
+    """`engine_kwargs` with each GPU replica's share of the host tier: the default tier of this machine
+    (cache/sizing.py: a quarter of its memory) split over the replicas, which would each size the whole
+    default for themselves (N quarters of one machine's memory, pinned). A `checkpoint_host_bytes` the
+    user gave, and CPU replicas (no host tier by default), are left as they are. Replicas on other
+    machines (`--ray-address`) get the share of this one's memory."""
+    if engine_kwargs.get("checkpoint_host_bytes") is not None or not num_gpus:
+        return engine_kwargs
+    tier = default_host_tier_bytes(physical_memory_bytes(), True, int(engine_kwargs.get("tensor_parallel_size") or 1))
+    return {**engine_kwargs, "checkpoint_host_bytes": tier // max(num_replicas, 1)}
 
 
 class ReplicaCluster:
@@ -58,6 +71,7 @@ class ReplicaCluster:
         if options.num_gpus is None:
             options = dataclasses.replace(options, num_gpus=_gpus_per_replica(device))
         self.options = options
+        engine_kwargs = host_tier_share(engine_kwargs, options.num_replicas, options.num_gpus)
         self._started_serve = not _serve_running()
         if self._started_serve:
             start_serve()
