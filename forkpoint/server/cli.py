@@ -21,7 +21,7 @@ from pathlib import Path
 
 from forkpoint.server.bench_cli import add_bench_args, run_bench
 from forkpoint.server.config import DEFAULT_MODEL_NAME, MarkerPolicy, ServerConfig, default_tokenizer_workers
-from forkpoint.server.engine_args import add_engine_args, check_engine_kwargs, engine_kwargs
+from forkpoint.server.engine_args import add_engine_args, check_engine_kwargs, engine_kwargs, server_engine_kwargs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,7 +146,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         return serve_replicas(args, config, engine_kwargs(args))
     start = time.perf_counter()
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**server_engine_kwargs(args))
     app = build_app(llm, config, load_time_s=time.perf_counter() - start)
     freeze_startup_heap()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

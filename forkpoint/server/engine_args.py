@@ -62,7 +62,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
     group.add_argument("--checkpoint-host-bytes", type=int, default=None,
                        help="bytes of host memory that checkpoints evicted from the device spill to and return "
                             "from on a hit; 0: no host tier (default: a quarter of the machine's memory, at most "
-                            "64 GiB, split over the tensor-parallel ranks; none on the CPU)")
+                            "64 GiB, split over the tensor-parallel ranks; none on the CPU). `serve` pins it at "
+                            "start-up, in the background")
     group.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                        help="keep checkpoints as files in DIR (written through when they are made, read back on a "
                             "miss in memory), keyed by prefix, model, dtype, layout and tokenizer: a restarted "
@@ -137,6 +138,23 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
         structured_outputs_config=args.structured_outputs_config, speculative_config=args.speculative_config,
     )
+
+
+def server_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`engine_kwargs` for the one engine of `forkpoint serve`: on a GPU the default host tier is sized
+    here (cache/sizing.py), so the engine pins it ahead, in the background from start-up on, as it does
+    any size it is given (engine/builder.py). A server is one long-lived engine, and pinning as the tier
+    first fills stalls its steps (issue 32: ~40% of the prompt throughput while it filled on an H200).
+    `LLM` keeps pinning as it fills (scripts and tests may hold several engines in one process)."""
+    from forkpoint.cache.sizing import default_host_tier_bytes, physical_memory_bytes
+    from forkpoint.config import EngineConfig  # imports torch: only when a command runs
+
+    kwargs = engine_kwargs(args)
+    config = EngineConfig(**kwargs)
+    if config.checkpoint_host_bytes is None and config.enable_checkpoints and config.torch_device().type == "cuda":
+        kwargs["checkpoint_host_bytes"] = default_host_tier_bytes(physical_memory_bytes(), True,
+                                                                  config.tensor_parallel_size)
+    return kwargs
 
 
 def check_engine_kwargs(kwargs: dict[str, Any]) -> None:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from forkpoint.server.cli import _model_name, build_parser, main
-from forkpoint.server.engine_args import engine_kwargs
+from forkpoint.server.engine_args import engine_kwargs, server_engine_kwargs
 from tests.server.conftest import serve_process
 
 ENGINE_OPTIONS = ["--dtype", "--device", "--seed", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
@@ -117,3 +117,18 @@ def test_serve_freezes_the_startup_heap(monkeypatch):
     finally:
         gc.unfreeze()
     assert seen["frozen"] > 0
+
+
+def test_serve_sizes_the_default_host_tier_on_a_gpu_so_it_is_pinned_ahead(monkeypatch):
+    """On a GPU `serve` passes the default tier's size to its engine (which pins a given size at start-up);
+    on the CPU, with a size given, or without checkpoints it passes what the user gave."""
+    parse = build_parser().parse_args
+    assert server_engine_kwargs(parse(["serve"]))["checkpoint_host_bytes"] is None  # this machine: CPU
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("forkpoint.cache.sizing.physical_memory_bytes", lambda: 128 << 30)
+    assert server_engine_kwargs(parse(["serve"]))["checkpoint_host_bytes"] == 32 << 30
+    assert server_engine_kwargs(parse(["serve", "--tensor-parallel-size", "2"]))["checkpoint_host_bytes"] == 16 << 30
+    assert server_engine_kwargs(parse(["serve", "--checkpoint-host-bytes", "0"]))["checkpoint_host_bytes"] == 0
+    assert server_engine_kwargs(parse(["serve", "--no-checkpoints"]))["checkpoint_host_bytes"] is None
+    assert server_engine_kwargs(parse(["serve", "--device", "cpu"]))["checkpoint_host_bytes"] is None
+    assert engine_kwargs(parse(["serve"]))["checkpoint_host_bytes"] is None  # replicas split it themselves
