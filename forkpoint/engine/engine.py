@@ -41,6 +41,7 @@ from forkpoint.engine.step_io import plan_with_sampling, record_prompt_scores
 from forkpoint.engine.step_planning import ScheduledStep
 from forkpoint.inputs.processor import ProcessedPrompt
 from forkpoint.outputs import RequestOutput
+from forkpoint.runner.host_copies import ArenaHostCopies
 from forkpoint.runner.logits_processors import build_request_processors
 from forkpoint.sampling_params import SamplingParams
 from forkpoint.step.plan import SegmentKind
@@ -483,6 +484,14 @@ class LLMEngine:
         if self.registry is None:
             return frozenset()
         return frozenset(c.key for c in self.registry if c.ready)
+
+    def wait_for_host_tier(self) -> None:
+        """Return once the host tier's memory is allocated. A tier pinned ahead (runner/host_arena.py) is
+        still being pinned on its background thread after start-up, and pinning beside the steps stalls
+        them (issue 32); the server waits here before it serves."""
+        host = self.runner.storage.host
+        if isinstance(host, ArenaHostCopies):
+            host.arena.settle()
 
     def check_integrity(self) -> None:
         """Cross-check pools, registry and requests; raises AssertionError on any inconsistency."""
