@@ -19,9 +19,9 @@ where the opener starts is therefore invisible when
   every later stage works on each piece alone: a pre-tokenizer of `PIECEWISE_PRE_TOKENIZERS` (not
   Metaspace, whose "first" scheme sees where a piece lies) and a deterministic model (no BPE dropout).
 
-`supported_openers` checks these on the tokenizer's own description once; a tokenizer that fails them
-gets no cuts and every text is tokenised whole (then the encoder is plain `tokenizer.encode`). Tests
-compare the two on random conversations.
+`supported_openers` checks these on the tokenizer's added tokens, pre-tokenizer and model once; a
+tokenizer that fails them gets no cuts and every text is tokenised whole (then the encoder is plain
+`tokenizer.encode`). Tests compare the two on random conversations.
 
 The cache is per encoder (one per server), keyed by (namespace, piece text): requests of different
 `cache_salt`s share no entry, so one tenant cannot time another's text. It holds at most `max_bytes`
@@ -56,22 +56,20 @@ def supported_openers(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:  # a slow (Python) tokenizer: no description to check
         return ()
-    spec = json.loads(backend.to_str())
-    added = spec.get("added_tokens") or []
-    if any(token.get(flag) for token in added for flag in ("lstrip", "rstrip", "single_word")):
+    added = list(tokenizer.added_tokens_decoder.values())
+    if any(token.lstrip or token.rstrip or token.single_word for token in added):
         return ()
-    if not _piecewise(spec.get("pre_tokenizer")):
+    pre_tokenizer = backend.pre_tokenizer
+    if pre_tokenizer is not None and not _piecewise(json.loads(pre_tokenizer.__getstate__())):
         return ()
-    model = spec.get("model") or {}
-    if model.get("type") not in DETERMINISTIC_MODELS or model.get("dropout") not in (None, 0, 0.0):
+    model = backend.model
+    if type(model).__name__ not in DETERMINISTIC_MODELS or getattr(model, "dropout", None) not in (None, 0, 0.0):
         return ()
-    raw = {token["content"] for token in added if not token.get("normalized")}
+    raw = {token.content for token in added if not token.normalized}
     return tuple(opener for opener in TURN_OPENERS if opener in raw)
 
 
-def _piecewise(pre_tokenizer: dict[str, Any] | None) -> bool:
-    if pre_tokenizer is None:
-        return True
+def _piecewise(pre_tokenizer: dict[str, Any]) -> bool:
     if pre_tokenizer.get("type") == "Sequence":
         return all(_piecewise(part) for part in pre_tokenizer.get("pretokenizers", ()))
     return pre_tokenizer.get("type") in PIECEWISE_PRE_TOKENIZERS
@@ -130,6 +128,13 @@ class SegmentEncoder:
                     return False
         return True
 
+    def check_integrity(self) -> None:
+        """The byte count is the entries' sizes summed and within max_bytes (AssertionError if not)."""
+        with self._lock:
+            total = sum(_size(key, ids) for key, ids in self._pieces.items())
+            assert total == self._bytes, f"cache counts {self._bytes} bytes, its entries hold {total}"
+            assert self._bytes <= self.max_bytes, f"cache holds {self._bytes} bytes, over its bound {self.max_bytes}"
+
     def _piece_ids(self, piece: str, namespace: str) -> list[int]:
         key = (namespace, piece)
         with self._lock:
@@ -148,7 +153,7 @@ class SegmentEncoder:
             packed = array("i", ids)
         except OverflowError:  # an id beyond int32 (no real vocabulary): not cached
             return
-        size = sys.getsizeof(key[0]) + sys.getsizeof(key[1]) + packed.itemsize * len(packed)
+        size = _size(key, packed)
         if size > self.max_bytes // MAX_PIECE_FRACTION:
             return
         with self._lock:
@@ -157,8 +162,13 @@ class SegmentEncoder:
             self._pieces[key] = packed
             self._bytes += size
             while self._bytes > self.max_bytes:
-                (namespace, text), old = self._pieces.popitem(last=False)
-                self._bytes -= sys.getsizeof(namespace) + sys.getsizeof(text) + old.itemsize * len(old)
+                old_key, old = self._pieces.popitem(last=False)
+                self._bytes -= _size(old_key, old)
+
+
+def _size(key: tuple[str, str], ids: array) -> int:
+    """An entry's bytes: its key's strings and its packed ids."""
+    return sys.getsizeof(key[0]) + sys.getsizeof(key[1]) + ids.itemsize * len(ids)
 
 
 def _occurrences(text: str, token: str) -> list[int]:

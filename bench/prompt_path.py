@@ -1,0 +1,276 @@
+"""The server's prompt path on the CPU: what a chat request costs from its handler to the prompt handed
+to the engine thread (issue 26's "prompt" part of the time to first token), on the agent-session
+workload of `bench/agent_sessions.py` (its text generators, imported), with the real Qwen3.5 tokenizer
+and chat template of the embedded default model (the tests' and the H200 runs' tokenizer files).
+
+The prompts are built by the server's own `PromptBuilder`, taken from `build_app` (its tokenizer pool of
+`--tokenizer-workers` threads as configured by default, the engine's `InputProcessor`), once per path:
+
+    plain   --token-cache-mib 0: every rendered text tokenised whole (the path before the segment cache)
+    cached  the default: chat prompts tokenised turn by turn with the server's cache of turns seen
+            (`forkpoint/inputs/segment_tokens.py`; the ids are the same, which this script asserts)
+
+Each path gets a fresh app (an empty cache) and goes through the turns in order, as the sessions do:
+
+    single      the requests of a turn one after another (`from_messages_async`, through the pool)
+    concurrent  the S requests of a turn at once, as S sessions arriving together: per request, the
+                time from submission to its built prompt (p50, p90, max), and the turn's wall time
+
+and per stage (one request at a time, in this thread, the builder's own functions in from_messages'
+order): parse (FastAPI's body validation, before the handler: not in the "prompt" part), messages (the
+marker policy over the messages), render (the chat template), tokenize, turns (inputs/turns.py: the
+history and next-turn renderings, their tokenisation, the common prefixes) and process (the engine's
+processor: markers, id and length checks, block hashes).
+
+The replies are `--reply-tokens` random token ids decoded (seeded), as the dummy-weight H200 runs send
+back. No `/tokenize` call precedes a request here (agent_sessions.py makes one; real clients do not).
+
+Usage:
+    python bench/prompt_path.py                                   # 32 sessions x 6 turns at issue 26's shapes
+    python bench/prompt_path.py --sessions 4 --turns 2 --system-words 60 --doc-words 40 --tool-words 20
+    python bench/prompt_path.py --workers 8                       # the H200 host's default pool (16 CPUs)
+    python bench/prompt_path.py --profile 20                      # + cProfile of the last turn, in one thread
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import json
+import os
+import pstats
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from agent_sessions import TOOLS, build_sessions  # noqa: E402
+from host_info import code_version, machine_info  # noqa: E402
+from plots import stacked_bars, write_results  # noqa: E402
+
+from forkpoint import LLM  # noqa: E402
+from forkpoint.inputs.chat import chat_encoder, render_chat_with_images  # noqa: E402
+from forkpoint.inputs.segment_tokens import DEFAULT_CACHE_BYTES  # noqa: E402
+from forkpoint.inputs.turns import reply_continues, turn_boundaries  # noqa: E402
+from forkpoint.server.app import build_app  # noqa: E402
+from forkpoint.server.bench_cli import percentile  # noqa: E402
+from forkpoint.server.config import ServerConfig, default_tokenizer_workers  # noqa: E402
+from forkpoint.server.prompts import PromptBuilder  # noqa: E402
+from forkpoint.server.protocol import ChatCompletionRequest  # noqa: E402
+from forkpoint.server.request_params import template_kwargs  # noqa: E402
+
+PATHS = {"plain": 0, "cached": DEFAULT_CACHE_BYTES}
+STAGES = ("parse", "messages", "render", "tokenize", "turns", "process")
+
+
+def conversations(args: argparse.Namespace, tokenizer) -> list[list[list[dict]]]:
+    """[turn][session] -> the messages of that session's request at that turn (agent_sessions' shapes)."""
+    sessions = build_sessions(args)
+    rng = random.Random(args.seed + 1)
+    special = min(tokenizer.get_added_vocab().values())
+    turns = []
+    for turn in range(args.turns):
+        turns.append([json.loads(json.dumps(session.messages)) for session in sessions])
+        for session in sessions:
+            session.add_turn(turn, tokenizer.decode([rng.randrange(special) for _ in range(args.reply_tokens)]))
+    return turns
+
+
+def request_body(messages: list[dict], args: argparse.Namespace) -> bytes:
+    """The JSON body an OpenAI client sends for one turn (as agent_sessions.py does)."""
+    kwargs = {} if args.thinking == "unset" else {"enable_thinking": args.thinking == "on"}
+    return json.dumps({"model": "forkpoint-default", "messages": messages, "tools": TOOLS, "stream": True,
+                       "chat_template_kwargs": kwargs, "max_tokens": args.reply_tokens,
+                       "stream_options": {"include_usage": True}}).encode()
+
+
+def builder_for(llm: LLM, token_cache_bytes: int, workers: int) -> tuple[PromptBuilder, Any]:
+    """The PromptBuilder of a fresh app on `llm` (its pool and cache), and the pool to shut down."""
+    app = build_app(llm, ServerConfig(token_cache_bytes=token_cache_bytes, tokenizer_workers=workers,
+                                      log_stats=False))
+    return app.state.prompts, app.state.tokenizer_pool
+
+
+async def build(prompts: PromptBuilder, body: ChatCompletionRequest) -> list[int]:
+    """What the chat handler does before admission: the prompt, built in the tokenizer pool."""
+    prompt = await prompts.from_messages_async(body.messages, add_generation_prompt=body.add_generation_prompt,
+                                               template_kwargs=template_kwargs(body), cache_salt=None)
+    return prompt.token_ids
+
+
+async def timed(prompts: PromptBuilder, body: ChatCompletionRequest) -> tuple[float, list[int]]:
+    start = time.perf_counter()
+    ids = await build(prompts, body)
+    return time.perf_counter() - start, ids
+
+
+async def run_turn(prompts: PromptBuilder, bodies: list[ChatCompletionRequest], concurrent: bool,
+                   ) -> tuple[list[float], float, list[list[int]]]:
+    """(per-request seconds, the turn's wall seconds, the prompts' ids)."""
+    start = time.perf_counter()
+    if concurrent:
+        results = await asyncio.gather(*(timed(prompts, body) for body in bodies))
+    else:
+        results = [await timed(prompts, body) for body in bodies]
+    return [r[0] for r in results], time.perf_counter() - start, [r[1] for r in results]
+
+
+def stage_times(prompts: PromptBuilder, raw: bytes) -> dict[str, float]:
+    """Seconds per stage of one request, in this thread, with the builder's own functions in the order
+    `PromptBuilder.from_messages` calls them (its turn boundaries and next-turn probe included)."""
+    times: dict[str, float] = {}
+
+    def lap(stage: str, fn: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        value = fn()
+        times[stage] = times.get(stage, 0.0) + time.perf_counter() - start
+        return value
+
+    body = lap("parse", lambda: ChatCompletionRequest.model_validate_json(raw))
+    kwargs = template_kwargs(body)
+    conversation = lap("messages", lambda: [prompts._message(i, m) for i, m in enumerate(body.messages)])
+    text, _ = lap("render", lambda: render_chat_with_images(prompts.tokenizer, conversation,
+                                                             add_generation_prompt=True, **kwargs))
+    ids = lap("tokenize", lambda: prompts._encode_text(text))
+
+    def encode_text(text: str) -> list[int]:  # the turns' renderings: their tokenisation counts as "turns"
+        return prompts._encode_text(text)
+
+    encode = chat_encoder(prompts.tokenizer, encode_text, **kwargs)
+    turns = lap("turns", lambda: turn_boundaries(encode, conversation, ids))
+    reusable = lap("turns", lambda: reply_continues(encode, conversation, ids))
+    lap("process", lambda: prompts._process({"prompt_token_ids": ids}, "messages", turns,
+                                            turn_end_reusable=reusable))
+    return times
+
+
+def profile(prompts: PromptBuilder, bodies: list[ChatCompletionRequest], top: int) -> str:
+    """cProfile's top `top` (cumulative) of the turn's requests built one by one in this thread (the
+    pool's threads are not profiled), by `PromptBuilder.from_messages` as the pool runs it."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for body in bodies:
+        prompts.from_messages(body.messages, template_kwargs=template_kwargs(body))
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
+def measure_path(llm: LLM, name: str, turns: list[list[dict]], args: argparse.Namespace,
+                 reference: list[list[list[int]]] | None) -> dict:
+    """Every turn, single then concurrent (each on a fresh app, turns in order), and the stages."""
+    result: dict[str, Any] = {"turns": []}
+    ids_by_turn: list[list[list[int]]] = []
+    loop = asyncio.new_event_loop()
+    single_builder, single_pool = builder_for(llm, PATHS[name], args.workers)
+    concurrent_builder, concurrent_pool = builder_for(llm, PATHS[name], args.workers)
+    stage_builder, stage_pool = builder_for(llm, PATHS[name], args.workers)
+    profile_text = None
+    try:
+        for turn, conversation_list in enumerate(turns):
+            raws = [request_body(messages, args) for messages in conversation_list]
+            bodies = [ChatCompletionRequest.model_validate_json(raw) for raw in raws]
+            single, single_wall, ids = loop.run_until_complete(run_turn(single_builder, bodies, False))
+            concurrent, wall, concurrent_ids = loop.run_until_complete(run_turn(concurrent_builder, bodies, True))
+            if concurrent_ids != ids:
+                raise AssertionError(f"{name}: turn {turn}: concurrent prompts differ from single ones")
+            if reference is not None and ids != reference[turn]:
+                raise AssertionError(f"{name}: turn {turn}: token ids differ from the plain path's")
+            ids_by_turn.append(ids)
+            if args.profile and turn == len(turns) - 1:  # the stage builder has seen the turns before this one
+                profile_text = profile(stage_builder, bodies, args.profile)
+            stages = [stage_times(stage_builder, raw) for raw in raws]
+            result["turns"].append({
+                "turn": turn, "prompt_tokens_mean": statistics.mean(len(x) for x in ids),
+                "single_ms": summary(single), "single_wall_ms": 1000 * single_wall,
+                "concurrent_ms": summary(concurrent), "concurrent_wall_ms": 1000 * wall,
+                "stages_ms": {stage: 1000 * statistics.median(s.get(stage, 0.0) for s in stages) for stage in STAGES},
+            })
+    finally:
+        loop.close()
+        for pool in (single_pool, concurrent_pool, stage_pool):
+            pool.shutdown(wait=True)
+    if concurrent_builder.segments is not None:
+        seg = concurrent_builder.segments
+        result["cache"] = {"hits": seg.hits, "misses": seg.misses, "cached_bytes": seg.cached_bytes}
+    result["profile"] = profile_text
+    result["ids"] = ids_by_turn
+    return result
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"p50": 1000 * percentile(values, 50), "p90": 1000 * percentile(values, 90),
+            "max": 1000 * max(values), "mean": 1000 * statistics.mean(values)}
+
+
+def table(res: dict) -> str:
+    lines = [f"{'path':<7} {'turn':>4} {'tokens':>6} {'single p50':>10} {'conc p50':>9} {'conc p90':>9} "
+             f"{'conc max':>9} {'conc wall':>9}  stages p50 ms: " + " ".join(f"{s:>8}" for s in STAGES)]
+    for name in PATHS:
+        for row in res["paths"][name]["turns"]:
+            lines.append(f"{name:<7} {row['turn']:>4} {row['prompt_tokens_mean']:>6.0f} "
+                         f"{row['single_ms']['p50']:>10.1f} {row['concurrent_ms']['p50']:>9.1f} "
+                         f"{row['concurrent_ms']['p90']:>9.1f} {row['concurrent_ms']['max']:>9.1f} "
+                         f"{row['concurrent_wall_ms']:>9.1f}                " +
+                         " ".join(f"{row['stages_ms'][s]:>8.2f}" for s in STAGES))
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: str) -> None:
+    labels, parts = [], {stage: [] for stage in STAGES if stage != "parse"}
+    for name in PATHS:
+        for row in res["paths"][name]["turns"]:
+            labels.append(f"{name}\nturn {row['turn']}")
+            for stage in parts:
+                parts[stage].append(row["stages_ms"][stage])
+    stacked_bars(Path(path), labels, parts, "ms per request (one at a time)",
+                 f"prompt path by stage, {res['config']['sessions']} sessions", size=(max(8, len(labels)), 4))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sessions", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--system-words", type=int, default=1400, help="shared system prompt length in words")
+    parser.add_argument("--doc-words", type=int, default=800, help="per-session document length in words")
+    parser.add_argument("--tool-words", type=int, default=160, help="tool result length in words")
+    parser.add_argument("--reply-tokens", type=int, default=64, help="tokens per assistant reply")
+    parser.add_argument("--thinking", default="off", choices=["off", "on", "unset"])
+    parser.add_argument("--workers", type=int, default=default_tokenizer_workers(),
+                        help=f"tokenizer threads (default: the server's, {default_tokenizer_workers()} here)")
+    parser.add_argument("--profile", type=int, default=0,
+                        help="print cProfile's top N of the last turn's requests built one by one")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--name", default="prompt_path_cpu")
+    args = parser.parse_args()
+
+    llm = LLM(max_model_len=16384, num_kv_blocks=1024, auto_checkpoints=True)
+    turns = conversations(args, llm.get_tokenizer())
+    paths: dict[str, dict] = {}
+    reference = None
+    for name in PATHS:
+        paths[name] = measure_path(llm, name, turns, args, reference)
+        reference = paths[name].pop("ids")
+    res = {"config": {**{k: v for k, v in vars(args).items() if k not in ("out", "name")}},
+           "machine": machine_info(), "code": code_version(), "paths": paths}
+    print(table(res))
+    for name in PATHS:
+        if paths[name].get("cache"):
+            print(f"{name}: cache {paths[name]['cache']}")
+        if paths[name]["profile"]:
+            print(f"--- cProfile, {name}, last turn ---\n{paths[name]['profile']}")
+    print("wrote", write_results(res, args.out, args.name, plot))
+
+
+if __name__ == "__main__":
+    main()
