@@ -10,11 +10,14 @@ The prompts are built by the server's own `PromptBuilder`, taken from `build_app
     cached  the default: chat prompts tokenised turn by turn with the server's cache of turns seen
             (`forkpoint/inputs/segment_tokens.py`; the ids are the same, which this script asserts)
 
-Each path gets a fresh app (an empty cache) and goes through the turns in order, as the sessions do:
+Each path gets fresh apps (empty caches) and goes through the turns in order, as the sessions do; the
+two paths alternate turn by turn (both see the same machine load), and the ids must be equal:
 
     single      the requests of a turn one after another (`from_messages_async`, through the pool)
     concurrent  the S requests of a turn at once, as S sessions arriving together: per request, the
-                time from submission to its built prompt (p50, p90, max), and the turn's wall time
+                time from submission to its built prompt (p50, p90, max), and the turn's wall time;
+                speedup = single wall / concurrent wall (up to the worker count if nothing serialises
+                them; 1 if they serialise on the GIL)
 
 and per stage (one request at a time, in this thread, the builder's own functions in from_messages'
 order): parse (FastAPI's body validation, before the handler: not in the "prompt" part), messages (the
@@ -164,46 +167,66 @@ def profile(prompts: PromptBuilder, bodies: list[ChatCompletionRequest], top: in
     return out.getvalue()
 
 
-def measure_path(llm: LLM, name: str, turns: list[list[dict]], args: argparse.Namespace,
-                 reference: list[list[list[int]]] | None) -> dict:
-    """Every turn, single then concurrent (each on a fresh app, turns in order), and the stages."""
-    result: dict[str, Any] = {"turns": []}
-    ids_by_turn: list[list[list[int]]] = []
+class PathRun:
+    """One path's builders (fresh apps: single, concurrent, stages, and profile with --profile), going
+    through the turns in order, and what they measured."""
+
+    def __init__(self, llm: LLM, name: str, args: argparse.Namespace) -> None:
+        self.name = name
+        self.apps = {role: builder_for(llm, PATHS[name], args.workers)
+                     for role in ("single", "concurrent", "stages", *(("profile",) if args.profile else ()))}
+        self.turns: list[dict] = []
+        self.ids: list[list[list[int]]] = []
+        self.profile: str | None = None
+
+    def builder(self, role: str) -> PromptBuilder:
+        return self.apps[role][0]
+
+    def turn(self, loop: asyncio.AbstractEventLoop, turn: int, raws: list[bytes], last: bool,
+             args: argparse.Namespace) -> None:
+        bodies = [ChatCompletionRequest.model_validate_json(raw) for raw in raws]
+        single, single_wall, ids = loop.run_until_complete(run_turn(self.builder("single"), bodies, False))
+        concurrent, wall, concurrent_ids = loop.run_until_complete(run_turn(self.builder("concurrent"), bodies, True))
+        if concurrent_ids != ids:
+            raise AssertionError(f"{self.name}: turn {turn}: concurrent prompts differ from single ones")
+        self.ids.append(ids)
+        stages = [stage_times(self.builder("stages"), raw) for raw in raws]
+        if "profile" in self.apps:  # its builder has seen the turns before this one, as the others have
+            text = profile(self.builder("profile"), bodies, args.profile)
+            self.profile = text if last else self.profile
+        self.turns.append({
+            "turn": turn, "prompt_tokens_mean": statistics.mean(len(x) for x in ids),
+            "single_ms": summary(single), "single_wall_ms": 1000 * single_wall,
+            "concurrent_ms": summary(concurrent), "concurrent_wall_ms": 1000 * wall,
+            "stages_ms": {stage: 1000 * statistics.median(s.get(stage, 0.0) for s in stages) for stage in STAGES},
+        })
+
+    def close(self) -> dict:
+        for _, pool in self.apps.values():
+            pool.shutdown(wait=True)
+        result: dict[str, Any] = {"turns": self.turns, "profile": self.profile}
+        segments = self.builder("concurrent").segments
+        if segments is not None:
+            result["cache"] = {"hits": segments.hits, "misses": segments.misses, "cached_bytes": segments.cached_bytes}
+        return result
+
+
+def measure(llm: LLM, turns: list[list[dict]], args: argparse.Namespace) -> dict[str, dict]:
+    """Both paths, turn by turn, interleaved (a turn's plain and cached runs see the same machine load);
+    asserts that the cached path's ids equal the plain path's."""
+    runs = {name: PathRun(llm, name, args) for name in PATHS}
     loop = asyncio.new_event_loop()
-    single_builder, single_pool = builder_for(llm, PATHS[name], args.workers)
-    concurrent_builder, concurrent_pool = builder_for(llm, PATHS[name], args.workers)
-    stage_builder, stage_pool = builder_for(llm, PATHS[name], args.workers)
-    profile_text = None
     try:
         for turn, conversation_list in enumerate(turns):
             raws = [request_body(messages, args) for messages in conversation_list]
-            bodies = [ChatCompletionRequest.model_validate_json(raw) for raw in raws]
-            single, single_wall, ids = loop.run_until_complete(run_turn(single_builder, bodies, False))
-            concurrent, wall, concurrent_ids = loop.run_until_complete(run_turn(concurrent_builder, bodies, True))
-            if concurrent_ids != ids:
-                raise AssertionError(f"{name}: turn {turn}: concurrent prompts differ from single ones")
-            if reference is not None and ids != reference[turn]:
-                raise AssertionError(f"{name}: turn {turn}: token ids differ from the plain path's")
-            ids_by_turn.append(ids)
-            if args.profile and turn == len(turns) - 1:  # the stage builder has seen the turns before this one
-                profile_text = profile(stage_builder, bodies, args.profile)
-            stages = [stage_times(stage_builder, raw) for raw in raws]
-            result["turns"].append({
-                "turn": turn, "prompt_tokens_mean": statistics.mean(len(x) for x in ids),
-                "single_ms": summary(single), "single_wall_ms": 1000 * single_wall,
-                "concurrent_ms": summary(concurrent), "concurrent_wall_ms": 1000 * wall,
-                "stages_ms": {stage: 1000 * statistics.median(s.get(stage, 0.0) for s in stages) for stage in STAGES},
-            })
+            for run in runs.values():
+                run.turn(loop, turn, raws, turn == len(turns) - 1, args)
+            if runs["cached"].ids[turn] != runs["plain"].ids[turn]:
+                raise AssertionError(f"turn {turn}: the cached path's token ids differ from the plain path's")
     finally:
         loop.close()
-        for pool in (single_pool, concurrent_pool, stage_pool):
-            pool.shutdown(wait=True)
-    if concurrent_builder.segments is not None:
-        seg = concurrent_builder.segments
-        result["cache"] = {"hits": seg.hits, "misses": seg.misses, "cached_bytes": seg.cached_bytes}
-    result["profile"] = profile_text
-    result["ids"] = ids_by_turn
-    return result
+        results = {name: run.close() for name, run in runs.items()}
+    return results
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -213,13 +236,14 @@ def summary(values: list[float]) -> dict[str, float]:
 
 def table(res: dict) -> str:
     lines = [f"{'path':<7} {'turn':>4} {'tokens':>6} {'single p50':>10} {'conc p50':>9} {'conc p90':>9} "
-             f"{'conc max':>9} {'conc wall':>9}  stages p50 ms: " + " ".join(f"{s:>8}" for s in STAGES)]
+             f"{'conc max':>9} {'conc wall':>9} {'speedup':>7}  stages p50 ms: " + " ".join(f"{s:>8}" for s in STAGES)]
     for name in PATHS:
         for row in res["paths"][name]["turns"]:
             lines.append(f"{name:<7} {row['turn']:>4} {row['prompt_tokens_mean']:>6.0f} "
                          f"{row['single_ms']['p50']:>10.1f} {row['concurrent_ms']['p50']:>9.1f} "
                          f"{row['concurrent_ms']['p90']:>9.1f} {row['concurrent_ms']['max']:>9.1f} "
-                         f"{row['concurrent_wall_ms']:>9.1f}                " +
+                         f"{row['concurrent_wall_ms']:>9.1f} {row['single_wall_ms'] / row['concurrent_wall_ms']:>7.2f}"
+                         "                " +
                          " ".join(f"{row['stages_ms'][s]:>8.2f}" for s in STAGES))
     return "\n".join(lines)
 
@@ -256,11 +280,7 @@ def main() -> None:
 
     llm = LLM(max_model_len=16384, num_kv_blocks=1024, auto_checkpoints=True)
     turns = conversations(args, llm.get_tokenizer())
-    paths: dict[str, dict] = {}
-    reference = None
-    for name in PATHS:
-        paths[name] = measure_path(llm, name, turns, args, reference)
-        reference = paths[name].pop("ids")
+    paths = measure(llm, turns, args)
     res = {"config": {**{k: v for k, v in vars(args).items() if k not in ("out", "name")}},
            "machine": machine_info(), "code": code_version(), "paths": paths}
     print(table(res))
