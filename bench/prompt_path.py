@@ -154,17 +154,22 @@ def stage_times(prompts: PromptBuilder, raw: bytes) -> dict[str, float]:
     return times
 
 
-def profile(prompts: PromptBuilder, bodies: list[ChatCompletionRequest], top: int) -> str:
+def profile(prompts: PromptBuilder, bodies: list[ChatCompletionRequest], top: int) -> tuple[str, dict[str, float]]:
     """cProfile's top `top` (cumulative) of the turn's requests built one by one in this thread (the
-    pool's threads are not profiled), by `PromptBuilder.from_messages` as the pool runs it."""
+    pool's threads are not profiled), by `PromptBuilder.from_messages` as the pool runs it; and the
+    seconds per request in all and inside the tokenizer's Rust encode (`encode_batch`, which releases the
+    GIL: the rest holds it; cProfile's overhead inflates the Python part)."""
     profiler = cProfile.Profile()
     profiler.enable()
     for body in bodies:
         prompts.from_messages(body.messages, template_kwargs=template_kwargs(body))
     profiler.disable()
     out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(top)
-    return out.getvalue()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("cumulative").print_stats(top)
+    total = sum(entry[3] for key, entry in stats.stats.items() if key[2] == "from_messages")
+    encode = sum(entry[2] for key, entry in stats.stats.items() if "encode_batch" in key[2])
+    return out.getvalue(), {"request_ms": 1000 * total / len(bodies), "rust_encode_ms": 1000 * encode / len(bodies)}
 
 
 class PathRun:
@@ -178,6 +183,7 @@ class PathRun:
         self.turns: list[dict] = []
         self.ids: list[list[list[int]]] = []
         self.profile: str | None = None
+        self.gil: list[dict] = []  # per turn, under cProfile: ms per request in all and in the GIL-free encode
 
     def builder(self, role: str) -> PromptBuilder:
         return self.apps[role][0]
@@ -192,8 +198,9 @@ class PathRun:
         self.ids.append(ids)
         stages = [stage_times(self.builder("stages"), raw) for raw in raws]
         if "profile" in self.apps:  # its builder has seen the turns before this one, as the others have
-            text = profile(self.builder("profile"), bodies, args.profile)
+            text, split = profile(self.builder("profile"), bodies, args.profile)
             self.profile = text if last else self.profile
+            self.gil.append({"turn": turn, **split})
         self.turns.append({
             "turn": turn, "prompt_tokens_mean": statistics.mean(len(x) for x in ids),
             "single_ms": summary(single), "single_wall_ms": 1000 * single_wall,
@@ -204,7 +211,7 @@ class PathRun:
     def close(self) -> dict:
         for _, pool in self.apps.values():
             pool.shutdown(wait=True)
-        result: dict[str, Any] = {"turns": self.turns, "profile": self.profile}
+        result: dict[str, Any] = {"turns": self.turns, "profile": self.profile, "gil_split": self.gil}
         segments = self.builder("concurrent").segments
         if segments is not None:
             result["cache"] = {"hits": segments.hits, "misses": segments.misses, "cached_bytes": segments.cached_bytes}
@@ -287,6 +294,10 @@ def main() -> None:
     for name in PATHS:
         if paths[name].get("cache"):
             print(f"{name}: cache {paths[name]['cache']}")
+        for row in paths[name]["gil_split"]:
+            print(f"{name} turn {row['turn']}: {row['request_ms']:.1f} ms per request under cProfile, "
+                  f"{row['rust_encode_ms']:.1f} ms of it in the tokenizer's GIL-free encode, "
+                  f"{row['request_ms'] - row['rust_encode_ms']:.1f} ms holding the GIL")
         if paths[name]["profile"]:
             print(f"--- cProfile, {name}, last turn ---\n{paths[name]['profile']}")
     print("wrote", write_results(res, args.out, args.name, plot))
