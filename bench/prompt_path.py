@@ -287,9 +287,10 @@ def main() -> None:
 
     llm = LLM(max_model_len=16384, num_kv_blocks=1024, auto_checkpoints=True)
     turns = conversations(args, llm.get_tokenizer())
+    machine = machine_info()  # the load average before the run
     paths = measure(llm, turns, args)
     res = {"config": {**{k: v for k, v in vars(args).items() if k not in ("out", "name")}},
-           "machine": machine_info(), "code": code_version(), "paths": paths}
+           "machine": machine, "code": code_version(), "paths": paths}
     print(table(res))
     for name in PATHS:
         if paths[name].get("cache"):
