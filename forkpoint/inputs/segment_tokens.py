@@ -46,6 +46,7 @@ TURN_OPENERS = ("<|im_start|>", "<|start_of_role|>")  # ChatML (Qwen, Nemotron-H
 PIECEWISE_PRE_TOKENIZERS = frozenset({"Split", "ByteLevel", "Digits", "Punctuation", "Whitespace",
                                       "WhitespaceSplit", "BertPreTokenizer", "UnicodeScripts"})
 DETERMINISTIC_MODELS = frozenset({"BPE", "WordLevel", "WordPiece", "Unigram"})
+MAX_CUTS = 1024  # turn openers in one text beyond which it is tokenised whole
 MAX_PIECE_FRACTION = 8  # a piece over max_bytes / 8 is not cached: one huge prompt cannot flush the cache
 DEFAULT_CACHE_BYTES = 64 << 20
 
@@ -107,10 +108,18 @@ class SegmentEncoder:
         return ids
 
     def pieces(self, text: str) -> list[str]:
-        """`text` cut right before each turn opener where a cut is exact; "".join(pieces) == text."""
-        if not self.openers:
-            return [text]
-        cuts = sorted({k for opener in self.openers for k in _occurrences(text, opener) if self._exact_cut(text, k)})
+        """`text` cut right before each turn opener where a cut is exact; "".join(pieces) == text. A text
+        with more than MAX_CUTS openers (a client's, not a conversation's) is one piece: each piece costs a
+        tokenizer call, and a megabyte of openers must not cost a million."""
+        found: set[int] = set()
+        for opener in self.openers:
+            start = text.find(opener)
+            while start >= 0:
+                found.add(start)
+                if len(found) > MAX_CUTS:
+                    return [text]
+                start = text.find(opener, start + 1)
+        cuts = sorted(k for k in found if self._exact_cut(text, k))
         bounds = [0, *cuts, len(text)]
         return [text[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
 

@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 
 from forkpoint.inputs import LoadedTokenizer
 from forkpoint.inputs.chat import render_chat
-from forkpoint.inputs.segment_tokens import SegmentEncoder, supported_openers
+from forkpoint.inputs.segment_tokens import MAX_CUTS, SegmentEncoder, supported_openers
 
 # pieces of text that stress the cut: partial and whole control tokens, the marker, combining marks
 # (NFC composes across them), CRLF and runs of spaces/newlines (the pre-tokenizer's \s+ rules), digits
@@ -167,3 +167,12 @@ def test_concurrent_threads_get_exact_ids_and_keep_the_bound(qwen: LoadedTokeniz
         thread.join()
     assert not failures
     encoder.check_integrity()
+
+
+def test_a_text_of_many_openers_is_one_piece(qwen: LoadedTokenizer):
+    encoder = SegmentEncoder(qwen.tokenizer)
+    many = "<|im_start|>a" * (MAX_CUTS + 1)  # a client's text: a tokenizer call per opener would be the cost
+    assert encoder.pieces(many) == [many]
+    assert encoder.encode(many) == plain(qwen.tokenizer, many)
+    fewer = "<|im_start|>a" * MAX_CUTS
+    assert len(encoder.pieces(fewer)) == MAX_CUTS
