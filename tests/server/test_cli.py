@@ -117,3 +117,23 @@ def test_serve_freezes_the_startup_heap(monkeypatch):
     finally:
         gc.unfreeze()
     assert seen["frozen"] > 0
+
+
+@pytest.mark.parametrize("flag,expected", [([], 64 << 20), (["--token-cache-mib", "1.5"], 3 << 19),
+                                           (["--token-cache-mib", "0"], 0)])
+def test_token_cache_size_reaches_the_server_config(monkeypatch, flag, expected):
+    import uvicorn
+
+    import forkpoint
+    import forkpoint.server.app
+
+    seen = {}
+    monkeypatch.setattr(forkpoint, "LLM", lambda **kwargs: object())
+    monkeypatch.setattr(forkpoint.server.app, "build_app",
+                        lambda llm, config, load_time_s: seen.setdefault("config", config))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)
+    try:
+        assert main(["serve", "--port", "1", *flag]) == 0
+    finally:
+        gc.unfreeze()
+    assert seen["config"].token_cache_bytes == expected

@@ -86,3 +86,21 @@ def test_segment_cache_builds_the_same_prompts(tokenizer):
     assert checked == 12 * 5
     assert cached.segments.hits > 0
     cached.segments.check_integrity()
+
+
+def test_the_server_builds_prompts_with_the_segment_cache(server):
+    segments = server.app.state.prompts.segments
+    assert isinstance(segments, SegmentEncoder) and segments.openers == ("<|im_start|>",)
+    misses = segments.misses
+    messages = [{"role": "system", "content": "A system prompt that two requests share."},
+                {"role": "user", "content": "first question"}]
+    first = server.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    hits = segments.hits
+    messages += [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "second question"}]
+    second = server.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert segments.misses > misses and segments.hits >= hits + 2  # the system and first user turns were reused
+    assert second[: len(first) - 3] == first[:-3]  # all but the assistant header
+    tokenizer = server.llm.get_tokenizer()
+    assert second == tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False,
+                                                                     add_generation_prompt=True),
+                                      add_special_tokens=False)
