@@ -168,14 +168,19 @@ def _image_source(part: Mapping[str, Any], where: str) -> Any:
     return url
 
 
-def chat_encoder(tokenizer: PreTrainedTokenizerBase, *, chat_template: str | None = None,
+def chat_encoder(tokenizer: PreTrainedTokenizerBase, encode_text: Callable[[str], list[int]] | None = None, /, *,
+                 chat_template: str | None = None,
                  **template_kwargs: Any) -> Callable[[Sequence[Mapping[str, Any]], bool], list[int]]:
     """`encode(conversation, add_generation_prompt) -> token ids` of the rendered conversation (image
-    parts as one placeholder each, markers as text), for `inputs/turns.py`."""
+    parts as one placeholder each, markers as text), for `inputs/turns.py`. encode_text: tokenises the
+    rendered text; it must equal ``tokenizer.encode(text, add_special_tokens=False)`` (a server's
+    `SegmentEncoder`); None: that call. (Positional-only, so a template variable may share its name.)"""
 
     def encode(conversation: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> list[int]:
         text = _render(tokenizer, conversation, [], add_generation_prompt=add_generation_prompt,
                        chat_template=chat_template, **template_kwargs)
+        if encode_text is not None:
+            return encode_text(text)
         return list(tokenizer.encode(text, add_special_tokens=False))
 
     return encode

@@ -2,11 +2,13 @@
 
 It tokenizes (or takes token ids), loads and places images, strips checkpoint markers (positions
 count real tokens, images expanded), validates ids and lengths, and builds the prompt's chained
-prefix hasher. It allocates nothing: a ValueError leaves nothing behind.
+prefix hasher. It allocates nothing: a ValueError leaves nothing behind. Thread-safe: the server's
+tokenizer threads call `process` concurrently.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,6 +65,10 @@ class InputProcessor:
         self.images = images
         self.limits = limits
         self.hashers = HasherCache(limits.block_size)  # a burst behind one anchor hashes it once
+        # the server's tokenizer threads process prompts concurrently; the hasher cache's LRU update is several
+        # steps (another thread's eviction could remove a key between them): one build at a time (hashing
+        # 16-token blocks holds the GIL anyway, so the lock costs no parallelism)
+        self._hashing = threading.Lock()
 
     def process(self, prompt, *, turn_positions: Sequence[int] = (), breakpoints: Sequence[int] = (),
                 turn_end_reusable: bool = True) -> ProcessedPrompt:
@@ -96,8 +102,10 @@ class InputProcessor:
             raise ValueError(f"prompt needs {needed} KV blocks but the pool has {limits.max_kv_blocks}: "
                              "raise kv_cache_bytes / num_kv_blocks")
         multimodal = self.images.place(token_ids, parsed.checkpoint_positions, images)
-        hasher = self.hashers.build(token_ids, cache_salt_key(prompt),
-                                    extra_keys=multimodal.hash_keys() if multimodal is not None else (), packed=packed)
+        salt = cache_salt_key(prompt)
+        with self._hashing:
+            hasher = self.hashers.build(token_ids, salt, extra_keys=multimodal.hash_keys() if multimodal is not None
+                                        else (), packed=packed)
         marked = set(parsed.checkpoint_positions)
         turns = tuple(sorted({p for p in turn_positions if 0 < p < len(token_ids) and p not in marked}))
         return ProcessedPrompt(raw.text, token_ids, tuple(sorted(marked)), multimodal, hasher, turns,

@@ -44,6 +44,7 @@ PROBE_PART = {"type": "text", "text": "x"}  # a part after a breakpoint part: wh
 # the last assistant message differently from earlier ones)
 PROBE_TURN = ({"role": "assistant", "content": "x"}, {"role": "user", "content": "x"})
 
+PREFIX_CHUNK = 256  # ids compared per slice in common_prefix_length
 Encode = Callable[[Sequence[Mapping[str, Any]], bool], list[int]]  # (conversation, add_generation_prompt) -> ids
 
 
@@ -58,14 +59,15 @@ class Breakpoint:
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     """The number of leading ids `a` and `b` share."""
     limit = min(len(a), len(b))
-    low, high = 0, limit
-    while low < high:  # bisect on slices (C comparisons): long prompts share long prefixes
-        mid = (low + high + 1) // 2
-        if a[:mid] == b[:mid]:
-            low = mid
-        else:
-            high = mid - 1
-    return low
+    start = 0
+    while start < limit:  # chunks compared in C: one pass over the shared prefix, then a short scan
+        end = min(limit, start + PREFIX_CHUNK)
+        if a[start:end] != b[start:end]:
+            break
+        start = end
+    while start < limit and a[start] == b[start]:
+        start += 1
+    return start
 
 
 def turn_boundaries(encode: Encode, messages: Sequence[Mapping[str, Any]], full: Sequence[int]) -> tuple[int, ...]:

@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Scope
 
 from forkpoint.inputs.markers import validate_token_ids
+from forkpoint.inputs.segment_tokens import SegmentEncoder
 from forkpoint.inputs.template_sandbox import TemplateLimits, TemplateSandbox
 from forkpoint.llm import LLM
 from forkpoint.server.auth import APIKeyAuth
@@ -83,6 +84,7 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
         max_checkpoints=engine.config.max_checkpoints_per_request, policy=config.marker_policy,
         images=engine.images if takes_images else None, executor=tokenizer_pool,
         processor=engine.inputs, turn_boundaries=engine.config.enable_checkpoints and engine.config.auto_checkpoints,
+        segments=SegmentEncoder(tokenizer, config.token_cache_bytes) if config.token_cache_bytes > 0 else None,
     )
     max_request_bytes = (config.max_request_bytes if config.max_request_bytes is not None else
                          default_max_request_bytes(tokenizer, engine.max_model_len, takes_images=takes_images))
@@ -131,6 +133,7 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
     app.state.metrics = metrics
     app.state.config = config
     app.state.tokenizer_pool = tokenizer_pool
+    app.state.prompts = prompts
     app.state.max_request_bytes = max_request_bytes
 
     install_request_guards(app, metrics, max_request_bytes, config.api_keys)

@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--tokenizer-workers", type=int, default=default_tokenizer_workers(),
                       help="threads that render and tokenise prompts, so one huge prompt does not hold up the "
                            "others (default: the CPU count, 2 to 8)")
+    http.add_argument("--token-cache-mib", type=float, default=ServerConfig.token_cache_bytes / 2**20,
+                      help="MiB of chat prompt pieces (turns) whose token ids the server keeps, so a session's "
+                           "next turn tokenises only its new text (same ids); 0 tokenises every prompt whole "
+                           f"(default: {ServerConfig.token_cache_bytes / 2**20:g})")
     http.add_argument("--marker-in-user-content", default=MarkerPolicy.ALLOW.value,
                       choices=[p.value for p in MarkerPolicy],
                       help="the marker string inside client text (messages, prompts): allow = it checkpoints; "
@@ -139,6 +143,7 @@ def run_serve(args: argparse.Namespace) -> int:
         cache_isolation=args.cache_isolation, max_num_seqs_per_request=args.max_num_seqs_per_request,
         max_waiting_per_user=args.max_waiting_per_user, tokenizer_workers=args.tokenizer_workers,
         api_keys=api_keys(args),
+        token_cache_bytes=int(args.token_cache_mib * 2**20),
     )
     check_engine_kwargs(engine_kwargs(args))
     if args.data_parallel_size != 1 or args.ray_address is not None:

@@ -8,6 +8,8 @@ import enum
 import os
 from dataclasses import dataclass, field
 
+from forkpoint.inputs.segment_tokens import DEFAULT_CACHE_BYTES
+
 DEFAULT_MODEL_NAME = "forkpoint-default"
 
 
@@ -57,6 +59,9 @@ class ServerConfig:
         while others are still admitted (None: no per-client bound).
     tokenizer_workers: threads that build prompts (render, tokenise, decode images), so one huge
         prompt occupies one of them and the others go on (default: the CPU count, 2 to 8).
+    token_cache_bytes: bytes of chat prompt pieces (turns) whose token ids the prompt builder keeps
+        (`inputs/segment_tokens.py`: a session's next turn tokenises only its new text, same ids); 0: every
+        chat prompt is tokenised whole.
     cache_isolation: "none" (requests share reuse unless they send different `cache_salt`s), "user"
         (a request without `cache_salt` is salted by its `user` field: tenants share no checkpoint) or
         "api-key" (salted by the API key it presented; needs `api_keys`).
@@ -79,6 +84,7 @@ class ServerConfig:
     max_waiting_per_user: int | None = None
     tokenizer_workers: int = field(default_factory=default_tokenizer_workers)
     api_keys: tuple[str, ...] = ()
+    token_cache_bytes: int = DEFAULT_CACHE_BYTES
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -98,6 +104,8 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.token_cache_bytes < 0:
+            raise ValueError(f"token_cache_bytes must be >= 0 (0: no cache), got {self.token_cache_bytes}")
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         if not all(isinstance(key, str) and key for key in self.api_keys):
             raise ValueError("api_keys must be non-empty strings")

@@ -47,6 +47,7 @@ from forkpoint.inputs.images import ImageInput
 from forkpoint.inputs.markers import prompt_to_token_ids, strip_checkpoint_markers
 from forkpoint.inputs.multimodal import ImagePromptProcessor
 from forkpoint.inputs.processor import InputProcessor, ProcessedPrompt, PromptTooLongError
+from forkpoint.inputs.segment_tokens import SegmentEncoder
 from forkpoint.inputs.turns import Breakpoint, breakpoint_positions, reply_continues, turn_boundaries
 from forkpoint.server.config import MarkerPolicy
 from forkpoint.server.errors import APIError, invalid_request
@@ -92,8 +93,10 @@ class PromptBuilder:
     plain text). processor: the engine's input processor (prompts leave here processed), or None.
     turn_boundaries: whether chat prompts get their turn boundaries (the engine places automatic
     checkpoints). max_model_len: without a processor (the replicas' front end), the length a prompt
-    text is refused beyond before it is tokenised whole (with one, the processor's). Every method
-    raises `APIError` (400) naming the request field at fault.
+    text is refused beyond before it is tokenised whole (with one, the processor's). segments: tokenises
+    rendered chat prompts turn by turn with a cache of the turns seen (`inputs/segment_tokens.py`: the
+    same ids, a session's next turn pays only for its new text); None: each text tokenised whole. Every
+    method raises `APIError` (400) naming the request field at fault.
     """
 
     def __init__(
@@ -109,7 +112,9 @@ class PromptBuilder:
         processor: InputProcessor | None = None,
         turn_boundaries: bool = False,
         max_model_len: int | None = None,
+        segments: SegmentEncoder | None = None,
     ) -> None:
+        self.segments = segments
         self.processor = processor
         self.max_model_len = processor.limits.max_model_len if processor is not None else max_model_len
         self.turn_boundaries = turn_boundaries and checkpoint_token_id is not None
@@ -155,10 +160,11 @@ class PromptBuilder:
         conversation = [self._message(i, message) for i, message in enumerate(messages)]
         template_kwargs = {key: self._client_value(value, "tools" if key == "tools" else "chat_template_kwargs")
                            for key, value in (template_kwargs or {}).items()}
-        token_ids, sources, thinking = self._render(conversation, add_generation_prompt, template_kwargs)
+        token_ids, sources, thinking = self._render(conversation, add_generation_prompt, template_kwargs, cache_salt)
         self._only_placed_markers(messages, token_ids)
         turns, breakpoints, reusable = self._chat_positions(messages, conversation, token_ids,
-                                                            add_generation_prompt and process, template_kwargs)
+                                                            add_generation_prompt and process, template_kwargs,
+                                                            cache_salt)
         images = self._load_images(sources) if sources else []
         salt = {"cache_salt": cache_salt} if cache_salt is not None else {}
         if self.processor is not None and process:
@@ -187,8 +193,8 @@ class PromptBuilder:
                               template_kwargs=template_kwargs, process=process, cache_salt=cache_salt)
 
     def _chat_positions(self, messages: Sequence[ChatMessage], conversation: list[dict[str, Any]],
-                        token_ids: list[int], add_generation_prompt: bool,
-                        template_kwargs: dict[str, Any] | None) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+                        token_ids: list[int], add_generation_prompt: bool, template_kwargs: dict[str, Any] | None,
+                        cache_salt: str | None = None) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
         """(turn boundaries, cache breakpoint ends, whether the turn end can start the next turn) in
         `token_ids`, the rendered conversation's ids (inputs/turns.py; boundaries only with
         `add_generation_prompt`). A 400 for more than MAX_BREAKPOINTS breakpoints."""
@@ -200,7 +206,8 @@ class PromptBuilder:
                                   f"{MAX_BREAKPOINTS} are allowed per request: remove some", param="messages")
         if self.checkpoint_token_id is None or not (points or (self.turn_boundaries and add_generation_prompt)):
             return (), (), True
-        encode = chat_encoder(self.tokenizer, **(template_kwargs or {}))
+        encode = chat_encoder(self.tokenizer, functools.partial(self._encode_text, cache_salt=cache_salt),
+                              **(template_kwargs or {}))
         try:
             breakpoints = breakpoint_positions(encode, conversation, token_ids, sorted(points, key=_order))
         except ValueError as err:
@@ -225,7 +232,8 @@ class PromptBuilder:
                             cache_salt=prompt.get("cache_salt"))
 
     def _render(self, conversation: list[dict[str, Any]], add_generation_prompt: bool,
-                template_kwargs: dict[str, Any] | None) -> tuple[list[int], list[Any], bool]:
+                template_kwargs: dict[str, Any] | None,
+                cache_salt: str | None = None) -> tuple[list[int], list[Any], bool]:
         """Token ids of the rendered conversation (markers still in), its image sources in order,
         and whether the prompt leaves a thought open. A rendering that cannot fit max_model_len is
         refused before it is tokenised whole."""
@@ -234,7 +242,7 @@ class PromptBuilder:
                                                     add_generation_prompt=add_generation_prompt,
                                                     **(template_kwargs or {}))
             self._within_length(text, "messages")
-            raw = prompt_to_token_ids(text, self.tokenizer)
+            token_ids = self._encode_text(text, cache_salt=cache_salt)
         except ValueError as err:
             raise invalid_request(str(err), param="messages") from None
         except TemplateError as err:  # e.g. the template's raise_exception on a role it does not know
@@ -242,7 +250,16 @@ class PromptBuilder:
                                   param="messages") from None
         if sources and self.images is None:
             raise invalid_request("this server takes no images: its model has no vision tower", param="messages")
-        return raw.token_ids, sources, prompt_opens_thinking(text)
+        return token_ids, sources, prompt_opens_thinking(text)
+
+    def _encode_text(self, text: str, *, cache_salt: str | None = None) -> list[int]:
+        """A rendered chat prompt's token ids: `prompt_to_token_ids`'s, through the segment cache when the
+        builder has one (in the request's cache_salt namespace). Raises ValueError for an empty text."""
+        if self.segments is None:
+            return prompt_to_token_ids(text, self.tokenizer).token_ids
+        if not text:
+            raise ValueError("'prompt' is an empty string: a prompt needs at least one token")
+        return self.segments.encode(text, cache_salt or "")
 
     def _load_images(self, sources: list[Any]) -> list[ImageInput]:
         """Decode, convert and hash the images (CPU-bound, thread-safe: no shared state)."""

@@ -4,6 +4,8 @@ of what the next turn really shares."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from forkpoint.inputs import LoadedTokenizer
@@ -26,6 +28,13 @@ def test_common_prefix_length():
     assert common_prefix_length([], [1]) == 0
     assert common_prefix_length([5, 6], [5, 6, 7]) == 2
     assert common_prefix_length(list(range(1000)), list(range(999)) + [0]) == 999
+    rng = random.Random(0)
+    for _ in range(200):  # mismatches at and around chunk edges, equal lists, one a prefix of the other
+        a = [rng.randrange(3) for _ in range(rng.randrange(1200))]
+        cut = rng.choice([0, 255, 256, 257, 511, 512, rng.randrange(len(a) + 1)])
+        b = a[:cut] + [rng.randrange(3) for _ in range(rng.randrange(600))]
+        want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix_length(a, b) == want
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}, {"enable_thinking": True}, {"tools": TOOLS}],

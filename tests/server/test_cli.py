@@ -132,3 +132,23 @@ def test_serve_sizes_the_default_host_tier_on_a_gpu_so_it_is_pinned_ahead(monkey
     assert server_engine_kwargs(parse(["serve", "--no-checkpoints"]))["checkpoint_host_bytes"] is None
     assert server_engine_kwargs(parse(["serve", "--device", "cpu"]))["checkpoint_host_bytes"] is None
     assert engine_kwargs(parse(["serve"]))["checkpoint_host_bytes"] is None  # replicas split it themselves
+
+
+@pytest.mark.parametrize("flag,expected", [([], 64 << 20), (["--token-cache-mib", "1.5"], 3 << 19),
+                                           (["--token-cache-mib", "0"], 0)])
+def test_token_cache_size_reaches_the_server_config(monkeypatch, flag, expected):
+    import uvicorn
+
+    import forkpoint
+    import forkpoint.server.app
+
+    seen = {}
+    monkeypatch.setattr(forkpoint, "LLM", lambda **kwargs: object())
+    monkeypatch.setattr(forkpoint.server.app, "build_app",
+                        lambda llm, config, load_time_s: seen.setdefault("config", config))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)
+    try:
+        assert main(["serve", "--port", "1", *flag]) == 0
+    finally:
+        gc.unfreeze()
+    assert seen["config"].token_cache_bytes == expected

@@ -30,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from transformers import PreTrainedTokenizerBase
 
+from forkpoint.inputs.segment_tokens import SegmentEncoder
 from forkpoint.server.app import GENERATION_ENDPOINTS, add_openai_routes, install_request_guards
 from forkpoint.server.config import ServerConfig
 from forkpoint.server.generation import Admission
@@ -96,7 +97,9 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
                             checkpoint_token_id=info.checkpoint_token_id,
                             max_checkpoints=info.max_checkpoints_per_request, policy=config.marker_policy,
                             executor=tokenizer_thread, turn_boundaries=info.turn_boundaries,
-                            max_model_len=info.max_model_len)
+                            max_model_len=info.max_model_len,
+                            segments=(SegmentEncoder(tokenizer, config.token_cache_bytes)
+                                      if config.token_cache_bytes > 0 else None))
     max_request_bytes = (config.max_request_bytes if config.max_request_bytes is not None else
                          default_max_request_bytes(tokenizer, info.max_model_len, takes_images=False))
     serving = OpenAIServing(model_name=config.served_model_name, max_model_len=info.max_model_len,
