@@ -98,10 +98,11 @@ def build_sessions(args: argparse.Namespace, documents_seed: int | None = None) 
 
 async def one_request(http: httpx.AsyncClient, model: str, messages: list[dict], args: argparse.Namespace) -> dict:
     """One streamed chat request as an OpenAI client sends it (plain httpx and SSE: the device has no
-    `openai` package); the prompt's token ids come from `/tokenize` with the same body."""
+    `openai` package); the prompt's token ids come from `/tokenize` with the same body, asked after the
+    request (asked before, it would tokenise the turn's new text first and warm the server's token cache,
+    inputs/segment_tokens.py, for the request: its prompt part would read lower than a client's)."""
     kwargs = {} if args.thinking == "unset" else {"enable_thinking": args.thinking == "on"}
     body = {"messages": messages, "tools": TOOLS, "chat_template_kwargs": kwargs}
-    tokenized = (await http.post("/tokenize", json=body)).json()
     request = {**body, "model": model, "max_tokens": args.reply_tokens, "temperature": 0.0, "stream": True,
                "stream_options": {"include_usage": True}, "ignore_eos": True, "min_tokens": args.reply_tokens}
     begin = time.perf_counter()
@@ -129,6 +130,7 @@ async def one_request(http: httpx.AsyncClient, model: str, messages: list[dict],
             if chunk.get("usage"):
                 usage = chunk["usage"]
     end = time.perf_counter()
+    tokenized = (await http.post("/tokenize", json=body)).json()
     details = usage.get("prompt_tokens_details") or {}
     return {"prompt_tokens": usage["prompt_tokens"], "cached_tokens": details.get("cached_tokens") or 0,
             "miss_reason": details.get("cache_miss_reason"), "ttft_s": (first or end) - begin,
