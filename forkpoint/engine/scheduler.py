@@ -41,6 +41,7 @@ from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig
 from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner, Placement
 from forkpoint.engine.checkpoint_claims import CheckpointClaims
 from forkpoint.engine.fair_order import admission_order, step_order
+from forkpoint.engine.prefill_budget import is_prefill, prefill_room
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler_stats import SchedulerStats
 from forkpoint.engine.speculative import Speculation
@@ -65,6 +66,7 @@ class Scheduler:
         self.claims = CheckpointClaims(registry, self.stats, self.state_position)
         self.block_size = block_pool.block_size
         self.chunk_cap = config.long_prefill_token_threshold or config.max_num_batched_tokens
+        self.prefill_with_decodes = config.prefill_tokens_with_decodes()
         self.in_flight: list[ScheduledStep] = []  # scheduled, not yet committed or failed; oldest first
         self.num_steps = 0  # non-empty steps scheduled so far (a request's queued_steps counts them)
         # ended sequences whose slot and blocks a step in flight still computes on, with whether their
@@ -172,6 +174,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if limits is not None:
             budget = min(budget, limits.max_tokens)
+        room = prefill_room(self.running, self.waiting, self.prefill_with_decodes, planning.chunk_cap or self.chunk_cap,
+                            self._admission_room(planning),
+                            SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else None)
+        if room is not None:  # sequences decode in this step: its prefill stays small (engine/prefill_budget.py)
+            planning.prefill_left, planning.prefill_held = room.total, room.held
         preempted = False
 
         for request in step_order(self.running, budget, planning.chunk_cap or self.chunk_cap,
@@ -203,13 +210,15 @@ class Scheduler:
                 planning.verifies.append(spec)
             else:
                 count = 1 if verifying else count
+                if not verifying and is_prefill(request, request.num_computed_tokens):
+                    planning.take_prefill(count)
                 self._plan_chunk(planning, request, request.num_computed_tokens, count, None)
             budget -= count
             planning.take_seq()
 
+        planning.release_held_prefill()
         if not preempted:
-            room = self.config.max_num_seqs - len(self.running)
-            room = room if planning.seq_room is None else min(room, planning.seq_room)
+            room = self._admission_room(planning)
             for request in admission_order(self.waiting, self.running, budget, room,
                                            planning.chunk_cap or self.chunk_cap):
                 if budget == 0 or len(self.running) >= self.config.max_num_seqs or planning.seqs_full:
@@ -226,6 +235,11 @@ class Scheduler:
         self.claims.reserve_for_queued(self.waiting)
 
         return self._scheduled(planning)
+
+    def _admission_room(self, planning: StepPlanning) -> int:
+        """How many waiting sequences this step can admit, under max_num_seqs and its StepLimits."""
+        room = self.config.max_num_seqs - len(self.running)
+        return room if planning.seq_room is None else min(room, planning.seq_room)
 
     def _scheduled(self, planning: StepPlanning) -> ScheduledStep:
         """The step, in flight unless empty; its plan takes the device writes recorded since the last one."""
@@ -368,8 +382,12 @@ class Scheduler:
         """Tokens of `request` to compute from `start` this step. With checkpoint_exact, a chunk
         that does not finish the sequence ends at a scan-chunk boundary (0 when none fits), so chunked
         prefill runs the recurrent scans over the same chunks as one pass. A request scoring its prompt
-        gets at most the step's prompt-logit rows left (`score_rows`): its logits stay O(chunk x vocab)."""
+        gets at most the step's prompt-logit rows left (`score_rows`): its logits stay O(chunk x vocab).
+        In a step that decodes, prefill takes at most the step's prefill room left (`StepPlanning.prefill_cap`)."""
         count = min(request.num_tokens - start, budget, planning.chunk_cap or self.chunk_cap)
+        prefill_cap = planning.prefill_cap()
+        if prefill_cap is not None and is_prefill(request, start):
+            count = min(count, prefill_cap)
         to_score = len(request.prompt_token_ids) - 1 - start
         rows_left = self.score_rows - planning.score_rows
         if request.params.prompt_logprobs is not None and to_score > rows_left:
@@ -471,6 +489,7 @@ class Scheduler:
         self.claims.claim(request, start, now)
         if progress.waiting_on is not None:
             self.claims.stop_waiting(request, now)
+        planning.take_prefill(count)  # an admitted sequence's chunk is prefill
         self._plan_chunk(planning, request, start, count, source)
         return count
 

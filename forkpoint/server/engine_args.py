@@ -44,6 +44,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
                        help="most prefill tokens of one request per step, so a long prompt shares steps with "
                             "other streams instead of stalling them (vLLM's name; default: no cap beyond "
                             "--max-num-batched-tokens)")
+    group.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None, metavar="N",
+                       help="most prefill tokens (all prompts together) in a step that also decodes, so a long "
+                            "prompt keeps running streams' token gaps near their step time; a step with no decode "
+                            "takes --max-num-batched-tokens (default: 64 on the CPU, measured; no cap on CUDA)")
     group.add_argument("--prompt-score-bytes", type=int, default=None, metavar="BYTES",
                        help="bytes of float32 prompt-logit rows one step computes for prompt logprobs (echo + "
                             "logprobs, prompt_logprobs): a scored prompt runs in chunks of that many rows, so its "
@@ -129,6 +133,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         long_prefill_token_threshold=args.long_prefill_token_threshold, prompt_score_bytes=args.prompt_score_bytes,
+        max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
         enable_checkpoints=not args.no_checkpoints, checkpoint_token=args.checkpoint_token,
         max_checkpoints_per_request=args.max_checkpoints_per_request, load_format=args.load_format,
         enforce_eager=args.enforce_eager, auto_checkpoints=args.auto_checkpoints,

@@ -1,0 +1,77 @@
+"""How many prefill tokens a step takes while sequences decode in it (issue 27, head-of-line blocking).
+
+A decoding stream emits one token per step, so its token gap is the time of the steps it is in. A
+long prompt's chunk in the same step stretches that step: on the CPU a 512-token chunk at position
+8k-16k of a 16k prompt made the step 10x a decode step (config.py: CPU_PREFILL_TOKENS_WITH_DECODES).
+So a step that decodes takes at most B prefill tokens in all (B =
+`EngineConfig.prefill_tokens_with_decodes()`: Sarathi-Serve's stall-free token budget), and a step
+with no decode takes the full max_num_batched_tokens (nothing waits on it; throughput first).
+
+Within B, running sequences' prefill chunks are planned first (`Scheduler.schedule`), so a long
+prompt already running could take all of B every step and hold the short prompts that arrive
+behind it (a stream's next request) out until it ends. Part of B is therefore *held* for
+admissions while running sequences are planned: what the waiting sequences that have room would
+take, at most B minus the running prefills' floor. The floor, max(ceil(B / 2), one scan chunk with
+checkpoint_exact, else 1 token) capped at B, guarantees the first running prefill progresses every
+step. Holding changes which tokens a step computes, never the results: chunked prefill is exact.
+
+    step that decodes:   [decodes (not counted in B)] [running prefills <= B - held] [admissions <= rest of B]
+    step with no decode: [running prefills and admissions <= max_num_batched_tokens]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from forkpoint.engine.request import Request
+
+
+def is_prefill(request: Request, start: int) -> bool:
+    """Whether computing `request` from token `start` is prefill work: a prompt token, or a recomputed
+    output after preemption (more than the one next token left). A decode (or a speculative verify,
+    whose drafts are not in num_tokens) computes exactly the last token past the prompt."""
+    return start < len(request.prompt_token_ids) or request.num_tokens - start > 1
+
+
+@dataclass(frozen=True)
+class PrefillRoom:
+    """A step's prefill tokens while sequences decode in it: `total` in all, of which `held` are kept
+    for admissions while running sequences are planned. 0 <= held <= total - 1."""
+
+    total: int
+    held: int
+
+    def __post_init__(self) -> None:
+        if self.total < 1 or not 0 <= self.held < self.total:
+            raise ValueError(f"a prefill room needs total >= 1 and 0 <= held < total, got total {self.total}, "
+                             f"held {self.held}")
+
+
+def running_floor(budget: int, scan_chunk: int | None) -> int:
+    """Prefill tokens the running sequences keep however much waits: half of `budget` (rounded up),
+    at least one scan chunk (`scan_chunk`, with checkpoint_exact: a shorter chunk rounds down to
+    nothing), never more than `budget`."""
+    return min(budget, max(-(-budget // 2), scan_chunk or 1))
+
+
+def prefill_room(running: Sequence[Request], waiting: Iterable[Request], budget: int, chunk_cap: int,
+                 seq_room: int, scan_chunk: int | None = None) -> PrefillRoom | None:
+    """The step's prefill room, or None when no running sequence decodes (no cap below the step's).
+
+    budget: B, the prefill tokens of a step that decodes (>= 1); chunk_cap: the most tokens of one
+    sequence per step; seq_room: how many waiting sequences the step can still admit (in `waiting`'s
+    order); scan_chunk: SCAN_CHUNK_TOKENS with checkpoint_exact, else None. Held: what those waiting
+    sequences' first chunks would take (their whole prompts, capped at chunk_cap; a checkpoint may
+    make it less), at most B minus `running_floor`."""
+    if budget < 1:
+        raise ValueError(f"the prefill budget of a step that decodes must be >= 1, got {budget}")
+    if not any(not is_prefill(r, r.num_computed_tokens) for r in running):
+        return None
+    free = budget - running_floor(budget, scan_chunk)
+    need = 0
+    for count, request in enumerate(waiting):
+        if count >= seq_room or need >= free:
+            break
+        need += min(request.num_tokens, chunk_cap)
+    return PrefillRoom(budget, min(need, free))
