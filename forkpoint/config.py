@@ -282,7 +282,8 @@ class ModelConfig:
 # scan's floating-point result depends on where its chunks start, so exact checkpoints align to it.
 SCAN_CHUNK_TOKENS = 64
 
-# The CPU's default prefill budget of a step that also decodes (`EngineConfig.prefill_tokens_with_decodes`),
+# The server's default prefill budget on the CPU for a step that also decodes
+# (`EngineConfig.max_prefill_tokens_with_decodes`, `forkpoint serve --max-prefill-tokens-with-decodes`),
 # measured with bench/mixed_step_cost.py (embedded model, 2 cores, 8 decoding streams whose own step
 # takes 36-38 ms; a 16,384-token prompt beside them, median step time over its decoding step time by
 # the chunk's position in the prompt; bench/results/mixed_step_cost_cpu_before.json):
@@ -295,7 +296,8 @@ SCAN_CHUNK_TOKENS = 64
 #
 # Past a few thousand tokens of context the CPU attention reference dominates a chunk's cost (it grows
 # with the chunk's position), so only 64 tokens keep a mixed step under 2x of a decode step through a
-# 16k prompt. On CUDA the default is no cap (vLLM's mixed steps) until it is measured there.
+# 16k prompt. On CUDA the default is no cap (vLLM's mixed steps) until it is measured there, and the
+# offline API (`LLM`) keeps no cap on either device: its batches want throughput, not token gaps.
 CPU_PREFILL_TOKENS_WITH_DECODES = 64
 
 
@@ -351,8 +353,9 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None
     # most prefill tokens (all requests together) in a step that also decodes, so a long prompt's
     # chunks keep the decoding streams' token gaps near their own step time (Sarathi-Serve's token
-    # budget; engine/prefill_budget.py). A step with no decode takes max_num_batched_tokens. None: the
-    # device's default (`prefill_tokens_with_decodes`)
+    # budget; engine/prefill_budget.py). A step with no decode takes max_num_batched_tokens. None: no
+    # cap (vLLM's mixed steps; the offline API's throughput); the server's default on the CPU is
+    # CPU_PREFILL_TOKENS_WITH_DECODES (server/engine_args.py)
     max_prefill_tokens_with_decodes: int | None = None
     # bytes of float32 prompt-logit rows ([rows, vocab]) one step computes for prompt logprobs: a scored
     # prompt runs in chunks of that many rows (`prompt_score_rows`), so its memory is O(chunk x vocab)
@@ -480,14 +483,10 @@ class EngineConfig:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
 
     def prefill_tokens_with_decodes(self) -> int:
-        """Prefill tokens a step that also decodes may take: `max_prefill_tokens_with_decodes`, else
-        CPU_PREFILL_TOKENS_WITH_DECODES on the CPU and max_num_batched_tokens (no cap: vLLM's steps)
-        on CUDA; never more than max_num_batched_tokens."""
+        """Prefill tokens a step that also decodes may take: `max_prefill_tokens_with_decodes` (None:
+        no cap), never more than max_num_batched_tokens."""
         value = self.max_prefill_tokens_with_decodes
-        if value is None:
-            on_cpu = self.torch_device().type == "cpu"
-            value = CPU_PREFILL_TOKENS_WITH_DECODES if on_cpu else self.max_num_batched_tokens
-        return min(value, self.max_num_batched_tokens)
+        return self.max_num_batched_tokens if value is None else min(value, self.max_num_batched_tokens)
 
     def prompt_score_rows(self, vocab_size: int) -> int:
         """Prompt-logit rows one step computes: `prompt_score_bytes` (or the device's default) of

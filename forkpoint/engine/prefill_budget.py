@@ -7,6 +7,13 @@ So a step that decodes takes at most B prefill tokens in all (B =
 `EngineConfig.prefill_tokens_with_decodes()`: Sarathi-Serve's stall-free token budget), and a step
 with no decode takes the full max_num_batched_tokens (nothing waits on it; throughput first).
 
+"Decodes" includes the last DECODE_GRACE_S seconds: streams that end together (a client's requests
+of one length, started together) leave the long prompt alone in the running list for the round trip
+until their client's next requests arrive, and a full-budget step begun in that window held them
+17 s on the CPU (bench/hostile.py, 16k prompt). The grace covers that round trip: the bystander's
+largest gap while idle, restarts included, was 0.19 s on an idle machine and 0.57 s under a load
+average of 5 to 9 (docs/server.md).
+
 Within B, running sequences' prefill chunks are planned first (`Scheduler.schedule`), so a long
 prompt already running could take all of B every step and hold the short prompts that arrive
 behind it (a stream's next request) out until it ends. Part of B is therefore *held* for
@@ -25,6 +32,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from forkpoint.engine.request import Request
+
+DECODE_GRACE_S = 1.0  # seconds after the last step with a decode during which steps stay capped
 
 
 def is_prefill(request: Request, start: int) -> bool:
@@ -56,8 +65,9 @@ def running_floor(budget: int, scan_chunk: int | None) -> int:
 
 
 def prefill_room(running: Sequence[Request], waiting: Iterable[Request], budget: int, chunk_cap: int,
-                 seq_room: int, scan_chunk: int | None = None) -> PrefillRoom | None:
-    """The step's prefill room, or None when no running sequence decodes (no cap below the step's).
+                 seq_room: int, scan_chunk: int | None = None, *, recently_decoded: bool = False) -> PrefillRoom | None:
+    """The step's prefill room, or None when no running sequence decodes and none did within
+    DECODE_GRACE_S (`recently_decoded`): no cap below the step's.
 
     budget: B, the prefill tokens of a step that decodes (>= 1); chunk_cap: the most tokens of one
     sequence per step; seq_room: how many waiting sequences the step can still admit (in `waiting`'s
@@ -66,7 +76,7 @@ def prefill_room(running: Sequence[Request], waiting: Iterable[Request], budget:
     make it less), at most B minus `running_floor`."""
     if budget < 1:
         raise ValueError(f"the prefill budget of a step that decodes must be >= 1, got {budget}")
-    if not any(not is_prefill(r, r.num_computed_tokens) for r in running):
+    if not recently_decoded and not any(not is_prefill(r, r.num_computed_tokens) for r in running):
         return None
     free = budget - running_floor(budget, scan_chunk)
     need = 0

@@ -41,7 +41,7 @@ from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig
 from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner, Placement
 from forkpoint.engine.checkpoint_claims import CheckpointClaims
 from forkpoint.engine.fair_order import admission_order, step_order
-from forkpoint.engine.prefill_budget import is_prefill, prefill_room
+from forkpoint.engine.prefill_budget import DECODE_GRACE_S, is_prefill, prefill_room
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler_stats import SchedulerStats
 from forkpoint.engine.speculative import Speculation
@@ -67,6 +67,7 @@ class Scheduler:
         self.block_size = block_pool.block_size
         self.chunk_cap = config.long_prefill_token_threshold or config.max_num_batched_tokens
         self.prefill_with_decodes = config.prefill_tokens_with_decodes()
+        self.last_decode_at: float | None = None  # when the last step with a decode in it was planned
         self.in_flight: list[ScheduledStep] = []  # scheduled, not yet committed or failed; oldest first
         self.num_steps = 0  # non-empty steps scheduled so far (a request's queued_steps counts them)
         # ended sequences whose slot and blocks a step in flight still computes on, with whether their
@@ -174,9 +175,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if limits is not None:
             budget = min(budget, limits.max_tokens)
+        recently = self.last_decode_at is not None and now - self.last_decode_at < DECODE_GRACE_S
         room = prefill_room(self.running, self.waiting, self.prefill_with_decodes, planning.chunk_cap or self.chunk_cap,
                             self._admission_room(planning),
-                            SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else None)
+                            SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else None, recently_decoded=recently)
         if room is not None:  # sequences decode in this step: its prefill stays small (engine/prefill_budget.py)
             planning.prefill_left, planning.prefill_held = room.total, room.held
         preempted = False
@@ -204,6 +206,7 @@ class Scheduler:
                 continue
             verify = self.speculation.plan(request) if verifying else None
             if verify is not None:
+                self.last_decode_at = now
                 segments, spec = verify
                 planning.segments.extend(segments)
                 planning.requests.extend([request] * len(segments))
@@ -212,6 +215,8 @@ class Scheduler:
                 count = 1 if verifying else count
                 if not verifying and is_prefill(request, request.num_computed_tokens):
                     planning.take_prefill(count)
+                else:
+                    self.last_decode_at = now
                 self._plan_chunk(planning, request, request.num_computed_tokens, count, None)
             budget -= count
             planning.take_seq()
@@ -292,6 +297,7 @@ class Scheduler:
                 kind=SegmentKind.DECODE, phase=0, samples=True, multimodal=request.multimodal,
                 fed_row=rows[request.request_id]))
             planning.requests.append(request)
+        self.last_decode_at = time.monotonic()
         return self._scheduled(planning)
 
     def commit(self, step: ScheduledStep) -> None:

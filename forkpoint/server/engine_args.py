@@ -9,6 +9,7 @@ import argparse
 import json
 from typing import Any
 
+from forkpoint.config import CPU_PREFILL_TOKENS_WITH_DECODES, EngineConfig
 from forkpoint.speculative_config import SpeculativeConfig
 
 
@@ -124,6 +125,15 @@ def _speculative_config(text: str) -> dict:
     return value
 
 
+def serving_prefill_tokens_with_decodes(args: argparse.Namespace) -> int | None:
+    """--max-prefill-tokens-with-decodes, else the server's default: CPU_PREFILL_TOKENS_WITH_DECODES on
+    the CPU (measured there, config.py), no cap on CUDA (vLLM's mixed steps; not measured there yet)."""
+    if args.max_prefill_tokens_with_decodes is not None:
+        return args.max_prefill_tokens_with_decodes
+    on_cpu = EngineConfig(device=args.device).torch_device().type == "cpu"
+    return CPU_PREFILL_TOKENS_WITH_DECODES if on_cpu else None
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`LLM(**engine_kwargs(args))`."""
     return dict(
@@ -133,7 +143,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         long_prefill_token_threshold=args.long_prefill_token_threshold, prompt_score_bytes=args.prompt_score_bytes,
-        max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
+        max_prefill_tokens_with_decodes=serving_prefill_tokens_with_decodes(args),
         enable_checkpoints=not args.no_checkpoints, checkpoint_token=args.checkpoint_token,
         max_checkpoints_per_request=args.max_checkpoints_per_request, load_format=args.load_format,
         enforce_eager=args.enforce_eager, auto_checkpoints=args.auto_checkpoints,

@@ -4,6 +4,8 @@ take the whole step when nothing decodes, and change no output."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,9 +15,10 @@ from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.hashing import PrefixHasher
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.config import CPU_PREFILL_TOKENS_WITH_DECODES, SCAN_CHUNK_TOKENS, EngineConfig
-from forkpoint.engine.prefill_budget import PrefillRoom, is_prefill, prefill_room, running_floor
+from forkpoint.engine.prefill_budget import DECODE_GRACE_S, PrefillRoom, is_prefill, prefill_room, running_floor
 from forkpoint.engine.request import Request
 from forkpoint.engine.scheduler import Scheduler
+from forkpoint.server.engine_args import add_engine_args, engine_kwargs
 from tests.engine.fake_executor import FakeExecutor, reference
 from tests.helpers import assert_same_outputs
 
@@ -64,11 +67,18 @@ def test_the_running_floor_is_half_and_one_scan_chunk_in_exact_mode():
         PrefillRoom(64, 64)
 
 
-def test_the_config_default_on_the_cpu_and_its_bounds():
-    assert EngineConfig(device="cpu").prefill_tokens_with_decodes() == CPU_PREFILL_TOKENS_WITH_DECODES
-    assert EngineConfig(device="cpu", max_num_batched_tokens=32).prefill_tokens_with_decodes() == 32
-    assert EngineConfig(device="cpu", max_prefill_tokens_with_decodes=300).prefill_tokens_with_decodes() == 300
-    assert EngineConfig(device="cuda", max_num_batched_tokens=4096).prefill_tokens_with_decodes() == 4096
+def test_the_config_and_the_servers_default():
+    assert EngineConfig(max_num_batched_tokens=4096).prefill_tokens_with_decodes() == 4096  # offline: no cap
+    assert EngineConfig(max_prefill_tokens_with_decodes=300).prefill_tokens_with_decodes() == 300
+    small_steps = EngineConfig(max_prefill_tokens_with_decodes=300, max_num_batched_tokens=32)
+    assert small_steps.prefill_tokens_with_decodes() == 32
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, positional_model=False)
+    assert engine_kwargs(parser.parse_args(["--device", "cpu"]))["max_prefill_tokens_with_decodes"] == (
+        CPU_PREFILL_TOKENS_WITH_DECODES)
+    assert engine_kwargs(parser.parse_args(["--device", "cuda"]))["max_prefill_tokens_with_decodes"] is None
+    assert engine_kwargs(parser.parse_args(["--device", "cuda", "--max-prefill-tokens-with-decodes", "512"]))[
+        "max_prefill_tokens_with_decodes"] == 512
     with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes must be >= 1"):
         EngineConfig(max_prefill_tokens_with_decodes=0)
     with pytest.raises(ValueError, match="checkpoint_exact needs max_prefill_tokens_with_decodes >= 64"):
@@ -76,6 +86,8 @@ def test_the_config_default_on_the_cpu_and_its_bounds():
 
 
 # ------------------------------------------------------------------ the scheduler with a fake model
+STEP_S = 0.05  # a step's time on the fake clock: the grace (1 s) spans 20 steps
+
 class _Run:
     """The engine's loop around the scheduler with FakeExecutor as the model; per step, the prefill
     tokens it planned, whether it decoded, and each sequence's planned tokens."""
@@ -87,13 +99,15 @@ class _Run:
         self.executor = FakeExecutor(config.block_size)
         self.requests: list[Request] = []
         self.steps: list[dict] = []  # {"prefill": tokens, "decodes": n, "tokens": {id: n}}
+        self.now = 0.0  # the clock schedule() reads; each step takes STEP_S
 
     def add(self, request: Request) -> None:
         self.requests.append(request)
         self.scheduler.add(request)
 
     def step(self) -> None:
-        step = self.scheduler.schedule()
+        step = self.scheduler.schedule(now=self.now)
+        self.now += STEP_S
         tokens = {r.request_id: 0 for r in step.requests}
         starts = {r.request_id: r.num_computed_tokens for r in step.requests}
         for segment in step.plan.segments:
@@ -176,6 +190,30 @@ def test_a_prompt_arriving_behind_a_running_long_prompt_is_admitted_in_the_next_
     assert run.steps[-1]["tokens"]["next"] == 6  # admitted whole, beside the long prompt's chunk
     assert long.num_computed_tokens - before == 26  # what was left of the 32 (at least the floor, 16)
     assert run.steps[-1]["prefill"] == 32
+    run.drain()
+    run.check_outputs()
+
+
+def test_streams_that_end_together_leave_steps_capped_for_the_grace():
+    """Streams of one length end in one step; until their client's next requests arrive the long
+    prompt runs alone, still capped within DECODE_GRACE_S of the last decode, whole after it."""
+    run = _Run(_config())
+    for i in range(2):
+        run.add(_request(f"s{i}", 3, max_tokens=3))
+    long = _request("long", 2000, max_tokens=2)
+    run.step()  # the streams' prompts, then they decode
+    run.add(long)
+    while any(not r.is_finished for r in run.requests if r is not long):
+        run.step()
+    capped_until = long.num_computed_tokens
+    assert run.steps[-1]["prefill"] <= 32
+    run.now += DECODE_GRACE_S / 2
+    run.step()  # nothing decodes, but within the grace
+    assert long.num_computed_tokens - capped_until == 32
+    run.now += DECODE_GRACE_S
+    before = long.num_computed_tokens
+    run.step()  # past it: the whole step's budget
+    assert long.num_computed_tokens - before == 256
     run.drain()
     run.check_outputs()
 
