@@ -14,6 +14,25 @@ until their client's next requests arrive, and a full-budget step begun in that 
 largest gap while idle, restarts included, was 0.19 s on an idle machine and 0.57 s under a load
 average of 5 to 9 (docs/server.md).
 
+Within B, running sequences' prefill chunks are planned first, in the step's order
+(`Scheduler.schedule`), then admissions. A long prompt running first could take all of B every step
+and hold out, until it ends, the short prompts behind it: a stream's next request, waiting or
+admitted with part of its prompt. So the *first* running prefill leaves the other prefills (running
+after it, then the waiting sequences that have room) what they would take, at most B minus its
+floor: max(ceil(B / 2), one scan chunk with checkpoint_exact, else 1 token), capped at B, so it
+progresses every step. The others then take what is left in order. Holding changes which tokens a
+step computes, never the results: chunked prefill is exact.
+
+    step that decodes:   [decodes (not counted in B)] [first running prefill <= B - held] [other prefills <= rest of B]
+    step with no decode: [running prefills and admissions <= max_num_batched_tokens]
+
+"Decodes" includes the last DECODE_GRACE_S seconds: streams that end together (a client's requests
+of one length, started together) leave the long prompt alone in the running list for the round trip
+until their client's next requests arrive, and a full-budget step begun in that window held them
+17 s on the CPU (bench/hostile.py, 16k prompt). The grace covers that round trip: the bystander's
+largest gap while idle, restarts included, was 0.19 s on an idle machine and 0.57 s under a load
+average of 5 to 9 (docs/server.md).
+
 Within B, running sequences' prefill chunks are planned first (`Scheduler.schedule`), so a long
 prompt already running could take all of B every step and hold the short prompts that arrive
 behind it (a stream's next request) out until it ends. Part of B is therefore *held* for
@@ -45,8 +64,8 @@ def is_prefill(request: Request, start: int) -> bool:
 
 @dataclass(frozen=True)
 class PrefillRoom:
-    """A step's prefill tokens while sequences decode in it: `total` in all, of which `held` are kept
-    for admissions while running sequences are planned. 0 <= held <= total - 1."""
+    """A step's prefill tokens while sequences decode in it: `total` in all, of which the first
+    running prefill leaves `held` to the others. 0 <= held <= total - 1."""
 
     total: int
     held: int
@@ -69,19 +88,23 @@ def prefill_room(running: Sequence[Request], waiting: Iterable[Request], budget:
     """The step's prefill room, or None when no running sequence decodes and none did within
     DECODE_GRACE_S (`recently_decoded`): no cap below the step's.
 
-    budget: B, the prefill tokens of a step that decodes (>= 1); chunk_cap: the most tokens of one
-    sequence per step; seq_room: how many waiting sequences the step can still admit (in `waiting`'s
-    order); scan_chunk: SCAN_CHUNK_TOKENS with checkpoint_exact, else None. Held: what those waiting
-    sequences' first chunks would take (their whole prompts, capped at chunk_cap; a checkpoint may
-    make it less), at most B minus `running_floor`."""
+    running: in the order the step plans them; budget: B, the prefill tokens of a step that decodes
+    (>= 1); chunk_cap: the most tokens of one sequence per step; seq_room: how many waiting
+    sequences the step can still admit (in `waiting`'s order); scan_chunk: SCAN_CHUNK_TOKENS with
+    checkpoint_exact, else None. Held: what the running prefills after the first and those waiting
+    sequences would take this step (their tokens left, capped at chunk_cap; a waiting one's
+    checkpoint may make it less), at most B minus `running_floor`."""
     if budget < 1:
         raise ValueError(f"the prefill budget of a step that decodes must be >= 1, got {budget}")
     if not recently_decoded and not any(not is_prefill(r, r.num_computed_tokens) for r in running):
         return None
     free = budget - running_floor(budget, scan_chunk)
+    prefills = [r for r in running if is_prefill(r, r.num_computed_tokens)]
+    others = [r.num_tokens - r.num_computed_tokens for r in prefills[1:]]
+    others += [r.num_tokens for _, r in zip(range(seq_room), waiting)]
     need = 0
-    for count, request in enumerate(waiting):
-        if count >= seq_room or need >= free:
+    for tokens in others:
+        if need >= free:
             break
-        need += min(request.num_tokens, chunk_cap)
+        need += min(tokens, chunk_cap)
     return PrefillRoom(budget, min(need, free))

@@ -175,16 +175,16 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if limits is not None:
             budget = min(budget, limits.max_tokens)
+        chunk_cap = planning.chunk_cap or self.chunk_cap
+        order = step_order(self.running, budget, chunk_cap, planning.seq_room)  # per-client round robin when short
         recently = self.last_decode_at is not None and now - self.last_decode_at < DECODE_GRACE_S
-        room = prefill_room(self.running, self.waiting, self.prefill_with_decodes, planning.chunk_cap or self.chunk_cap,
-                            self._admission_room(planning),
+        room = prefill_room(order, self.waiting, self.prefill_with_decodes, chunk_cap, self._admission_room(planning),
                             SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else None, recently_decoded=recently)
         if room is not None:  # sequences decode in this step: its prefill stays small (engine/prefill_budget.py)
             planning.prefill_left, planning.prefill_held = room.total, room.held
         preempted = False
 
-        for request in step_order(self.running, budget, planning.chunk_cap or self.chunk_cap,
-                                  planning.seq_room):  # per-client round robin when short
+        for request in order:
             if request.status is not RequestStatus.RUNNING or budget == 0 or planning.seqs_full:
                 continue
             verifying = self.speculation is not None and self.speculation.wants_verify(request)
@@ -196,6 +196,8 @@ class Scheduler:
                 request.draft_token_ids, verifying = (), False
             count = 1 + len(request.draft_token_ids) if verifying else self._chunk(
                 planning, request, request.num_computed_tokens, budget)
+            if not verifying and is_prefill(request, request.num_computed_tokens):
+                planning.release_held_prefill()  # only the first running prefill leaves room for the others
             if count == 0:
                 continue
             needed = self.speculation.blocks_needed(request) if verifying else request.num_computed_tokens + count

@@ -64,8 +64,8 @@ class StepPlanning:
     score_rows: int = 0  # prompt-logit rows planned so far (at most Scheduler.score_rows)
     seq_room: int | None = None  # sequences the step may still take under its StepLimits (None: no cap)
     chunk_cap: int | None = None  # tokens of one sequence under its StepLimits (None: Scheduler.chunk_cap)
-    # prefill tokens the step may still take while sequences decode in it, and how many of them are
-    # held for admissions while running sequences are planned (engine/prefill_budget.py; None: no cap)
+    # prefill tokens the step may still take while sequences decode in it, and how many of them the
+    # first running prefill leaves for the other prefills (engine/prefill_budget.py; None: no cap)
     prefill_left: int | None = None
     prefill_held: int = 0
 
@@ -92,7 +92,7 @@ class StepPlanning:
             self.prefill_left -= count
 
     def release_held_prefill(self) -> None:
-        """Running sequences are planned: admissions may take the prefill tokens held for them."""
+        """The first running prefill is planned: the other prefills may take what it left them."""
         self.prefill_held = 0
 
     def take_seq(self) -> None:

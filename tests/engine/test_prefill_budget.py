@@ -57,6 +57,15 @@ def test_a_decode_caps_the_step_and_holds_what_waiting_prompts_take():
     assert prefill_room(running, [_request("w", 500)], budget=64, chunk_cap=8192, seq_room=8) == PrefillRoom(64, 32)
 
 
+def test_the_first_running_prefill_holds_what_the_running_prefills_after_it_take():
+    decoding = _request("d", 5, computed=6, outputs=1)
+    long, short = _request("long", 1000, computed=128), _request("short", 20, computed=16)
+    room = prefill_room([decoding, long, short], [_request("w", 6)], budget=64, chunk_cap=8192, seq_room=8)
+    assert room == PrefillRoom(64, 4 + 6)
+    room = prefill_room([short, long], [], budget=64, chunk_cap=8192, seq_room=8, recently_decoded=True)
+    assert room == PrefillRoom(64, 32)  # the short one is first: it leaves the long one all but its floor
+
+
 def test_the_running_floor_is_half_and_one_scan_chunk_in_exact_mode():
     assert running_floor(64, None) == 32
     assert running_floor(1, None) == 1
@@ -190,6 +199,27 @@ def test_a_prompt_arriving_behind_a_running_long_prompt_is_admitted_in_the_next_
     assert run.steps[-1]["tokens"]["next"] == 6  # admitted whole, beside the long prompt's chunk
     assert long.num_computed_tokens - before == 26  # what was left of the 32 (at least the floor, 16)
     assert run.steps[-1]["prefill"] == 32
+    run.drain()
+    run.check_outputs()
+
+
+def test_a_prompt_admitted_in_part_behind_a_running_long_prompt_ends_in_the_next_step():
+    run = _Run(_config())
+    run.add(_request("stream", 3, max_tokens=80))
+    run.step()
+    long = _request("long", 800, max_tokens=2)
+    run.add(long)
+    run.step()
+    first, second = _request("first", 20, max_tokens=3), _request("second", 20, max_tokens=3)
+    run.add(first)
+    run.add(second)
+    run.step()  # the long prompt keeps its floor (16); the first arrival gets the other 16 of its 20
+    assert run.steps[-1]["tokens"]["long"] == 16 and run.steps[-1]["tokens"]["first"] == 16
+    assert "second" not in run.steps[-1]["tokens"]
+    run.step()  # the first's last 4 and 12 of the second's 20 come before the long prompt's share
+    assert run.steps[-1]["tokens"] == {"stream": 1, "long": 16, "first": 4, "second": 12}
+    run.step()
+    assert run.steps[-1]["tokens"]["second"] == 8 and run.steps[-1]["tokens"]["long"] == 24
     run.drain()
     run.check_outputs()
 
