@@ -286,7 +286,7 @@ SCAN_CHUNK_TOKENS = 64
 # (`EngineConfig.max_prefill_tokens_with_decodes`, `forkpoint serve --max-prefill-tokens-with-decodes`),
 # measured with bench/mixed_step_cost.py (embedded model, 2 cores, 8 decoding streams whose own step
 # takes 36-38 ms; a 16,384-token prompt beside them, median step time over its decoding step time by
-# the chunk's position in the prompt; bench/results/mixed_step_cost_cpu_before.json):
+# the chunk's position in the prompt; bench/results/mixed_step_cost_cpu.json, at 58be129):
 #
 #   chunk   0-4k    4-8k    8-12k   12-16k
 #      64   1.25x   1.61x   1.69x   1.79x
@@ -482,11 +482,11 @@ class EngineConfig:
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
 
-    def prefill_tokens_with_decodes(self) -> int:
-        """Prefill tokens a step that also decodes may take: `max_prefill_tokens_with_decodes` (None:
-        no cap), never more than max_num_batched_tokens."""
+    def prefill_tokens_with_decodes(self) -> int | None:
+        """Prefill tokens a step that also decodes may take: `max_prefill_tokens_with_decodes`, never
+        more than max_num_batched_tokens; None: no cap (steps planned as without the budget)."""
         value = self.max_prefill_tokens_with_decodes
-        return self.max_num_batched_tokens if value is None else min(value, self.max_num_batched_tokens)
+        return None if value is None else min(value, self.max_num_batched_tokens)
 
     def prompt_score_rows(self, vocab_size: int) -> int:
         """Prompt-logit rows one step computes: `prompt_score_bytes` (or the device's default) of

@@ -11,7 +11,8 @@ it (it stopped, or was aborted) leaves the running list at once but keeps its sl
 (`releasing`) until the last such step is committed or failed.
 
 `schedule()` plans running requests first (decodes and prefill chunks, in order; round robin by client
-when the token budget cannot hold them all: engine/fair_order.py), then waiting
+when the token budget cannot hold them all: engine/fair_order.py; in a step that decodes, prefill
+within its own budget, engine/prefill_budget.py), then waiting
 requests in arrival order under the token and sequence budgets (by client when they cannot all be
 admitted: a client with fewer running sequences goes first). A waiting request whose longest
 matching checkpoint is still being produced is *deferred*: it keeps its place in the queue and later
@@ -178,8 +179,9 @@ class Scheduler:
         chunk_cap = planning.chunk_cap or self.chunk_cap
         order = step_order(self.running, budget, chunk_cap, planning.seq_room)  # per-client round robin when short
         recently = self.last_decode_at is not None and now - self.last_decode_at < DECODE_GRACE_S
-        room = prefill_room(order, self.waiting, self.prefill_with_decodes, chunk_cap, self._admission_room(planning),
-                            SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else None, recently_decoded=recently)
+        room = None if self.prefill_with_decodes is None else prefill_room(
+            order, self.waiting, self.prefill_with_decodes, chunk_cap, self._admission_room(planning),
+            SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else None, recently_decoded=recently)
         if room is not None:  # sequences decode in this step: its prefill stays small (engine/prefill_budget.py)
             planning.prefill_left, planning.prefill_held = room.total, room.held
         preempted = False

@@ -77,7 +77,7 @@ def test_the_running_floor_is_half_and_one_scan_chunk_in_exact_mode():
 
 
 def test_the_config_and_the_servers_default():
-    assert EngineConfig(max_num_batched_tokens=4096).prefill_tokens_with_decodes() == 4096  # offline: no cap
+    assert EngineConfig(max_num_batched_tokens=4096).prefill_tokens_with_decodes() is None  # offline: no cap
     assert EngineConfig(max_prefill_tokens_with_decodes=300).prefill_tokens_with_decodes() == 300
     small_steps = EngineConfig(max_prefill_tokens_with_decodes=300, max_num_batched_tokens=32)
     assert small_steps.prefill_tokens_with_decodes() == 32
