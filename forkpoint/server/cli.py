@@ -125,13 +125,13 @@ def run_serve(args: argparse.Namespace) -> int:
         cache_isolation=args.cache_isolation, max_num_seqs_per_request=args.max_num_seqs_per_request,
         max_waiting_per_user=args.max_waiting_per_user, tokenizer_workers=args.tokenizer_workers,
     )
-    check_engine_kwargs(engine_kwargs(args))
+    check_engine_kwargs(engine_kwargs(args, serving=True))
     if args.data_parallel_size != 1 or args.ray_address is not None:
         from forkpoint.server.replicas.launch import serve_replicas
 
-        return serve_replicas(args, config, engine_kwargs(args))
+        return serve_replicas(args, config, engine_kwargs(args, serving=True))
     start = time.perf_counter()
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**engine_kwargs(args, serving=True))
     app = build_app(llm, config, load_time_s=time.perf_counter() - start)
     freeze_startup_heap()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -83,9 +83,10 @@ def test_the_config_and_the_servers_default():
     assert small_steps.prefill_tokens_with_decodes() == 32
     parser = argparse.ArgumentParser()
     add_engine_args(parser, positional_model=False)
-    assert engine_kwargs(parser.parse_args(["--device", "cpu"]))["max_prefill_tokens_with_decodes"] == (
-        CPU_PREFILL_TOKENS_WITH_DECODES)
-    assert engine_kwargs(parser.parse_args(["--device", "cuda"]))["max_prefill_tokens_with_decodes"] is None
+    cpu, cuda = parser.parse_args(["--device", "cpu"]), parser.parse_args(["--device", "cuda"])
+    assert engine_kwargs(cpu, serving=True)["max_prefill_tokens_with_decodes"] == CPU_PREFILL_TOKENS_WITH_DECODES
+    assert engine_kwargs(cpu)["max_prefill_tokens_with_decodes"] is None  # forkpoint generate / bench
+    assert engine_kwargs(cuda, serving=True)["max_prefill_tokens_with_decodes"] is None
     assert engine_kwargs(parser.parse_args(["--device", "cuda", "--max-prefill-tokens-with-decodes", "512"]))[
         "max_prefill_tokens_with_decodes"] == 512
     with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes must be >= 1"):
