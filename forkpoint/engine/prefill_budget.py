@@ -25,24 +25,6 @@ step computes, never the results: chunked prefill is exact.
 
     step that decodes:   [decodes (not counted in B)] [first running prefill <= B - held] [other prefills <= rest of B]
     step with no decode: [running prefills and admissions <= max_num_batched_tokens]
-
-"Decodes" includes the last DECODE_GRACE_S seconds: streams that end together (a client's requests
-of one length, started together) leave the long prompt alone in the running list for the round trip
-until their client's next requests arrive, and a full-budget step begun in that window held them
-17 s on the CPU (bench/hostile.py, 16k prompt). The grace covers that round trip: the bystander's
-largest gap while idle, restarts included, was 0.19 s on an idle machine and 0.57 s under a load
-average of 5 to 9 (docs/server.md).
-
-Within B, running sequences' prefill chunks are planned first (`Scheduler.schedule`), so a long
-prompt already running could take all of B every step and hold the short prompts that arrive
-behind it (a stream's next request) out until it ends. Part of B is therefore *held* for
-admissions while running sequences are planned: what the waiting sequences that have room would
-take, at most B minus the running prefills' floor. The floor, max(ceil(B / 2), one scan chunk with
-checkpoint_exact, else 1 token) capped at B, guarantees the first running prefill progresses every
-step. Holding changes which tokens a step computes, never the results: chunked prefill is exact.
-
-    step that decodes:   [decodes (not counted in B)] [running prefills <= B - held] [admissions <= rest of B]
-    step with no decode: [running prefills and admissions <= max_num_batched_tokens]
 """
 
 from __future__ import annotations

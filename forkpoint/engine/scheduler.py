@@ -179,11 +179,11 @@ class Scheduler:
         chunk_cap = planning.chunk_cap or self.chunk_cap
         order = step_order(self.running, budget, chunk_cap, planning.seq_room)  # per-client round robin when short
         recently = self.last_decode_at is not None and now - self.last_decode_at < DECODE_GRACE_S
-        room = None if self.prefill_with_decodes is None else prefill_room(
+        prefill = None if self.prefill_with_decodes is None else prefill_room(
             order, self.waiting, self.prefill_with_decodes, chunk_cap, self._admission_room(planning),
             SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else None, recently_decoded=recently)
-        if room is not None:  # sequences decode in this step: its prefill stays small (engine/prefill_budget.py)
-            planning.prefill_left, planning.prefill_held = room.total, room.held
+        if prefill is not None:  # sequences decode in this step: its prefill stays small (engine/prefill_budget.py)
+            planning.prefill_left, planning.prefill_held = prefill.total, prefill.held
         preempted = False
 
         for request in order:
