@@ -1,5 +1,5 @@
 """What a long prompt's prefill chunk adds to a step that also decodes: step time against the chunk's
-tokens and its position in the prompt, on this machine, with the embedded default model.
+tokens and its position in the prompt, on this machine, with the embedded default model (or --model).
 
 Per chunk size N (`long_prefill_token_threshold` = N, and a mixed-step prefill budget of N, so every
 step of the long prompt takes exactly N of its tokens): --streams greedy streams (short prompts,
@@ -12,6 +12,7 @@ under 2.
 Usage:
     python bench/mixed_step_cost.py                                   # N in 64 128 256 512, 16k prompt
     python bench/mixed_step_cost.py --chunks 128 256 --prompt-tokens 8192
+    python bench/mixed_step_cost.py --model DIR --dummy --chunks 512 1024 2048 4096 --name mixed_step_cost_h200
 Writes bench/results/mixed_step_cost_cpu.json and .png.
 """
 
@@ -34,7 +35,8 @@ from forkpoint import LLM, SamplingParams  # noqa: E402
 
 def measure(chunk: int, args: argparse.Namespace) -> dict:
     """Step times of one engine whose long prompt runs in chunks of `chunk` tokens beside the streams."""
-    llm = LLM(long_prefill_token_threshold=chunk, max_prefill_tokens_with_decodes=chunk, seed=0)
+    llm = LLM(args.model, long_prefill_token_threshold=chunk, max_prefill_tokens_with_decodes=chunk, seed=0,
+              **({"load_format": "dummy"} if args.dummy else {}))
     engine = llm.engine
     stream_params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
     for i in range(args.streams):
@@ -89,7 +91,7 @@ def plot(result: dict, path: str) -> None:
     ax.set_xlabel("position of the chunk in the prompt (tokens)")
     ax.set_yscale("log")  # a few steps share the CPU with other jobs: outliers up to 100x
     ax.set_ylabel("mixed step time / decode step time")
-    ax.set_title(f"{result['streams']} decoding streams + one prefill chunk (embedded model, CPU)")
+    ax.set_title(f"{result['streams']} decoding streams + one prefill chunk ({result.get('model', 'embedded model')})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -98,6 +100,8 @@ def plot(result: dict, path: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    parser.add_argument("--dummy", action="store_true", help="random weights from the model's config.json")
     parser.add_argument("--chunks", type=int, nargs="+", default=[64, 128, 256, 512])
     parser.add_argument("--prompt-tokens", type=int, default=16384)
     parser.add_argument("--streams", type=int, default=8)
@@ -106,7 +110,8 @@ def main() -> int:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--name", default="mixed_step_cost_cpu")
     args = parser.parse_args()
-    result = {"code": code_version(), "machine": machine_info(), "prompt_tokens": args.prompt_tokens,
+    result = {"code": code_version(), "machine": machine_info(), "model": args.model or "embedded model",
+              "prompt_tokens": args.prompt_tokens,
               "streams": args.streams, "runs": []}
     print(f"{'chunk':>6} {'positions':>13} {'steps':>6} {'decode s':>9} {'mixed median s':>15} {'max s':>7} "
           f"{'x decode':>9}", flush=True)
