@@ -47,7 +47,7 @@ def test_no_decode_no_cap():
 
 
 def test_a_decode_caps_the_step_and_holds_what_waiting_prompts_take():
-    decoding = _request("d", 5, computed=6, outputs=1)
+    decoding = _request("d", 5, computed=5, outputs=1)  # its sampled token is next
     running = [decoding, _request("long", 1000, computed=128)]
     assert prefill_room(running, [], budget=64, chunk_cap=8192, seq_room=8) == PrefillRoom(64, 0)
     waiting = [_request("w1", 9), _request("w2", 5)]
@@ -58,7 +58,7 @@ def test_a_decode_caps_the_step_and_holds_what_waiting_prompts_take():
 
 
 def test_the_first_running_prefill_holds_what_the_running_prefills_after_it_take():
-    decoding = _request("d", 5, computed=6, outputs=1)
+    decoding = _request("d", 5, computed=5, outputs=1)  # its sampled token is next
     long, short = _request("long", 1000, computed=128), _request("short", 20, computed=16)
     room = prefill_room([decoding, long, short], [_request("w", 6)], budget=64, chunk_cap=8192, seq_room=8)
     assert room == PrefillRoom(64, 4 + 6)
