@@ -14,7 +14,8 @@ free loopback port, or uses --url (with --server-pid for the RSS columns). For e
                  after - before
     bystander    the largest gap between consecutive events (request start, then each streamed chunk) of
                  a client that keeps 8 streaming completions going while the case runs, and that gap
-                 over the same client's gap during an idle interval (the baseline row)
+                 over the same client's gap during an idle interval (the baseline row); the JSON's
+                 `extra` has its streamed chunks (one token each) during the case and their rate
 
 The issue's bar: no 500, /health under 250 ms, RSS kept under 200 MB, bystander gap within 2x of
 its baseline. Writes bench/results/hostile_cpu.json and hostile_cpu.png.
@@ -178,6 +179,10 @@ class Bystander:
             except httpx.HTTPError:
                 self.errors += 1
 
+    def chunks(self, start: float, end: float) -> int:
+        """Events (streamed chunks, one token each) that arrived within [start, end]."""
+        return sum(1 for _, b in self.gaps if start <= b <= end)
+
     def largest_gap(self, start: float, end: float) -> float:
         """The largest gap that overlaps [start, end]."""
         return max((b - a for a, b in self.gaps if b > start and a < end), default=0.0)
@@ -326,6 +331,7 @@ async def run_case(case: Case, client: httpx.AsyncClient, url: str, model: str, 
         task.cancel()
     await asyncio.gather(*streams, return_exceptions=True)
     gap = bystander.largest_gap(start, end)
+    streamed = bystander.chunks(start, end)
     await asyncio.sleep(SETTLE_S)
     rss_after = rss_mib(pid)
     counts: dict[str, int] = {}
@@ -333,7 +339,8 @@ async def run_case(case: Case, client: httpx.AsyncClient, url: str, model: str, 
         counts[str(status)] = counts.get(str(status), 0) + 1
     return Row(case.name, case.what, counts, end - start, max(health_ms, default=float("nan")),
                percentile(health_ms, 99), max(probes.health_ms, default=float("nan")), rss_before,
-               max(probes.rss, default=rss_before), rss_after, gap, bystander.errors, note)
+               max(probes.rss, default=rss_before), rss_after, gap, bystander.errors, note,
+               {"bystander_chunks": streamed, "bystander_chunks_per_s": streamed / max(end - start, 1e-9)})
 
 
 async def run_all(args: argparse.Namespace, url: str, pid: int | None, code: dict) -> dict:
@@ -364,7 +371,7 @@ async def run_all(args: argparse.Namespace, url: str, pid: int | None, code: dic
 # ---------------------------------------------------------------------------------------- output
 HEADER = (f"{'case':<22} {'status':<14} {'time s':>7} {'/health max ms':>14} {'p99':>5} {'bench loop':>10} "
           f"{'RSS before':>10} {'peak':>7} "
-          f"{'after':>7} {'kept':>6} {'bystander gap s':>15} {'x base':>6}  note")
+          f"{'after':>7} {'kept':>6} {'bystander gap s':>15} {'x base':>6} {'tok/s':>6}  note")
 
 
 def _mib(value: float | None) -> str:
@@ -378,7 +385,7 @@ def format_row(row: Row, baseline_gap: float | None) -> str:
     return (f"{row.case:<22} {status:<14} {row.time_s:>7.1f} {row.health_max_ms:>14.0f} {row.health_p99_ms:>5.0f} "
             f"{row.health_bench_loop_max_ms:>10.0f} {_mib(row.rss_before_mib):>10} "
             f"{_mib(row.rss_peak_mib):>7} {_mib(row.rss_after_mib):>7} {kept:>6} {row.bystander_gap_s:>15.2f} "
-            f"{ratio:>6}  {row.note}")
+            f"{ratio:>6} {row.extra.get('bystander_chunks_per_s', 0.0):>6.1f}  {row.note}")
 
 
 def markdown_table(result: dict) -> str:

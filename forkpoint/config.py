@@ -282,6 +282,24 @@ class ModelConfig:
 # scan's floating-point result depends on where its chunks start, so exact checkpoints align to it.
 SCAN_CHUNK_TOKENS = 64
 
+# The server's default prefill budget on the CPU for a step that also decodes
+# (`EngineConfig.max_prefill_tokens_with_decodes`, `forkpoint serve --max-prefill-tokens-with-decodes`),
+# measured with bench/mixed_step_cost.py (embedded model, 2 cores, 8 decoding streams whose own step
+# takes 36-38 ms; a 16,384-token prompt beside them, median step time over its decoding step time by
+# the chunk's position in the prompt; bench/results/mixed_step_cost_cpu.json, at 58be129):
+#
+#   chunk   0-4k    4-8k    8-12k   12-16k
+#      64   1.25x   1.61x   1.69x   1.79x
+#     128   1.40x   1.62x   2.39x   2.54x
+#     256   1.19x   1.36x   2.08x   2.56x
+#     512   2.91x   7.28x  10.50x  10.25x
+#
+# Past a few thousand tokens of context the CPU attention reference dominates a chunk's cost (it grows
+# with the chunk's position), so only 64 tokens keep a mixed step under 2x of a decode step through a
+# 16k prompt. On CUDA the default is no cap (vLLM's mixed steps) until it is measured there, and the
+# offline API (`LLM`) keeps no cap on either device: its batches want throughput, not token gaps.
+CPU_PREFILL_TOKENS_WITH_DECODES = 64
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -333,6 +351,12 @@ class EngineConfig:
     checkpoint_exact: bool = False
     # cap on one request's prefill tokens per step (vLLM's name), so long prompts share steps
     long_prefill_token_threshold: int | None = None
+    # most prefill tokens (all requests together) in a step that also decodes, so a long prompt's
+    # chunks keep the decoding streams' token gaps near their own step time (Sarathi-Serve's token
+    # budget; engine/prefill_budget.py). A step with no decode takes max_num_batched_tokens. None: no
+    # cap (vLLM's mixed steps; the offline API's throughput); the server's default on the CPU is
+    # CPU_PREFILL_TOKENS_WITH_DECODES (server/engine_args.py)
+    max_prefill_tokens_with_decodes: int | None = None
     # bytes of float32 prompt-logit rows ([rows, vocab]) one step computes for prompt logprobs: a scored
     # prompt runs in chunks of that many rows (`prompt_score_rows`), so its memory is O(chunk x vocab)
     # per step plus O(prompt x k) of kept scores, not O(prompt x vocab). None: 64 MiB on the CPU (64
@@ -398,6 +422,11 @@ class EngineConfig:
             raise ValueError(f"auto_checkpoint_min_tokens must be >= 1, got {self.auto_checkpoint_min_tokens}")
         if self.checkpoint_exact and self.max_num_batched_tokens < SCAN_CHUNK_TOKENS:
             raise ValueError(f"checkpoint_exact needs max_num_batched_tokens >= {SCAN_CHUNK_TOKENS} (one scan chunk)")
+        if (self.checkpoint_exact and self.max_prefill_tokens_with_decodes is not None
+                and self.max_prefill_tokens_with_decodes < SCAN_CHUNK_TOKENS):
+            raise ValueError(f"checkpoint_exact needs max_prefill_tokens_with_decodes >= {SCAN_CHUNK_TOKENS} (one scan "
+                             f"chunk), got {self.max_prefill_tokens_with_decodes}: a mixed step's prefill chunk ends "
+                             "at a scan-chunk boundary")
         if self.prompt_score_bytes is not None and self.prompt_score_bytes < 1:
             raise ValueError(f"prompt_score_bytes must be >= 1, got {self.prompt_score_bytes}")
         if self.checkpoint_host_bytes is not None and self.checkpoint_host_bytes < 0:
@@ -429,7 +458,7 @@ class EngineConfig:
             raise ValueError(f"image_min_pixels {self.image_min_pixels} exceeds image_max_pixels "
                              f"{self.image_max_pixels}")
         for name in ("checkpoint_pool_size", "num_kv_blocks", "num_state_slots", "long_prefill_token_threshold",
-                     "image_min_pixels", "image_max_pixels"):
+                     "max_prefill_tokens_with_decodes", "image_min_pixels", "image_max_pixels"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -452,6 +481,12 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+
+    def prefill_tokens_with_decodes(self) -> int | None:
+        """Prefill tokens a step that also decodes may take: `max_prefill_tokens_with_decodes`, never
+        more than max_num_batched_tokens; None: no cap (steps planned as without the budget)."""
+        value = self.max_prefill_tokens_with_decodes
+        return None if value is None else min(value, self.max_num_batched_tokens)
 
     def prompt_score_rows(self, vocab_size: int) -> int:
         """Prompt-logit rows one step computes: `prompt_score_bytes` (or the device's default) of

@@ -11,7 +11,8 @@ it (it stopped, or was aborted) leaves the running list at once but keeps its sl
 (`releasing`) until the last such step is committed or failed.
 
 `schedule()` plans running requests first (decodes and prefill chunks, in order; round robin by client
-when the token budget cannot hold them all: engine/fair_order.py), then waiting
+when the token budget cannot hold them all: engine/fair_order.py; in a step that decodes, prefill
+within its own budget, engine/prefill_budget.py), then waiting
 requests in arrival order under the token and sequence budgets (by client when they cannot all be
 admitted: a client with fewer running sequences goes first). A waiting request whose longest
 matching checkpoint is still being produced is *deferred*: it keeps its place in the queue and later
@@ -41,6 +42,7 @@ from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig
 from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner, Placement
 from forkpoint.engine.checkpoint_claims import CheckpointClaims
 from forkpoint.engine.fair_order import admission_order, step_order
+from forkpoint.engine.prefill_budget import DECODE_GRACE_S, is_prefill, prefill_room
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler_stats import SchedulerStats
 from forkpoint.engine.speculative import Speculation
@@ -65,6 +67,8 @@ class Scheduler:
         self.claims = CheckpointClaims(registry, self.stats, self.state_position)
         self.block_size = block_pool.block_size
         self.chunk_cap = config.long_prefill_token_threshold or config.max_num_batched_tokens
+        self.prefill_with_decodes = config.prefill_tokens_with_decodes()
+        self.last_decode_at: float | None = None  # when the last step with a decode in it was planned
         self.in_flight: list[ScheduledStep] = []  # scheduled, not yet committed or failed; oldest first
         self.num_steps = 0  # non-empty steps scheduled so far (a request's queued_steps counts them)
         # ended sequences whose slot and blocks a step in flight still computes on, with whether their
@@ -172,10 +176,17 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if limits is not None:
             budget = min(budget, limits.max_tokens)
+        chunk_cap = planning.chunk_cap or self.chunk_cap
+        order = step_order(self.running, budget, chunk_cap, planning.seq_room)  # per-client round robin when short
+        recently = self.last_decode_at is not None and now - self.last_decode_at < DECODE_GRACE_S
+        prefill = None if self.prefill_with_decodes is None else prefill_room(
+            order, self.waiting, self.prefill_with_decodes, chunk_cap, self._admission_room(planning),
+            SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else None, recently_decoded=recently)
+        if prefill is not None:  # sequences decode in this step: its prefill stays small (engine/prefill_budget.py)
+            planning.prefill_left, planning.prefill_held = prefill.total, prefill.held
         preempted = False
 
-        for request in step_order(self.running, budget, planning.chunk_cap or self.chunk_cap,
-                                  planning.seq_room):  # per-client round robin when short
+        for request in order:
             if request.status is not RequestStatus.RUNNING or budget == 0 or planning.seqs_full:
                 continue
             verifying = self.speculation is not None and self.speculation.wants_verify(request)
@@ -187,6 +198,8 @@ class Scheduler:
                 request.draft_token_ids, verifying = (), False
             count = 1 + len(request.draft_token_ids) if verifying else self._chunk(
                 planning, request, request.num_computed_tokens, budget)
+            if not verifying and is_prefill(request, request.num_computed_tokens):
+                planning.release_held_prefill()  # only the first running prefill leaves room for the others
             if count == 0:
                 continue
             needed = self.speculation.blocks_needed(request) if verifying else request.num_computed_tokens + count
@@ -197,19 +210,24 @@ class Scheduler:
                 continue
             verify = self.speculation.plan(request) if verifying else None
             if verify is not None:
+                self.last_decode_at = now
                 segments, spec = verify
                 planning.segments.extend(segments)
                 planning.requests.extend([request] * len(segments))
                 planning.verifies.append(spec)
             else:
                 count = 1 if verifying else count
+                if not verifying and is_prefill(request, request.num_computed_tokens):
+                    planning.take_prefill(count)
+                else:
+                    self.last_decode_at = now
                 self._plan_chunk(planning, request, request.num_computed_tokens, count, None)
             budget -= count
             planning.take_seq()
 
+        planning.release_held_prefill()
         if not preempted:
-            room = self.config.max_num_seqs - len(self.running)
-            room = room if planning.seq_room is None else min(room, planning.seq_room)
+            room = self._admission_room(planning)
             for request in admission_order(self.waiting, self.running, budget, room,
                                            planning.chunk_cap or self.chunk_cap):
                 if budget == 0 or len(self.running) >= self.config.max_num_seqs or planning.seqs_full:
@@ -226,6 +244,11 @@ class Scheduler:
         self.claims.reserve_for_queued(self.waiting)
 
         return self._scheduled(planning)
+
+    def _admission_room(self, planning: StepPlanning) -> int:
+        """How many waiting sequences this step can admit, under max_num_seqs and its StepLimits."""
+        room = self.config.max_num_seqs - len(self.running)
+        return room if planning.seq_room is None else min(room, planning.seq_room)
 
     def _scheduled(self, planning: StepPlanning) -> ScheduledStep:
         """The step, in flight unless empty; its plan takes the device writes recorded since the last one."""
@@ -278,6 +301,7 @@ class Scheduler:
                 kind=SegmentKind.DECODE, phase=0, samples=True, multimodal=request.multimodal,
                 fed_row=rows[request.request_id]))
             planning.requests.append(request)
+        self.last_decode_at = time.monotonic()
         return self._scheduled(planning)
 
     def commit(self, step: ScheduledStep) -> None:
@@ -368,8 +392,12 @@ class Scheduler:
         """Tokens of `request` to compute from `start` this step. With checkpoint_exact, a chunk
         that does not finish the sequence ends at a scan-chunk boundary (0 when none fits), so chunked
         prefill runs the recurrent scans over the same chunks as one pass. A request scoring its prompt
-        gets at most the step's prompt-logit rows left (`score_rows`): its logits stay O(chunk x vocab)."""
+        gets at most the step's prompt-logit rows left (`score_rows`): its logits stay O(chunk x vocab).
+        In a step that decodes, prefill takes at most the step's prefill room left (`StepPlanning.prefill_cap`)."""
         count = min(request.num_tokens - start, budget, planning.chunk_cap or self.chunk_cap)
+        prefill_cap = planning.prefill_cap()
+        if prefill_cap is not None and is_prefill(request, start):
+            count = min(count, prefill_cap)
         to_score = len(request.prompt_token_ids) - 1 - start
         rows_left = self.score_rows - planning.score_rows
         if request.params.prompt_logprobs is not None and to_score > rows_left:
@@ -471,6 +499,7 @@ class Scheduler:
         self.claims.claim(request, start, now)
         if progress.waiting_on is not None:
             self.claims.stop_waiting(request, now)
+        planning.take_prefill(count)  # an admitted sequence's chunk is prefill
         self._plan_chunk(planning, request, start, count, source)
         return count
 

@@ -64,6 +64,10 @@ class StepPlanning:
     score_rows: int = 0  # prompt-logit rows planned so far (at most Scheduler.score_rows)
     seq_room: int | None = None  # sequences the step may still take under its StepLimits (None: no cap)
     chunk_cap: int | None = None  # tokens of one sequence under its StepLimits (None: Scheduler.chunk_cap)
+    # prefill tokens the step may still take while sequences decode in it, and how many of them the
+    # first running prefill leaves for the other prefills (engine/prefill_budget.py; None: no cap)
+    prefill_left: int | None = None
+    prefill_held: int = 0
 
     def add_segment(self, request: Request, start: int, end: int, initial: int, dests: tuple[int, ...],
                     kind: SegmentKind, phase: int) -> None:
@@ -78,6 +82,18 @@ class StepPlanning:
             next_token=request.tokens(end, end + 1)[0] if end < request.num_tokens else None))
         self.score_rows += self.segments[-1].prompt_logit_rows
         self.requests.append(request)
+
+    def prefill_cap(self) -> int | None:
+        """Prefill tokens the next chunk may take (None: no cap below the step's token budget)."""
+        return None if self.prefill_left is None else self.prefill_left - self.prefill_held
+
+    def take_prefill(self, count: int) -> None:
+        if self.prefill_left is not None:
+            self.prefill_left -= count
+
+    def release_held_prefill(self) -> None:
+        """The first running prefill is planned: the other prefills may take what it left them."""
+        self.prefill_held = 0
 
     def take_seq(self) -> None:
         if self.seq_room is not None:

@@ -1,0 +1,92 @@
+"""How many prefill tokens a step takes while sequences decode in it (issue 27, head-of-line blocking).
+
+A decoding stream emits one token per step, so its token gap is the time of the steps it is in. A
+long prompt's chunk in the same step stretches that step: on the CPU a 512-token chunk at position
+8k-16k of a 16k prompt made the step 10x a decode step (config.py: CPU_PREFILL_TOKENS_WITH_DECODES).
+So a step that decodes takes at most B prefill tokens in all (B =
+`EngineConfig.prefill_tokens_with_decodes()`: Sarathi-Serve's stall-free token budget), and a step
+with no decode takes the full max_num_batched_tokens (nothing waits on it; throughput first).
+
+"Decodes" includes the last DECODE_GRACE_S seconds: streams that end together (a client's requests
+of one length, started together) leave the long prompt alone in the running list for the round trip
+until their client's next requests arrive, and a full-budget step begun in that window held them
+17 s on the CPU (bench/hostile.py, 16k prompt). The grace covers that round trip: the bystander's
+largest gap while idle, restarts included, was 0.19 s on an idle machine and 0.57 s under a load
+average of 5 to 9 (docs/server.md).
+
+Within B, running sequences' prefill chunks are planned first, in the step's order
+(`Scheduler.schedule`), then admissions. A long prompt running first could take all of B every step
+and hold out, until it ends, the short prompts behind it: a stream's next request, waiting or
+admitted with part of its prompt. So the *first* running prefill leaves the other prefills (running
+after it, then the waiting sequences that have room) what they would take, at most B minus its
+floor: max(ceil(B / 2), one scan chunk with checkpoint_exact, else 1 token), capped at B, so it
+progresses every step. The others then take what is left in order. Holding changes which tokens a
+step computes, never the results: chunked prefill is exact.
+
+    step that decodes:   [decodes (not counted in B)] [first running prefill <= B - held] [other prefills <= rest of B]
+    step with no decode: [running prefills and admissions <= max_num_batched_tokens]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from forkpoint.engine.request import Request
+
+DECODE_GRACE_S = 1.0  # seconds after the last step with a decode during which steps stay capped
+
+
+def is_prefill(request: Request, start: int) -> bool:
+    """Whether computing `request` from token `start` is prefill work: a prompt token, or a recomputed
+    output after preemption (more than the one next token left). A decode (or a speculative verify,
+    whose drafts are not in num_tokens) computes exactly the last token past the prompt."""
+    return start < len(request.prompt_token_ids) or request.num_tokens - start > 1
+
+
+@dataclass(frozen=True)
+class PrefillRoom:
+    """A step's prefill tokens while sequences decode in it: `total` in all, of which the first
+    running prefill leaves `held` to the others. 0 <= held <= total - 1."""
+
+    total: int
+    held: int
+
+    def __post_init__(self) -> None:
+        if self.total < 1 or not 0 <= self.held < self.total:
+            raise ValueError(f"a prefill room needs total >= 1 and 0 <= held < total, got total {self.total}, "
+                             f"held {self.held}")
+
+
+def running_floor(budget: int, scan_chunk: int | None) -> int:
+    """Prefill tokens the running sequences keep however much waits: half of `budget` (rounded up),
+    at least one scan chunk (`scan_chunk`, with checkpoint_exact: a shorter chunk rounds down to
+    nothing), never more than `budget`."""
+    return min(budget, max(-(-budget // 2), scan_chunk or 1))
+
+
+def prefill_room(running: Sequence[Request], waiting: Iterable[Request], budget: int, chunk_cap: int,
+                 seq_room: int, scan_chunk: int | None = None, *, recently_decoded: bool = False) -> PrefillRoom | None:
+    """The step's prefill room, or None when no running sequence decodes and none did within
+    DECODE_GRACE_S (`recently_decoded`): no cap below the step's.
+
+    running: in the order the step plans them; budget: B, the prefill tokens of a step that decodes
+    (>= 1); chunk_cap: the most tokens of one sequence per step; seq_room: how many waiting
+    sequences the step can still admit (in `waiting`'s order); scan_chunk: SCAN_CHUNK_TOKENS with
+    checkpoint_exact, else None. Held: what the running prefills after the first and those waiting
+    sequences would take this step (their tokens left, capped at chunk_cap; a waiting one's
+    checkpoint may make it less), at most B minus `running_floor`."""
+    if budget < 1:
+        raise ValueError(f"the prefill budget of a step that decodes must be >= 1, got {budget}")
+    if not recently_decoded and not any(not is_prefill(r, r.num_computed_tokens) for r in running):
+        return None
+    free = budget - running_floor(budget, scan_chunk)
+    prefills = [r for r in running if is_prefill(r, r.num_computed_tokens)]
+    others = [r.num_tokens - r.num_computed_tokens for r in prefills[1:]]
+    others += [r.num_tokens for _, r in zip(range(seq_room), waiting)]
+    need = 0
+    for tokens in others:
+        if need >= free:
+            break
+        need += min(tokens, chunk_cap)
+    return PrefillRoom(budget, min(need, free))
