@@ -282,11 +282,10 @@ class ModelConfig:
 # scan's floating-point result depends on where its chunks start, so exact checkpoints align to it.
 SCAN_CHUNK_TOKENS = 64
 
-# The server's default prefill budget on the CPU for a step that also decodes
-# (`EngineConfig.max_prefill_tokens_with_decodes`, `forkpoint serve --max-prefill-tokens-with-decodes`),
-# measured with bench/mixed_step_cost.py (embedded model, 2 cores, 8 decoding streams whose own step
-# takes 36-38 ms; a 16,384-token prompt beside them, median step time over its decoding step time by
-# the chunk's position in the prompt; bench/results/mixed_step_cost_cpu.json, at 58be129):
+# `EngineConfig.max_prefill_tokens_with_decodes` (`forkpoint serve --max-prefill-tokens-with-decodes`)
+# on the CPU, measured with bench/mixed_step_cost.py (embedded model, 2 cores, 8 decoding streams whose
+# own step takes 36-38 ms; a 16,384-token prompt beside them, median step time over its decoding step
+# time by the chunk's position in the prompt; bench/results/mixed_step_cost_cpu.json, at 58be129):
 #
 #   chunk   0-4k    4-8k    8-12k   12-16k
 #      64   1.25x   1.61x   1.69x   1.79x
@@ -296,9 +295,9 @@ SCAN_CHUNK_TOKENS = 64
 #
 # Past a few thousand tokens of context the CPU attention reference dominates a chunk's cost (it grows
 # with the chunk's position), so only 64 tokens keep a mixed step under 2x of a decode step through a
-# 16k prompt. On CUDA the default is no cap (vLLM's mixed steps) until it is measured there, and the
-# offline API (`LLM`) keeps no cap on either device: its batches want throughput, not token gaps.
-CPU_PREFILL_TOKENS_WITH_DECODES = 64
+# 16k prompt. It is not the default: the cap applies to every prefill, chat turns included, and with 64
+# a chat server's reused turns waited twice as long for their first token (docs/server.md, "Long
+# prompts and bystanders"); a server exposed to long prompts beside streams sets it.
 
 
 @dataclass(frozen=True)
@@ -354,8 +353,7 @@ class EngineConfig:
     # most prefill tokens (all requests together) in a step that also decodes, so a long prompt's
     # chunks keep the decoding streams' token gaps near their own step time (Sarathi-Serve's token
     # budget; engine/prefill_budget.py). A step with no decode takes max_num_batched_tokens. None: no
-    # cap (vLLM's mixed steps; the offline API's throughput); the server's default on the CPU is
-    # CPU_PREFILL_TOKENS_WITH_DECODES (server/engine_args.py)
+    # cap (vLLM's mixed steps), the default: on the CPU 64 keeps streams within 2x (the table above)
     max_prefill_tokens_with_decodes: int | None = None
     # bytes of float32 prompt-logit rows ([rows, vocab]) one step computes for prompt logprobs: a scored
     # prompt runs in chunks of that many rows (`prompt_score_rows`), so its memory is O(chunk x vocab)

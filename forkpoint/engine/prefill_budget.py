@@ -2,7 +2,7 @@
 
 A decoding stream emits one token per step, so its token gap is the time of the steps it is in. A
 long prompt's chunk in the same step stretches that step: on the CPU a 512-token chunk at position
-8k-16k of a 16k prompt made the step 10x a decode step (config.py: CPU_PREFILL_TOKENS_WITH_DECODES).
+8k-16k of a 16k prompt made the step 10x a decode step (config.py, the table before EngineConfig).
 So a step that decodes takes at most B prefill tokens in all (B =
 `EngineConfig.prefill_tokens_with_decodes()`: Sarathi-Serve's stall-free token budget), and a step
 with no decode takes the full max_num_batched_tokens (nothing waits on it; throughput first).

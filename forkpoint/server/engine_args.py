@@ -9,7 +9,6 @@ import argparse
 import json
 from typing import Any
 
-from forkpoint.config import CPU_PREFILL_TOKENS_WITH_DECODES, EngineConfig
 from forkpoint.speculative_config import SpeculativeConfig
 
 
@@ -48,8 +47,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
     group.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None, metavar="N",
                        help="most prefill tokens (all prompts together) in a step that also decodes, so a long "
                             "prompt keeps running streams' token gaps near their step time; a step with no decode "
-                            "takes --max-num-batched-tokens (default for serve: 64 on the CPU, measured; no cap on "
-                            "CUDA; none for offline commands)")
+                            "takes --max-num-batched-tokens (default: no cap; on the CPU 64 keeps streams within 2x "
+                            "of their step time beside a 16k prompt, but also slows chat turns' first tokens)")
     group.add_argument("--prompt-score-bytes", type=int, default=None, metavar="BYTES",
                        help="bytes of float32 prompt-logit rows one step computes for prompt logprobs (echo + "
                             "logprobs, prompt_logprobs): a scored prompt runs in chunks of that many rows, so its "
@@ -127,18 +126,8 @@ def _speculative_config(text: str) -> dict:
     return value
 
 
-def serving_prefill_tokens_with_decodes(args: argparse.Namespace, serving: bool) -> int | None:
-    """--max-prefill-tokens-with-decodes, else for the server (`serving`) its default:
-    CPU_PREFILL_TOKENS_WITH_DECODES on the CPU (measured there, config.py), no cap on CUDA (vLLM's
-    mixed steps; not measured there yet); offline commands (generate, bench) keep no cap."""
-    if args.max_prefill_tokens_with_decodes is not None or not serving:
-        return args.max_prefill_tokens_with_decodes
-    on_cpu = EngineConfig(device=args.device).torch_device().type == "cpu"
-    return CPU_PREFILL_TOKENS_WITH_DECODES if on_cpu else None
-
-
-def engine_kwargs(args: argparse.Namespace, *, serving: bool = False) -> dict[str, Any]:
-    """`LLM(**engine_kwargs(args))`; `serving`: for `forkpoint serve` (its defaults where they differ)."""
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`LLM(**engine_kwargs(args))`."""
     return dict(
         model=args.model, tokenizer=args.tokenizer, revision=args.revision,
         tokenizer_revision=args.tokenizer_revision, download_dir=args.download_dir, dtype=args.dtype,
@@ -146,7 +135,7 @@ def engine_kwargs(args: argparse.Namespace, *, serving: bool = False) -> dict[st
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         long_prefill_token_threshold=args.long_prefill_token_threshold, prompt_score_bytes=args.prompt_score_bytes,
-        max_prefill_tokens_with_decodes=serving_prefill_tokens_with_decodes(args, serving),
+        max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
         enable_checkpoints=not args.no_checkpoints, checkpoint_token=args.checkpoint_token,
         max_checkpoints_per_request=args.max_checkpoints_per_request, load_format=args.load_format,
         enforce_eager=args.enforce_eager, auto_checkpoints=args.auto_checkpoints,
@@ -158,7 +147,7 @@ def engine_kwargs(args: argparse.Namespace, *, serving: bool = False) -> dict[st
 
 
 def server_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """`engine_kwargs(args, serving=True)` for the one engine of `forkpoint serve` (the replicas split the
+    """`engine_kwargs(args)` for the one engine of `forkpoint serve` (the replicas split the
     host tier themselves, server/replicas/launch.py): on a GPU the default host tier is sized
     here (cache/sizing.py), so the engine pins it ahead, in the background from start-up on, as it does
     any size it is given (engine/builder.py). A server is one long-lived engine, and pinning as the tier
@@ -167,7 +156,7 @@ def server_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     from forkpoint.cache.sizing import default_host_tier_bytes, physical_memory_bytes
     from forkpoint.config import EngineConfig  # imports torch: only when a command runs
 
-    kwargs = engine_kwargs(args, serving=True)
+    kwargs = engine_kwargs(args)
     config = EngineConfig(**kwargs)
     if config.checkpoint_host_bytes is None and config.enable_checkpoints and config.torch_device().type == "cuda":
         kwargs["checkpoint_host_bytes"] = default_host_tier_bytes(physical_memory_bytes(), True,
