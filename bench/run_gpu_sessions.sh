@@ -22,7 +22,9 @@
 # nonce opens every request). On the GPU the host tier is on by default (a quarter of RAM, at most 64 GiB).
 # Estimates from docs/e2e_h200.md (prefill ~55k tokens/s at full steps, decode ~18 ms/step at batch 64),
 # issue 26 (32 sessions: A 14.0 s, B 21.4 s) and issue 32 (64 sessions x 5 turns: A 52.4 s, B 31.3 s);
-# server start ~160 s on a fresh machine (Triton compiles), ~31 s after that; stop ~5-10 s:
+# server start ~160 s on a fresh machine (Triton compiles), ~31 s after that (plus, since session 11, the wait for
+# the host tier's pinned memory before serving: ~16-19 s for 31.5-37 GiB at the ~2 GB/s measured, not yet timed
+# in a start); stop ~5-10 s:
 #   a  off32      32 sessions, thinking off           start 160 cold / 31 warm + A ~15 + B ~21 + stop   ~205 s cold
 #   a  off256    256 sessions, thinking off           start 31 + A ~35 (~110 if reuse stalls as in issue 32)
 #                                                     + B ~115 (5.4M prompt tokens at 55k/s) + stop        ~190-270 s
