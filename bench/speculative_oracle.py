@@ -11,12 +11,15 @@ excluded). Results: a printed table and bench/results/<name>.json (and .png when
 Usage:
     python bench/speculative_oracle.py                                   # tiny CPU model (tests/tiny_models.py)
     python bench/speculative_oracle.py --model DIR --load-format dummy --device cuda --seqs 1 16 64 --k 3
+    python bench/speculative_oracle.py --shape qwen3.5-35b-a3b --device cuda --out $OUT    # 35B shapes, dummy
+    python bench/speculative_oracle.py --shape qwen3.5-35b-a3b --tiny --seqs 1 2 --tokens 9  # its CPU dry run
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -80,39 +83,67 @@ def decode_tpot(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> t
     return (time.perf_counter() - start) / (params.max_tokens - 1), [outputs[f"b{i}"] for i in range(len(prompts))]
 
 
+def model_dir_for(args: argparse.Namespace) -> tuple[str, str]:
+    """(model directory, load format): --model as given; else with --shape a config.json at those shapes
+    with one MTP layer (dummy weights, bench/e2e_gpu.py's config; --tiny: its tiny sizes); else a tiny
+    random model with MTP weights (tests/tiny_models.py)."""
+    if args.model is not None:
+        return args.model, args.load_format
+    root = Path(tempfile.mkdtemp())
+    if args.shape is not None:
+        from e2e_gpu import full_config, make_model_dir, tiny_config
+
+        config = {**(tiny_config() if args.tiny else full_config()), "mtp_num_hidden_layers": 1}
+        return str(make_model_dir(config, root / args.shape)), "dummy"
+    from tests.tiny_models import add_mtp_weights, build_tiny_model
+
+    build_tiny_model(root / "base", "qwen3_5_moe_text")
+    add_mtp_weights(root / "base", root / "mtp")
+    return str(root / "mtp"), args.load_format
+
+
+def free(llm: LLM) -> None:
+    """Drop an engine and its device memory before the next one loads (two 35B engines do not fit)."""
+    del llm.engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model dir with MTP layers (default: a tiny random one)")
+    parser.add_argument("--shape", default=None, choices=["qwen3.5-35b-a3b"],
+                        help="instead of --model: these shapes with one MTP layer, dummy weights")
+    parser.add_argument("--tiny", action="store_true", help="with --shape: its tiny sizes (a CPU dry run)")
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seqs", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=33)
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--name", default="speculative_oracle")
     args = parser.parse_args()
-    model = args.model
-    if model is None:
-        from tests.tiny_models import add_mtp_weights, build_tiny_model
-
-        root = Path(tempfile.mkdtemp())
-        build_tiny_model(root / "base", "qwen3_5_moe_text")
-        add_mtp_weights(root / "base", root / "mtp")
-        model = str(root / "mtp")
-    common = dict(load_format=args.load_format, device=args.device, enable_checkpoints=False,
+    model, load_format = model_dir_for(args)
+    common = dict(load_format=load_format, device=args.device, enable_checkpoints=False,
                   num_state_slots=max(args.seqs) * (1 + args.k), max_num_seqs=max(args.seqs))
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     plain = LLM(model, **common)
     vocab = plain.engine.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-    spec = LLM(model, speculative_config={"method": "mtp", "num_speculative_tokens": args.k}, **common)
-    rows = []
-    for seqs in args.seqs:
+    batches, rows = {}, {}
+    for seqs in args.seqs:  # the plain engine first, then the speculative one: one engine on the device at a time
         generator = torch.Generator().manual_seed(seqs)
         prompts = [torch.randint(5, min(vocab, 150), (args.prompt_len,), generator=generator).tolist()
                    for _ in range(seqs)]
         plain_tpot, reference = decode_tpot(plain, prompts, params)
+        batches[seqs] = (prompts, reference)
+        rows[seqs] = {"seqs": seqs, "plain_tpot_ms": plain_tpot * 1e3}
+    free(plain)
+    spec = LLM(model, speculative_config={"method": "mtp", "num_speculative_tokens": args.k}, **common)
+    for seqs, (prompts, reference) in batches.items():
         continuations = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in reference}
-        row = {"seqs": seqs, "plain_tpot_ms": plain_tpot * 1e3}
+        row = rows[seqs]
         for accepted in range(args.k + 1):
             oracle = OracleDrafter(spec, continuations, args.k, accepted, vocab)
             tpot, outputs = decode_tpot(spec, prompts, params)
@@ -120,16 +151,16 @@ def main() -> None:
             same = [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
             row[f"oracle_a{accepted + 1}_tpot_ms"] = tpot * 1e3
             row[f"oracle_a{accepted + 1}_same_tokens"] = same
-        rows.append(row)
         print(json.dumps(row))
+    rows = list(rows.values())
     machine = machine_info()
     print(f"ORACLE DRAFTER (benchmark only): {machine_line(machine)}; model {model}; k = {args.k}")
     print(f"{'N':>4} {'plain':>9} " + " ".join(f"{'acc ' + str(a + 1):>9}" for a in range(args.k + 1)) + "   (TPOT ms)")
     for row in rows:
         print(f"{row['seqs']:>4} {row['plain_tpot_ms']:>9.2f} "
               + " ".join(f"{row[f'oracle_a{a + 1}_tpot_ms']:>9.2f}" for a in range(args.k + 1)))
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     result = {"drafter": "ORACLE (benchmark only)", "model": model, "k": args.k, "tokens": args.tokens,
               "prompt_len": args.prompt_len, "machine": machine, "code": code_version(), "rows": rows}
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
