@@ -23,6 +23,13 @@ from tests.engine.fake_executor import FakeExecutor, reference
 from tests.helpers import assert_same_outputs
 
 
+@pytest.fixture(autouse=True)
+def every_prefill_long(monkeypatch):
+    """The budget's mechanics, with every prefill long (none exempt as short: SHORT_PREFILL_BUDGETS 0);
+    tests/engine/test_prefill_budget_short.py tests the exemption."""
+    monkeypatch.setattr("forkpoint.engine.prefill_budget.SHORT_PREFILL_BUDGETS", 0)
+
+
 def _request(request_id: str, prompt_len: int, max_tokens: int = 8, computed: int = 0,
              outputs: int = 0) -> Request:
     prompt = [(7 * i + len(request_id)) % 100 + 1 for i in range(prompt_len)]
