@@ -295,9 +295,11 @@ SCAN_CHUNK_TOKENS = 64
 #
 # Past a few thousand tokens of context the CPU attention reference dominates a chunk's cost (it grows
 # with the chunk's position), so only 64 tokens keep a mixed step under 2x of a decode step through a
-# 16k prompt. It is not the default: the cap applies to every prefill, chat turns included, and with 64
-# a chat server's reused turns waited twice as long for their first token (docs/server.md, "Long
-# prompts and bystanders"); a server exposed to long prompts beside streams sets it.
+# 16k prompt: `forkpoint serve`'s default on the CPU (server/engine_args.py). The cap counts long
+# prefills only (engine/prefill_budget.py: SHORT_PREFILL_BUDGETS), so chat turns run whole; counting every
+# prefill, it had doubled a chat server's time to first token (docs/server.md, "Long prompts and
+# bystanders"). The offline `LLM` and CUDA (not measured there) keep no cap.
+CPU_SERVE_PREFILL_TOKENS_WITH_DECODES = 64
 
 
 @dataclass(frozen=True)
@@ -353,7 +355,7 @@ class EngineConfig:
     # most prefill tokens (all requests together) in a step that also decodes, so a long prompt's
     # chunks keep the decoding streams' token gaps near their own step time (Sarathi-Serve's token
     # budget; engine/prefill_budget.py). A step with no decode takes max_num_batched_tokens. None: no
-    # cap (vLLM's mixed steps), the default: on the CPU 64 keeps streams within 2x (the table above)
+    # cap (vLLM's mixed steps), the default; `forkpoint serve` on the CPU: CPU_SERVE_PREFILL_TOKENS_WITH_DECODES
     max_prefill_tokens_with_decodes: int | None = None
     # bytes of float32 prompt-logit rows ([rows, vocab]) one step computes for prompt logprobs: a scored
     # prompt runs in chunks of that many rows (`prompt_score_rows`), so its memory is O(chunk x vocab)

@@ -35,6 +35,19 @@ from dataclasses import dataclass
 from forkpoint.engine.request import Request
 
 DECODE_GRACE_S = 1.0  # seconds after the last step with a decode during which steps stay capped
+# a prefill of at most this many budgets (B) in all is short and runs whole beside decodes: a chat turn
+# computes its new text (hundreds of tokens; a first turn with a document, about a thousand), and with B = 64
+# on the CPU the cap had doubled a chat server's time to first token (docs/server.md); the stall it costs a
+# stream is one step, not the tens of seconds of a long prompt's
+SHORT_PREFILL_BUDGETS = 16
+
+
+def is_capped_prefill(request: Request, start: int, budget: int, origin: int) -> bool:
+    """Whether computing `request` from `start` is prefill work that counts against the budget B of a
+    step that decodes: a long prefill, more than SHORT_PREFILL_BUDGETS x B tokens from `origin`, the
+    token its admission started computing from (after what its checkpoint supplied; a running
+    request's `num_cached_tokens`). A short one runs whole, beside the decodes."""
+    return is_prefill(request, start) and request.num_tokens - origin > SHORT_PREFILL_BUDGETS * budget
 
 
 def is_prefill(request: Request, start: int) -> bool:
@@ -81,9 +94,10 @@ def prefill_room(running: Sequence[Request], waiting: Iterable[Request], budget:
     if not recently_decoded and not any(not is_prefill(r, r.num_computed_tokens) for r in running):
         return None
     free = budget - running_floor(budget, scan_chunk)
-    prefills = [r for r in running if is_prefill(r, r.num_computed_tokens)]
+    prefills = [r for r in running if is_capped_prefill(r, r.num_computed_tokens, budget, r.num_cached_tokens)]
     others = [r.num_tokens - r.num_computed_tokens for r in prefills[1:]]
-    others += [r.num_tokens for _, r in zip(range(seq_room), waiting)]
+    long_waiting = SHORT_PREFILL_BUDGETS * budget  # a waiting prompt this short will not count against B
+    others += [r.num_tokens for _, r in zip(range(seq_room), waiting) if r.num_tokens > long_waiting]
     need = 0
     for tokens in others:
         if need >= free:

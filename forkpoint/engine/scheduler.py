@@ -42,7 +42,7 @@ from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig
 from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner, Placement
 from forkpoint.engine.checkpoint_claims import CheckpointClaims
 from forkpoint.engine.fair_order import admission_order, step_order
-from forkpoint.engine.prefill_budget import DECODE_GRACE_S, is_prefill, prefill_room
+from forkpoint.engine.prefill_budget import DECODE_GRACE_S, is_capped_prefill, is_prefill, prefill_room
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler_stats import SchedulerStats
 from forkpoint.engine.speculative import Speculation
@@ -198,7 +198,7 @@ class Scheduler:
                 request.draft_token_ids, verifying = (), False
             count = 1 + len(request.draft_token_ids) if verifying else self._chunk(
                 planning, request, request.num_computed_tokens, budget)
-            if not verifying and is_prefill(request, request.num_computed_tokens):
+            if not verifying and self._capped(request, request.num_computed_tokens):
                 planning.release_held_prefill()  # only the first running prefill leaves room for the others
             if count == 0:
                 continue
@@ -217,10 +217,10 @@ class Scheduler:
                 planning.verifies.append(spec)
             else:
                 count = 1 if verifying else count
-                if not verifying and is_prefill(request, request.num_computed_tokens):
-                    planning.take_prefill(count)
-                else:
+                if verifying or not is_prefill(request, request.num_computed_tokens):
                     self.last_decode_at = now
+                elif self._capped(request, request.num_computed_tokens):
+                    planning.take_prefill(count)
                 self._plan_chunk(planning, request, request.num_computed_tokens, count, None)
             budget -= count
             planning.take_seq()
@@ -388,7 +388,16 @@ class Scheduler:
         checkpoint_exact the scan-chunk boundary at or before it (0: the checkpoint is useless)."""
         return position - position % SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else position
 
-    def _chunk(self, planning: StepPlanning, request: Request, start: int, budget: int) -> int:
+    def _capped(self, request: Request, start: int, admitting: bool = False) -> bool:
+        """Whether `request`'s tokens from `start` count against the prefill budget of a step that
+        decodes (engine/prefill_budget.py: long prefills only). `admitting`: `start` is where its
+        admission begins computing (a running request's is its `num_cached_tokens`)."""
+        origin = start if admitting else request.num_cached_tokens
+        return (self.prefill_with_decodes is not None
+                and is_capped_prefill(request, start, self.prefill_with_decodes, origin))
+
+    def _chunk(self, planning: StepPlanning, request: Request, start: int, budget: int,
+               admitting: bool = False) -> int:
         """Tokens of `request` to compute from `start` this step. With checkpoint_exact, a chunk
         that does not finish the sequence ends at a scan-chunk boundary (0 when none fits), so chunked
         prefill runs the recurrent scans over the same chunks as one pass. A request scoring its prompt
@@ -396,7 +405,7 @@ class Scheduler:
         In a step that decodes, prefill takes at most the step's prefill room left (`StepPlanning.prefill_cap`)."""
         count = min(request.num_tokens - start, budget, planning.chunk_cap or self.chunk_cap)
         prefill_cap = planning.prefill_cap()
-        if prefill_cap is not None and is_prefill(request, start):
+        if prefill_cap is not None and self._capped(request, start, admitting):
             count = min(count, prefill_cap)
         to_score = len(request.prompt_token_ids) - 1 - start
         rows_left = self.score_rows - planning.score_rows
@@ -459,7 +468,7 @@ class Scheduler:
         if self.states.requests.num_free == 0:
             return None
         start = source.state_tokens if source is not None else 0
-        count = self._chunk(planning, request, start, budget)
+        count = self._chunk(planning, request, start, budget, admitting=True)
         if count == 0:
             return None  # exact mode: no scan-chunk boundary within the budget left
         shared = [] if source is None else (source.blocks if source.ready else source.producer_blocks)
@@ -499,7 +508,8 @@ class Scheduler:
         self.claims.claim(request, start, now)
         if progress.waiting_on is not None:
             self.claims.stop_waiting(request, now)
-        planning.take_prefill(count)  # an admitted sequence's chunk is prefill
+        if self._capped(request, start, admitting=True):  # a long prefill's chunk counts against the budget
+            planning.take_prefill(count)
         self._plan_chunk(planning, request, start, count, source)
         return count
 

@@ -145,11 +145,11 @@ def run_serve(args: argparse.Namespace) -> int:
         api_keys=api_keys(args),
         token_cache_bytes=int(args.token_cache_mib * 2**20),
     )
-    check_engine_kwargs(engine_kwargs(args))
+    check_engine_kwargs(server_engine_kwargs(args, replicas=True))
     if args.data_parallel_size != 1 or args.ray_address is not None:
         from forkpoint.server.replicas.launch import serve_replicas
 
-        return serve_replicas(args, config, engine_kwargs(args))
+        return serve_replicas(args, config, server_engine_kwargs(args, replicas=True))
     start = time.perf_counter()
     llm = LLM(**server_engine_kwargs(args))
     app = build_app(llm, config, load_time_s=time.perf_counter() - start)

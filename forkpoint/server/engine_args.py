@@ -47,8 +47,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
     group.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None, metavar="N",
                        help="most prefill tokens (all prompts together) in a step that also decodes, so a long "
                             "prompt keeps running streams' token gaps near their step time; a step with no decode "
-                            "takes --max-num-batched-tokens (default: no cap; on the CPU 64 keeps streams within 2x "
-                            "of their step time beside a 16k prompt, but also slows chat turns' first tokens)")
+                            "takes --max-num-batched-tokens; prefills of at most 16 x N tokens run whole (default for "
+                            "serve: 64 on the CPU, measured; no cap on CUDA; none for offline commands)")
     group.add_argument("--prompt-score-bytes", type=int, default=None, metavar="BYTES",
                        help="bytes of float32 prompt-logit rows one step computes for prompt logprobs (echo + "
                             "logprobs, prompt_logprobs): a scored prompt runs in chunks of that many rows, so its "
@@ -146,19 +146,23 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def server_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """`engine_kwargs(args)` for the one engine of `forkpoint serve` (the replicas split the
-    host tier themselves, server/replicas/launch.py): on a GPU the default host tier is sized
-    here (cache/sizing.py), so the engine pins it ahead, in the background from start-up on, as it does
-    any size it is given (engine/builder.py). A server is one long-lived engine, and pinning as the tier
-    first fills stalls its steps (issue 32: ~40% of the prompt throughput while it filled on an H200).
-    `LLM` keeps pinning as it fills (scripts and tests may hold several engines in one process)."""
+def server_engine_kwargs(args: argparse.Namespace, *, replicas: bool = False) -> dict[str, Any]:
+    """`engine_kwargs(args)` with `forkpoint serve`'s defaults where they differ from `LLM`'s (scripts and
+    tests may hold several engines in one process, and batches want throughput):
+    - on the CPU, `max_prefill_tokens_with_decodes` CPU_SERVE_PREFILL_TOKENS_WITH_DECODES (config.py:
+      a long prompt keeps running streams' token gaps near their step time; short prefills run whole);
+    - on a GPU, the default host tier's size (cache/sizing.py), so the engine pins it ahead before the
+      server serves (engine/builder.py; pinning as the tier first fills stalled the steps, issue 32),
+      except for `replicas`, which split the machine's tier between them (server/replicas/launch.py)."""
     from forkpoint.cache.sizing import default_host_tier_bytes, physical_memory_bytes
-    from forkpoint.config import EngineConfig  # imports torch: only when a command runs
+    from forkpoint.config import CPU_SERVE_PREFILL_TOKENS_WITH_DECODES, EngineConfig  # imports torch
 
     kwargs = engine_kwargs(args)
     config = EngineConfig(**kwargs)
-    if config.checkpoint_host_bytes is None and config.enable_checkpoints and config.torch_device().type == "cuda":
+    device = config.torch_device().type
+    if config.max_prefill_tokens_with_decodes is None and device == "cpu":
+        kwargs["max_prefill_tokens_with_decodes"] = CPU_SERVE_PREFILL_TOKENS_WITH_DECODES
+    if not replicas and config.checkpoint_host_bytes is None and config.enable_checkpoints and device == "cuda":
         kwargs["checkpoint_host_bytes"] = default_host_tier_bytes(physical_memory_bytes(), True,
                                                                   config.tensor_parallel_size)
     return kwargs

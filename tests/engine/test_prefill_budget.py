@@ -14,13 +14,20 @@ from forkpoint import LLM, SamplingParams
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.hashing import PrefixHasher
 from forkpoint.cache.state_pool import StatePool
-from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig
+from forkpoint.config import CPU_SERVE_PREFILL_TOKENS_WITH_DECODES, SCAN_CHUNK_TOKENS, EngineConfig
 from forkpoint.engine.prefill_budget import DECODE_GRACE_S, PrefillRoom, is_prefill, prefill_room, running_floor
 from forkpoint.engine.request import Request
 from forkpoint.engine.scheduler import Scheduler
-from forkpoint.server.engine_args import add_engine_args, engine_kwargs
+from forkpoint.server.engine_args import add_engine_args, engine_kwargs, server_engine_kwargs
 from tests.engine.fake_executor import FakeExecutor, reference
 from tests.helpers import assert_same_outputs
+
+
+@pytest.fixture(autouse=True)
+def every_prefill_long(monkeypatch):
+    """The budget's mechanics, with every prefill long (none exempt as short: SHORT_PREFILL_BUDGETS 0);
+    tests/engine/test_prefill_budget_short.py tests the exemption."""
+    monkeypatch.setattr("forkpoint.engine.prefill_budget.SHORT_PREFILL_BUDGETS", 0)
 
 
 def _request(request_id: str, prompt_len: int, max_tokens: int = 8, computed: int = 0,
@@ -83,8 +90,11 @@ def test_the_config_and_the_servers_default():
     assert small_steps.prefill_tokens_with_decodes() == 32
     parser = argparse.ArgumentParser()
     add_engine_args(parser, positional_model=False)
-    cpu = parser.parse_args(["--device", "cpu"])
-    assert engine_kwargs(cpu)["max_prefill_tokens_with_decodes"] is None  # no cap unless asked (chat turns too)
+    cpu, cuda = parser.parse_args(["--device", "cpu"]), parser.parse_args(["--device", "cuda"])
+    assert server_engine_kwargs(cpu)["max_prefill_tokens_with_decodes"] == CPU_SERVE_PREFILL_TOKENS_WITH_DECODES
+    assert server_engine_kwargs(cpu, replicas=True)["max_prefill_tokens_with_decodes"] == 64
+    assert engine_kwargs(cpu)["max_prefill_tokens_with_decodes"] is None  # forkpoint generate / bench, LLM
+    assert server_engine_kwargs(cuda)["max_prefill_tokens_with_decodes"] is None  # not measured on CUDA
     assert engine_kwargs(parser.parse_args(["--device", "cuda", "--max-prefill-tokens-with-decodes", "512"]))[
         "max_prefill_tokens_with_decodes"] == 512
     with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes must be >= 1"):
