@@ -192,13 +192,19 @@ def test_with_no_decode_a_long_prompt_takes_the_whole_step():
     run.check_outputs()
 
 
-def test_a_prompt_arriving_behind_a_running_long_prompt_is_admitted_in_the_next_step():
+def _stream_beside_a_long_prompt() -> tuple[_Run, Request]:
+    """One stream decoding, then an 800-token prompt admitted beside it (its first chunk planned)."""
     run = _Run(_config())
     run.add(_request("stream", 3, max_tokens=80))
     run.step()
     long = _request("long", 800, max_tokens=2)
     run.add(long)
     run.step()
+    return run, long
+
+
+def test_a_prompt_arriving_behind_a_running_long_prompt_is_admitted_in_the_next_step():
+    run, long = _stream_beside_a_long_prompt()
     run.step()  # the long prompt runs, taking the whole prefill budget
     assert run.steps[-1]["tokens"]["long"] == 32
     short = _request("next", 6, max_tokens=4)
@@ -213,12 +219,7 @@ def test_a_prompt_arriving_behind_a_running_long_prompt_is_admitted_in_the_next_
 
 
 def test_a_prompt_admitted_in_part_behind_a_running_long_prompt_ends_in_the_next_step():
-    run = _Run(_config())
-    run.add(_request("stream", 3, max_tokens=80))
-    run.step()
-    long = _request("long", 800, max_tokens=2)
-    run.add(long)
-    run.step()
+    run, long = _stream_beside_a_long_prompt()
     first, second = _request("first", 20, max_tokens=3), _request("second", 20, max_tokens=3)
     run.add(first)
     run.add(second)
