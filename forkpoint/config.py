@@ -379,6 +379,10 @@ class EngineConfig:
     # eagerly.
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
+    # a cold start's kernel compiles, spread over this many worker processes before the graphs and the
+    # warm-up (runner/precompile.py; CUDA graphs only); None: as many as the CPUs and the free GPU
+    # memory allow (at most 8; `forkpoint serve`'s default); 0: none, the engine compiles alone
+    startup_compile_workers: int | None = 0
     # ranks the model is split over (forkpoint/distributed/): one process per rank, rank r on cuda:r
     # (NCCL) or all on the CPU (gloo); every family; images encoded on rank 0 (the vision tower is not
     # split); with checkpoint_host_bytes each rank keeps a host tier of that size for its shards
@@ -431,6 +435,8 @@ class EngineConfig:
             raise ValueError(f"prompt_score_bytes must be >= 1, got {self.prompt_score_bytes}")
         if self.checkpoint_host_bytes is not None and self.checkpoint_host_bytes < 0:
             raise ValueError(f"checkpoint_host_bytes must be >= 0, got {self.checkpoint_host_bytes}")
+        if self.startup_compile_workers is not None and self.startup_compile_workers < 0:
+            raise ValueError(f"startup_compile_workers must be >= 0 (0: none), got {self.startup_compile_workers}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.checkpoint_dir_bytes is not None and self.checkpoint_dir_bytes < 1:

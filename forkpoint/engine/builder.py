@@ -45,8 +45,10 @@ from forkpoint.runner.disk_io import open_disk_tier
 from forkpoint.runner.model_runner import ModelRunner
 from forkpoint.runner.multimodal import MultimodalInputs
 from forkpoint.runner.piecewise import PiecewiseForward, default_cuda_graph_sizes, graph_blocker
+from forkpoint.runner.precompile import CompilePlan, default_workers, marker_path, precompile
 from forkpoint.runner.speculative import MTPDrafter
 from forkpoint.runner.storage import DeviceStorage, plan_storage
+from forkpoint.runner.warmup import warmup_max_context
 from forkpoint.structured import GrammarCompiler
 from forkpoint.vision_config import VisionConfig
 
@@ -166,6 +168,8 @@ class EngineBuilder:
             model, piecewise = parallel.model, None
             self.block_pool, self.state_pool = parallel.make_pools(config, self.max_model_len)
         else:
+            if self._compile_in_workers():
+                startup.lap("parallel compile")
             model = build_model(self.model_config, model_path, config.load_format, self.device, self.dtype,
                                 config.seed, with_vision=self.images.processor is not None,
                                 mtp_layers=self._mtp_layers(model_path))
@@ -239,8 +243,9 @@ class EngineBuilder:
                              "them, or drop speculative_config")
         return count
 
-    def _capture_graphs(self, model) -> PiecewiseForward | None:
-        """CUDA graphs of the forward's token-wise pieces (CUDA only, unless `enforce_eager`)."""
+    def _graph_sizes(self) -> tuple[int, ...] | None:
+        """The piecewise buckets the engine will capture, or None when it runs eagerly (the reason in
+        `graphs_off_reason`)."""
         cfg = self.config
         if cfg.speculative_config is not None and self.device.type == "cuda":
             self.graphs_off_reason = "speculative decoding runs eagerly (its steps are not captured yet)"
@@ -250,10 +255,45 @@ class EngineBuilder:
             return None
         reason = graph_blocker(self.model_config, self.dtype)
         if reason is not None:
-            logger.warning("CUDA graphs off, every step runs eagerly: %s", reason)
             self.graphs_off_reason = reason
             return None
-        sizes = cfg.cuda_graph_sizes or default_cuda_graph_sizes(cfg.max_num_batched_tokens)
+        return tuple(sorted(set(cfg.cuda_graph_sizes or default_cuda_graph_sizes(cfg.max_num_batched_tokens))))
+
+    def _compile_in_workers(self) -> bool:
+        """On a cold start with CUDA graphs, compile the kernels of the capture and the warm-up in worker
+        processes first (runner/precompile.py). False when none ran: graphs off, workers off, or the
+        Triton cache already holds this plan's kernels."""
+        sizes = self._graph_sizes()
+        if sizes is None or self.config.startup_compile_workers == 0:
+            return False
+        from triton import knobs  # CUDA machines only
+
+        cache_dir = Path(knobs.cache.dir)
+        cfg = self.config
+        plan = CompilePlan(self.model_config, str(self.dtype).removeprefix("torch."), sizes,
+                           num_request_slots=cfg.num_state_slots or cfg.max_num_seqs, block_size=cfg.block_size,
+                           max_context=warmup_max_context(self.model_config.max_position_embeddings, sizes[-1]),
+                           device=str(torch.device("cuda", torch.cuda.current_device()) if self.device.index is None
+                                      else self.device))
+        if marker_path(plan, cache_dir).exists():
+            logger.info("kernel cache warm for this model and these step sizes: no start-up compile workers")
+            return False
+        workers = cfg.startup_compile_workers
+        if workers is None:
+            workers = default_workers(plan, torch.cuda.mem_get_info(self.device)[0])
+        if workers < 1:
+            return False
+        report = precompile(plan, workers, cache_dir)
+        logger.info("%s", report.summary())
+        return True
+
+    def _capture_graphs(self, model) -> PiecewiseForward | None:
+        """CUDA graphs of the forward's token-wise pieces (CUDA only, unless `enforce_eager`)."""
+        sizes = self._graph_sizes()
+        if sizes is None:
+            if self.device.type == "cuda" and not self.config.enforce_eager and self.config.speculative_config is None:
+                logger.warning("CUDA graphs off, every step runs eagerly: %s", self.graphs_off_reason)
+            return None
         return PiecewiseForward(model, sizes, self.device, capture=True)
 
     def _host_tier_bytes(self) -> int:

@@ -22,7 +22,7 @@ from forkpoint.runner.decode_graphs import DecodeGraphs, decode_bucket_sizes
 from forkpoint.runner.piecewise import PiecewiseForward
 from forkpoint.runner.step_sampler import PendingStep, StepSampler
 from forkpoint.runner.storage import DeviceStorage
-from forkpoint.runner.warmup import WarmupReport, warm_up
+from forkpoint.runner.warmup import WarmupReport, warm_up, warmup_max_context
 from forkpoint.step.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
 from forkpoint.step.plan import DeviceWrite, KVCopy, Segment, SegmentKind, StepPlan
 
@@ -30,7 +30,6 @@ logger = logging.getLogger("forkpoint")
 
 # The longest cached context a warm-up segment starts after (attention kernels loop over the
 # context on the device: its length picks no kernel variant, so a few blocks' worth is enough).
-WARMUP_MAX_CONTEXT = 4096
 
 if TYPE_CHECKING:  # annotations only: a tensor-parallel worker imports this module without the image stack
     from forkpoint.runner.multimodal import MultimodalInputs
@@ -266,9 +265,7 @@ class ModelRunner:
         self.warmup: WarmupReport | None = None
         if piecewise is not None and piecewise.captured:
             self.decode_graphs = self._capture_decode_graphs()
-            # synthetic contexts live in the scratch block (every table entry), so only the model's
-            # context length bounds them
-            max_context = min(WARMUP_MAX_CONTEXT, model.config.max_position_embeddings - piecewise.sizes[-1])
+            max_context = warmup_max_context(model.config.max_position_embeddings, piecewise.sizes[-1])
             self.warmup = warm_up(self, max_tokens=piecewise.sizes[-1], max_seqs=storage.num_request_slots,
                                   max_context=max_context)
             logger.info("warm-up: %d synthetic steps (%d tokens) in %.1f s", self.warmup.steps, self.warmup.tokens,

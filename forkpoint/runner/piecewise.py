@@ -326,6 +326,13 @@ class PiecewiseForward:
         if rows > num_tokens:
             self.residual[num_tokens:rows].zero_()
 
+    def run_pieces(self, rows: int) -> None:
+        """Every piece once, eagerly, at bucket `rows` on the static buffers (what a capture runs
+        before recording: its kernels compile; runner/precompile_worker.py)."""
+        with torch.inference_mode():
+            for index in range(self.num_pieces):
+                self._piece(index, rows)
+
     def _run_piece(self, index: int, rows: int) -> None:
         graphs = self.graphs.get(rows)
         if graphs is None:

@@ -31,7 +31,16 @@ import numpy as np
 import torch
 
 from forkpoint.cache.state_pool import ZERO_SLOT
+from forkpoint.runner.precompile import WHOLE, CompileShare
 from forkpoint.step.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
+
+WARMUP_MAX_CONTEXT = 4096
+
+
+def warmup_max_context(max_position_embeddings: int, max_tokens: int) -> int:
+    """The longest cached context a synthetic segment starts after: synthetic contexts live in the
+    scratch block (every table entry), so only the model's context length bounds them."""
+    return min(WARMUP_MAX_CONTEXT, max_position_embeddings - max_tokens)
 
 
 @dataclass(frozen=True)
@@ -159,17 +168,19 @@ def warmup_layouts(max_tokens: int, max_seqs: int, max_context: int, block_size:
 
 
 def warm_up(runner, *, max_tokens: int, max_seqs: int, max_context: int, seed: int = 0,
-            random_steps: int = 24) -> WarmupReport:
+            random_steps: int = 24, share: CompileShare = WHOLE) -> WarmupReport:
     """Run `warmup_layouts(...)` through `runner.forward` on the scratch rows (module docstring).
     runner: a ModelRunner; max_tokens / max_seqs: the largest step and the most sequences it takes;
-    max_context: the longest cached context a synthetic segment starts after."""
+    max_context: the longest cached context a synthetic segment starts after; share: which of the
+    layouts (a start-up compile worker's, runner/precompile.py; each keeps its seeded batch)."""
     model = runner.model
     block_size = runner.block_size
     scratch_block, scratch_slot = runner.scratch_block, runner.scratch_slot
     start = time.perf_counter()
     steps = tokens = 0
-    for index, layout in enumerate(warmup_layouts(max_tokens, max_seqs, max_context, block_size, seed=seed,
-                                                  random_steps=random_steps)):
+    layouts = list(enumerate(warmup_layouts(max_tokens, max_seqs, max_context, block_size, seed=seed,
+                                            random_steps=random_steps)))
+    for index, layout in share.take(layouts):
         batch = synthetic_batch(layout, vocab_size=model.config.vocab_size, block_size=block_size,
                                 scratch_block=scratch_block, scratch_slot=scratch_slot, device=runner.device,
                                 seed=seed + index)

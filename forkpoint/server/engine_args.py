@@ -91,6 +91,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
     group.add_argument("--enforce-eager", action="store_true",
                        help="run every step eagerly: no CUDA graphs of the forward's token-wise parts "
                             "(faster start-up, slower small steps; CUDA only)")
+    group.add_argument("--startup-compile-workers", type=int, default=None, metavar="N",
+                       help="on a cold start (empty kernel caches), compile the kernels in N worker processes "
+                            "before the engine warms up; 0: none (default: half the CPUs, at most 8, as GPU "
+                            "memory allows; CUDA graphs only; a warm start runs none)")
     group.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                        help="speculative decoding with the model's multi-token-prediction head, as vLLM's: "
                             "'{\"method\": \"mtp\", \"num_speculative_tokens\": K}' drafts K tokens (1 to 16) per "
@@ -138,7 +142,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
         enable_checkpoints=not args.no_checkpoints, checkpoint_token=args.checkpoint_token,
         max_checkpoints_per_request=args.max_checkpoints_per_request, load_format=args.load_format,
-        enforce_eager=args.enforce_eager, auto_checkpoints=args.auto_checkpoints,
+        enforce_eager=args.enforce_eager, startup_compile_workers=args.startup_compile_workers,
+        auto_checkpoints=args.auto_checkpoints,
         checkpoint_host_bytes=args.checkpoint_host_bytes, checkpoint_exact=args.checkpoint_exact,
         checkpoint_dir=args.checkpoint_dir, checkpoint_dir_bytes=args.checkpoint_dir_bytes,
         tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,

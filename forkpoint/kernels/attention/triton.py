@@ -36,6 +36,7 @@ import triton.language as tl
 
 # Cache writes are one index_copy_ per cache in the reference already: device-side, no host sync.
 from forkpoint.kernels.attention.reference import copy_kv_slots, write_kv  # noqa: F401
+from forkpoint.kernels.cache_dirs import autotune_choices_kept
 
 
 @triton.jit
@@ -239,10 +240,11 @@ def _prune_prefill(configs, named_args, **kwargs):
 
 
 # cache_results: the choices persist in Triton's cache directory (kernels/cache_dirs.py), so a restart
-# loads them instead of timing every tile again
+# loads them instead of timing every tile again; not in the start-up compile workers, whose timings
+# run side by side (runner/precompile.py)
 _paged_attn_prefill = triton.autotune(
     configs=list(PREFILL_CONFIGS), key=["G", "BLOCK_D", "Q_BUCKET"],
-    prune_configs_by={"early_config_prune": _prune_prefill}, cache_results=True,
+    prune_configs_by={"early_config_prune": _prune_prefill}, cache_results=autotune_choices_kept(),
 )(_paged_attn_kernel)
 
 

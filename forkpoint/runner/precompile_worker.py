@@ -1,0 +1,60 @@
+"""One start-up compile worker (runner/precompile.py): its share of the buckets and warm-up layouts.
+
+    python -m forkpoint.runner.precompile_worker PLAN_PICKLE INDEX COUNT
+
+Builds the plan's model cut to one layer per kind (`reduced_depth`) with dummy weights on the
+plan's device (CUDA; the CPU runs the same steps, for tests), pools of one KV block (synthetic steps
+read and write only the scratch rows; block tables are as wide as each step's contexts, whatever the
+pool holds) and the plan's request rows, then runs the pieces of its share of the buckets eagerly and
+its share of the warm-up layouts: the kernels they launch compile into the Triton cache named by the
+environment. Exits 0 when done.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from forkpoint.cache.sizing import PoolSizes
+from forkpoint.models.loader import build_model
+from forkpoint.runner.model_runner import ModelRunner
+from forkpoint.runner.piecewise import PiecewiseForward
+from forkpoint.runner.precompile import CompilePlan, CompileShare, reduced_depth
+from forkpoint.runner.storage import DeviceStorage
+from forkpoint.runner.warmup import warm_up
+
+
+def run_share(plan: CompilePlan, share: CompileShare) -> None:
+    device = torch.device(plan.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = getattr(torch, plan.dtype)
+    model = build_model(reduced_depth(plan.model_config), None, "dummy", device, dtype, seed=0)
+    piecewise = PiecewiseForward(model, plan.graph_sizes, device, capture=False)
+    storage = DeviceStorage(PoolSizes(num_kv_blocks=1, num_request_slots=plan.num_request_slots,
+                                      num_checkpoint_slots=1), plan.block_size, model.pool_shapes(dtype), device)
+    runner = ModelRunner(model, storage, device, piecewise=piecewise)
+    for rows in share.take(sorted(plan.graph_sizes, reverse=True)):
+        piecewise.run_pieces(rows)
+    warm_up(runner, max_tokens=plan.graph_sizes[-1], max_seqs=plan.num_request_slots, max_context=plan.max_context,
+            share=share)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv: list[str]) -> int:
+    plan_file, index, count = argv
+    plan = pickle.loads(Path(plan_file).read_bytes())
+    start = time.perf_counter()
+    share = CompileShare(int(index), int(count))
+    run_share(plan, share)
+    print(f"share {share.index} of {share.count} compiled in {time.perf_counter() - start:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
