@@ -6,9 +6,11 @@ warm-up (runner/warmup.py) the varlen cores per step layout (at 35B-A3B shapes o
 173 s start). Compiling is host work (MLIR, LLVM, ptxas) that a single process does serially, so
 `precompile` spreads it over worker processes first: each builds the same model cut to one layer of
 each kind (`reduced_depth`: the kernels compile per layer kind and shape, not per layer), with dummy
-weights and pools of one block, and runs its share of the piecewise buckets (pieces eagerly) and of
-the warm-up layouts. Their compiled kernels land in the shared Triton cache; the engine's own capture
-and warm-up that follow, unchanged, then load them instead of compiling.
+weights and pools of one block, and runs its share of the piecewise buckets (pieces eagerly) and the
+warm-up's layouts, its autotuners compiling only their share of each key's candidate configs
+(runner/precompile_worker.py says why that split). Their compiled kernels land in the shared Triton
+cache; the engine's own capture and warm-up that follow, unchanged, then load them instead of
+compiling.
 
     plan = CompilePlan(model_config, "bfloat16", sizes, num_request_slots=256, block_size=16, ...)
     report = precompile(plan, workers=8, marker_dir=...)   # "compiled in 8 processes in 31.4 s"

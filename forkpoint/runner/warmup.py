@@ -31,7 +31,6 @@ import numpy as np
 import torch
 
 from forkpoint.cache.state_pool import ZERO_SLOT
-from forkpoint.runner.precompile import WHOLE, CompileShare
 from forkpoint.step.batch import AttentionMetadata, DecodeGroup, ForwardBatch, RecurrentPhase
 
 WARMUP_MAX_CONTEXT = 4096
@@ -168,19 +167,17 @@ def warmup_layouts(max_tokens: int, max_seqs: int, max_context: int, block_size:
 
 
 def warm_up(runner, *, max_tokens: int, max_seqs: int, max_context: int, seed: int = 0,
-            random_steps: int = 24, share: CompileShare = WHOLE) -> WarmupReport:
+            random_steps: int = 24) -> WarmupReport:
     """Run `warmup_layouts(...)` through `runner.forward` on the scratch rows (module docstring).
     runner: a ModelRunner; max_tokens / max_seqs: the largest step and the most sequences it takes;
-    max_context: the longest cached context a synthetic segment starts after; share: which of the
-    layouts (a start-up compile worker's, runner/precompile.py; each keeps its seeded batch)."""
+    max_context: the longest cached context a synthetic segment starts after."""
     model = runner.model
     block_size = runner.block_size
     scratch_block, scratch_slot = runner.scratch_block, runner.scratch_slot
     start = time.perf_counter()
     steps = tokens = 0
-    layouts = list(enumerate(warmup_layouts(max_tokens, max_seqs, max_context, block_size, seed=seed,
-                                            random_steps=random_steps)))
-    for index, layout in share.take(layouts):
+    for index, layout in enumerate(warmup_layouts(max_tokens, max_seqs, max_context, block_size, seed=seed,
+                                                  random_steps=random_steps)):
         batch = synthetic_batch(layout, vocab_size=model.config.vocab_size, block_size=block_size,
                                 scratch_block=scratch_block, scratch_slot=scratch_slot, device=runner.device,
                                 seed=seed + index)

@@ -11,8 +11,8 @@ import logging
 import pytest
 import torch
 
-from forkpoint import LLM
 from forkpoint.config import EngineConfig, ModelConfig
+from forkpoint.kernels.cache_dirs import autotune_choices_kept
 from forkpoint.models.loader import build_model
 from forkpoint.runner.precompile import (
     WHOLE,
@@ -25,9 +25,7 @@ from forkpoint.runner.precompile import (
     reduced_depth,
     reduced_model_bytes,
 )
-from forkpoint.runner.warmup import warm_up
 from forkpoint.server.engine_args import add_engine_args, engine_kwargs
-from tests.runner.test_piecewise import ENGINE
 from tests.tiny_models import MAMBA2_MODEL_TYPES
 
 
@@ -58,15 +56,6 @@ def test_shares_split_the_work_exactly_once():
     for index, count in ((3, 3), (-1, 2), (0, 0)):
         with pytest.raises(ValueError, match="index < count"):
             CompileShare(index, count)
-
-
-def test_warm_up_shares_add_up_to_the_whole(moe_model):
-    runner = LLM(str(moe_model[0]), **ENGINE).engine.runner
-    limits = dict(max_tokens=48, max_seqs=8, max_context=20, random_steps=3)
-    whole = warm_up(runner, **limits)
-    parts = [warm_up(runner, share=CompileShare(i, 2), **limits) for i in range(2)]
-    assert sum(p.steps for p in parts) == whole.steps and sum(p.tokens for p in parts) == whole.tokens
-    assert all(p.steps > 0 for p in parts)
 
 
 def test_workers_run_their_shares_and_leave_a_marker(moe_model, tmp_path):
@@ -114,3 +103,9 @@ def test_the_config_and_the_flag():
     add_engine_args(parser, positional_model=False)
     assert engine_kwargs(parser.parse_args([]))["startup_compile_workers"] is None  # forkpoint serve: as many as pay
     assert engine_kwargs(parser.parse_args(["--startup-compile-workers", "3"]))["startup_compile_workers"] == 3
+
+
+def test_workers_keep_no_autotune_choice():
+    assert autotune_choices_kept({}) and autotune_choices_kept({"TRITON_CACHE_AUTOTUNING": "1"})
+    for value in ("0", "false", "OFF "):
+        assert not autotune_choices_kept({"TRITON_CACHE_AUTOTUNING": value})
