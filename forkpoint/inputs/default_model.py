@@ -30,16 +30,15 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
-from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
-    Qwen3_5MoeGatedDeltaNet,
-    Qwen3_5MoeRMSNorm,
-    Qwen3_5MoeRMSNormGated,
-)
+from transformers import Qwen3_5MoeTextConfig
 
 from forkpoint.inputs import qwen_vocab
+
+if TYPE_CHECKING:
+    from transformers import Qwen3_5MoeForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +138,10 @@ def ensure_default_model(cache_dir: str | os.PathLike[str] | None = None) -> Pat
 def build_default_model(directory: Path) -> None:
     """Write the default model into the existing, empty ``directory`` (see the module docstring).
     Deterministic for a given torch and transformers version; leaves the global RNG untouched."""
+    # transformers' modeling code is imported here, on the first build only: importing it costs seconds
+    # of every server's start-up (forkpoint serve imports this module)
+    from transformers import Qwen3_5MoeForCausalLM
+
     config = default_model_config()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
@@ -167,6 +170,12 @@ def build_default_model(directory: Path) -> None:
 @torch.no_grad()
 def _randomize(model: Qwen3_5MoeForCausalLM) -> None:
     """Replace transformers' zero/identity initialisations by random values (see NORM_STD)."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+        Qwen3_5MoeGatedDeltaNet,
+        Qwen3_5MoeRMSNorm,
+        Qwen3_5MoeRMSNormGated,
+    )
+
     for module in model.modules():
         if isinstance(module, Qwen3_5MoeRMSNorm):
             module.weight.normal_(0.0, NORM_STD)
