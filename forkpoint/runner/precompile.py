@@ -99,8 +99,11 @@ class CompilePlan:
 
     @property
     def key(self) -> str:
-        """Stable across processes for the same plan, code and toolchain."""
-        text = repr((self, forkpoint.__version__, torch.__version__, torch.version.cuda, _version("triton")))
+        """Stable across processes for the same plan, code and toolchain; not the device (Triton's cache
+        is per GPU kind, not per GPU: replicas on GPUs 0 and 1 share what either compiled)."""
+        plan = (self.model_config, self.dtype, self.graph_sizes, self.num_request_slots, self.block_size,
+                self.max_context)
+        text = repr((plan, forkpoint.__version__, torch.__version__, torch.version.cuda, _version("triton")))
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

@@ -93,6 +93,7 @@ def test_plan_key_is_stable_and_covers_the_plan(moe_model):
     assert plan.key == plan_of(moe_model[0]).key
     assert plan.key != dataclasses.replace(plan, num_request_slots=9).key
     assert plan.key != dataclasses.replace(plan, dtype="bfloat16").key
+    assert plan.key == dataclasses.replace(plan, device="cuda:1").key  # replicas share the compiled kernels
 
 
 def test_the_config_and_the_flag():
