@@ -99,8 +99,9 @@ class CompilePlan:
 
     @property
     def key(self) -> str:
-        """Stable across processes for the same plan, code and toolchain; not the device (Triton's cache
-        is per GPU kind, not per GPU: replicas on GPUs 0 and 1 share what either compiled)."""
+        """Stable across processes for the same plan, code and toolchain; not the device: replicas on
+        the GPUs of one node share what either compiled (a node mixing GPU kinds would have the second
+        kind skip its workers and compile in its engine, as without workers)."""
         plan = (self.model_config, self.dtype, self.graph_sizes, self.num_request_slots, self.block_size,
                 self.max_context)
         text = repr((plan, forkpoint.__version__, torch.__version__, torch.version.cuda, _version("triton")))
