@@ -491,7 +491,8 @@ class LLMEngine:
         """Return once the host tier's memory is allocated (for benchmarks and tests that want the
         whole tier from the first step). A tier pinned ahead (runner/host_arena.py) is pinned on
         background threads after start-up; the engine serves meanwhile with the part pinned so far
-        (`_follow_host_pinning`), so the server does not wait here."""
+        (`_follow_host_pinning`), so the server does not wait here. Called from the thread that
+        drives the engine, as every other method."""
         host = self.runner.storage.host
         if isinstance(host, ArenaHostCopies):
             host.arena.settle()
