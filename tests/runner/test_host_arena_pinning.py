@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,7 +177,8 @@ def test_leaving_the_interpreter_while_pinning_does_not_wait_for_the_tier():
         atexit.register(lambda: print("exit took", round(time.perf_counter() - began, 2), flush=True))
     """)
     began = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2])  # (this checkout's forkpoint)
     assert done.returncode == 0, done.stderr
     assert "leaving True" in done.stdout
     assert time.perf_counter() - began < 8.0  # (the import of torch takes a few seconds on 2 cores)
