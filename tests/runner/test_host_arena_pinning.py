@@ -64,12 +64,12 @@ def _wait_until(condition, timeout_s: float = 5.0) -> None:
 
 
 def test_parallel_pinning_allocates_every_chunk_exactly_once():
-    allocations = Allocations(delay_s=0.01)
+    allocations = Allocations(delay_s=0.03)
     arena = HostArena(num_pages=37, page_bytes=4, pinned=False, chunk_bytes=16, ahead=True, pin_threads=4,
                       allocate_chunk=allocations)  # 10 chunks of 4 pages, the last of 1
     assert arena.settle() == set(range(10)) and arena.usable_pages() == 37
     assert sorted(allocations.sizes) == sorted([16] * 9 + [4])
-    assert len(allocations.threads) == 4  # (10 ms a chunk: every thread took some)
+    assert len(allocations.threads) == 4  # (30 ms a chunk: every thread took some)
     assert arena.allocated_bytes == 37 * 4
     span = arena.allocate(37 * 4)
     assert [count for _, count in span.runs] == [4] * 9 + [1]
