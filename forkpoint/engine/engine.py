@@ -502,9 +502,11 @@ class LLMEngine:
         """The host tier's directory keeps its entries within the pages pinned so far, while a tier
         pinned ahead is still being pinned (cache/host_tier.py `limit_pages`). Before each step's
         scheduling: what is pinned only grows, so a spill planned now fits when it is applied."""
-        host = self.runner.storage.host
         tier = self.registry.host if self.registry is not None else None
-        if tier is None or not isinstance(host, ArenaHostCopies) or not host.arena.ahead:
+        if tier is None:
+            return
+        host = self.runner.storage.host
+        if not isinstance(host, ArenaHostCopies) or not host.arena.ahead:
             return
         limit = tier.page_limit
         if limit is None or limit.pages < host.arena.num_pages:
