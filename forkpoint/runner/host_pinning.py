@@ -121,11 +121,19 @@ class ChunkPinner:
 
 
 def _run(shared: _Shared) -> None:
-    """One pinning thread: take the lowest chunk not taken, allocate it, until none is left or closed."""
+    """One pinning thread: take the lowest chunk not taken, allocate it, until none is left or closed.
+    It counts itself stopped whatever happens (a waiter never waits for a thread that died)."""
+    try:
+        _take_chunks(shared)
+    finally:
+        _stopping(shared)
+
+
+def _take_chunks(shared: _Shared) -> None:
     while True:
         with shared.lock:
             if shared.closed or shared.next >= shared.limit:
-                break
+                return
             index = shared.next
             shared.next += 1
         try:
@@ -139,18 +147,24 @@ def _run(shared: _Shared) -> None:
         with shared.lock:
             if index < shared.limit:
                 shared.chunks[index] = chunk
+
+
+def _stopping(shared: _Shared) -> None:
+    """The thread's last step: the last one to stop times the pinning and reports it (unless closed)."""
     with shared.lock:
         shared.taking -= 1
         last = shared.taking == 0
         if last:
             shared.seconds = time.perf_counter() - shared.began
         report = last and not shared.closed and shared.on_finished is not None
-    if report:  # (before `wait` returns: a waiter sees the pinning reported)
-        shared.on_finished(shared.seconds, shared.limit, shared.error)
-    with shared.stopped:
-        shared.running -= 1
-        if shared.running == 0:
-            shared.stopped.notify_all()
+    try:
+        if report:  # (before `wait` returns: a waiter sees the pinning reported)
+            shared.on_finished(shared.seconds, shared.limit, shared.error)
+    finally:
+        with shared.stopped:
+            shared.running -= 1
+            if shared.running == 0:
+                shared.stopped.notify_all()
 
 
 def _stop(shared: _Shared, threads: list[threading.Thread]) -> None:
