@@ -81,8 +81,11 @@ def host_tier_summary(values: dict[str, float]) -> str:
     if not capacity:
         return ("host tier: off (--checkpoint-host-bytes 0, the default on CPU, where the pools are host memory "
                 "already): an evicted checkpoint is gone")
+    pinned = values.get("host_tier_pinned_bytes", capacity)
+    pinning = (f"; {pinned / 2**30:.1f} GiB pinned so far, the rest is pinned in the background while the server "
+               "serves (spills use what is pinned)" if pinned < capacity else "")
     return (f"host tier: {capacity / 2**30:.1f} GiB of host memory (--checkpoint-host-bytes): evicted checkpoints "
-            "spill there (state rows and KV blocks) and come back on a hit")
+            f"spill there (state rows and KV blocks) and come back on a hit{pinning}")
 
 
 def disk_tier_summary(values: dict[str, float], directory: str | None) -> str:

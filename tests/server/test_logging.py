@@ -113,6 +113,9 @@ def test_stats_line_and_start_up_summary_show_the_host_tier():
     assert "host tier" not in StatsLine({**base}, 0.0).line(
         {k: v for k, v in base.items() if "tier" not in k and "spilled" not in k}, 10.0)
     assert host_tier_summary(later).startswith("host tier: 2.0 GiB of host memory")
+    assert "pinned so far" not in host_tier_summary(later)
+    assert "; 0.5 GiB pinned so far, the rest is pinned in the background" in host_tier_summary(
+        {**later, "host_tier_pinned_bytes": 2**29})
     assert host_tier_summary({"host_tier_capacity_bytes": 0}).startswith("host tier: off")
 
 
