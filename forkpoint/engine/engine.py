@@ -114,7 +114,6 @@ class LLMEngine:
         self._counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished": 0,
                           "requests_aborted": 0, "requests_failed": 0, "steps": 0,
                           "steps_retried_for_memory": 0, "requests_failed_for_memory": 0}
-        self._follow_host_pinning()
         logger.info("%s", self.startup.summary())
 
     # ------------------------------------------------------------------ requests
@@ -210,7 +209,6 @@ class LLMEngine:
         usable for the requests that were not in the step. A raise for lack of memory is retried in
         smaller steps instead, and fails only a prompt that runs out of memory alone
         (engine/memory_retry.py)."""
-        self._follow_host_pinning()
         if self._launched:
             return self._advance()
         step = self.scheduler.schedule(limits=self._backoff.limits())
@@ -488,29 +486,12 @@ class LLMEngine:
         return frozenset(c.key for c in self.registry if c.ready)
 
     def wait_for_host_tier(self) -> None:
-        """Return once the host tier's memory is allocated (for benchmarks and tests that want the
-        whole tier from the first step). A tier pinned ahead (runner/host_arena.py) is pinned on
-        background threads after start-up; the engine serves meanwhile with the part pinned so far
-        (`_follow_host_pinning`), so the server does not wait here. Called from the thread that
-        drives the engine, as every other method."""
+        """Return once the host tier's memory is allocated. A tier pinned ahead (runner/host_arena.py) is
+        still being pinned on its background thread after start-up, and pinning beside the steps stalls
+        them (issue 32); the server waits here before it serves."""
         host = self.runner.storage.host
         if isinstance(host, ArenaHostCopies):
             host.arena.settle()
-        self._follow_host_pinning()
-
-    def _follow_host_pinning(self) -> None:
-        """The host tier's directory keeps its entries within the pages pinned so far, while a tier
-        pinned ahead is still being pinned (cache/host_tier.py `limit_pages`). Before each step's
-        scheduling: what is pinned only grows, so a spill planned now fits when it is applied."""
-        tier = self.registry.host if self.registry is not None else None
-        if tier is None:
-            return
-        host = self.runner.storage.host
-        if not isinstance(host, ArenaHostCopies) or not host.arena.ahead:
-            return
-        limit = tier.page_limit
-        if limit is None or limit.pages < host.arena.num_pages:
-            tier.limit_pages(host.arena.page_bytes, host.arena.usable_pages())
 
     def check_integrity(self) -> None:
         """Cross-check pools, registry and requests; raises AssertionError on any inconsistency."""

@@ -30,9 +30,6 @@ def checkpoint_metrics(registry: CheckpointRegistry | None) -> dict[str, int]:
                       checkpoints_dropped_from_host=tier.dropped, host_tier_checkpoints=len(registry.host),
                       host_tier_bytes=registry.host.num_bytes,
                       host_tier_capacity_bytes=registry.host.capacity_bytes)
-        limit = registry.host.page_limit  # a tier still being pinned holds this much so far
-        if limit is not None:
-            values["host_tier_pinned_bytes"] = min(registry.host.capacity_bytes, limit.pages * limit.page_bytes)
     if registry.disk is not None:
         disk = registry.disk.counters
         values.update(checkpoints_saved_to_disk=disk.saved, checkpoints_loaded_from_disk=disk.loaded,

@@ -11,20 +11,15 @@ of two by PyTorch's host allocator, kept until it is freed), so the tier's memor
       entry 7: runs ((0, 3), (5, 2))   an entry's bytes fill its runs in order
 
 Pages live in chunks of at most `CHUNK_BYTES` (PyTorch's pinned allocator rounds each allocation
-up to a power of two: chunks of about 1 GiB waste less than a page each). Two ways to get them:
-
-- on first use (the default): a chunk is allocated the first time one of its pages is handed out
-  and kept for the arena's life: the arena pins memory only as far as the tier has ever filled, and
-  never twice. With `prefetch` the chunk after the one just taken is allocated at once on a
-  background thread, so the tier fills without waiting unless it fills faster than memory is pinned.
-- `ahead`: every chunk, in order, on `pin_threads` background threads from construction on
-  (runner/host_pinning.py), at the price of holding the tier's full size from the start. The arena
-  hands out only pages of the chunks pinned so far, a prefix (`usable_pages()`, which only grows):
-  the host tier's directory keeps its entries within it (cache/host_tier.py `limit_pages`), so a
-  spill never waits for pinning and never lands in memory not yet pinned; one that does not fit
-  is handled as in a full tier. A chunk that fails to pin ends the pinning; the tier keeps what
-  was pinned before it. `ahead_seconds` is how long the pinning took, once it is over.
-
+up to a power of two: chunks of about 1 GiB waste less than a page each). A chunk is allocated the
+first time one of its pages is handed out and kept for the arena's life: the arena pins memory only
+as far as the tier has ever filled, and never twice. Pinning a GiB takes a while (and a pinned
+allocation may synchronise the device), so with `prefetch` the chunk after the one just taken is
+allocated at once on a background thread, off the step loop: the tier fills without waiting for it
+unless it fills faster than memory is pinned. With `ahead` the background thread allocates every
+chunk, in order, from construction on: the whole arena is pinned while the engine starts, not while
+it serves (pinning runs in the driver beside the step loop's launches), at the price of holding the
+tier's full size from the start. `ahead_seconds` is then how long that took, once it is done.
 Allocation takes the lowest free pages, so an entry's pages are few runs (one on a fresh arena) and
 each run one copy per tensor piece.
 
@@ -35,22 +30,17 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 
 import torch
-
-from forkpoint.runner.host_pinning import ChunkPinner
 
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 30
-# Threads pinning a tier ahead. Conservative until measured: bench/pin_contention.py's rows of 1, 2, 4
-# and 8 threads on the H200 (total GB/s, and the launch stalls beside them) decide it.
-PIN_THREADS = 4
 
 Run = tuple[int, int]  # (first page, number of pages)
 
@@ -154,99 +144,55 @@ class ArenaSpan:
     starts: tuple[int, ...]
 
 
-def host_chunk(num_bytes: int, pinned: bool) -> torch.Tensor:
-    """`num_bytes` of (pinned when `pinned`) host memory: PyTorch's pinned allocator, cudaHostAlloc."""
-    return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pinned)
-
-
 class HostArena:
     """`num_pages` pages of `page_bytes` bytes (pinned when `pinned`), in chunks allocated on first use
     (and, with `prefetch`, the next one in the background), or with `ahead` all of them in the
-    background from construction on, on `pin_threads` threads (module docstring).
-    `allocate_chunk(num_bytes, pinned)` allocates one chunk (tests give one that is slow or fails).
-
-    Invariants (`check_integrity`): the free runs and the entries' runs tile the pages once; with
-    `ahead`, every page at or past `usable_pages` is free and every chunk below it is held."""
+    background from construction on."""
 
     def __init__(self, num_pages: int, page_bytes: int, pinned: bool, chunk_bytes: int = CHUNK_BYTES,
-                 prefetch: bool = False, ahead: bool = False, pin_threads: int = PIN_THREADS,
-                 allocate_chunk: Callable[[int, bool], torch.Tensor] = host_chunk) -> None:
+                 prefetch: bool = False, ahead: bool = False) -> None:
         if page_bytes < 1:
             raise ValueError(f"host arena pages need at least one byte, got {page_bytes}")
         self.page_bytes = page_bytes
         self.pinned = pinned
-        self.ahead = ahead
         self.pages_per_chunk = max(1, chunk_bytes // page_bytes)
         self.pages = PageAllocator(num_pages, self.pages_per_chunk)
-        self._allocate_chunk = allocate_chunk
         self._chunks: list[torch.Tensor | None] = [None] * -(-num_pages // self.pages_per_chunk)
-        self._coming: dict[int, Future] = {}  # on first use: chunks being prefetched
+        self._coming: dict[int, Future] = {}  # chunks being allocated in the background
         self._prefetcher = None
-        self._pinner = None
-        self._ready_chunks = 0  # ahead: chunks 0 .. this - 1 are pinned and in `_chunks`
-        if prefetch and not ahead:
+        self.ahead_seconds: float | None = None  # with `ahead`: seconds to allocate every chunk, once done
+        if prefetch or ahead:
             self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forkpoint-host-arena")
-            weakref.finalize(self, self._prefetcher.shutdown, wait=False, cancel_futures=True)
+            weakref.finalize(self, self._prefetcher.shutdown, wait=False)
         if ahead:
-            self._pinner = ChunkPinner([self._chunk_pages(i) * page_bytes for i in range(len(self._chunks))],
-                                       partial(allocate_chunk, pinned=pinned), pin_threads,
-                                       partial(_log_ahead, num_pages * page_bytes, pinned))
+            began = time.perf_counter()
+            for index in range(len(self._chunks)):
+                self._coming[index] = self._prefetcher.submit(self._new_chunk, index)
+            if self._coming:
+                self._coming[len(self._chunks) - 1].add_done_callback(lambda last: self._ahead_done(last, began))
+            else:
+                self.ahead_seconds = 0.0
 
     @property
     def num_pages(self) -> int:
         return self.pages.num_pages
 
-    def usable_pages(self) -> int:
-        """Pages the arena may hand out now: all of them on first use; with `ahead`, those of the
-        chunks pinned so far (a prefix: it only grows). Takes in the chunks pinned since last asked."""
-        if self._pinner is None:
-            return self.num_pages
-        while self._ready_chunks < len(self._chunks):
-            chunk = self._pinner.ready(self._ready_chunks)
-            if chunk is None:
-                break
-            self._chunks[self._ready_chunks] = chunk
-            self._ready_chunks += 1
-        return min(self.num_pages, self._ready_chunks * self.pages_per_chunk)
-
-    @property
-    def ahead_seconds(self) -> float | None:
-        """With `ahead`: seconds the pinning took, once it is over (every chunk, a failure or `close`)."""
-        return self._pinner.seconds if self._pinner is not None else None
-
     @property
     def allocated_bytes(self) -> int:
         """Host memory the arena holds now (its chunks taken so far, and any allocated ahead)."""
-        if self._pinner is not None:
-            return self._pinner.allocated_bytes()
         ahead = sum(c.result().numel() for c in self._coming.values() if c.done() and c.exception() is None)
         return sum(chunk.numel() for chunk in self._chunks if chunk is not None) + ahead
 
     def settle(self) -> set[int]:
-        """Wait for the chunks being allocated in the background; returns the indices of those now
-        held (for tests and benchmarks: the arena itself never waits for pinning ahead)."""
-        if self._pinner is not None:
-            self._pinner.wait()
-            self.usable_pages()
-            return set(range(self._ready_chunks))
+        """Wait for the chunks being allocated in the background; returns their indices (for tests
+        and benchmarks: the arena itself waits only for a chunk it needs)."""
         for coming in self._coming.values():
             coming.exception()
-        return {index for index, coming in self._coming.items() if coming.exception() is None}
-
-    def close(self) -> None:
-        """Stop pinning ahead (each thread finishes its chunk) and join the threads; the pages pinned
-        so far stay usable. Idempotent."""
-        if self._pinner is not None:
-            self._pinner.close()
+        return set(self._coming)
 
     def allocate(self, num_bytes: int) -> ArenaSpan:
-        """Pages for `num_bytes` bytes (ArenaFull when they are not free, or with `ahead` not pinned yet)."""
-        count = -(-num_bytes // self.page_bytes)
-        unpinned = self.num_pages - self.usable_pages()  # ahead: all free (nothing is handed out past the prefix)
-        if count > self.pages.num_free - unpinned:
-            raise ArenaFull(f"the host arena has {self.pages.num_free - unpinned} free pinned pages "
-                            f"({unpinned} of its {self.num_pages} not pinned yet), {count} asked for")
-        runs = self.pages.allocate(count)  # the lowest free pages: all below the pinned prefix
+        """Pages for `num_bytes` bytes (ArenaFull when they are not free)."""
+        runs = self.pages.allocate(-(-num_bytes // self.page_bytes))
         try:
             for start, _ in runs:
                 self._chunk(start // self.pages_per_chunk)
@@ -293,18 +239,10 @@ class HostArena:
         for span in spans:
             if sum(n for _, n in span.runs) != -(-span.num_bytes // self.page_bytes):
                 raise AssertionError(f"a host entry of {span.num_bytes} bytes holds the wrong number of pages")
-        if self._pinner is not None:
-            usable = min(self.num_pages, self._ready_chunks * self.pages_per_chunk)
-            if any(start + count > usable for span in spans for start, count in span.runs):
-                raise AssertionError(f"a host entry holds pages past the {usable} pinned so far")
-            if any((chunk is None) != (index >= self._ready_chunks) for index, chunk in enumerate(self._chunks)):
-                raise AssertionError("the host arena's pinned chunks are not the prefix it hands pages out of")
 
     def _chunk(self, index: int) -> torch.Tensor:
         chunk = self._chunks[index]
         if chunk is None:
-            if self._pinner is not None:  # (allocate hands out pinned pages only)
-                raise AssertionError(f"host arena chunk {index} is used before it is pinned")
             coming = self._coming.pop(index, None)
             chunk = coming.result() if coming is not None else self._new_chunk(index)
             self._chunks[index] = chunk
@@ -314,18 +252,18 @@ class HostArena:
                 self._coming[following] = self._prefetcher.submit(self._new_chunk, following)
         return chunk
 
-    def _chunk_pages(self, index: int) -> int:
-        return min(self.pages_per_chunk, self.num_pages - index * self.pages_per_chunk)
+    def _ahead_done(self, last: Future, began: float) -> None:
+        """The background thread allocated the last chunk (or failed to): log what was pinned and how fast."""
+        self.ahead_seconds = time.perf_counter() - began
+        total = self.num_pages * self.page_bytes
+        if last.exception() is not None:
+            logger.warning("host tier: allocating %.1f GiB ahead failed after %.1f s: %s", total / 2**30,
+                           self.ahead_seconds, last.exception())
+            return
+        logger.info("host tier: %.1f GiB %s ahead in %.1f s (%.2f GB/s), off the step loop", total / 2**30,
+                    "pinned" if self.pinned else "allocated", self.ahead_seconds,
+                    total / 1e9 / max(self.ahead_seconds, 1e-9))
 
     def _new_chunk(self, index: int) -> torch.Tensor:
-        return self._allocate_chunk(self._chunk_pages(index) * self.page_bytes, self.pinned)
-
-
-def _log_ahead(total_bytes: int, pinned: bool, seconds: float, usable_chunks: int, error: Exception | None) -> None:
-    """The pinning ahead is over (runs on its last thread): log what was pinned and how fast."""
-    if error is not None:
-        logger.warning("host tier: allocating %.1f GiB ahead failed at chunk %d after %.1f s (%s); the tier "
-                       "holds what was allocated before it", total_bytes / 2**30, usable_chunks, seconds, error)
-        return
-    logger.info("host tier: %.1f GiB %s ahead in %.1f s (%.2f GB/s), off the step loop", total_bytes / 2**30,
-                "pinned" if pinned else "allocated", seconds, total_bytes / 1e9 / max(seconds, 1e-9))
+        pages = min(self.pages_per_chunk, self.num_pages - index * self.pages_per_chunk)
+        return torch.empty(pages * self.page_bytes, dtype=torch.uint8, pin_memory=self.pinned)

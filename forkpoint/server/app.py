@@ -108,8 +108,11 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
             await asyncio.to_thread(engine.grammars.prepare)
         except ValueError as err:  # a slow tokenizer: constrained requests get this error as a 400
             logger.info("structured outputs unavailable: %s", err)
-        # a host tier pinned ahead is still being pinned on background threads: serving starts now,
-        # spills use the part pinned so far (runner/host_arena.py), and its end is logged
+        # a host tier pinned ahead is still being pinned: wait for it here, not beside the first steps
+        began = time.perf_counter()
+        await asyncio.to_thread(engine.wait_for_host_tier)
+        if time.perf_counter() - began > 0.5:
+            logger.info("waited %.1f s for the host tier's pinned memory before serving", time.perf_counter() - began)
         worker.start()
         stats = (asyncio.create_task(log_stats_forever(worker.metrics_snapshot, config.log_stats_interval_s))
                  if config.log_stats else None)

@@ -81,11 +81,8 @@ def host_tier_summary(values: dict[str, float]) -> str:
     if not capacity:
         return ("host tier: off (--checkpoint-host-bytes 0, the default on CPU, where the pools are host memory "
                 "already): an evicted checkpoint is gone")
-    pinned = values.get("host_tier_pinned_bytes", capacity)
-    pinning = (f"; {pinned / 2**30:.1f} GiB pinned so far, the rest is pinned in the background while the server "
-               "serves (spills use what is pinned)" if pinned < capacity else "")
     return (f"host tier: {capacity / 2**30:.1f} GiB of host memory (--checkpoint-host-bytes): evicted checkpoints "
-            f"spill there (state rows and KV blocks) and come back on a hit{pinning}")
+            "spill there (state rows and KV blocks) and come back on a hit")
 
 
 def disk_tier_summary(values: dict[str, float], directory: str | None) -> str:
@@ -111,13 +108,10 @@ def _tier_traffic(values: dict[str, float], delta: Callable[[str], float]) -> st
     """' | host tier: ...' for the stats line, or '' without a host tier."""
     if "host_tier_capacity_bytes" not in values:
         return ""
-    capacity = values["host_tier_capacity_bytes"]
-    pinned = values.get("host_tier_pinned_bytes", capacity)  # a tier pinned ahead, while it is pinned
-    pinning = f", {pinned / 2**30:.1f} GiB pinned so far" if pinned < capacity else ""
     return (f" | host tier: {delta('checkpoints_spilled'):.0f} spilled, {delta('checkpoints_restored'):.0f} "
             f"restored, {delta('checkpoints_dropped_from_host'):.0f} dropped, "
             f"{values.get('host_tier_checkpoints', 0):.0f} held ({values.get('host_tier_bytes', 0) / 2**30:.2f} of "
-            f"{capacity / 2**30:.1f} GiB{pinning})")
+            f"{values['host_tier_capacity_bytes'] / 2**30:.1f} GiB)")
 
 
 class StatsLine:

@@ -58,14 +58,11 @@ def test_memory_plan_says_what_fits():
     assert off.summary() == "checkpoints off; 2 request state rows; 16 KV blocks (256 tokens)"
 
 
-def test_wait_for_host_tier_returns_once_a_tier_pinned_ahead_is_allocated(moe_model):
-    """For benchmarks and tests that want the whole tier from the first step (the server no longer
-    waits): an arena allocating ahead in the background (pinned on a GPU; plain memory here, held
-    back by a gate) is whole when the wait returns."""
+def test_wait_for_host_tier_returns_once_a_tier_pinned_ahead_is_allocated(moe_model, monkeypatch):
+    """The server waits here before serving (server/app.py): an arena allocating ahead in the background
+    (pinned on a GPU; plain memory here, held back by a gate) is whole when the wait returns."""
     import threading
     import time
-
-    import torch
 
     from forkpoint.runner.host_arena import HostArena
     from forkpoint.runner.host_copies import ArenaHostCopies
@@ -73,20 +70,14 @@ def test_wait_for_host_tier_returns_once_a_tier_pinned_ahead_is_allocated(moe_mo
     llm = LLM(str(moe_model[0]), max_model_len=256)
     llm.engine.wait_for_host_tier()  # the CPU's plain copies: nothing to wait for
     storage = llm.engine.runner.storage
-    gate = threading.Event()
-
-    def gated(num_bytes, pinned):
-        gate.wait()
-        return torch.empty(num_bytes, dtype=torch.uint8)
-
+    gate, real_chunk = threading.Event(), HostArena._new_chunk
+    monkeypatch.setattr(HostArena, "_new_chunk", lambda self, index: (gate.wait(), real_chunk(self, index))[1])
     host = ArenaHostCopies(storage.host.pools, capacity_bytes=4 * storage.host.pools.conv_stack[0, 0].numel())
-    host.arena = HostArena(num_pages=8, page_bytes=16, pinned=False, chunk_bytes=32, ahead=True,
-                           allocate_chunk=gated)  # 4 chunks
-    storage.host = host
+    host.arena = HostArena(num_pages=8, page_bytes=16, pinned=False, chunk_bytes=32, ahead=True)  # 4 chunks
+    monkeypatch.setattr(storage, "host", host)
     assert host.arena.allocated_bytes == 0 and host.arena.ahead_seconds is None  # held at the gate
     threading.Timer(0.2, gate.set).start()
     began = time.perf_counter()
     llm.engine.wait_for_host_tier()
     assert time.perf_counter() - began >= 0.15
     assert host.arena.ahead_seconds is not None and host.arena.allocated_bytes == 8 * 16
-    assert host.arena.usable_pages() == 8

@@ -117,12 +117,31 @@ def test_prefetch_allocates_the_next_chunk_in_the_background_and_only_that_one()
 
 def test_ahead_allocates_every_chunk_in_the_background_from_construction():
     arena = HostArena(num_pages=9, page_bytes=4, pinned=False, chunk_bytes=12, ahead=True)  # 3 chunks
-    assert arena.settle() == {0, 1, 2} and arena.usable_pages() == 9
+    assert arena.settle() == {0, 1, 2}
     assert arena.allocated_bytes == 36 and arena.ahead_seconds is not None and arena.ahead_seconds >= 0
-    first = arena.allocate(30)  # pages 0..7 over all three chunks, each pinned ahead
-    assert first.runs == ((0, 3), (3, 3), (6, 2)) and arena.allocated_bytes == 36
+    first = arena.allocate(30)  # pages 0..7 over all three chunks, each taken from the background's
+    assert first.runs == ((0, 3), (3, 3), (6, 2)) and arena.allocated_bytes == 36 and not arena._coming
     data = torch.arange(30, dtype=torch.uint8)
     for at, piece in arena.pieces(first, 0, 30):
         piece.copy_(data[at: at + piece.numel()])
     assert torch.equal(arena.read(first), data)
     arena.check_integrity([first])
+
+
+def test_ahead_that_fails_fails_the_allocation_that_needs_the_chunk_and_frees_its_pages(monkeypatch):
+    failing = HostArena.__dict__["_new_chunk"]
+
+    def no_memory(self, index):
+        if index == 1:
+            raise RuntimeError("pinned allocation failed")
+        return failing(self, index)
+
+    monkeypatch.setattr(HostArena, "_new_chunk", no_memory)
+    arena = HostArena(num_pages=6, page_bytes=4, pinned=False, chunk_bytes=12, ahead=True)  # 2 chunks
+    arena.settle()
+    assert arena.ahead_seconds is not None
+    kept = arena.allocate(12)  # chunk 0 only
+    with pytest.raises(RuntimeError, match="pinned allocation failed"):
+        arena.allocate(4)
+    assert arena.pages.num_free == 3
+    arena.check_integrity([kept])

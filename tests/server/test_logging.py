@@ -107,15 +107,9 @@ def test_stats_line_and_start_up_summary_show_the_host_tier():
              "host_tier_checkpoints": 6, "host_tier_bytes": 3 * 2**29}
     line = stats.line(later, now=10.0)
     assert "host tier: 5 spilled, 3 restored, 1 dropped, 6 held (1.50 of 2.0 GiB)" in line
-    pinning = stats.line({**later, "host_tier_pinned_bytes": 2**30}, now=20.0)  # a tier pinned ahead, half done
-    assert "6 held (1.50 of 2.0 GiB, 1.0 GiB pinned so far)" in pinning
-    assert "pinned" not in stats.line({**later, "host_tier_pinned_bytes": 2**31}, now=30.0)
     assert "host tier" not in StatsLine({**base}, 0.0).line(
         {k: v for k, v in base.items() if "tier" not in k and "spilled" not in k}, 10.0)
     assert host_tier_summary(later).startswith("host tier: 2.0 GiB of host memory")
-    assert "pinned so far" not in host_tier_summary(later)
-    assert "; 0.5 GiB pinned so far, the rest is pinned in the background" in host_tier_summary(
-        {**later, "host_tier_pinned_bytes": 2**29})
     assert host_tier_summary({"host_tier_capacity_bytes": 0}).startswith("host tier: off")
 
 
