@@ -247,6 +247,9 @@ class EngineBuilder:
         """The piecewise buckets the engine will capture, or None when it runs eagerly (the reason in
         `graphs_off_reason`)."""
         cfg = self.config
+        if cfg.speculative_config is not None and self.device.type == "cuda":
+            self.graphs_off_reason = "speculative decoding runs eagerly (its steps are not captured yet)"
+            return None
         if self.device.type != "cuda" or cfg.enforce_eager:
             self.graphs_off_reason = "enforce_eager" if cfg.enforce_eager else f"no CUDA device ({self.device})"
             return None
@@ -291,7 +294,7 @@ class EngineBuilder:
         """CUDA graphs of the forward's token-wise pieces (CUDA only, unless `enforce_eager`)."""
         sizes = self._graph_sizes()
         if sizes is None:
-            if self.device.type == "cuda" and not self.config.enforce_eager:
+            if self.device.type == "cuda" and not self.config.enforce_eager and self.config.speculative_config is None:
                 logger.warning("CUDA graphs off, every step runs eagerly: %s", self.graphs_off_reason)
             return None
         return PiecewiseForward(model, sizes, self.device, capture=True)
