@@ -41,7 +41,8 @@ from forkpoint.cache.state_pool import ZERO_SLOT, StatePool
 from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig
 from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner, Placement
 from forkpoint.engine.checkpoint_claims import CheckpointClaims
-from forkpoint.engine.fair_order import admission_order, step_order
+from forkpoint.engine.fair_order import admission_order, client_of, step_order
+from forkpoint.engine.held_slots import HeldSlots
 from forkpoint.engine.prefill_budget import DECODE_GRACE_S, is_capped_prefill, is_prefill, prefill_room
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler_stats import SchedulerStats
@@ -78,6 +79,9 @@ class Scheduler:
                                            self.state_position)
                      if registry is not None and config.auto_checkpoints else None)
         self._live: dict[str, Request] = {}
+        self._client_live: Counter[str] = Counter()  # live sequences (waiting or running) per client
+        # slots freed by clients that left, held a moment for clients that run nothing (engine/held_slots.py)
+        self.held_slots = HeldSlots(DECODE_GRACE_S)
         # speculative decoding: verify plans and their state rows (None: off)
         self.speculation = (Speculation(config.speculative_config, state_pool)
                             if config.speculative_config is not None else None)
@@ -90,6 +94,7 @@ class Scheduler:
             for placement in self.auto.placements(request, self._live):
                 self._place(placement, now)
         self._live[request.request_id] = request
+        self._client_live[client_of(request)] += 1
         request.arrival_step = self.num_steps
         self.waiting.append(request)
         if self.registry is not None:
@@ -121,7 +126,13 @@ class Scheduler:
         While a step in flight computes for it, the slot and blocks are freed (and the turn end kept)
         only once the last such step is committed (failed: nothing is kept)."""
         now = time.monotonic() if now is None else now
-        self._live.pop(request.request_id, None)
+        if self._live.pop(request.request_id, None) is not None:
+            client = client_of(request)
+            self._client_live[client] -= 1
+            if not self._client_live[client]:
+                del self._client_live[client]
+                if request.status is RequestStatus.RUNNING:  # its client left: its slot is held a moment
+                    self.held_slots.hold(now)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
@@ -228,10 +239,15 @@ class Scheduler:
         planning.release_held_prefill()
         if not preempted:
             room = self._admission_room(planning)
+            running_clients = Counter(client_of(r) for r in self.running)
             for request in admission_order(self.waiting, self.running, budget, room,
                                            planning.chunk_cap or self.chunk_cap):
                 if budget == 0 or len(self.running) >= self.config.max_num_seqs or planning.seqs_full:
                     break
+                client = client_of(request)
+                if running_clients[client] and (self.config.max_num_seqs - len(self.running)
+                                                <= self.held_slots.count(now)):
+                    continue  # the slots left are held for clients that run nothing (engine/held_slots.py)
                 admitted = self._try_admit(planning, request, budget, now)
                 while admitted is None and not self.running and self._evict_waited_on():
                     # nothing runs to free memory later: blocks only queued requests wait on go first
@@ -241,6 +257,10 @@ class Scheduler:
                 budget -= admitted
                 if admitted:
                     planning.take_seq()
+                if request.status is RequestStatus.RUNNING:
+                    if not running_clients[client]:
+                        self.held_slots.take(now)
+                    running_clients[client] += 1
         self.claims.reserve_for_queued(self.waiting)
 
         return self._scheduled(planning)
