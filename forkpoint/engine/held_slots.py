@@ -8,15 +8,17 @@ always them: the stream's next request then waited for one of those to end (`n=1
 per-client order (engine/fair_order.py) ranks the new request first, but only once it has arrived.
 
 So a slot freed by a sequence whose client then has no sequence left in the engine (its stream
-ended) is held for DECODE_GRACE_S (engine/prefill_budget.py: the same round trip): while held,
-only a sequence of a client with no running sequence (a new or returning client: rank 0 in the
-admission order) may take it, and taking it ends the hold; a client that already runs sequences
-takes only the slots beyond those held. After the grace the slot is anyone's, so no slot idles for
-long. Holds change which sequences run when, never their outputs.
+ended: the client left) is held for DECODE_GRACE_S (engine/prefill_budget.py: the same round trip).
+A client is *present* from its first admission until it has no sequence left (the scheduler keeps
+the set). While slots are held, a present client takes only the slots beyond them; an absent one
+(a new or returning client: with no `user`, every request is its own client) takes a held slot,
+which ends that hold. A present client whose running sequences all ended in one step, with more
+queued, is still present: it is not a client coming back. After the grace a hold lapses, so no
+slot idles for long. Holds change which sequences run when, never their outputs.
 
     step k:   8 streams end (their clients leave) -> 8 holds; n=128's queue may not take those 8 slots
-    step k+1: the streams' next requests (new clients) arrive -> each takes a held slot
-    1 s later: holds not taken are dropped; n=128 fills the slots
+    step k+1: the streams' next requests (absent clients) arrive -> each takes a held slot
+    1 s later: holds not taken lapse; n=128 fills the slots
 """
 
 from __future__ import annotations
@@ -45,6 +47,6 @@ class HeldSlots:
         return len(self._freed)
 
     def take(self, now: float) -> None:
-        """A client with no running sequence took a slot: the oldest hold ends."""
+        """An absent client took a slot: the oldest hold ends."""
         if self.count(now):
             self._freed.popleft()

@@ -80,6 +80,8 @@ class Scheduler:
                      if registry is not None and config.auto_checkpoints else None)
         self._live: dict[str, Request] = {}
         self._client_live: Counter[str] = Counter()  # live sequences (waiting or running) per client
+        # clients admitted since they last had no live sequence: they take no held slot
+        self._present: set[str] = set()
         # slots freed by clients that left, held a moment for clients that run nothing (engine/held_slots.py)
         self.held_slots = HeldSlots(DECODE_GRACE_S)
         # speculative decoding: verify plans and their state rows (None: off)
@@ -131,6 +133,7 @@ class Scheduler:
             self._client_live[client] -= 1
             if not self._client_live[client]:
                 del self._client_live[client]
+                self._present.discard(client)
                 if request.status is RequestStatus.RUNNING:  # its client left: its slot is held a moment
                     self.held_slots.hold(now)
         if request.status is RequestStatus.RUNNING:
@@ -239,15 +242,14 @@ class Scheduler:
         planning.release_held_prefill()
         if not preempted:
             room = self._admission_room(planning)
-            running_clients = Counter(client_of(r) for r in self.running)
             for request in admission_order(self.waiting, self.running, budget, room,
                                            planning.chunk_cap or self.chunk_cap):
                 if budget == 0 or len(self.running) >= self.config.max_num_seqs or planning.seqs_full:
                     break
                 client = client_of(request)
-                if running_clients[client] and (self.config.max_num_seqs - len(self.running)
+                if client in self._present and (self.config.max_num_seqs - len(self.running)
                                                 <= self.held_slots.count(now)):
-                    continue  # the slots left are held for clients that run nothing (engine/held_slots.py)
+                    continue  # the slots left are held for clients that come back (engine/held_slots.py)
                 admitted = self._try_admit(planning, request, budget, now)
                 while admitted is None and not self.running and self._evict_waited_on():
                     # nothing runs to free memory later: blocks only queued requests wait on go first
@@ -257,10 +259,9 @@ class Scheduler:
                 budget -= admitted
                 if admitted:
                     planning.take_seq()
-                if request.status is RequestStatus.RUNNING:
-                    if not running_clients[client]:
-                        self.held_slots.take(now)
-                    running_clients[client] += 1
+                if request.status is RequestStatus.RUNNING and client not in self._present:
+                    self.held_slots.take(now)
+                    self._present.add(client)
         self.claims.reserve_for_queued(self.waiting)
 
         return self._scheduled(planning)

@@ -44,10 +44,11 @@ class _Loop:
     """The engine's loop around the scheduler with `FakeExecutor` as the runner and a fake clock
     (STEP_S a step): 4 sequence slots; `streams` clients each keep one 4-token request going, the
     next arriving `round_trip` steps after the last ended (each request its own client, as a
-    server's requests without a `user`); one prompt x n=24 (`flood_tokens` each) arrives in step 1,
-    behind them."""
+    server's requests without a `user`); one prompt x n=24 (`flood_tokens` each) arrives in step
+    `flood_step`, behind them."""
 
-    def __init__(self, streams: int, round_trip: int, rounds: int, flood_tokens: int = FLOOD.max_tokens) -> None:
+    def __init__(self, streams: int, round_trip: int, rounds: int, flood_tokens: int = FLOOD.max_tokens,
+                 stream_tokens: int = STREAM.max_tokens, flood_step: int = 1) -> None:
         config = EngineConfig(max_num_batched_tokens=64, max_num_seqs=4, block_size=4, num_kv_blocks=256,
                               checkpoint_pool_size=1)
         self.blocks = BlockPool(config.num_kv_blocks, config.block_size)
@@ -56,9 +57,11 @@ class _Loop:
         self.executor = FakeExecutor(config.block_size)
         self.round_trip, self.rounds = round_trip, rounds
         self.sequences: list[Request] = []
+        self.stream_params = dataclasses.replace(STREAM, max_tokens=stream_tokens)
         self.arrivals: dict[int, list[Request]] = {0: [self._stream(s, 0) for s in range(streams)]}
         flood = dataclasses.replace(FLOOD, max_tokens=flood_tokens)
-        self.arrivals[1] = [self._request(f"flood#{i}", "flood", i, [7, 1, 3], flood) for i in range(24)]
+        self.arrivals.setdefault(flood_step, []).extend(
+            self._request(f"flood#{i}", "flood", i, [7, 1, 3], flood) for i in range(24))
         self.arrived: dict[str, int] = {}  # request id -> step it arrived
         self.admitted: dict[str, int] = {}  # request id -> step it was first planned
         self.planned: dict[int, int] = {}  # step -> sequences it planned
@@ -70,7 +73,7 @@ class _Loop:
         return request
 
     def _stream(self, stream: int, round_: int) -> Request:
-        return self._request(f"s{stream}r{round_}", f"s{stream}r{round_}", 0, [9, stream, round_], STREAM)
+        return self._request(f"s{stream}r{round_}", f"s{stream}r{round_}", 0, [9, stream, round_], self.stream_params)
 
     def run(self) -> None:
         for index in range(400):
@@ -122,6 +125,16 @@ def test_a_returning_stream_takes_its_slot_back_before_a_queued_flood():
     loop = _Loop(streams=2, round_trip=1, rounds=4)
     loop.run()
     assert loop.waits() == [0] * 6, loop.waits()
+    loop.check_outputs()
+
+
+def test_a_flood_whose_running_sequences_all_ended_takes_no_held_slot():
+    """Streams and the flood's first sequences start together and end in the same step: in the next
+    step the flood runs nothing but is still in the engine (queued), so it takes only the slots
+    beyond those held, and the streams' next requests get theirs on arrival."""
+    loop = _Loop(streams=2, round_trip=1, rounds=3, flood_tokens=4, stream_tokens=4, flood_step=0)
+    loop.run()
+    assert loop.waits() == [0] * 4, loop.waits()
     loop.check_outputs()
 
 
