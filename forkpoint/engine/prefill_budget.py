@@ -24,6 +24,7 @@ progresses every step. The others then take what is left in order. Holding chang
 step computes, never the results: chunked prefill is exact.
 
     step that decodes:   [decodes (not counted in B)] [first running prefill <= B - held] [other prefills <= rest of B]
+                         [short prefills, each whole, <= SHORT_PREFILL_BUDGETS x B in all (`short_room`)]
     step with no decode: [running prefills and admissions <= max_num_batched_tokens]
 """
 
@@ -40,6 +41,14 @@ DECODE_GRACE_S = 1.0  # seconds after the last step with a decode during which s
 # on the CPU the cap had doubled a chat server's time to first token (docs/server.md); the stall it costs a
 # stream is one step, not the tens of seconds of a long prompt's
 SHORT_PREFILL_BUDGETS = 16
+
+
+def short_room(budget: int) -> int:
+    """Short prefills' tokens, all of them together, in a step that decodes with prefill budget
+    `budget` (B): SHORT_PREFILL_BUDGETS x B, what one short prefill may take at most. Each runs whole,
+    so one always fits a step; several stack only up to this (a burst of chat turns, 80 marker
+    prompts), and the next wait for the next step, in order."""
+    return SHORT_PREFILL_BUDGETS * budget
 
 
 def is_capped_prefill(request: Request, start: int, budget: int, origin: int) -> bool:

@@ -43,7 +43,7 @@ from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner, Placement
 from forkpoint.engine.checkpoint_claims import CheckpointClaims
 from forkpoint.engine.fair_order import admission_order, client_of, step_order
 from forkpoint.engine.held_slots import HeldSlots
-from forkpoint.engine.prefill_budget import DECODE_GRACE_S, is_capped_prefill, is_prefill, prefill_room
+from forkpoint.engine.prefill_budget import DECODE_GRACE_S, is_capped_prefill, is_prefill, prefill_room, short_room
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler_stats import SchedulerStats
 from forkpoint.engine.speculative import Speculation
@@ -198,6 +198,7 @@ class Scheduler:
             SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else None, recently_decoded=recently)
         if prefill is not None:  # sequences decode in this step: its prefill stays small (engine/prefill_budget.py)
             planning.prefill_left, planning.prefill_held = prefill.total, prefill.held
+            planning.short_left = short_room(prefill.total)
         preempted = False
 
         for request in order:
@@ -235,6 +236,8 @@ class Scheduler:
                     self.last_decode_at = now
                 elif self._capped(request, request.num_computed_tokens):
                     planning.take_prefill(count)
+                else:
+                    planning.take_short(count)
                 self._plan_chunk(planning, request, request.num_computed_tokens, count, None)
             budget -= count
             planning.take_seq()
@@ -251,6 +254,8 @@ class Scheduler:
                                                 <= self.held_slots.count(now)):
                     continue  # the slots left are held for clients that come back (engine/held_slots.py)
                 admitted = self._try_admit(planning, request, budget, now)
+                if planning.short_full:
+                    break  # short prefills fill this step: the rest wait for the next, in order
                 while admitted is None and not self.running and self._evict_waited_on():
                     # nothing runs to free memory later: blocks only queued requests wait on go first
                     admitted = self._try_admit(planning, request, budget, now)
@@ -428,6 +433,8 @@ class Scheduler:
         prefill_cap = planning.prefill_cap()
         if prefill_cap is not None and self._capped(request, start, admitting):
             count = min(count, prefill_cap)
+        elif planning.short_left is not None and is_prefill(request, start):
+            count = min(count, planning.short_left)  # a short prefill: the step's short room
         to_score = len(request.prompt_token_ids) - 1 - start
         rows_left = self.score_rows - planning.score_rows
         if request.params.prompt_logprobs is not None and to_score > rows_left:
@@ -489,6 +496,10 @@ class Scheduler:
         if self.states.requests.num_free == 0:
             return None
         start = source.state_tokens if source is not None else 0
+        if (planning.short_left is not None and not self._capped(request, start, admitting=True)
+                and request.num_tokens - start > planning.short_left):
+            planning.short_full = True  # a short prefill runs whole: it waits for a step with room
+            return 0
         count = self._chunk(planning, request, start, budget, admitting=True)
         if count == 0:
             return None  # exact mode: no scan-chunk boundary within the budget left
@@ -531,6 +542,8 @@ class Scheduler:
             self.claims.stop_waiting(request, now)
         if self._capped(request, start, admitting=True):  # a long prefill's chunk counts against the budget
             planning.take_prefill(count)
+        else:
+            planning.take_short(count)
         self._plan_chunk(planning, request, start, count, source)
         return count
 

@@ -68,6 +68,10 @@ class StepPlanning:
     # first running prefill leaves for the other prefills (engine/prefill_budget.py; None: no cap)
     prefill_left: int | None = None
     prefill_held: int = 0
+    # short prefills' tokens (they run whole, engine/prefill_budget.py) the step may still take while
+    # sequences decode in it (None: no cap), and whether one waiting had to wait for the next step
+    short_left: int | None = None
+    short_full: bool = False
 
     def add_segment(self, request: Request, start: int, end: int, initial: int, dests: tuple[int, ...],
                     kind: SegmentKind, phase: int) -> None:
@@ -90,6 +94,10 @@ class StepPlanning:
     def take_prefill(self, count: int) -> None:
         if self.prefill_left is not None:
             self.prefill_left -= count
+
+    def take_short(self, count: int) -> None:
+        if self.short_left is not None:
+            self.short_left -= count
 
     def release_held_prefill(self) -> None:
         """The first running prefill is planned: the other prefills may take what it left them."""
