@@ -7,8 +7,9 @@ does not fail the step: its sequences go back to the front of the queue to recom
 capped (`StepLimits`). What is capped is what grew the step's memory, not the step's tokens:
 
 - a sequence that computed two or more tokens (a prefill chunk, scored prompt rows): the tokens one
-  sequence may take in a step (`max_chunk`) become half that step's largest per-sequence share (the
-  memory grows with the chunk: its activations, its attention scores, its prompt-logit rows);
+  sequence may take in a step (`max_chunk`) become a quarter (CHUNK_SHRINK) of that step's largest
+  per-sequence share (the memory grows with the chunk: its activations, its attention scores, its
+  prompt-logit rows);
 - a step of decodes alone (or chunks already at the floor): the sequences of a step (`max_seqs`)
   become half the step's (the memory grows with the rows).
 
@@ -17,13 +18,13 @@ computed before) then run in one step beside the culprit's halved chunk. Capping
 before: half the failed step's tokens) spread them over many steps: a scored prompt's 64-row chunk
 beside 8 streams failed (72 tokens), and the streams' 27-token recomputes ran 36 tokens a step, 8
 steps, a 0.95 s gap (5.6x their own) on the CPU (docs/server.md). Decodes keep running beside a
-shrinking prefill. Each further failure halves again, so the request that needs the memory ends up
+shrinking prefill. Each further failure lowers a cap again, so the request that needs the memory ends up
 alone in the smallest step (a sequence cap of one, at most `floor_tokens` tokens); a step that fails
 holding one sequence and at most `floor_tokens` tokens fails that sequence's prompt with
 `OutOfMemory`::
 
-    step: 8 decodes + a 4,088-token chunk -> OOM: requeue the 9, one sequence <= 2,044 tokens a step
-    step: 8 recomputes + a 2,044-token chunk -> OOM: requeue, <= 1,022 ... (fits: served)
+    step: 8 decodes + a 4,088-token chunk -> OOM: requeue the 9, one sequence <= 1,022 tokens a step
+    step: 8 recomputes + a 1,022-token chunk -> OOM: requeue, <= 255 ... (fits: served)
     step: 64 decodes                      -> OOM: requeue the 64, cap 32 sequences ...
     step: 1 sequence, <= floor tokens     -> OOM: its prompt fails (OutOfMemory), the others run on
 
@@ -48,6 +49,11 @@ from forkpoint.engine.request import Request
 from forkpoint.engine.step_planning import ScheduledStep, StepLimits
 
 CPU_ALLOCATOR_FAILURE = "DefaultCPUAllocator: can't allocate memory"
+# a failed step's largest chunk over the per-sequence cap of the retry: a quarter, not a half, since each
+# failure costs the failed step's time and a recompute (8 streams beside a 16k prompt on the CPU: halving
+# failed again at 4,092 tokens, 1.3 s more; the earlier rule, a step of half the tokens of which one
+# sequence took half, also came to a quarter)
+CHUNK_SHRINK = 4
 
 
 class OutOfMemory(RuntimeError):
@@ -110,8 +116,8 @@ class MemoryBackoff:
         return None
 
     def shrink(self, steps: list[ScheduledStep]) -> StepLimits:
-        """Lower one cap below `steps` (module doc): halve the tokens of one sequence when one of them
-        took more than `floor_tokens` in a step (a smaller chunk exists), else halve the sequences
+        """Lower one cap below `steps` (module doc): a quarter of the tokens of one sequence when one of
+        them took more than `floor_tokens` in a step (a smaller chunk exists), else halve the sequences
         (there are two or more: one alone at `floor_tokens` or fewer is the culprit), else, a lone
         sequence above the floor that its chunk cap did not bind (a speculative verify), halve the
         step's tokens. Their sequences hold the caps until they leave. Returns the new caps; each call
@@ -120,8 +126,8 @@ class MemoryBackoff:
         current = self._limits or StepLimits(self.max_tokens, self.max_seqs, self.max_tokens)
         max_tokens, max_seqs, max_chunk = current.max_tokens, current.max_seqs, current.max_chunk
         largest = max(largest_share(step) for step in steps)
-        if largest > self.floor_tokens and max(self.floor_tokens, largest // 2) < max_chunk:
-            max_chunk = max(self.floor_tokens, largest // 2)
+        if largest > self.floor_tokens and max(self.floor_tokens, largest // CHUNK_SHRINK) < max_chunk:
+            max_chunk = max(self.floor_tokens, largest // CHUNK_SHRINK)
         elif len(sequences) > 1:
             max_seqs = min(max_seqs, len(sequences) // 2)
         else:

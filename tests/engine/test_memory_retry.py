@@ -219,25 +219,25 @@ def test_every_retry_lowers_a_cap_until_the_culprit_is_alone(floor):
         assert len(set(step.requests)) == 1 and sum(s.end for s in step.plan.segments) <= floor
 
 
-def test_a_retry_halves_the_largest_chunk_and_leaves_the_decodes_their_rows():
-    """8 decodes beside a 64-token chunk fail: the next steps cap one sequence at 32 tokens, not the
+def test_a_retry_cuts_the_largest_chunk_and_leaves_the_decodes_their_rows():
+    """8 decodes beside a 64-token chunk fail: the next steps cap one sequence at 16 tokens, not the
     step at 36 (half of 72): the decodes' recomputes (27 tokens each) then fit one step."""
     decodes = [_Sequence() for _ in range(8)]
     chunk = _Sequence()
     backoff = MemoryBackoff(1, max_tokens=8192, max_seqs=256)
     limits = backoff.shrink([_step(*[(d, 1) for d in decodes], (chunk, 64))])
-    assert (limits.max_chunk, limits.max_seqs, limits.max_tokens) == (32, 256, 8192)
-    limits = backoff.shrink([_step(*[(d, 27) for d in decodes], (chunk, 32))])  # failed again
     assert (limits.max_chunk, limits.max_seqs, limits.max_tokens) == (16, 256, 8192)
+    limits = backoff.shrink([_step(*[(d, 27) for d in decodes], (chunk, 16))])  # failed again: 27 is the largest
+    assert (limits.max_chunk, limits.max_seqs, limits.max_tokens) == (6, 256, 8192)
     limits = MemoryBackoff(1, max_tokens=8192, max_seqs=256).shrink([_step(*[(d, 1) for d in decodes])])
     assert (limits.max_chunk, limits.max_seqs, limits.max_tokens) == (8192, 4, 8192)  # decodes alone: rows
 
 
 def test_step_mates_recompute_in_one_step_after_a_chunk_runs_out_of_memory(model_dir):
     """Engine level: 6 streams decode beside a 48-token prompt whose first step with a chunk of more
-    than 24 of its tokens runs out of memory. The streams' recomputes run in the next step, all six
-    (with a step capped at half the failed step's tokens, as before, they took several), and every
-    request finishes with a fault-free run's outputs."""
+    than 24 of its tokens runs out of memory (the retry takes at most 12 of its tokens a step). The
+    streams' recomputes run in the next step, all six (with a step capped at half the failed step's
+    tokens, as before, they took several), and every request finishes with a fault-free run's outputs."""
     streams = tuple(Arrival(0, f"s{i}", token_words(100 + i, 12), dataclasses.replace(GREEDY, max_tokens=10))
                     for i in range(6))
     scenario = Scenario("streams_beside_a_chunk", (*streams, Arrival(2, "big", token_words(99, 48))),
