@@ -6,18 +6,19 @@ does not fail the step: its sequences go back to the front of the queue to recom
 (`Scheduler.requeue`: the failed forward may have written their state rows) and the next steps are
 capped (`StepLimits`). What is capped is what grew the step's memory, not the step's tokens:
 
-- a sequence that computed two or more tokens (a prefill chunk, scored prompt rows): the tokens one
-  sequence may take in a step (`max_chunk`) become a quarter (CHUNK_SHRINK) of that step's largest
-  per-sequence share (the memory grows with the chunk: its activations, its attention scores, its
-  prompt-logit rows);
+- the sequences that computed more than `floor_tokens` (a prefill chunk, scored prompt rows): their
+  tokens a step (`max_chunk`, for `StepLimits.chunked`) become a quarter (CHUNK_SHRINK) of the
+  largest such share (the memory grows with the chunk: its activations, its attention scores, its
+  prompt-logit rows); the step-mates that were decoding are not cut;
 - a step of decodes alone (or chunks already at the floor): the sequences of a step (`max_seqs`)
   become half the step's (the memory grows with the rows).
 
-The step's total tokens are not capped: its step-mates' recomputes (short prefills of what they had
-computed before) then run in one step beside the culprit's halved chunk. Capping the total (as
-before: half the failed step's tokens) spread them over many steps: a scored prompt's 64-row chunk
-beside 8 streams failed (72 tokens), and the streams' 27-token recomputes ran 36 tokens a step, 8
-steps, a 0.95 s gap (5.6x their own) on the CPU (docs/server.md). Decodes keep running beside a
+The step's total tokens are not capped: its step-mates' recomputes (their context, computed before)
+then run whole in one step beside the culprit's smaller chunk. Capping the total (as before: half
+the failed step's tokens, and one sequence half of that) spread them over many steps: a scored
+prompt's 64-row chunk beside 8 streams failed (72 tokens), and the streams' 27-token recomputes ran
+36 tokens a step, 8 steps, a 0.95 s gap (5.6x their own) on the CPU (docs/server.md). If the retry
+step fails too, its recomputes took more than the floor and are capped in turn. Decodes keep running beside a
 shrinking prefill. Each further failure lowers a cap again, so the request that needs the memory ends up
 alone in the smallest step (a sequence cap of one, at most `floor_tokens` tokens); a step that fails
 holding one sequence and at most `floor_tokens` tokens fails that sequence's prompt with
@@ -76,12 +77,12 @@ def step_tokens(step: ScheduledStep) -> int:
     return sum(segment.end - segment.start for segment in step.plan.segments)
 
 
-def largest_share(step: ScheduledStep) -> int:
-    """The most tokens one sequence computes in the step (its segments together)."""
-    shares: Counter[int] = Counter()
-    for segment, request in zip(step.plan.segments, step.requests):
-        shares[id(request)] += segment.end - segment.start
-    return max(shares.values(), default=0)
+def step_shares(step: ScheduledStep) -> Counter[str]:
+    """Tokens each sequence computes in the step (its segments together), by request id."""
+    shares: Counter[str] = Counter()
+    for segment in step.plan.segments:
+        shares[segment.request_id] += segment.end - segment.start
+    return shares
 
 
 class MemoryBackoff:
@@ -116,23 +117,30 @@ class MemoryBackoff:
         return None
 
     def shrink(self, steps: list[ScheduledStep]) -> StepLimits:
-        """Lower one cap below `steps` (module doc): a quarter of the tokens of one sequence when one of
-        them took more than `floor_tokens` in a step (a smaller chunk exists), else halve the sequences
-        (there are two or more: one alone at `floor_tokens` or fewer is the culprit), else, a lone
-        sequence above the floor that its chunk cap did not bind (a speculative verify), halve the
-        step's tokens. Their sequences hold the caps until they leave. Returns the new caps; each call
-        lowers one of them, so the retries end."""
+        """Lower a cap below `steps` (module doc): the sequences that took more than `floor_tokens` in a
+        step (a smaller chunk exists) are capped at a quarter of the largest such share (or join the
+        capped ones at the current cap), else halve the sequences (there are two or more: one alone at
+        `floor_tokens` or fewer is the culprit), else, a lone sequence above the floor that its chunk
+        cap did not bind (a speculative verify), halve the step's tokens. Their sequences hold the caps
+        until they leave. Returns the new caps; each call lowers a cap or caps one more sequence, so
+        the retries end."""
         sequences = list(dict.fromkeys(r for step in steps for r in step.requests))
-        current = self._limits or StepLimits(self.max_tokens, self.max_seqs, self.max_tokens)
+        current = self._limits or StepLimits(self.max_tokens, self.max_seqs, self.max_tokens, frozenset())
         max_tokens, max_seqs, max_chunk = current.max_tokens, current.max_seqs, current.max_chunk
-        largest = max(largest_share(step) for step in steps)
-        if largest > self.floor_tokens and max(self.floor_tokens, largest // CHUNK_SHRINK) < max_chunk:
-            max_chunk = max(self.floor_tokens, largest // CHUNK_SHRINK)
+        chunked = current.chunked or frozenset()
+        shares = Counter()
+        for step in steps:
+            for request_id, share in step_shares(step).items():
+                shares[request_id] = max(shares[request_id], share)
+        over = {request_id for request_id, share in shares.items() if share > self.floor_tokens}
+        cut = max(self.floor_tokens, max((shares[r] for r in over), default=0) // CHUNK_SHRINK)
+        if over and (cut < max_chunk or not over <= chunked):
+            max_chunk, chunked = min(max_chunk, cut), chunked | over
         elif len(sequences) > 1:
             max_seqs = min(max_seqs, len(sequences) // 2)
         else:
             max_tokens = min(max_tokens, max(self.floor_tokens, max(step_tokens(step) for step in steps) // 2))
-        limits = StepLimits(max_tokens, max_seqs, max_chunk=min(max_chunk, max_tokens))
+        limits = StepLimits(max_tokens, max_seqs, max_chunk=min(max_chunk, max_tokens), chunked=chunked)
         self._limits = limits
         self._suspects = [r for r in self._suspects if not r.is_finished]
         self._suspects += [r for r in sequences if r not in self._suspects]

@@ -186,7 +186,8 @@ class Scheduler:
             raise RuntimeError("a step is still in flight: commit or fail it before scheduling the next")
         now = time.monotonic() if now is None else now
         planning = (StepPlanning() if limits is None
-                    else StepPlanning(seq_room=limits.max_seqs, chunk_cap=min(self.chunk_cap, limits.max_chunk)))
+                    else StepPlanning(seq_room=limits.max_seqs, chunk_cap=min(self.chunk_cap, limits.max_chunk),
+                                      chunked=limits.chunked))
         budget = self.config.max_num_batched_tokens
         if limits is not None:
             budget = min(budget, limits.max_tokens)
@@ -429,7 +430,8 @@ class Scheduler:
         prefill runs the recurrent scans over the same chunks as one pass. A request scoring its prompt
         gets at most the step's prompt-logit rows left (`score_rows`): its logits stay O(chunk x vocab).
         In a step that decodes, prefill takes at most the step's prefill room left (`StepPlanning.prefill_cap`)."""
-        count = min(request.num_tokens - start, budget, planning.chunk_cap or self.chunk_cap)
+        capped = planning.chunked is None or request.request_id in planning.chunked
+        count = min(request.num_tokens - start, budget, (planning.chunk_cap if capped else None) or self.chunk_cap)
         prefill_cap = planning.prefill_cap()
         if prefill_cap is not None and self._capped(request, start, admitting):
             count = min(count, prefill_cap)
