@@ -43,6 +43,21 @@ DECODE_GRACE_S = 1.0  # seconds after the last step with a decode during which s
 SHORT_PREFILL_BUDGETS = 16
 
 
+# what one prompt-logit row (a scored prompt position: a [vocabulary] row of logits, its log-softmax and
+# top-k) costs in prefill tokens of a step that decodes, measured on the CPU with the embedded model: a
+# step of 8 decodes and 64 scored rows took 0.33 s against 0.06 s for the decodes alone (4.3 ms a row),
+# a 64-token chunk of a plain prompt at 0-4k 0.02-0.04 s more (0.3-0.6 ms a token); bench/hostile.py's
+# prompt_logprobs_4k: 5.6x the bystander's gap (docs/server.md)
+SCORE_ROW_TOKENS = 8
+
+
+def score_rows_with_decodes(budget: int, scan_chunk: int | None) -> int:
+    """Prompt-logit rows a step that decodes computes, all scored prompts together: B /
+    SCORE_ROW_TOKENS, at least one scan chunk (`scan_chunk`, with checkpoint_exact: a scored chunk
+    ends at a scan-chunk boundary), at least one row."""
+    return max(budget // SCORE_ROW_TOKENS, scan_chunk or 1)
+
+
 def short_room(budget: int) -> int:
     """Short prefills' tokens, all of them together, in a step that decodes with prefill budget
     `budget` (B): SHORT_PREFILL_BUDGETS x B, what one short prefill may take at most. Each runs whole,

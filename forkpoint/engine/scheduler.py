@@ -43,7 +43,14 @@ from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner, Placement
 from forkpoint.engine.checkpoint_claims import CheckpointClaims
 from forkpoint.engine.fair_order import admission_order, client_of, step_order
 from forkpoint.engine.held_slots import HeldSlots
-from forkpoint.engine.prefill_budget import DECODE_GRACE_S, is_capped_prefill, is_prefill, prefill_room, short_room
+from forkpoint.engine.prefill_budget import (
+    DECODE_GRACE_S,
+    is_capped_prefill,
+    is_prefill,
+    prefill_room,
+    score_rows_with_decodes,
+    short_room,
+)
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler_stats import SchedulerStats
 from forkpoint.engine.speculative import Speculation
@@ -200,6 +207,8 @@ class Scheduler:
         if prefill is not None:  # sequences decode in this step: its prefill stays small (engine/prefill_budget.py)
             planning.prefill_left, planning.prefill_held = prefill.total, prefill.held
             planning.short_left = short_room(prefill.total)
+            planning.score_cap = min(self.score_rows, score_rows_with_decodes(
+                prefill.total, SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else None))
         preempted = False
 
         for request in order:
@@ -429,7 +438,8 @@ class Scheduler:
         that does not finish the sequence ends at a scan-chunk boundary (0 when none fits), so chunked
         prefill runs the recurrent scans over the same chunks as one pass. A request scoring its prompt
         gets at most the step's prompt-logit rows left (`score_rows`): its logits stay O(chunk x vocab).
-        In a step that decodes, prefill takes at most the step's prefill room left (`StepPlanning.prefill_cap`)."""
+        In a step that decodes, prefill takes at most the step's prefill room left (`StepPlanning.prefill_cap`),
+        and scored rows at most `score_rows_with_decodes` (`StepPlanning.score_cap`)."""
         capped = planning.chunked is None or request.request_id in planning.chunked
         count = min(request.num_tokens - start, budget, (planning.chunk_cap if capped else None) or self.chunk_cap)
         prefill_cap = planning.prefill_cap()
@@ -438,7 +448,7 @@ class Scheduler:
         elif planning.short_left is not None and is_prefill(request, start):
             count = min(count, planning.short_left)  # a short prefill: the step's short room
         to_score = len(request.prompt_token_ids) - 1 - start
-        rows_left = self.score_rows - planning.score_rows
+        rows_left = (planning.score_cap or self.score_rows) - planning.score_rows
         if request.params.prompt_logprobs is not None and to_score > rows_left:
             count = min(count, rows_left)
         if self.config.checkpoint_exact and start + count < request.num_tokens:

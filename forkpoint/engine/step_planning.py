@@ -74,6 +74,7 @@ class StepPlanning:
     # sequences decode in it (None: no cap), and whether one waiting had to wait for the next step
     short_left: int | None = None
     short_full: bool = False
+    score_cap: int | None = None  # prompt-logit rows of a step that decodes (None: Scheduler.score_rows)
 
     def add_segment(self, request: Request, start: int, end: int, initial: int, dests: tuple[int, ...],
                     kind: SegmentKind, phase: int) -> None:
