@@ -615,6 +615,9 @@ class Scheduler:
             raise AssertionError("a step in flight computes for a sequence whose state slot was freed")
         if any(id(request) not in held or not request.is_finished for request, _, _ in self.releasing):
             raise AssertionError("an ended sequence keeps its slot and blocks with no step in flight computing for it")
+        if Counter(client_of(r) for r in self._live.values()) != self._client_live or not self._present <= set(
+                self._client_live):
+            raise AssertionError("the per-client counts of live sequences (held slots) do not match the live sequences")
         if self.registry is None:
             return
         readers: Counter[bytes] = Counter()
