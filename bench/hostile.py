@@ -187,6 +187,11 @@ class Bystander:
         """The largest gap that overlaps [start, end]."""
         return max((b - a for a, b in self.gaps if b > start and a < end), default=0.0)
 
+    def largest_gap_span(self, start: float, end: float) -> list[float]:
+        """(from, to) of that gap, time.perf_counter() (bench/step_trace.py logs steps on the same clock)."""
+        return list(max(((a, b) for a, b in self.gaps if b > start and a < end), key=lambda g: g[1] - g[0],
+                        default=(start, start)))
+
 
 # ---------------------------------------------------------------------------------------- cases
 @dataclass
@@ -340,7 +345,8 @@ async def run_case(case: Case, client: httpx.AsyncClient, url: str, model: str, 
     return Row(case.name, case.what, counts, end - start, max(health_ms, default=float("nan")),
                percentile(health_ms, 99), max(probes.health_ms, default=float("nan")), rss_before,
                max(probes.rss, default=rss_before), rss_after, gap, bystander.errors, note,
-               {"bystander_chunks": streamed, "bystander_chunks_per_s": streamed / max(end - start, 1e-9)})
+               {"bystander_chunks": streamed, "bystander_chunks_per_s": streamed / max(end - start, 1e-9),
+                "bystander_gap_span": bystander.largest_gap_span(start, end), "case_span": [start, end]})
 
 
 async def run_all(args: argparse.Namespace, url: str, pid: int | None, code: dict) -> dict:

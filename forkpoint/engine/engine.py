@@ -377,8 +377,8 @@ class LLMEngine:
         requeued = self.scheduler.requeue(steps)
         self._counters["steps_retried_for_memory"] += 1
         logger.warning("a step ran out of memory (%s: %s): %d sequence(s) requeued; steps now take at most %d "
-                       "token(s) and %d sequence(s) until they leave", type(error).__name__, error, len(requeued),
-                       limits.max_tokens, limits.max_seqs)
+                       "token(s) of one sequence, %d in all and %d sequence(s) until they leave", type(error).__name__,
+                       error, len(requeued), limits.max_chunk, limits.max_tokens, limits.max_seqs)
         ended = {r.parent_id: self._groups[r.parent_id] for step in steps for r in step.finished
                  if r.parent_id in self._groups}
         return (outputs or []) + self._collect(ended)

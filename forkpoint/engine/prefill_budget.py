@@ -24,6 +24,7 @@ progresses every step. The others then take what is left in order. Holding chang
 step computes, never the results: chunked prefill is exact.
 
     step that decodes:   [decodes (not counted in B)] [first running prefill <= B - held] [other prefills <= rest of B]
+                         [short prefills, each whole, <= SHORT_PREFILL_BUDGETS x B in all (`short_room`)]
     step with no decode: [running prefills and admissions <= max_num_batched_tokens]
 """
 
@@ -40,6 +41,29 @@ DECODE_GRACE_S = 1.0  # seconds after the last step with a decode during which s
 # on the CPU the cap had doubled a chat server's time to first token (docs/server.md); the stall it costs a
 # stream is one step, not the tens of seconds of a long prompt's
 SHORT_PREFILL_BUDGETS = 16
+
+
+# what one prompt-logit row (a scored prompt position: a [vocabulary] row of logits, its log-softmax and
+# top-k) costs in prefill tokens of a step that decodes, measured on the CPU with the embedded model: a
+# step of 8 decodes and 64 scored rows took 0.33 s against 0.06 s for the decodes alone (4.3 ms a row),
+# a 64-token chunk of a plain prompt at 0-4k 0.02-0.04 s more (0.3-0.6 ms a token); bench/hostile.py's
+# prompt_logprobs_4k: 5.6x the bystander's gap (docs/server.md)
+SCORE_ROW_TOKENS = 8
+
+
+def score_rows_with_decodes(budget: int, scan_chunk: int | None) -> int:
+    """Prompt-logit rows a step that decodes computes, all scored prompts together: B /
+    SCORE_ROW_TOKENS, at least one scan chunk (`scan_chunk`, with checkpoint_exact: a scored chunk
+    ends at a scan-chunk boundary), at least one row."""
+    return max(budget // SCORE_ROW_TOKENS, scan_chunk or 1)
+
+
+def short_room(budget: int) -> int:
+    """Short prefills' tokens, all of them together, in a step that decodes with prefill budget
+    `budget` (B): SHORT_PREFILL_BUDGETS x B, what one short prefill may take at most. Each runs whole,
+    so one always fits a step; several stack only up to this (a burst of chat turns, 80 marker
+    prompts), and the next wait for the next step, in order."""
+    return SHORT_PREFILL_BUDGETS * budget
 
 
 def is_capped_prefill(request: Request, start: int, budget: int, origin: int) -> bool:

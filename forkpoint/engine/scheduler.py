@@ -41,8 +41,16 @@ from forkpoint.cache.state_pool import ZERO_SLOT, StatePool
 from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig
 from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner, Placement
 from forkpoint.engine.checkpoint_claims import CheckpointClaims
-from forkpoint.engine.fair_order import admission_order, step_order
-from forkpoint.engine.prefill_budget import DECODE_GRACE_S, is_capped_prefill, is_prefill, prefill_room
+from forkpoint.engine.fair_order import admission_order, client_of, step_order
+from forkpoint.engine.held_slots import HeldSlots
+from forkpoint.engine.prefill_budget import (
+    DECODE_GRACE_S,
+    is_capped_prefill,
+    is_prefill,
+    prefill_room,
+    score_rows_with_decodes,
+    short_room,
+)
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler_stats import SchedulerStats
 from forkpoint.engine.speculative import Speculation
@@ -78,6 +86,11 @@ class Scheduler:
                                            self.state_position)
                      if registry is not None and config.auto_checkpoints else None)
         self._live: dict[str, Request] = {}
+        self._client_live: Counter[str] = Counter()  # live sequences (waiting or running) per client
+        # clients admitted since they last had no live sequence: they take no held slot
+        self._present: set[str] = set()
+        # slots freed by clients that left, held a moment for clients that run nothing (engine/held_slots.py)
+        self.held_slots = HeldSlots(DECODE_GRACE_S)
         # speculative decoding: verify plans and their state rows (None: off)
         self.speculation = (Speculation(config.speculative_config, state_pool)
                             if config.speculative_config is not None else None)
@@ -90,6 +103,7 @@ class Scheduler:
             for placement in self.auto.placements(request, self._live):
                 self._place(placement, now)
         self._live[request.request_id] = request
+        self._client_live[client_of(request)] += 1
         request.arrival_step = self.num_steps
         self.waiting.append(request)
         if self.registry is not None:
@@ -121,7 +135,14 @@ class Scheduler:
         While a step in flight computes for it, the slot and blocks are freed (and the turn end kept)
         only once the last such step is committed (failed: nothing is kept)."""
         now = time.monotonic() if now is None else now
-        self._live.pop(request.request_id, None)
+        if self._live.pop(request.request_id, None) is not None:
+            client = client_of(request)
+            self._client_live[client] -= 1
+            if not self._client_live[client]:
+                del self._client_live[client]
+                self._present.discard(client)
+                if request.status is RequestStatus.RUNNING:  # its client left: its slot is held a moment
+                    self.held_slots.hold(now)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
@@ -172,7 +193,8 @@ class Scheduler:
             raise RuntimeError("a step is still in flight: commit or fail it before scheduling the next")
         now = time.monotonic() if now is None else now
         planning = (StepPlanning() if limits is None
-                    else StepPlanning(seq_room=limits.max_seqs, chunk_cap=min(self.chunk_cap, limits.max_chunk)))
+                    else StepPlanning(seq_room=limits.max_seqs, chunk_cap=min(self.chunk_cap, limits.max_chunk),
+                                      chunked=limits.chunked))
         budget = self.config.max_num_batched_tokens
         if limits is not None:
             budget = min(budget, limits.max_tokens)
@@ -184,6 +206,9 @@ class Scheduler:
             SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else None, recently_decoded=recently)
         if prefill is not None:  # sequences decode in this step: its prefill stays small (engine/prefill_budget.py)
             planning.prefill_left, planning.prefill_held = prefill.total, prefill.held
+            planning.short_left = short_room(prefill.total)
+            planning.score_cap = min(self.score_rows, score_rows_with_decodes(
+                prefill.total, SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else None))
         preempted = False
 
         for request in order:
@@ -221,6 +246,8 @@ class Scheduler:
                     self.last_decode_at = now
                 elif self._capped(request, request.num_computed_tokens):
                     planning.take_prefill(count)
+                else:
+                    planning.take_short(count)
                 self._plan_chunk(planning, request, request.num_computed_tokens, count, None)
             budget -= count
             planning.take_seq()
@@ -232,7 +259,13 @@ class Scheduler:
                                            planning.chunk_cap or self.chunk_cap):
                 if budget == 0 or len(self.running) >= self.config.max_num_seqs or planning.seqs_full:
                     break
+                client = client_of(request)
+                if client in self._present and (self.config.max_num_seqs - len(self.running)
+                                                <= self.held_slots.count(now)):
+                    continue  # the slots left are held for clients that come back (engine/held_slots.py)
                 admitted = self._try_admit(planning, request, budget, now)
+                if planning.short_full:
+                    break  # short prefills fill this step: the rest wait for the next, in order
                 while admitted is None and not self.running and self._evict_waited_on():
                     # nothing runs to free memory later: blocks only queued requests wait on go first
                     admitted = self._try_admit(planning, request, budget, now)
@@ -241,6 +274,9 @@ class Scheduler:
                 budget -= admitted
                 if admitted:
                     planning.take_seq()
+                if request.status is RequestStatus.RUNNING and client not in self._present:
+                    self.held_slots.take(now)
+                    self._present.add(client)
         self.claims.reserve_for_queued(self.waiting)
 
         return self._scheduled(planning)
@@ -402,13 +438,17 @@ class Scheduler:
         that does not finish the sequence ends at a scan-chunk boundary (0 when none fits), so chunked
         prefill runs the recurrent scans over the same chunks as one pass. A request scoring its prompt
         gets at most the step's prompt-logit rows left (`score_rows`): its logits stay O(chunk x vocab).
-        In a step that decodes, prefill takes at most the step's prefill room left (`StepPlanning.prefill_cap`)."""
-        count = min(request.num_tokens - start, budget, planning.chunk_cap or self.chunk_cap)
+        In a step that decodes, prefill takes at most the step's prefill room left (`StepPlanning.prefill_cap`),
+        and scored rows at most `score_rows_with_decodes` (`StepPlanning.score_cap`)."""
+        capped = planning.chunked is None or request.request_id in planning.chunked
+        count = min(request.num_tokens - start, budget, (planning.chunk_cap if capped else None) or self.chunk_cap)
         prefill_cap = planning.prefill_cap()
         if prefill_cap is not None and self._capped(request, start, admitting):
             count = min(count, prefill_cap)
+        elif planning.short_left is not None and is_prefill(request, start):
+            count = min(count, planning.short_left)  # a short prefill: the step's short room
         to_score = len(request.prompt_token_ids) - 1 - start
-        rows_left = self.score_rows - planning.score_rows
+        rows_left = (planning.score_cap or self.score_rows) - planning.score_rows
         if request.params.prompt_logprobs is not None and to_score > rows_left:
             count = min(count, rows_left)
         if self.config.checkpoint_exact and start + count < request.num_tokens:
@@ -468,6 +508,10 @@ class Scheduler:
         if self.states.requests.num_free == 0:
             return None
         start = source.state_tokens if source is not None else 0
+        if (planning.short_left is not None and not self._capped(request, start, admitting=True)
+                and request.num_tokens - start > planning.short_left):
+            planning.short_full = True  # a short prefill runs whole: it waits for a step with room
+            return 0
         count = self._chunk(planning, request, start, budget, admitting=True)
         if count == 0:
             return None  # exact mode: no scan-chunk boundary within the budget left
@@ -510,6 +554,8 @@ class Scheduler:
             self.claims.stop_waiting(request, now)
         if self._capped(request, start, admitting=True):  # a long prefill's chunk counts against the budget
             planning.take_prefill(count)
+        else:
+            planning.take_short(count)
         self._plan_chunk(planning, request, start, count, source)
         return count
 
@@ -569,6 +615,9 @@ class Scheduler:
             raise AssertionError("a step in flight computes for a sequence whose state slot was freed")
         if any(id(request) not in held or not request.is_finished for request, _, _ in self.releasing):
             raise AssertionError("an ended sequence keeps its slot and blocks with no step in flight computing for it")
+        if Counter(client_of(r) for r in self._live.values()) != self._client_live or not self._present <= set(
+                self._client_live):
+            raise AssertionError("the per-client counts of live sequences (held slots) do not match the live sequences")
         if self.registry is None:
             return
         readers: Counter[bytes] = Counter()

@@ -35,12 +35,13 @@ class ScheduledStep:
 class StepLimits:
     """Caps on one step below the configured ones (engine/memory_retry.py sets them after a step ran
     out of memory): at most `max_tokens` tokens and `max_seqs` sequences, and at most `max_chunk` of
-    the tokens for one sequence (so a long prefill leaves room for the others' decodes). All >= 1,
-    max_chunk <= max_tokens."""
+    the tokens for one sequence of `chunked` (request ids; None: every sequence), so a long prefill
+    leaves room for the others' decodes. All >= 1, max_chunk <= max_tokens."""
 
     max_tokens: int
     max_seqs: int
     max_chunk: int
+    chunked: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         if min(self.max_tokens, self.max_seqs, self.max_chunk) < 1 or self.max_chunk > self.max_tokens:
@@ -64,10 +65,16 @@ class StepPlanning:
     score_rows: int = 0  # prompt-logit rows planned so far (at most Scheduler.score_rows)
     seq_room: int | None = None  # sequences the step may still take under its StepLimits (None: no cap)
     chunk_cap: int | None = None  # tokens of one sequence under its StepLimits (None: Scheduler.chunk_cap)
+    chunked: frozenset[str] | None = None  # the sequences chunk_cap applies to (None: all)
     # prefill tokens the step may still take while sequences decode in it, and how many of them the
     # first running prefill leaves for the other prefills (engine/prefill_budget.py; None: no cap)
     prefill_left: int | None = None
     prefill_held: int = 0
+    # short prefills' tokens (they run whole, engine/prefill_budget.py) the step may still take while
+    # sequences decode in it (None: no cap), and whether one waiting had to wait for the next step
+    short_left: int | None = None
+    short_full: bool = False
+    score_cap: int | None = None  # prompt-logit rows of a step that decodes (None: Scheduler.score_rows)
 
     def add_segment(self, request: Request, start: int, end: int, initial: int, dests: tuple[int, ...],
                     kind: SegmentKind, phase: int) -> None:
@@ -90,6 +97,10 @@ class StepPlanning:
     def take_prefill(self, count: int) -> None:
         if self.prefill_left is not None:
             self.prefill_left -= count
+
+    def take_short(self, count: int) -> None:
+        if self.short_left is not None:
+            self.short_left -= count
 
     def release_held_prefill(self) -> None:
         """The first running prefill is planned: the other prefills may take what it left them."""

@@ -178,40 +178,94 @@ class _Sequence:
     """A stand-in for a live Request (hashed by identity, as Request is)."""
 
     is_finished = False
+    made = 0
+
+    def __init__(self) -> None:
+        _Sequence.made += 1
+        self.request_id = f"seq{_Sequence.made}"
 
 
-def _step(*segments: tuple[object, int]) -> SimpleNamespace:
+def _step(*segments: tuple[_Sequence, int]) -> SimpleNamespace:
     """A stand-in for a ScheduledStep: (sequence, tokens) per segment."""
-    return SimpleNamespace(plan=SimpleNamespace(segments=[SimpleNamespace(start=0, end=n) for _, n in segments]),
+    return SimpleNamespace(plan=SimpleNamespace(segments=[SimpleNamespace(request_id=s.request_id, start=0, end=n)
+                                                          for s, n in segments]),
                            requests=[sequence for sequence, _ in segments])
 
 
 @pytest.mark.parametrize("floor", [1, 64])
 def test_every_retry_lowers_a_cap_until_the_culprit_is_alone(floor):
-    """Whatever the failing steps hold, each `shrink` lowers the token or the sequence cap, and a
-    step that fits the caps and fails again ends with a culprit: the retries end."""
+    """Whatever the failing steps hold, each `shrink` lowers the per-sequence, the sequence or the
+    token cap, or caps one more sequence, and a step that fits the caps and fails again ends with a
+    culprit: the retries end."""
     a, b, c = _Sequence(), _Sequence(), _Sequence()
     cases = [
         _step((a, 100)),                    # one prefill chunk above the floor
         _step((a, 1), (a, 1)),              # one sequence cut in two one-token segments
         _step((a, 40), (b, 1), (c, 1)),     # a chunk at or below the floor with two decodes
         _step((a, 1), (b, 1)),              # decodes alone
+        _step((a, 300), (b, 30), (c, 1)),   # two chunks and a decode
     ]
     for step in cases:
         backoff = MemoryBackoff(floor, max_tokens=8192, max_seqs=256)
         sizes = []
         while backoff.culprit([step]) is None:
             limits = backoff.shrink([step])
-            sizes.append((limits.max_tokens, limits.max_seqs))
-            assert len(sizes) < 20, sizes
-            kept = []  # the next step: the same sequences' segments, cut to the caps (fewest tokens first)
-            room_tokens, room_seqs = limits.max_tokens, limits.max_seqs
+            sizes.append((limits.max_chunk, -len(limits.chunked), limits.max_seqs, limits.max_tokens))
+            assert len(sizes) < 40, sizes
+            kept = []  # the next step: the same sequences' segments, cut to the caps
+            room_tokens, room_seqs, shares = limits.max_tokens, limits.max_seqs, {}
             for sequence, segment in zip(step.requests, step.plan.segments):
-                size = min(segment.end, room_tokens)
-                if size and (sequence in [s for s, _ in kept] or room_seqs):
-                    room_seqs -= sequence not in [s for s, _ in kept]
+                cap = limits.max_chunk if sequence.request_id in limits.chunked else 10 ** 9
+                size = min(segment.end, room_tokens, cap - shares.get(sequence, 0))
+                if size > 0 and (sequence in shares or room_seqs):
+                    room_seqs -= sequence not in shares
                     room_tokens -= size
+                    shares[sequence] = shares.get(sequence, 0) + size
                     kept.append((sequence, size))
             step = _step(*kept)
         assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
         assert len(set(step.requests)) == 1 and sum(s.end for s in step.plan.segments) <= floor
+
+
+def test_a_retry_cuts_the_largest_chunk_and_leaves_the_decodes_their_rows():
+    """8 decodes beside a 64-token chunk fail: the next steps cap that sequence at 16 tokens, not the
+    step at 36 (half of 72): the decodes' recomputes (27 tokens each) then fit one step. If that step
+    fails too, the recomputes are capped as well."""
+    decodes = [_Sequence() for _ in range(8)]
+    chunk = _Sequence()
+    backoff = MemoryBackoff(1, max_tokens=8192, max_seqs=256)
+    limits = backoff.shrink([_step(*[(d, 1) for d in decodes], (chunk, 64))])
+    assert (limits.max_chunk, limits.max_seqs, limits.max_tokens) == (16, 256, 8192)
+    assert limits.chunked == {chunk.request_id}  # the decodes' recomputes are not cut
+    limits = backoff.shrink([_step(*[(d, 27) for d in decodes], (chunk, 16))])  # failed again: 27 is the largest
+    assert (limits.max_chunk, limits.max_seqs, limits.max_tokens) == (6, 256, 8192)
+    assert limits.chunked == {s.request_id for s in [*decodes, chunk]}
+    limits = MemoryBackoff(1, max_tokens=8192, max_seqs=256).shrink([_step(*[(d, 1) for d in decodes])])
+    assert (limits.max_chunk, limits.max_seqs, limits.max_tokens) == (8192, 4, 8192)  # decodes alone: rows
+
+
+def test_step_mates_recompute_in_one_step_after_a_chunk_runs_out_of_memory(model_dir):
+    """Engine level: 6 streams decode beside a 48-token prompt whose first step with a chunk of more
+    than 24 of its tokens runs out of memory (the retry takes at most 12 of its tokens a step). The
+    streams' recomputes run whole in the next step, all six (with a step capped at half the failed
+    step's tokens, as before, or every sequence capped, they took several), and every request
+    finishes with a fault-free run's outputs."""
+    streams = tuple(Arrival(0, f"s{i}", token_words(100 + i, 12), dataclasses.replace(GREEDY, max_tokens=10))
+                    for i in range(6))
+    scenario = Scenario("streams_beside_a_chunk", (*streams, Arrival(2, "big", token_words(99, 48))),
+                        dict(max_num_batched_tokens=256))
+    expected, _ = fresh_run(model_dir, scenario)
+    llm = LLM(str(model_dir), **scenario.engine_kwargs)
+    plans: list[StepPlan] = []
+    runner = OutOfMemoryRunner(llm.engine, lambda call, plan: plans.append(plan) or tokens_of(plan, "big") > 24)
+    finished, failed = drive(llm.engine, scenario)
+    assert not failed and finished.keys() == expected.keys() and runner.raised == 1
+    for request_id, outputs in finished.items():
+        assert_outputs_equal(outputs, expected[request_id], request_id)
+    failed_at = next(i for i, plan in enumerate(plans) if tokens_of(plan, "big") > 24)
+    retry = plans[failed_at + 1]
+    for i in range(6):  # each stream recomputes its whole context (past the big one's 12-token cap) in one step
+        failed_end = max(seg.end for seg in plans[failed_at].segments if seg.request_id.split("#")[0] == f"s{i}")
+        assert tokens_of(retry, f"s{i}") == failed_end > 12, f"s{i}"
+    assert 0 < tokens_of(retry, "big") <= 24
+    assert_drained(llm)
