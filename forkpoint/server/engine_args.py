@@ -53,7 +53,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
                        help="bytes of float32 prompt-logit rows one step computes for prompt logprobs (echo + "
                             "logprobs, prompt_logprobs): a scored prompt runs in chunks of that many rows, so its "
                             "memory does not grow with prompt length x vocabulary (default: 64 MiB on the CPU, "
-                            "1 GiB on CUDA)")
+                            "1 GiB on CUDA); in a step where other sequences decode, at most 1/8 of the prefill "
+                            "budget beside decodes in scored rows")
     group.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default: 16)")
     group.add_argument("--checkpoint-token", default="<|mamba_checkpoint|>",
                        help="the checkpoint marker string (default: <|mamba_checkpoint|>)")
