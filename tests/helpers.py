@@ -13,3 +13,13 @@ def assert_same_outputs(outs, refs, tol: float = 1e-5) -> None:
             assert ours.keys() == theirs.keys()
             for token, value in ours.items():
                 assert abs(value - theirs[token]) <= tol
+
+
+def finish(engine) -> list:
+    """Step `engine` until nothing is left; its integrity checked at the end. Returns every output the
+    steps gave, sorted by request id."""
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    engine.check_integrity()
+    return sorted(outs, key=lambda out: out.request_id)

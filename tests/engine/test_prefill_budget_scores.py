@@ -10,6 +10,7 @@ from forkpoint.cache.hashing import PrefixHasher
 from forkpoint.engine.prefill_budget import SCORE_ROW_TOKENS, score_rows_with_decodes
 from forkpoint.engine.request import Request
 from tests.engine.test_prefill_budget import _config, _request, _Run
+from tests.helpers import finish
 
 B = 32  # _config's max_prefill_tokens_with_decodes
 
@@ -58,11 +59,7 @@ def test_outputs_and_scores_equal_steps_without_the_budget(model_dir):
                            stream=False)
         engine.step()
         computed = engine.sequences("scored")[0].num_computed_tokens
-        outs = []
-        while engine.has_unfinished_requests():
-            outs.extend(engine.step())
-        engine.check_integrity()
-        return sorted(outs, key=lambda out: out.request_id), computed
+        return finish(engine), computed
 
     capped, computed = run(16)
     assert computed == 16 // SCORE_ROW_TOKENS

@@ -7,7 +7,7 @@ from __future__ import annotations
 from forkpoint import LLM, SamplingParams
 from forkpoint.engine.prefill_budget import SHORT_PREFILL_BUDGETS, PrefillRoom, is_capped_prefill, prefill_room
 from tests.engine.test_prefill_budget import _config, _request, _Run
-from tests.helpers import assert_same_outputs
+from tests.helpers import assert_same_outputs, finish
 
 B = 32  # _config's max_prefill_tokens_with_decodes
 SHORT = SHORT_PREFILL_BUDGETS * B
@@ -107,11 +107,7 @@ def test_outputs_with_the_short_room_equal_steps_without_the_budget(model_dir):
                                stream=False)
         engine.step()
         admitted = sum(bool(engine.sequences(f"p{i}")[0].num_computed_tokens) for i in range(3))
-        outs = []
-        while engine.has_unfinished_requests():
-            outs.extend(engine.step())
-        engine.check_integrity()
-        return sorted(outs, key=lambda out: out.request_id), admitted
+        return finish(engine), admitted
 
     capped, admitted = run(8)
     assert admitted == 1  # one 100-token prompt in the step beside the streams
