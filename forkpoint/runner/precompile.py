@@ -131,9 +131,7 @@ def default_workers(plan: CompilePlan, free_device_bytes: int, cpus: int | None 
     with the engine and the OS), at most MAX_WORKERS, and as many as fit in three quarters of the free
     device memory (the engine has not loaded its weights yet) at the reduced model's weights plus
     WORKER_OVERHEAD_BYTES each (a CUDA context, the static buffers, one step's activations, the pools'
-    request rows of one layer per kind).
-
-    For Qwen3.5-35B-A3B in bf16 a worker is ~5.3 GB of weights: 8 workers on an H200's 139 GiB."""
+    request rows of one layer per kind)."""
     if cpus is None:
         cpus = os.cpu_count() or 2
     per_worker = reduced_model_bytes(plan) + WORKER_OVERHEAD_BYTES
