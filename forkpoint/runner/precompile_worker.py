@@ -8,13 +8,14 @@ read and write only the scratch rows; block tables are as wide as each step's co
 pool holds) and the plan's request rows, then runs the pieces of its share of the buckets eagerly and
 every warm-up layout: the kernels they launch compile into the Triton cache named by the environment.
 
-How the work splits: most of a cold start's compiling is autotuning (fla-core's chunked kernels and
-the paged attention's prefill tiles compile every candidate config of every key), so each worker's
+How the work splits: the autotuners (fla-core's chunked kernels, the paged attention's prefill tiles)
+compile every candidate config of every key, the part of a cold start that divides; each worker's
 autotuners (all of this process's, `share_autotuned_configs`) compile and time only the worker's
 share of each key's candidates; the union over the workers is every candidate, each compiled once.
 Every worker runs every layout, so every key is met in every worker; kernels without an autotuner
 compile in each (splitting the layouts instead duplicated nearly all of the work: on the H200 at 35B
-shapes, 8 workers took 121 s; the engine alone spent 169 s in its graphs, decode graphs and warm-up). Exits 0 when done.
+shapes, 8 workers took 121 s; the engine alone spent 169 s in its graphs, decode graphs and warm-up;
+how the autotuners' share of the compiling compares is not measured yet). Exits 0 when done.
 """
 
 from __future__ import annotations
