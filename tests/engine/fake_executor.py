@@ -109,3 +109,13 @@ class FakeExecutor:
 
     def _slot(self, block_table: Sequence[int], position: int) -> int:
         return block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+
+def append_sampled(step, tokens: Sequence[int]) -> list:
+    """A committed step's sampled `tokens` (one per sampling segment, in plan order) appended to their
+    requests' outputs; returns those requests in the same order (the caller decides which finish)."""
+    by_id = {r.request_id: r for r in step.requests}
+    requests = [by_id[s.request_id] for s in step.plan.ordered() if s.samples]
+    for request, token in zip(requests, tokens):
+        request.output_token_ids.append(token)
+    return requests

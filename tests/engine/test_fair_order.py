@@ -19,7 +19,7 @@ from forkpoint.engine import scheduler as scheduler_module
 from forkpoint.engine.fair_order import admission_order, step_order
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler import Scheduler
-from tests.engine.fake_executor import FakeExecutor, reference
+from tests.engine.fake_executor import FakeExecutor, append_sampled, reference
 from tests.helpers import assert_same_outputs
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -110,10 +110,7 @@ class _Engine:
             assert all(r.status is RequestStatus.RUNNING and r.slot is not None for r in step.requests)
             tokens = self.executor.execute(step.plan)
             self.scheduler.commit(step)
-            by_id = {r.request_id: r for r in step.requests}
-            for segment, token in zip([s for s in step.plan.ordered() if s.samples], tokens):
-                request = by_id[segment.request_id]
-                request.output_token_ids.append(token)
+            for request in append_sampled(step, tokens):
                 if len(request.output_token_ids) >= PARAMS.max_tokens:
                     self.scheduler.finish(request, "length")
             self.scheduler.check_integrity()

@@ -17,7 +17,7 @@ from forkpoint.engine.held_slots import HeldSlots
 from forkpoint.engine.prefill_budget import DECODE_GRACE_S
 from forkpoint.engine.request import Request
 from forkpoint.engine.scheduler import Scheduler
-from tests.engine.fake_executor import FakeExecutor, reference
+from tests.engine.fake_executor import FakeExecutor, append_sampled, reference
 from tests.engine.test_faults import assert_drained, assert_outputs_equal
 from tests.tiny_models import token_words
 
@@ -91,10 +91,7 @@ class _Loop:
                 self.admitted.setdefault(request.request_id, index)
             tokens = self.executor.execute(step.plan)
             self.scheduler.commit(step)
-            by_id = {r.request_id: r for r in step.requests}
-            for segment, token in zip([s for s in step.plan.ordered() if s.samples], tokens):
-                request = by_id[segment.request_id]
-                request.output_token_ids.append(token)
+            for request in append_sampled(step, tokens):
                 if len(request.output_token_ids) >= request.params.max_tokens:
                     self.scheduler.finish(request, "length", now=now)
                     if request.parent_id == "flood":

@@ -19,7 +19,7 @@ from forkpoint.engine.prefill_budget import DECODE_GRACE_S, PrefillRoom, is_pref
 from forkpoint.engine.request import Request
 from forkpoint.engine.scheduler import Scheduler
 from forkpoint.server.engine_args import add_engine_args, engine_kwargs, server_engine_kwargs
-from tests.engine.fake_executor import FakeExecutor, reference
+from tests.engine.fake_executor import FakeExecutor, append_sampled, reference
 from tests.helpers import assert_same_outputs
 
 
@@ -136,9 +136,7 @@ class _Run:
             1 for rid in tokens if is_prefill(by_id[rid], starts[rid])), "tokens": tokens})
         sampled = self.executor.execute(step.plan)
         self.scheduler.commit(step)
-        for segment, token in zip([s for s in step.plan.ordered() if s.samples], sampled):
-            request = by_id[segment.request_id]
-            request.output_token_ids.append(token)
+        for request in append_sampled(step, sampled):
             if len(request.output_token_ids) >= request.params.max_tokens:
                 self.scheduler.finish(request, "length")
         self.scheduler.check_integrity()

@@ -5,11 +5,12 @@ not change."""
 
 from __future__ import annotations
 
-from forkpoint import LLM, SamplingParams
+from forkpoint import SamplingParams
 from forkpoint.cache.hashing import PrefixHasher
 from forkpoint.engine.prefill_budget import SCORE_ROW_TOKENS, score_rows_with_decodes
 from forkpoint.engine.request import Request
 from tests.engine.test_prefill_budget import _config, _request, _Run
+from tests.engine.test_prefill_budget_short import engine_with_streams
 from tests.helpers import finish
 
 B = 32  # _config's max_prefill_tokens_with_decodes
@@ -49,12 +50,7 @@ def test_outputs_and_scores_equal_steps_without_the_budget(model_dir):
     scored = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
 
     def run(budget: int | None) -> list:
-        llm = LLM(str(model_dir), num_kv_blocks=128, block_size=8, max_num_batched_tokens=256,
-                  max_prefill_tokens_with_decodes=budget)
-        engine = llm.engine
-        for i in range(2):
-            engine.add_request(f"s{i}", f"stream {i} says", params, stream=False)
-        engine.step()
+        engine = engine_with_streams(model_dir, budget, 256, params)
         engine.add_request("scored", {"prompt_token_ids": [(13 * j) % 150 + 5 for j in range(60)]}, scored,
                            stream=False)
         engine.step()

@@ -89,6 +89,17 @@ def test_a_short_prompt_as_large_as_the_room_runs_whole_beside_a_burst():
     run.check_outputs()
 
 
+def engine_with_streams(model_dir, budget: int | None, max_num_batched_tokens: int, params: SamplingParams):
+    """A tiny-model engine (prefill budget beside decodes `budget`) whose two streams, s0 and s1, have
+    taken their first step."""
+    engine = LLM(str(model_dir), num_kv_blocks=128, block_size=8, max_num_batched_tokens=max_num_batched_tokens,
+                 max_prefill_tokens_with_decodes=budget).engine
+    for i in range(2):
+        engine.add_request(f"s{i}", f"stream {i} says", params, stream=False)
+    engine.step()
+    return engine
+
+
 def test_outputs_with_the_short_room_equal_steps_without_the_budget(model_dir):
     """CPU float32, greedy with logprobs, tiny model: three 100-token prompts arriving together while
     two streams decode, with B = 8 (short room 128: one prompt a step), give the tokens and logprobs
@@ -96,12 +107,7 @@ def test_outputs_with_the_short_room_equal_steps_without_the_budget(model_dir):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
 
     def run(budget: int | None) -> tuple[list, int]:
-        llm = LLM(str(model_dir), num_kv_blocks=128, block_size=8, max_num_batched_tokens=512,
-                  max_prefill_tokens_with_decodes=budget)
-        engine = llm.engine
-        for i in range(2):
-            engine.add_request(f"s{i}", f"stream {i} says", params, stream=False)
-        engine.step()
+        engine = engine_with_streams(model_dir, budget, 512, params)
         for i in range(3):
             engine.add_request(f"p{i}", {"prompt_token_ids": [(31 * j + i) % 150 + 5 for j in range(100)]}, params,
                                stream=False)
