@@ -168,7 +168,8 @@ class EngineBuilder:
             model, piecewise = parallel.model, None
             self.block_pool, self.state_pool = parallel.make_pools(config, self.max_model_len)
         else:
-            if self._compile_in_workers():
+            graph_sizes = self._graph_sizes()
+            if graph_sizes is not None and self._compile_in_workers(graph_sizes):
                 startup.lap("parallel compile")
             model = build_model(self.model_config, model_path, config.load_format, self.device, self.dtype,
                                 config.seed, with_vision=self.images.processor is not None,
@@ -176,7 +177,7 @@ class EngineBuilder:
             startup.lap("load weights")
             # graphs before the pools: their pieces never touch the pools, and the pools' sizing then
             # sees the graphs' buffers and memory pool as used
-            piecewise = self._capture_graphs(model)
+            piecewise = None if graph_sizes is None else PiecewiseForward(model, graph_sizes, self.device, capture=True)
             startup.lap("graphs capture")
             storage = self._make_storage(model)
         startup.lap("pools" if parallel is None else "tensor-parallel ranks: weights, pools")
@@ -255,16 +256,16 @@ class EngineBuilder:
             return None
         reason = graph_blocker(self.model_config, self.dtype)
         if reason is not None:
+            logger.warning("CUDA graphs off, every step runs eagerly: %s", reason)
             self.graphs_off_reason = reason
             return None
         return tuple(sorted(set(cfg.cuda_graph_sizes or default_cuda_graph_sizes(cfg.max_num_batched_tokens))))
 
-    def _compile_in_workers(self) -> bool:
-        """On a cold start with CUDA graphs, compile the kernels of the capture and the warm-up in worker
-        processes first (runner/precompile.py). False when none ran: graphs off, workers off, or the
-        Triton cache already holds this plan's kernels."""
-        sizes = self._graph_sizes()
-        if sizes is None or self.config.startup_compile_workers == 0:
+    def _compile_in_workers(self, sizes: tuple[int, ...]) -> bool:
+        """On a cold start, compile the kernels of the capture (buckets `sizes`) and the warm-up in worker
+        processes first (runner/precompile.py). False when none ran: workers off, or the Triton cache
+        already holds this plan's kernels."""
+        if self.config.startup_compile_workers == 0:
             return False
         from triton import knobs  # CUDA machines only
 
@@ -286,15 +287,6 @@ class EngineBuilder:
         report = precompile(plan, workers, cache_dir)
         logger.info("%s", report.summary())
         return True
-
-    def _capture_graphs(self, model) -> PiecewiseForward | None:
-        """CUDA graphs of the forward's token-wise pieces (CUDA only, unless `enforce_eager`)."""
-        sizes = self._graph_sizes()
-        if sizes is None:
-            if self.device.type == "cuda" and not self.config.enforce_eager and self.config.speculative_config is None:
-                logger.warning("CUDA graphs off, every step runs eagerly: %s", self.graphs_off_reason)
-            return None
-        return PiecewiseForward(model, sizes, self.device, capture=True)
 
     def _host_tier_bytes(self) -> int:
         """checkpoint_host_bytes, or when not given a size from this machine (cache/sizing.py)."""
