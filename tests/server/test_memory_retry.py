@@ -81,6 +81,9 @@ def test_a_request_too_big_for_one_step_is_answered_from_smaller_steps(spare_llm
         assert refused and [r.status_code for r in answers] == [200] * 4
         assert [r.json()["choices"][0]["text"] for r in answers] == expected
         metrics = srv.wait_idle()
-        assert metrics["steps_retried_for_memory"] - before["steps_retried_for_memory"] >= 2
+        # one retry or more: the retry caps the failing chunk at a quarter (engine/memory_retry.py), so
+        # BIG's 50-token chunks fit beside decodes; a second one only when the bystanders' prompts were
+        # in the same steps (timing)
+        assert metrics["steps_retried_for_memory"] - before["steps_retried_for_memory"] >= 1
         assert metrics["requests_failed_for_memory"] == before["requests_failed_for_memory"]
         srv.engine_call(lambda engine: engine.check_integrity())
