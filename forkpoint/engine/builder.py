@@ -271,8 +271,11 @@ class EngineBuilder:
 
         cache_dir = Path(knobs.cache.dir)
         cfg = self.config
+        # the request rows plan_pools gives when memory is plenty (cache/sizing.py `_request_slots`)
+        spares = cfg.speculative_config.num_speculative_tokens if cfg.speculative_config is not None else 0
         plan = CompilePlan(self.model_config, str(self.dtype).removeprefix("torch."), sizes,
-                           num_request_slots=cfg.num_state_slots or cfg.max_num_seqs, block_size=cfg.block_size,
+                           num_request_slots=cfg.num_state_slots or cfg.max_num_seqs * (1 + spares),
+                           block_size=cfg.block_size,
                            max_context=warmup_max_context(self.model_config.max_position_embeddings, sizes[-1]),
                            device=str(torch.device("cuda", torch.cuda.current_device()) if self.device.index is None
                                       else self.device))
