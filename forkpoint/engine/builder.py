@@ -248,9 +248,6 @@ class EngineBuilder:
         """The piecewise buckets the engine will capture, or None when it runs eagerly (the reason in
         `graphs_off_reason`)."""
         cfg = self.config
-        if cfg.speculative_config is not None and self.device.type == "cuda":
-            self.graphs_off_reason = "speculative decoding runs eagerly (its steps are not captured yet)"
-            return None
         if self.device.type != "cuda" or cfg.enforce_eager:
             self.graphs_off_reason = "enforce_eager" if cfg.enforce_eager else f"no CUDA device ({self.device})"
             return None

@@ -264,7 +264,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.warmup: WarmupReport | None = None
         if piecewise is not None and piecewise.captured:
-            self.decode_graphs = self._capture_decode_graphs()
+            # speculative steps verify several rows per sequence: never a decode graph's step
+            self.decode_graphs = self._capture_decode_graphs() if drafter is None else None
             max_context = warmup_max_context(model.config.max_position_embeddings, piecewise.sizes[-1])
             self.warmup = warm_up(self, max_tokens=piecewise.sizes[-1], max_seqs=storage.num_request_slots,
                                   max_context=max_context)
@@ -334,6 +335,14 @@ class ModelRunner:
         if self.piecewise is not None and self.piecewise.accepts(batch):
             return self.piecewise(batch, self.caches)
         return self.model(batch, self.caches)
+
+    def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """The stream leaving the last layer [T, hidden] of one prepared batch (the speculative step's
+        forward), through the piecewise graphs when they take it (never the decode graphs: they hold
+        logits only). Valid until the next forward."""
+        if self.piecewise is not None and self.piecewise.accepts(batch):
+            return self.piecewise.forward_hidden(batch, self.caches)
+        return self.model.forward_hidden(batch, self.caches)
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Drop the sampling state of sequences that have ended (every path out)."""

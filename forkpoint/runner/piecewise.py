@@ -417,6 +417,13 @@ class PiecewiseForward:
     def forward(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
         """Logits [R, vocab] float32 of `batch.logits_indices`; reads and writes the pools like the
         model's forward. Raises ValueError for a batch it does not accept."""
+        return self.model.compute_logits(self.forward_hidden(batch, caches), batch.logits_indices)
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
+        """The stream leaving the last layer [T, hidden], as the model's `forward_hidden`: a view of the
+        static buffer, valid until the next forward (the speculative step reads it within its step).
+        Raises ValueError for a batch it does not accept."""
         if not self.accepts(batch):
             raise ValueError(f"the piecewise forward takes steps of at most {self.sizes[-1]} tokens, "
                              f"got {batch.num_tokens} tokens: run the model's forward")
@@ -449,7 +456,7 @@ class PiecewiseForward:
             if kind == "parallel":  # its attention half, eagerly after the Mamba2 half
                 self.model.attention_core(layer_id, self._projection_rows(layer_id, num_tokens), batch, caches,
                                           out=self._core_rows(layer_id, num_tokens))
-        return self.model.compute_logits(self.residual[:num_tokens], batch.logits_indices)
+        return self.residual[:num_tokens]
 
     def __call__(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
         return self.forward(batch, caches)

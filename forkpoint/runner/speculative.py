@@ -76,7 +76,7 @@ class MTPDrafter:
         sampling, verification, drafting. Returns the finished step."""
         model = self.model
         batch, sampled = runner.prepare(plan)
-        hidden = model.forward_hidden(batch, runner.caches)
+        hidden = runner.forward_hidden(batch)  # through the piecewise graphs when captured
         logits = model.compute_logits(hidden, batch.logits_indices)
         verifies = {v.request_id: v for v in plan.verifies}
         plain_rows = [row for row, s in enumerate(sampled) if s.request_id not in verifies]

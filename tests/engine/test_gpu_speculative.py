@@ -3,9 +3,9 @@ the GPU kernels' head sizes with random MTP weights, drafts from the oracle of t
 (30% corrupted). Greedy tokens equal the plain engine's with checkpoints (markers, turn ends), with
 logprobs within the graph tolerance; with `checkpoint_exact` the issue asks for bit-identical
 results. The verify step runs every position through the single-token recurrent kernels as plain
-decode does, but eagerly (plain decode: whole-step CUDA graphs) and with k + 1 rows per sequence in
-each GEMM (beyond 16 rows the dense projections leave the row-stable Triton kernel for F.linear):
-this test says whether the bits still agree."""
+decode does, but through the piecewise graphs (plain decode: whole-step CUDA graphs) and with k + 1
+rows per sequence in each GEMM, padded to a bucket (beyond 16 rows the dense projections leave the
+row-stable Triton kernel for F.linear): this test says whether the bits still agree."""
 
 from __future__ import annotations
 
@@ -56,6 +56,8 @@ def test_greedy_tokens_equal_the_plain_engine_on_cuda(mtp_dir):
     for outputs in (ours, again):
         assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
         assert worst_diff(outputs, reference) <= GRAPH_LOGPROB_TOL
+    runner = llm.engine.runner  # the verify steps ran through the captured pieces
+    assert runner.piecewise is not None and runner.piecewise.captured and runner.decode_graphs is None
     metrics = llm.metrics()
     assert metrics["spec_verifications"] > 0 and 0.0 < metrics["spec_acceptance_rate_pos_1"] < 1.0
     assert metrics["checkpoint_hits"] > 0

@@ -21,6 +21,7 @@ import torch
 from forkpoint import LLM, SamplingParams
 from forkpoint.engine.engine import StepFailed
 from forkpoint.engine.holdings import check_holdings
+from forkpoint.runner.piecewise import PiecewiseForward
 from forkpoint.runner.speculative import FinishedStep, MTPDrafter
 from tests.helpers import assert_same_outputs
 from tests.tiny_models import add_mtp_weights, token_words
@@ -144,6 +145,26 @@ def test_greedy_outputs_equal_without_checkpoints_and_with_the_heads_own_drafts(
     for ours, theirs in zip(outputs, reference):
         assert [c.token_ids for c in ours.outputs] == [c.token_ids for c in theirs.outputs]
     assert llm.metrics()["spec_verifications"] > 0  # the random head's drafts were verified (and rejected)
+
+
+def test_verify_steps_through_the_piecewise_pieces_give_the_same_outputs(tiny_model_factory, tmp_path_factory):
+    """With CUDA graphs the verify step's forward runs through the piecewise pieces (padded to a
+    bucket); on the CPU the same pieces run eagerly (capture=False): same tokens, logprobs within 1e-5."""
+    source, _ = tiny_model_factory("qwen3_5_moe_text")
+    mtp_model = tmp_path_factory.mktemp("piecewise_mtp")
+    add_mtp_weights(source, mtp_model)
+    reference = LLM(str(mtp_model)).generate(WORKLOAD, GREEDY, use_tqdm=False)
+    llm = LLM(str(mtp_model), speculative_config=SPEC)
+    runner = llm.engine.runner
+    piecewise = PiecewiseForward(runner.model, (1, 8, 32, 128), runner.device, capture=False)
+    calls = []
+    forward_hidden = piecewise.forward_hidden
+    piecewise.forward_hidden = lambda batch, caches: calls.append(batch.num_tokens) or forward_hidden(batch, caches)
+    runner.piecewise = piecewise
+    OracleDrafts(llm, continuations(reference))
+    assert_same_outputs(generate_checked(llm, WORKLOAD, GREEDY), reference)
+    assert llm.metrics()["spec_verifications"] > 0
+    assert calls and any(piecewise.bucket(n) > n for n in calls)  # padded steps among them
 
 
 def test_all_drafts_right_emit_k_plus_one_tokens_a_step(tiny_model_factory, tmp_path_factory):
