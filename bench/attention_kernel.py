@@ -10,6 +10,12 @@ One attention layer's core op: 16 query heads, 2 kv heads (GQA group 8), head di
 (d) decode: 16 sequences, the same.
 (e, f, g) decode: 1 sequence over 880 and 4,352 tokens, 64 over 880 (the TPOT rows of bench/e2e_gpu.py).
 
+With --long (issue 30: long prompts), three more: (h) one causal 32,768-token prefill; (i, j) the last
+8,192-token chunk of a 32,768- and of a 131,072-token prompt (chunked prefill: 8,192 queries over the whole
+context). The reference is not run there (its float32 scores would not fit): the error column is against
+the first SDPA backend that runs, and every SDPA backend (flash, cuDNN, memory-efficient; GQA or K/V
+repeated) is timed on its own, so the table says which of them a long-context path should call.
+
 For each: the kernel's median time (triton.testing.do_bench, L2 flushed before each run), TFLOP/s
 (causal FLOPs counted exactly: 4 * Dh * HQ per visible (query, key) pair), GB/s of the fewest bytes
 (K/V of every segment read once, q read and o written once), the tile the autotuner chose, the same
@@ -21,6 +27,7 @@ prefix once per segment from a dense copy), GQA through `enable_gqa` where torch
 
 Usage:
     python bench/attention_kernel.py --out bench/results      # CUDA, < 90 s on an H200
+    python bench/attention_kernel.py --long --name attention_long --out bench/results   # + (h)-(j), every backend
     python bench/attention_kernel.py --smoke --out /tmp/attn   # CPU: reference path, tiny shapes
 Writes <out>/attention_kernel.json and <out>/attention_kernel.png and prints a table.
 """
@@ -48,10 +55,14 @@ HQ, HKV, DH, BLOCK = 16, 2, 256, 16
 LEGACY = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}   # the prefill tile before autotune
 
 
-def shapes(smoke: bool) -> list[dict]:
-    """Each step: q_lens, seq_lens and the shared prefix length (0: every segment owns its blocks)."""
+def shapes(smoke: bool, long: bool) -> list[dict]:
+    """Each step: q_lens, seq_lens and the shared prefix length (0: every segment owns its blocks);
+    `reference`: False where the float32 reference would not fit (the long rows)."""
     if smoke:
-        return [dict(name="(a) consumers 4x8 over 32+8", q_lens=[8] * 4, seq_lens=[40] * 4, shared=32),
+        tail = [dict(name="(h) long prefill 1x96", q_lens=[96], seq_lens=[96], shared=0, reference=False),
+                dict(name="(i) last chunk 24 of 96", q_lens=[24], seq_lens=[96], shared=0, reference=False)]
+        return (tail if long else []) + [
+                dict(name="(a) consumers 4x8 over 32+8", q_lens=[8] * 4, seq_lens=[40] * 4, shared=32),
                 dict(name="(b) prefill 2x40", q_lens=[40] * 2, seq_lens=[40] * 2, shared=0),
                 dict(name="(c) decode 8x40", q_lens=[1] * 8, seq_lens=[40] * 8, shared=0),
                 dict(name="(d) decode 2x40", q_lens=[1] * 2, seq_lens=[40] * 2, shared=0)]
@@ -61,7 +72,11 @@ def shapes(smoke: bool) -> list[dict]:
             dict(name="(d) decode 16x4352", q_lens=[1] * 16, seq_lens=[4352] * 16, shared=0),
             dict(name="(e) decode 1x880", q_lens=[1], seq_lens=[880], shared=0),
             dict(name="(f) decode 1x4352", q_lens=[1], seq_lens=[4352], shared=0),
-            dict(name="(g) decode 64x880", q_lens=[1] * 64, seq_lens=[880] * 64, shared=0)]
+            dict(name="(g) decode 64x880", q_lens=[1] * 64, seq_lens=[880] * 64, shared=0)] + ([
+        dict(name="(h) prefill 1x32768", q_lens=[32768], seq_lens=[32768], shared=0, reference=False),
+        dict(name="(i) last chunk 8192 of 32768", q_lens=[8192], seq_lens=[32768], shared=0, reference=False),
+        dict(name="(j) last chunk 8192 of 131072", q_lens=[8192], seq_lens=[131072], shared=0, reference=False),
+    ] if long else [])
 
 
 def offsets(lens):
@@ -122,7 +137,7 @@ def dense_kv(st):
 
 
 def sdpa_variants(q, k, v, q_len, kv_len):
-    """(label, fn) in order of preference; the first that runs is the peer."""
+    """(label, fn) in order of preference; the first that runs is the peer (with --long every one is timed)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     scale = DH ** -0.5
@@ -133,6 +148,11 @@ def sdpa_variants(q, k, v, q_len, kv_len):
             with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         out.append(("flash, is_causal, enable_gqa", flash))
+        for backend, name in ((SDPBackend.CUDNN_ATTENTION, "cudnn"), (SDPBackend.EFFICIENT_ATTENTION, "efficient")):
+            def alone(backend=backend):
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            out.append((f"{name}, is_causal, enable_gqa", alone))
     else:
         from torch.nn.attention.bias import causal_lower_right
 
@@ -154,6 +174,8 @@ def sdpa_variants(q, k, v, q_len, kv_len):
         every = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
         out += [("flash, causal_lower_right, enable_gqa", lower_right([SDPBackend.FLASH_ATTENTION], True)),
                 ("flash, causal_lower_right, kv repeated", lower_right([SDPBackend.FLASH_ATTENTION], False)),
+                ("cudnn, causal_lower_right, kv repeated", lower_right([SDPBackend.CUDNN_ATTENTION], False)),
+                ("efficient, causal_lower_right, kv repeated", lower_right([SDPBackend.EFFICIENT_ATTENTION], False)),
                 ("fused backends, causal_lower_right, enable_gqa", lower_right(every, True)),
                 ("fused backends, causal_lower_right, kv repeated", lower_right(every, False))]
     mask = torch.arange(kv_len, device=q.device) <= torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
@@ -162,21 +184,32 @@ def sdpa_variants(q, k, v, q_len, kv_len):
     return out
 
 
-def peer(st, timer):
-    """SDPA over dense copies; returns (label, ms, o packed like the kernel's) or (error, None, None)."""
+def peer(st, timer, every: bool):
+    """SDPA over dense copies: (label, ms, o packed like the kernel's) of the first variant that runs, or
+    (errors, None, None); with `every`, also {label: ms or the error} of every variant (the bool-mask
+    fallback is left out there: it materialises the scores)."""
     n, q_len, kv_len = len(st["sl"]), st["cu"][1], st["sl"][0]
     q = st["q"].view(n, q_len, HQ, DH).transpose(1, 2)
     k, v = dense_kv(st)
-    errors = []
-    for label, fn in sdpa_variants(q, k, v, q_len, kv_len):
+    errors, first, timed = [], None, {}
+    variants = sdpa_variants(q, k, v, q_len, kv_len)
+    for label, fn in (variants[:-1] if every else variants):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")   # a backend that does not apply says why, then raises
                 o = fn()
-            return label, timer(fn), o.transpose(1, 2).reshape(-1, HQ, DH)
+            ms = timer(fn)
         except Exception as e:  # noqa: BLE001 - try the next variant
-            errors.append(f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
-    return "; ".join(errors), None, None
+            error = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            errors.append(f"{label}: {error}")
+            timed[label] = error
+            continue
+        timed[label] = ms
+        if first is None:
+            first = (label, ms, o.transpose(1, 2).reshape(-1, HQ, DH))
+        if not every:
+            break
+    return (first or ("; ".join(errors), None, None)), timed
 
 
 # ---------------------------------------------------------------- timing
@@ -202,10 +235,10 @@ def run_step(spec, args, gen, dev):
     row = {"name": spec["name"], "segments": len(spec["q_lens"]), "q_tokens": sum(spec["q_lens"]),
            "kv_len": spec["seq_lens"][0], "shared_prefix": spec["shared"], "gflop": flops / 1e9,
            "min_mbytes": min_bytes(st) / 1e6}
-    o_ref = ref_call(st)
+    o_ref = ref_call(st) if spec.get("reference", True) else None
     is_prefill = spec["q_lens"][0] > 1
     if args.smoke:
-        row["reference_ms"] = cpu_timer(lambda: ref_call(st))
+        row["reference_ms"] = cpu_timer(lambda: ref_call(st)) if o_ref is not None else None
         timer = cpu_timer
     else:
         import triton
@@ -222,7 +255,7 @@ def run_step(spec, args, gen, dev):
         o = kernel()
         torch.cuda.synchronize()
         row["first_call_s"] = time.time() - t0     # includes the autotuning of a new key
-        row["rel_rms_vs_reference"] = rel_rms(o, o_ref)
+        row["rel_rms_vs_reference"] = rel_rms(o, o_ref) if o_ref is not None else None
         row["nan"] = bool(torch.isnan(o).any())
         cfg = tri._paged_attn_prefill.best_config if is_prefill else tri.decode_config(HQ // HKV, DH)
         row["config"] = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
@@ -240,7 +273,9 @@ def run_step(spec, args, gen, dev):
                                                    st["sl_d"], st["sl"], scale=DH ** -0.5, config=legacy)
 
         try:
-            row["legacy_rel_rms"] = rel_rms(kernel_legacy(), o_ref)
+            o_legacy = kernel_legacy()
+            row["legacy_rel_rms"] = rel_rms(o_legacy, o_ref) if o_ref is not None else None
+            del o_legacy
             row["legacy_ms"] = timer(kernel_legacy)
         except Exception as e:  # noqa: BLE001 - the comparison is optional
             row["legacy_error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -249,11 +284,17 @@ def run_step(spec, args, gen, dev):
                 row[key.replace("ms", "tflops")] = flops / row[key] / 1e9
                 row[key.replace("ms", "gbps")] = row["min_mbytes"] / row[key]
     if is_prefill:
-        label, ms, o_peer = peer(st, timer)
+        (label, ms, o_peer), timed = peer(st, timer, every=args.long)
         row["sdpa"] = label
+        if args.long:
+            row["sdpa_backends"] = {k: ({"ms": v, "tflops": flops / v / 1e9} if isinstance(v, float) else {"error": v})
+                                    for k, v in timed.items()}
         if ms is not None:
             row["sdpa_ms"], row["sdpa_tflops"] = ms, flops / ms / 1e9
-            row["sdpa_rel_rms_vs_reference"] = rel_rms(o_peer, o_ref)
+            if o_ref is not None:
+                row["sdpa_rel_rms_vs_reference"] = rel_rms(o_peer, o_ref)
+            elif not args.smoke:
+                row["rel_rms_vs_sdpa"] = rel_rms(o, o_peer)   # the long rows: the kernel against the peer
     del st
     if not args.smoke:
         torch.cuda.empty_cache()
@@ -288,10 +329,20 @@ def print_table(res):
         tile += "" if r["autotuned"] else f" (fixed, {c['decode_splits']} splits)"
         print(f"| {r['name']} | {_f(r['ms'])} | {_f(r['tflops'], 1)} | {_f(r['gbps'], 0)} | {_f(r.get('legacy_ms'))} "
               f"| {_f(sp, 2)} | {_f(r.get('sdpa_ms'))} | {_f(r.get('sdpa_tflops'), 1)} "
-              f"| {r['rel_rms_vs_reference']:.1e} | {tile} |")
+              f"| {_err(r)} | {tile} |")
     for r in res["rows"]:
         if "sdpa" in r:
             print(f"  SDPA for {r['name']}: {r['sdpa']}")
+        for label, t in r.get("sdpa_backends", {}).items():
+            timing = (f"{t['ms']:.3f} ms, {t['tflops']:.1f} TFLOP/s" if "ms" in t else t["error"][:100])
+            print(f"    {label}: {timing}")
+
+
+def _err(row) -> str:
+    """The kernel's error: against the reference, or (long rows) against SDPA, marked so."""
+    if row.get("rel_rms_vs_reference") is not None:
+        return f"{row['rel_rms_vs_reference']:.1e}"
+    return f"{row['rel_rms_vs_sdpa']:.1e} (vs SDPA)" if row.get("rel_rms_vs_sdpa") is not None else "-"
 
 
 def plot(res, path):
@@ -326,6 +377,8 @@ def main():
     ap.add_argument("--out", default="bench/results", help="folder for the JSON and PNG")
     ap.add_argument("--name", default="attention_kernel", help="file stem for the JSON and PNG")
     ap.add_argument("--smoke", action="store_true", help="CPU, reference path only, tiny shapes")
+    ap.add_argument("--long", action="store_true",
+                    help="add the long-context rows (h)-(j) and time every SDPA backend on the prefill rows")
     ap.add_argument("--warmup", type=float, default=10, help="do_bench warm-up, ms")
     ap.add_argument("--rep", type=float, default=50, help="do_bench repetition time, ms")
     ap.add_argument("--seed", type=int, default=0)
@@ -348,7 +401,7 @@ def main():
     json_path = os.path.join(args.out, f"{args.name}.json")
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     t0 = time.time()
-    for spec in shapes(args.smoke):
+    for spec in shapes(args.smoke, args.long):
         try:
             row = run_step(spec, args, gen, dev)
         except Exception as e:  # noqa: BLE001 - one failed step must not lose the others
