@@ -146,7 +146,8 @@ def test_a_reused_turn_samples_in_the_step_that_first_schedules_it(model_dir, pl
     step = [o for o in outs if o.request_id.startswith("bystander")]
     assert len(step) == 3 and all(len(o.outputs[0].token_ids) > 1 for o in step)  # they decoded in that step too
     assert len(turn.outputs[0].token_ids) == 1, "the reused turn's first token took more than its first step"
-    assert turn.metrics.queued_steps == 0 and llm.metrics()["checkpoint_hits_chat_turn"] == hits + 1
+    assert turn.metrics.queued_steps == 0 and turn.metrics.prefill_steps == 1
+    assert llm.metrics()["checkpoint_hits_chat_turn"] == hits + 1
     shared = common_prefix_length(_chat_prompt(llm, sessions[0][:2]).token_ids, turn.prompt_token_ids)
     assert 64 < len(turn.prompt_token_ids) - turn.num_cached_tokens and shared - 64 < turn.num_cached_tokens <= shared
     while engine.has_unfinished_requests():
