@@ -285,8 +285,10 @@ async def run_phase(url: str, model: str, args: argparse.Namespace, nonce: bool,
 
 
 def parts_p50(parts: list[dict[str, float]]) -> dict[str, float]:
-    """The median of each part (and of the steps queued behind) over requests; empty without any."""
-    return {key: percentile([p[key] for p in parts], 50) for key in parts[0]} if parts else {}
+    """The median of each part (and of the steps queued behind and to the first token) over requests, of
+    the keys every request has (a server before the prefill steps were logged has none); empty without any."""
+    return {key: percentile([p[key] for p in parts], 50) for key in parts[0]
+            if all(key in p for p in parts)} if parts else {}
 
 
 def summarise(phase: dict, turns: int) -> dict:
@@ -358,20 +360,22 @@ def mean_parts_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple
 
 
 PARTS_LINE = re.compile(r"request (\S+)-0: first token after [\d.]+ ms: prompt ([\d.]+), hand-off ([\d.]+), "
-                        r"queue ([\d.]+) \((\d+) steps\), prefill ([\d.]+), delivery ([\d.]+) ms")
+                        r"queue ([\d.]+) \((\d+) steps\), prefill ([\d.]+)(?: \((\d+) steps\))?, delivery ([\d.]+) ms")
+PARTS = ("prompt", "handoff", "queue", "queued_steps", "prefill", "prefill_steps", "delivery")
 
 
 def logged_parts(path: str | None) -> dict[str, dict[str, float]]:
-    """Per response id, the time to first token by part (ms) and the steps queued behind, from the debug
-    lines of a server log (`--server-log` with `--server-log-level debug`); empty without them."""
+    """Per response id, the time to first token by part (ms), the steps queued behind and the steps from its
+    first scheduling to its first token (1: the step that first scheduled it sampled it; left out when the
+    server did not log them), from the debug lines of a server log (`--server-log` with `--server-log-level
+    debug`); empty without them."""
     if path is None or not os.path.exists(path):
         return {}
     parts = {}
     for match in map(PARTS_LINE.search, Path(path).read_text(errors="replace").splitlines()):
         if match:
-            values = [float(v) for v in match.groups()[1:]]
-            parts[match.group(1)] = dict(zip(("prompt", "handoff", "queue", "queued_steps", "prefill", "delivery"),
-                                             values))
+            parts[match.group(1)] = {part: float(value) for part, value in zip(PARTS, match.groups()[1:])
+                                     if value is not None}
     return parts
 
 
@@ -417,8 +421,9 @@ def table(name: str, summary: dict) -> str:
         if parts:
             lines.append(f"turn {row['turn']}: time to first token by part (server log, p50 ms): prompt "
                          f"{parts['prompt']:.0f}, hand-off {parts['handoff']:.0f}, queue {parts['queue']:.0f} "
-                         f"({parts['queued_steps']:.0f} steps), prefill {parts['prefill']:.0f}, delivery "
-                         f"{parts['delivery']:.0f}")
+                         f"({parts['queued_steps']:.0f} steps), prefill {parts['prefill']:.0f}"
+                         + (f" ({parts['prefill_steps']:.0f} steps)" if "prefill_steps" in parts else "")
+                         + f", delivery {parts['delivery']:.0f}")
     if summary["ttft_parts_mean_ms"]:
         lines.append("time to first token by part (server, mean ms per request): " + ", ".join(
             f"{part} {ms:.1f}" for part, ms in summary["ttft_parts_mean_ms"].items()))

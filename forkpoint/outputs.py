@@ -47,12 +47,15 @@ class RequestMetrics:
     prompt (`add_request`); first_scheduled_time: its first sequence was first admitted into a step
     (None: still queued); first_token_time: its first generated token was sampled (None: none yet);
     queued_steps: steps the engine scheduled between arrival and that first admission (what it waited
-    behind: other requests' decodes and prefill chunks, a producer's checkpoint, memory)."""
+    behind: other requests' decodes and prefill chunks, a producer's checkpoint, memory); prefill_steps:
+    steps from that first admission to the first sampled token of the same sequence, both counted (1: it
+    sampled in the step that admitted it; None: it has sampled nothing yet)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     queued_steps: int = 0
+    prefill_steps: int | None = None
 
     @property
     def time_in_queue(self) -> float | None:

@@ -161,11 +161,14 @@ class OutputProcessor:
 
 def request_metrics(sequences: Sequence[Request]) -> RequestMetrics:
     """When one prompt's sequences (which arrive together) were first scheduled and first sampled:
-    the earliest of them."""
+    the earliest of them (the steps to a first token: those of the sequence first scheduled)."""
     scheduled = [s for s in sequences if s.first_scheduled_time is not None]
     sampled = [s.first_token_time for s in sequences if s.first_token_time is not None]
     first = min(scheduled, key=lambda s: s.first_scheduled_time, default=None)
+    prefill_steps = (None if first is None or first.first_token_step is None
+                     else first.first_token_step - first.first_scheduled_step + 1)
     return RequestMetrics(arrival_time=sequences[0].arrival_time,
                           first_scheduled_time=first.first_scheduled_time if first is not None else None,
                           first_token_time=min(sampled, default=None),
-                          queued_steps=first.first_scheduled_step - first.arrival_step if first is not None else 0)
+                          queued_steps=first.first_scheduled_step - first.arrival_step if first is not None else 0,
+                          prefill_steps=prefill_steps)

@@ -90,6 +90,9 @@ class Request:
     first_scheduled_time: float | None = None
     arrival_step: int = 0
     first_scheduled_step: int | None = None
+    # the step that sampled its first token (the count at its planning, as first_scheduled_step; None: none
+    # yet): RequestMetrics.prefill_steps, the steps from its first admission to its first token
+    first_token_step: int | None = None
     # images: placed in prompt_token_ids, with the rotary positions of every token (None: text only)
     multimodal: MultimodalPrompt | None = None
     # logits processors and grammar state (None: none asked for); released when the prompt leaves

@@ -291,7 +291,8 @@ class Scheduler:
         first, writes = self.registry.take_writes() if self.registry is not None and planning.segments else (0, ())
         step = ScheduledStep(StepPlan(tuple(planning.segments), tuple(planning.kv_copies), writes=writes,
                                       first_write=first, verifies=tuple(planning.verifies)),
-                             planning.requests, planning.written, planning.consumed, planning.finished)
+                             planning.requests, planning.written, planning.consumed, planning.finished,
+                             self.num_steps)
         if not step.empty:
             self.in_flight.append(step)
             self.num_steps += 1
@@ -341,8 +342,9 @@ class Scheduler:
         return self._scheduled(planning)
 
     def commit(self, step: ScheduledStep) -> None:
-        """The forward ran: advance the requests, mark written checkpoints ready, release the pins
-        and the ended sequences no step in flight computes for any more."""
+        """The forward ran: advance the requests (a sequence's first sampling step is its
+        first_token_step), mark written checkpoints ready, release the pins and the ended sequences no
+        step in flight computes for any more."""
         self._settle(step)
         for segment, request in zip(step.plan.segments, step.requests):
             if self.speculation is not None and self.speculation.verifying(request):
@@ -350,6 +352,8 @@ class Scheduler:
             prompt_len = len(request.prompt_token_ids)
             self.stats.prompt_tokens_computed += max(0, min(segment.end, prompt_len) - segment.start)
             request.num_computed_tokens = max(request.num_computed_tokens, segment.end)
+            if segment.samples and request.first_token_step is None:
+                request.first_token_step = step.index
         for checkpoint, producer in step.written:
             self.registry.mark_ready(checkpoint, producer.blocks[: -(-checkpoint.state_tokens // self.block_size)])
             producer.checkpointing.producing.remove(checkpoint)

@@ -18,13 +18,15 @@ class ScheduledStep:
 
     requests[i] owns plan.segments[i]; written: (checkpoint, producer) pairs this step writes;
     consumed: checkpoints pinned by this step's readers (one entry per pin); finished: requests
-    that ended while scheduling (they can never fit)."""
+    that ended while scheduling (they can never fit); index: the scheduler's count of non-empty steps
+    before this one (`Scheduler.num_steps` when it was planned: a request's first_scheduled_step)."""
 
     plan: StepPlan
     requests: list[Request]
     written: list[tuple[Checkpoint, Request]]
     consumed: list[Checkpoint]
     finished: list[Request]
+    index: int
 
     @property
     def empty(self) -> bool:

@@ -205,9 +205,10 @@ class Generation:
         """Where the time to `output`'s first token went, into the latency histograms and a debug log
         line: prompt (rendered, tokenised, admitted), hand-off (queued for the engine thread, which
         takes new prompts between steps), queue (until a step first schedules it, behind how many
-        steps), prefill (to its first sampled token), delivery (the engine's output work and the
-        hop to the event loop). Only for an engine on this clock: its arrival time lies between the
-        hand-off and its acknowledgement (replicas' engines in other processes may have other clocks)."""
+        steps), prefill (to its first sampled token, in how many steps: 1 when the step that first
+        schedules it samples it), delivery (the engine's output work and the hop to the event loop).
+        Only for an engine on this clock: its arrival time lies between the hand-off and its
+        acknowledgement (replicas' engines in other processes may have other clocks)."""
         times = output.metrics
         if (times is None or times.first_scheduled_time is None or times.first_token_time is None
                 or not self._submitted <= times.arrival_time <= self._added):
@@ -219,10 +220,11 @@ class Generation:
         self._metrics.observe_first_token(prompt=prompt, handoff=handoff, queue=queue, prefill=prefill,
                                           delivery=delivery)
         if logger.isEnabledFor(logging.DEBUG):
+            steps = "" if times.prefill_steps is None else f" ({times.prefill_steps} steps)"
             logger.debug("request %s: first token after %.1f ms: prompt %.1f, hand-off %.1f, queue %.1f (%d steps), "
-                         "prefill %.1f, delivery %.1f ms; %d of %d prompt tokens cached", output.request_id,
+                         "prefill %.1f%s, delivery %.1f ms; %d of %d prompt tokens cached", output.request_id,
                          1000 * (now - self._arrival), 1000 * prompt, 1000 * handoff, 1000 * queue,
-                         times.queued_steps, 1000 * prefill, 1000 * delivery, output.num_cached_tokens,
+                         times.queued_steps, 1000 * prefill, steps, 1000 * delivery, output.num_cached_tokens,
                          len(output.prompt_token_ids))
 
     def _release_all(self) -> None:

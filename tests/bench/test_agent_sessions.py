@@ -23,6 +23,7 @@ from agent_sessions import (  # noqa: E402
     ServerSample,
     generation_windows,
     latest_evictions,
+    logged_parts,
     max_shared_with_others,
     server_sample,
 )
@@ -51,10 +52,11 @@ def test_agent_sessions_bench(tmp_path):
     for phase in ("reuse", "no_reuse"):  # every turn's parts, joined to the requests by response id
         for row in res[phase]["turns"]:
             assert set(row["ttft_parts_p50_ms"]) == {"prompt", "handoff", "queue", "queued_steps", "prefill",
-                                                     "delivery"}
+                                                     "prefill_steps", "delivery"}
             assert row["ttft_parts_p50_ms"]["prefill"] > 0
     for row in res["reuse"]["turns"][1:]:
         assert row["cached_tokens"] >= row["shared_tokens"] - 4
+        assert row["ttft_parts_p50_ms"]["prefill_steps"] == 1  # a reused turn samples in the step admitting it
         assert set(row["miss_reasons"]) <= {"none", "template_divergence"}
     assert all(row["cached_tokens"] == 0 for row in res["no_reuse"]["turns"])
     assert res["reuse"]["computed_tokens"] < res["no_reuse"]["computed_tokens"]
@@ -126,3 +128,18 @@ def test_latest_evictions_counts_those_below_the_kv_threshold_apart():
     # intervals with both ends below 0.8: 0-1 (+1), 1-2 (+2), 5-6 (+2); the others touch 0.85 / 0.9
     assert latest_evictions(samples) == (13, 5)
     assert latest_evictions(samples, kv_threshold=1.0) == (13, 13)
+
+
+def test_logged_parts_read_the_prefill_steps_when_the_server_logs_them(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("x DEBUG forkpoint.server: request a-0: first token after 70.0 ms: prompt 4.0, hand-off 9.0, queue "
+                   "0.2 (0 steps), prefill 45.0 (1 steps), delivery 3.0 ms; 2 of 9 prompt tokens cached\n"
+                   "x DEBUG forkpoint.server: request b-0: first token after 70.0 ms: prompt 4.0, hand-off 9.0, queue "
+                   "0.2 (0 steps), prefill 45.0, delivery 3.0 ms; 2 of 9 prompt tokens cached\n")
+    parts = logged_parts(str(log))
+    assert parts["a"] == {"prompt": 4.0, "handoff": 9.0, "queue": 0.2, "queued_steps": 0.0, "prefill": 45.0,
+                          "prefill_steps": 1.0, "delivery": 3.0}
+    assert "prefill_steps" not in parts["b"] and parts["b"]["queued_steps"] == 0.0 and parts["b"]["delivery"] == 3.0
+    # the median of the keys both lines have: no prefill steps
+    assert agent_sessions.parts_p50(list(parts.values())) == {"prompt": 4.0, "handoff": 9.0, "queue": 0.2,
+                                                              "queued_steps": 0.0, "prefill": 45.0, "delivery": 3.0}

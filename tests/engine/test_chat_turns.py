@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from forkpoint import LLM, SamplingParams
-from forkpoint.inputs.chat import chat_encoder
-from forkpoint.inputs.turns import common_prefix_length
+from forkpoint.inputs.chat import chat_encoder, render_chat_with_images
+from forkpoint.inputs.turns import common_prefix_length, reply_continues, turn_boundaries
 from tests.helpers import assert_same_outputs
 from tests.tiny_models import token_words, words
 
@@ -106,3 +106,52 @@ def test_a_chat_session_keeps_one_checkpoint_per_turn(model_dir, plain, template
     assert metrics["checkpoints_created_turn_end"] == turn_ends
     assert metrics["checkpoints_created_prompt_end"] == 0 and metrics["checkpoints_created_junction"] == 0
     llm.engine.check_integrity()
+
+
+def _chat_prompt(llm: LLM, messages: list[dict]):
+    """The engine prompt `LLM.chat` makes of `messages`: rendered, with its turn boundaries."""
+    engine, tokenizer = llm.engine, llm.get_tokenizer()
+    text, _ = render_chat_with_images(tokenizer, messages, add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    encode = chat_encoder(tokenizer)
+    return engine.inputs.process(text, turn_positions=turn_boundaries(encode, messages, ids),
+                                 turn_end_reusable=reply_continues(encode, messages, ids))
+
+
+@pytest.mark.parametrize("cap,exact", [(None, False), (64, False), (64, True)], ids=["no-cap", "cap64", "cap64-exact"])
+def test_a_reused_turn_samples_in_the_step_that_first_schedules_it(model_dir, plain, cap, exact):
+    """Issue 26's TTFT: a chat turn arriving while other sessions decode reads its previous turn's boundary
+    and computes its new tokens (here ~95, more than a prefill budget of 64 beside decodes: a short prefill
+    runs whole) in the one step that first schedules it, beside the others' decodes, and samples its first
+    token there; outputs equal the run without checkpoints, integrity holds after every step."""
+    llm = LLM(str(model_dir), num_kv_blocks=512, max_prefill_tokens_with_decodes=cap, checkpoint_exact=exact)
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    sessions = [[{"role": "system", "content": words(*range(70))}, {"role": "user", "content": token_words(s, 30)}]
+                for s in range(4)]
+    for messages in sessions:  # turn 0 of every session: their boundaries are checkpointed
+        llm.generate([_chat_prompt(llm, messages)], GREEDY, use_tqdm=False)
+    sessions = [m + [{"role": "assistant", "content": token_words(100 + s, 5)},
+                     {"role": "user", "content": token_words(200 + s, 80)}] for s, m in enumerate(sessions)]
+    decoding = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for s in range(1, 4):
+        engine.add_request(f"bystander{s}", _chat_prompt(llm, sessions[s]), decoding)
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in scheduler.running) or scheduler.waiting:
+        engine.step()
+        engine.check_integrity()
+    hits = llm.metrics()["checkpoint_hits_chat_turn"]
+    engine.add_request("turn", _chat_prompt(llm, sessions[0]), GREEDY)
+    outs = engine.step()
+    engine.check_integrity()
+    turn = next(o for o in outs if o.request_id == "turn")
+    step = [o for o in outs if o.request_id.startswith("bystander")]
+    assert len(step) == 3 and all(len(o.outputs[0].token_ids) > 1 for o in step)  # they decoded in that step too
+    assert len(turn.outputs[0].token_ids) == 1, "the reused turn's first token took more than its first step"
+    assert turn.metrics.queued_steps == 0 and turn.metrics.prefill_steps == 1
+    assert llm.metrics()["checkpoint_hits_chat_turn"] == hits + 1
+    shared = common_prefix_length(_chat_prompt(llm, sessions[0][:2]).token_ids, turn.prompt_token_ids)
+    assert 64 < len(turn.prompt_token_ids) - turn.num_cached_tokens and shared - 64 < turn.num_cached_tokens <= shared
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+        engine.check_integrity()
+    final = [o for o in outs if o.request_id == "turn" and o.finished]
+    assert_same_outputs(final, plain.chat(sessions[0], GREEDY, use_tqdm=False))

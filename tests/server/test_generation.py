@@ -4,6 +4,7 @@ per client (the request's `user`), all given back; a request's time to first tok
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -57,7 +58,7 @@ class _Worker:
     async def add_many(self, requests, sink) -> None:
         now = time.monotonic()
         await asyncio.sleep(0.02)
-        times = RequestMetrics(*self.engine_times(now), queued_steps=2)
+        times = RequestMetrics(*self.engine_times(now), queued_steps=2, prefill_steps=1)
         completion = CompletionOutput(0, "x", [7])
         sink.queue.put_nowait([RequestOutput(requests[0].request_id, None, [1, 2], [completion], metrics=times)])
 
@@ -91,3 +92,9 @@ def test_first_token_parts_are_left_out_for_an_engine_on_another_clock():
     """A replica's engine in another process: its monotonic times say nothing on this clock."""
     parts = _first_token_parts(lambda now: (now - 1000.0, now - 999.9, now - 999.8))
     assert all(value == 0 for value in parts.values())
+
+
+def test_first_token_parts_log_the_steps_to_the_first_token(caplog):
+    with caplog.at_level(logging.DEBUG, logger="forkpoint.server"):
+        _first_token_parts(lambda now: (now, now + 0.005, now + 0.015))
+    assert "queue 5.0 (2 steps), prefill 10.0 (1 steps), delivery" in caplog.text
