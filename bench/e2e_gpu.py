@@ -576,6 +576,7 @@ def probes(llm: LLM, rng: np.random.Generator, results: dict, limit: int) -> Non
 # ---------------------------------------------------------------- profile
 
 KERNEL_GROUPS = (
+    ("fp8_activation_quant", ("_quantize_kernel",)),  # kernels/fp8: per-token-group activation scales
     ("moe_grouped_gemm", ("Group", "grouped", "_expert_gemm")),
     ("gdn_fla", ("chunk_", "solve_tril", "l2norm", "recompute_w_u", "fused_recurrent", "kkt", "cumsum")),
     ("attention", ("_paged_attn", "_paged_decode_split", "_combine_splits")),
