@@ -7,10 +7,15 @@
 # Rows (ROWS): P=4096 S=256 N in {1, 16} max_tokens 1 (N=16 off gives full 8192-token prefill steps), and
 # TPOT rows P=624 N in {1, 64} max_tokens 32, each with checkpoints on and off; no peer, no other row kinds.
 # BENCH_ARGS (default "--profile --profile-reserve 8") add kernel profiles of single steps. Each phase gets
-# what is left less MIN_LATER s for each phase after it (a later phase starting from a warm Triton cache:
-# same GDN and attention kernels); its --deadline is EXIT_S before its shell timeout, so it writes its JSON
-# (rows done so far, start-up phases, weights, peak memory) before the kill. A phase whose engine start
-# alone outlasts its share reports "stopped by the hard deadline" and its log shows the phases it reached.
+# what is left less MIN_LATER s (default 45) for each phase after it: a phase ends by itself once its few
+# rows ran (start-up + ~20 s), so the share only bounds a slow start; its --deadline is EXIT_S before its
+# shell timeout, so it writes its JSON (rows done so far, start-up phases, weights, peak memory) before the
+# kill. A phase whose engine start alone outlasts its share reports "stopped by the hard deadline" and its
+# log shows the start-up phases it reached. Time: the first phase pays the cold compiles (engine start 152 s
+# at 35B bf16 on an empty kernel cache in e2e_gpu_h200.json, 21.6 s warm: docs/server.md); the later
+# phases reuse the GDN and attention kernels (same widths) and compile the FP8 ones. On a machine whose
+# kernel cache is cold, 280 s may leave the 80B phase skipped or cut: TOTAL=560 (one call), or PHASES=next
+# first in a call of its own. env.log says how full the Triton cache was at the start.
 # Then bench/e2e_gpu_compare.py tables each FP8 result beside the bf16 one (ratios, issue 28's targets).
 # Files in $OUT (8 at most come back): env.log, bf16.log, fp8.log, next.log, the three JSONs
 # (e2e_gpu_h200_35b_bf16.json, e2e_gpu_h200_35b_fp8.json, e2e_gpu_h200_80b_fp8.json), summary.txt, printed last.
@@ -25,7 +30,7 @@ mkdir -p "$OUT" "$RUNS"
 export PYTHONUNBUFFERED=1
 TOTAL="${TOTAL:-280}"
 PHASES="${PHASES:-bf16 fp8 next}"
-MIN_LATER="${MIN_LATER:-75}"
+MIN_LATER="${MIN_LATER:-45}"
 EXIT_S="${EXIT_S:-20}"
 WORKERS="${WORKERS:-auto}"
 BENCH_ARGS="${BENCH_ARGS:---profile --profile-reserve 8}"
@@ -41,6 +46,7 @@ left() { echo $(( TOTAL - ($(date +%s) - START) )); }
 {
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.max.sm,power.draw --format=csv
   timeout 60 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  echo "Triton cache: $(du -sh "${TRITON_CACHE_DIR:-${FORKPOINT_CACHE:-$HOME/.cache/forkpoint}/kernels/triton}" 2>&1)"
   nproc; date; echo "PHASES=$PHASES TOTAL=$TOTAL MIN_LATER=$MIN_LATER WORKERS=$WORKERS ROWS=$ROWS BENCH_ARGS=$BENCH_ARGS"
 } > "$OUT/env.log" 2>&1
 cat "$OUT/env.log"
