@@ -19,22 +19,24 @@ GDN 16 key / 32 value heads of 128, conv kernel 4, 512 experts, top 10, moe_inte
 shared_expert_intermediate_size 512, norm_topk_prob, rms_norm_eps 1e-6, untied embeddings,
 decoder_sparse_step 1, no mlp_only_layers; the same numbers as the model card (48 layers, hidden 2048,
 16 Q / 2 KV heads of 256, 32 V / 16 QK linear heads of 128, 512 experts with 10 routed + 1 shared).
-Two fields differ from those defaults: max_position_embeddings 262144 (the model card's native
-context, also in public copies of the published config.json; transformers' default is 32768) and
-rope_theta, left at transformers' default 10000 (no public copy on this machine gave the published
-value; it changes no kernel, shape or cost). intermediate_size (the dense MLP of mlp_only_layers) is
-unused: every layer is MoE. The tokenizer is a word-level one of the vocabulary's size, as for
-Nemotron (the Qwen3.5 tokenizer the default shape copies has 248k tokens, more than 151936).
+Three fields differ from those defaults, taken from the published config.json as two public
+repositories' tests transcribe it (a C++ loader's Qwen3-Next config test, "The release's config.json,
+transcribed", and a Rust config-deserialisation test; both give the architecture numbers above too):
+max_position_embeddings 262144 (also the model card's native context; transformers' default is 32768),
+rope_theta 5000000 (transformers' default 10000; it changes no kernel, shape or cost) and
+intermediate_size 5120 (5632; unused: the dense MLP of mlp_only_layers, and every layer is MoE). The
+tokenizer is a word-level one of the vocabulary's size, as for Nemotron (the Qwen3.5 tokenizer the
+default shape copies has 248k tokens, more than 151936).
 
 FP8 shapes (`with_fp8`): the same config.json plus the `quantization_config` of Qwen's block-wise FP8
 releases (Qwen3.5-35B-A3B-FP8, Qwen3-Next-80B-A3B-Instruct-FP8): quant_method fp8, fmt e4m3,
 activation_scheme dynamic, weight_block_size [128, 128], and `modules_to_not_convert` naming the
 modules the releases keep in bf16 (the router `mlp.gate`, the shared expert's gate, the GDN's
 in_proj_b / in_proj_a, Qwen3-Next's fused in_proj_ba, embeddings and lm_head; norms and the GDN's
-conv / A_log / dt_bias are not projections, never FP8). The releases list these per layer by their
-full names; `modules_to_not_convert` matches whole dotted components, so the leaf names select the
-same modules. `load_format="dummy"` then builds FP8 weights for every other projection and the
-routed experts (forkpoint/models/fp8_modules.py).
+conv / A_log / dt_bias are not projections, never FP8). `modules_to_not_convert` matches whole dotted
+components, so these leaf names select those modules in every layer, as per-layer full names would.
+`load_format="dummy"` then builds FP8 weights for every other projection and the routed experts
+(forkpoint/models/fp8_modules.py).
 """
 
 from __future__ import annotations
@@ -171,7 +173,7 @@ def qwen3_next_80b_config() -> dict:
         "num_attention_heads": 16,
         "num_key_value_heads": 2,
         "head_dim": 256,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.25},
         "linear_num_key_heads": 16,
         "linear_num_value_heads": 32,
         "linear_key_head_dim": 128,
@@ -181,7 +183,7 @@ def qwen3_next_80b_config() -> dict:
         "num_experts_per_tok": 10,
         "moe_intermediate_size": 512,
         "shared_expert_intermediate_size": 512,
-        "intermediate_size": 5632,
+        "intermediate_size": 5120,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
         "norm_topk_prob": True,
