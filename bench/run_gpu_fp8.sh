@@ -27,6 +27,7 @@ START=$(date +%s)
 OUT="${OUT:-/tmp/out}"
 RUNS="${RUNS:-/tmp/fp8_runs}"  # every file a phase writes (PNGs too); only the JSONs are copied to $OUT
 mkdir -p "$OUT" "$RUNS"
+rm -f "$RUNS"/e2e_gpu_h200_35b_bf16.json "$RUNS"/e2e_gpu_h200_35b_fp8.json "$RUNS"/e2e_gpu_h200_80b_fp8.json  # no stale rows
 export PYTHONUNBUFFERED=1
 TOTAL="${TOTAL:-280}"
 PHASES="${PHASES:-bf16 fp8 next}"
@@ -64,9 +65,14 @@ while [ $# -gt 0 ]; do
     echo "== $phase: skipped, ${budget} s left for it"; RC="$RC $phase=skipped"; continue
   fi
   echo "== $phase (${SHAPE[$phase]}): timeout ${budget} s, --deadline ${deadline} ($(left) s left)"
+  # timeout leads its own process group: killing the group afterwards ends whatever the phase left running
+  # (start-up compile workers outlive a run that its --deadline stopped while it waited for them)
   timeout -k 10 "$budget" python3 bench/e2e_gpu.py --shape "${SHAPE[$phase]}" --name "${NAME[$phase]}" --out "$RUNS" \
-    --deadline "$deadline" --startup-compile-workers "$WORKERS" $ROWS $NONE $BENCH_ARGS > "$OUT/$phase.log" 2>&1
+    --deadline "$deadline" --startup-compile-workers "$WORKERS" $ROWS $NONE $BENCH_ARGS > "$OUT/$phase.log" 2>&1 &
+  group=$!
+  wait "$group"
   rc=$?
+  kill -KILL -- "-$group" 2>/dev/null && echo "$phase: ended processes it left running"
   RC="$RC $phase=$rc"
   echo "$phase rc=$rc at $(( $(date +%s) - START )) s"
   cp "$RUNS/${NAME[$phase]}.json" "$OUT/" 2>/dev/null
