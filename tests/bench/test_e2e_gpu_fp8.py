@@ -59,8 +59,9 @@ def test_qwen3_next_80b_numbers_are_transformers_qwen3next_defaults():
     assert 2.9e9 < counts["per_token"] < 3.5e9   # "A3B": about 3B active (without embedding and lm_head)
 
 
-def test_tiny_fp8_dry_run_writes_rows_with_fp8_weights_and_no_peer(tmp_path, monkeypatch):
-    argv = ["e2e_gpu.py", "--tiny", "--device", "cpu", "--shape", "qwen3-next-80b-a3b-fp8", "--out", str(tmp_path),
+def _dry_run(tmp_path, monkeypatch, shape: str, device: str) -> dict:
+    """A tiny run of `shape` on `device` (two main pairs, one decode pair); its result JSON."""
+    argv = ["e2e_gpu.py", "--tiny", "--device", device, "--shape", shape, "--out", str(tmp_path),
             "--name", "dry", "--p", "40", "--s", "8", "--n", "1,2", "--decode-p", "16", "--decode-n", "2",
             "--decode-tokens", "3", "--exact-n=", "--auto-n=", "--async-n=", "--seed-n=", "--eager-n=",
             "--max-num-batched-tokens", "64", "--max-num-seqs", "4"]
@@ -72,7 +73,10 @@ def test_tiny_fp8_dry_run_writes_rows_with_fp8_weights_and_no_peer(tmp_path, mon
         e2e_gpu.main()
     finally:
         logger.setLevel(level)
-    results = json.loads((tmp_path / "dry.json").read_text())
+    return json.loads((tmp_path / "dry.json").read_text())
+
+
+def _check_dry_run(results: dict) -> None:
     assert not results.get("error"), results.get("error")
     assert results["quantization"]["weight_block_size"] == list(e2e_gpu.TINY_FP8_BLOCK)
     assert results["engine"]["fp8_weights_gb"] > 0
@@ -83,6 +87,19 @@ def test_tiny_fp8_dry_run_writes_rows_with_fp8_weights_and_no_peer(tmp_path, mon
     ran = {(r["group"], r["N"], r["checkpoints"]) for r in results["runs"]}
     assert ran == {(g, n, c) for g, n in planned for c in ("on", "off")}
     assert all(r["prompt_tokens_computed"] == r["prompt_tokens_expected"] for r in results["runs"])
+
+
+def test_tiny_fp8_dry_run_writes_rows_with_fp8_weights_and_no_peer(tmp_path, monkeypatch):
+    _check_dry_run(_dry_run(tmp_path, monkeypatch, "qwen3-next-80b-a3b-fp8", "cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", e2e_gpu.FP8_SHAPES)
+def test_gpu_tiny_fp8_dry_run(tmp_path, monkeypatch, shape):
+    """The same on CUDA (bf16, CUDA graphs, the FP8 Triton kernels with 64 x 64 blocks), with memory recorded."""
+    results = _dry_run(tmp_path, monkeypatch, shape, "cuda")
+    _check_dry_run(results)
+    assert results["engine"]["gpu_mem_peak_allocated_gb"] > 0 and results["gpu_mem_peak_allocated_gb"] > 0
 
 
 def _run(group: str, n: int, max_tokens: int, ckpt: str, rps: float, tpot: float | None = None) -> dict:
