@@ -1,5 +1,11 @@
 """End-to-end 1-to-N on one GPU at Qwen3.5-35B-A3B shapes (or, with --shape nemotron3-nano, at
-NVIDIA-Nemotron-3-Nano-30B-A3B shapes: e2e_gpu_shapes.py), seeded random bf16 weights.
+NVIDIA-Nemotron-3-Nano-30B-A3B shapes: e2e_gpu_shapes.py), seeded random bf16 weights. The FP8
+shapes (--shape qwen3.5-35b-a3b-fp8, qwen3-next-80b-a3b-fp8) add the `quantization_config` of Qwen's
+block-wise FP8 releases to the config, so the dummy weights are FP8 (e2e_gpu_shapes.py); they have no
+peer (transformers does not run forkpoint's FP8 tensors) and no --tiny-parity. The engine's start-up
+phases (weights loaded, graphs captured, warm-up), the bytes its weights take and the peak of GPU
+memory are recorded with it (`engine` in the JSON). bench/run_gpu_fp8.sh runs 35B bf16, 35B FP8 and
+80B FP8 side by side in one device call; e2e_gpu_compare.py tables their ratios.
 
 Workload (DESIGN.md section 2): an anchor of P random token ids, the checkpoint marker, then N
 suffixes of random ids, greedy, all N requests added at once. Every run draws a fresh anchor, so
@@ -51,6 +57,7 @@ Usage (on the GPU machine; fla-core on the path; bench/run_gpu_e2e.sh is the one
     python bench/e2e_gpu.py --out bench/results --deadline 400 --profile   # e2e_gpu_h200.{json,png}
     python bench/e2e_gpu.py --smoke                  # tiny model, every row kind, CPU or GPU, < 60 s
     python bench/e2e_gpu.py --shape nemotron3-nano --name e2e_gpu_h200_nemotron3_nano --peer-layers 7 ...
+    python bench/e2e_gpu.py --smoke --shape qwen3-next-80b-a3b-fp8   # tiny FP8 Qwen3-Next, CPU or GPU
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
+import logging  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
 import shutil  # noqa: E402
@@ -83,7 +91,10 @@ from e2e_gpu_shapes import (  # noqa: E402
     nemotron3_nano_config,
     nemotron3_nano_tiny_config,
     nemotron_param_counts,
+    qwen3_next_80b_config,
+    qwen3_next_tiny_config,
     save_word_tokenizer,
+    with_fp8,
 )
 from host_info import code_version  # noqa: E402
 from host_timeline import decode_host_timeline  # noqa: E402
@@ -145,19 +156,31 @@ def tiny_config() -> dict:
     return cfg
 
 
-SHAPES = ("qwen3.5-35b-a3b", "nemotron3-nano")
+SHAPES = ("qwen3.5-35b-a3b", "nemotron3-nano", "qwen3.5-35b-a3b-fp8", "qwen3-next-80b-a3b-fp8")
+FP8_SHAPES = ("qwen3.5-35b-a3b-fp8", "qwen3-next-80b-a3b-fp8")
+TINY_FP8_BLOCK = (64, 64)  # the tiny configs' widths (64, 128, 256) are whole 64 x 64 blocks
 
 
 def model_config(args, tiny: bool) -> dict:
-    """config.json of the --shape, full or tiny."""
+    """config.json of the --shape, full or tiny (FP8 shapes: with the releases' quantization_config)."""
     if args.shape == "nemotron3-nano":
         return nemotron3_nano_tiny_config() if tiny else nemotron3_nano_config()
-    return tiny_config() if tiny else full_config()
+    block = TINY_FP8_BLOCK if tiny else (128, 128)
+    if args.shape == "qwen3-next-80b-a3b-fp8":
+        return with_fp8(qwen3_next_tiny_config() if tiny else qwen3_next_80b_config(), block)
+    cfg = tiny_config() if tiny else full_config()
+    return with_fp8(cfg, block) if args.shape == "qwen3.5-35b-a3b-fp8" else cfg
 
 
 def model_label(args) -> str:
     if args.shape == "nemotron3-nano":
         return "tiny Nemotron-H" if args.tiny else "NVIDIA-Nemotron-3-Nano-30B-A3B shapes (random bf16 weights)"
+    if args.shape == "qwen3-next-80b-a3b-fp8":
+        return ("tiny Qwen3-Next, FP8 64 x 64 blocks" if args.tiny
+                else "Qwen3-Next-80B-A3B shapes (random block-wise FP8 weights, 128 x 128)")
+    if args.shape == "qwen3.5-35b-a3b-fp8":
+        return ("tiny Qwen3.5-MoE, FP8 64 x 64 blocks" if args.tiny
+                else "Qwen3.5-35B-A3B shapes (random block-wise FP8 weights, 128 x 128)")
     return "tiny Qwen3.5-MoE" if args.tiny else "Qwen3.5-35B-A3B shapes (random bf16 weights)"
 
 
@@ -167,10 +190,10 @@ def count_params(cfg: dict) -> dict:
 
 def make_model_dir(cfg: dict, directory: Path) -> Path:
     """config.json plus the Qwen3.5 tokenizer files of the embedded default model (no weights); for
-    Nemotron shapes a word-level tokenizer of its vocabulary size (e2e_gpu_shapes.py)."""
+    Nemotron and Qwen3-Next shapes a word-level tokenizer of its vocabulary size (e2e_gpu_shapes.py)."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    if cfg["model_type"] == "nemotron_h":
+    if cfg["model_type"] in ("nemotron_h", "qwen3_next"):
         save_word_tokenizer(directory, cfg["vocab_size"])
         return directory
     source = ensure_default_model()
@@ -308,6 +331,9 @@ def build_engine(args, model_dir: Path, enforce_eager: bool) -> LLM:
         kwargs.update(num_kv_blocks=4096)
     if enforce_eager:
         kwargs["enforce_eager"] = True
+    if args.startup_compile_workers != "0":
+        kwargs["startup_compile_workers"] = None if args.startup_compile_workers == "auto" else int(
+            args.startup_compile_workers)
     return LLM(str(model_dir), **kwargs)
 
 
@@ -324,8 +350,20 @@ def engine_info(llm: LLM, init_s: float) -> dict:
         "decode_graph_sizes": getattr(getattr(engine.runner, "decode_graphs", None), "sizes", None),
         "start_up_warmup": dataclasses.asdict(engine.runner.warmup) if getattr(engine.runner, "warmup", None) else None,
     }
+    model = unwrap_model(engine.runner.model)
+    info["weights_gb"] = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 1e9
+    info["fp8_weights_gb"] = sum(t.numel() for t in model.parameters() if t.dtype == torch.float8_e4m3fn) / 1e9
+    startup = getattr(engine, "startup", None)
+    if startup is not None:
+        info["start_up_phases_s"] = {name: round(seconds, 2) for name, seconds in startup.phases}
+    memory = getattr(engine, "memory", None)
+    if memory is not None:
+        info["memory_plan"] = memory.summary()
     if engine.device.type == "cuda":
         info["gpu_mem_allocated_gb"] = torch.cuda.memory_allocated() / 1e9
+        info["gpu_mem_peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        free, total = torch.cuda.mem_get_info(engine.device)
+        info["gpu_mem_used_gb"] = (total - free) / 1e9  # the CUDA context and caching allocator included
     return info
 
 
@@ -538,6 +576,7 @@ def probes(llm: LLM, rng: np.random.Generator, results: dict, limit: int) -> Non
 # ---------------------------------------------------------------- profile
 
 KERNEL_GROUPS = (
+    ("fp8_activation_quant", ("_quantize_kernel",)),  # kernels/fp8: per-token-group activation scales
     ("moe_grouped_gemm", ("Group", "grouped", "_expert_gemm")),
     ("gdn_fla", ("chunk_", "solve_tril", "l2norm", "recompute_w_u", "fused_recurrent", "kkt", "cumsum")),
     ("attention", ("_paged_attn", "_paged_decode_split", "_combine_splits")),
@@ -771,6 +810,7 @@ def run_benchmark(args) -> dict:
         "model": model_label(args), "shape": args.shape,
         "config": cfg, "params": counts, "machine": machine_info(device), "code": code_version(),
         "command": " ".join(sys.argv), "S": args.s, "runs": [], "speedups": [], "skipped": [],
+        "quantization": cfg.get("quantization_config"), "peer_note": args.peer_note,
         "budget": {"deadline_s": args.deadline, "time_budget_s": time_budget, "peer_budget_s": args.peer_budget},
         "plan": [spec.describe() for spec in specs + eager_specs],
         "flops_per_token": 2 * counts["per_token"], "peak_flops": PEAK_BF16,
@@ -861,12 +901,24 @@ def run_benchmark(args) -> dict:
     finally:
         alarm.disarm()
         results["total_s"] = elapsed()
+        if device.type == "cuda":
+            results["gpu_mem_peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
         save()
         if results["speedups"]:
             plot(results, out / f"{args.name}.png")
         print(table(results))
         print(f"wrote {out / (args.name + '.json')} in {results['total_s']:.0f} s")
     return results
+
+
+def fp8_restrictions(args) -> None:
+    """FP8 shapes run without the peer and the tiny parity check: transformers would need forkpoint's
+    FP8 tensors (e4m3 weights and their `weight_scale_inv`) in its own FP8 integration. Sets
+    `args.peer_note` (None for the bf16 shapes) and turns both off."""
+    args.peer_note = None
+    if args.shape in FP8_SHAPES:
+        args.peer_note = "FP8 shapes have no peer: transformers does not run forkpoint's block-wise FP8 tensors"
+        args.no_peer, args.tiny_parity = True, False
 
 
 def parse_ints(text: str) -> list[int]:
@@ -933,7 +985,14 @@ def main() -> None:
     parser.add_argument("--peer-budget", type=float, default=60.0, help="seconds for the peer after the forkpoint rows")
     parser.add_argument("--out", default=None, help="result folder (default bench/results; --smoke: a temporary one)")
     parser.add_argument("--name", default="e2e_gpu_h200")
+    parser.add_argument("--startup-compile-workers", default="0",
+                        help="EngineConfig.startup_compile_workers: a count, 'auto' (None: the engine picks, as "
+                             "`forkpoint serve`) or 0 (default: none, the engine compiles alone)")
     args = parser.parse_args()
+    if args.startup_compile_workers != "auto" and not args.startup_compile_workers.isdigit():
+        parser.error(f"--startup-compile-workers {args.startup_compile_workers!r}: expected a count >= 0 or 'auto'")
+    logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)9.0f ms %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("forkpoint").setLevel(logging.INFO)  # the start-up phases as they end, in the log
     args.scan_chunk = SCAN_CHUNK_TOKENS
     args.vocab_limit = vocab_limit(model_config(args, tiny=False))
     args.auto_min_tokens = EngineConfig.auto_checkpoint_min_tokens
@@ -945,10 +1004,12 @@ def main() -> None:
         if args.device == "cpu":
             torch.set_num_threads(1)  # tiny matrices: one thread is as fast, and robust to a shared machine
         vars(args).update({k: v for k, v in SMOKE_ARGS.items() if not (k == "deadline" and args.deadline)})
+        fp8_restrictions(args)
         with tempfile.TemporaryDirectory() as tmp:
             args.out = args.out or tmp
             check_smoke(run_benchmark(args))
         return
+    fp8_restrictions(args)
     args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     run_benchmark(args)
 
