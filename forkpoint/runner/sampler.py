@@ -25,10 +25,13 @@ is the plain per-row spec the tests compare it with.
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from forkpoint.outputs import Logprob
 from forkpoint.runner.logits_processors import ProcessorRow, RequestProcessors, apply_logits_processors
@@ -40,6 +43,9 @@ def _on(device: torch.device, values: Sequence, dtype: torch.dtype) -> torch.Ten
     """`values` as a tensor on `device`, copied without a host synchronisation (`torch.tensor(...,
     device=cuda)` would wait for the queued forward)."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+CHUNK_BYTES = 1 << 22  # CPU: logits rows sampled together (`chunk_rows`)
 
 
 @dataclass(frozen=True)
@@ -170,42 +176,47 @@ class Sampler:
 
     def sample_async(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> PendingSample:
         """As `sample`, but returns once the work is enqueued: the chosen ids stay on the device and
-        the copy to the host is in flight (`PendingSample.result()` waits for it)."""
+        the copy to the host is in flight (`PendingSample.result()` waits for it). Rows go through in
+        chunks of `chunk_rows` (all at once on CUDA); a row's result does not depend on its chunk."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
         params = [row.params for row in rows]
         if not rows:
             empty = torch.zeros(0, dtype=torch.long, device=logits.device)
             return PendingSample(empty, empty, params, 0)
-        raw = logits
-        if any(row.processors is not None for row in rows):  # logit_bias ... grammar bitmasks, on a copy
-            logits = logits.clone()
-            apply_logits_processors(logits, [ProcessorRow(r.processors, r.output_token_ids, r.num_unseen)
-                                             if r.processors is not None else None for r in rows])
-        device = logits.device
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
-        counted: tuple[list[str], torch.Tensor, torch.Tensor] | None = None
-        if penalised:
-            index = _on(device, penalised, torch.long)
-            state_rows = self.penalties.row_indices([rows[i] for i in penalised])
-            counts = self.penalties.counts.index_select(0, state_rows)
-            seen = self.penalties.seen.index_select(0, state_rows) | (counts > 0)
-            logits = logits.clone()
-            logits.index_copy_(0, index, _penalise(logits.index_select(0, index), [params[i] for i in penalised],
-                                                   counts, seen))
-            counted = ([rows[i].key for i in penalised], index, state_rows)
-        chosen = logits.argmax(dim=-1)
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if random_rows:
-            index = _on(device, random_rows, torch.long)
-            drawn = _sample_random(logits.index_select(0, index), [params[i] for i in random_rows],
-                                   [rows[i].generator for i in random_rows])
-            chosen = chosen.index_copy(0, index, drawn)
-        if counted is not None:
-            keys, index, state_rows = counted
-            self.penalties.record(keys, state_rows, chosen.index_select(0, index))
-        packed, k = _pack(raw, chosen, params)
+        state_rows = self.penalties.row_indices([rows[i] for i in penalised]) if penalised else None
+        step = chunk_rows(logits.shape[1], logits.device)
+        parts = []
+        for start in range(0, len(rows), step):
+            stop = min(start + step, len(rows))
+            scores = logits[start:stop]
+            if any(row.processors is not None for row in rows[start:stop]):  # logit_bias ... grammar, on a copy
+                scores = scores.clone()
+                apply_logits_processors(scores, [ProcessorRow(r.processors, r.output_token_ids, r.num_unseen)
+                                                 if r.processors is not None else None for r in rows[start:stop]])
+            first, last = bisect_left(penalised, start), bisect_left(penalised, stop)
+            if last > first:
+                scores = self._penalise(scores, [i - start for i in penalised[first:last]],
+                                        params[start:stop], state_rows[first:last])
+            parts.append(_choose(scores, params[start:stop], [row.generator for row in rows[start:stop]]))
+        chosen = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if state_rows is not None:
+            self.penalties.record([rows[i].key for i in penalised], state_rows,
+                                  chosen.index_select(0, _on(logits.device, penalised, torch.long)))
+        packed, k = _pack(logits, chosen, params)
         return PendingSample(chosen, packed, params, k)
+
+    def _penalise(self, scores: torch.Tensor, local: list[int], params: Sequence[SamplingParams],
+                  state_rows: torch.Tensor) -> torch.Tensor:
+        """scores: [C, V] of one chunk; local: its penalised rows; state_rows: their rows of the
+        penalty state -> a penalised copy."""
+        index = _on(scores.device, local, torch.long)
+        counts = self.penalties.counts.index_select(0, state_rows)
+        seen = self.penalties.seen.index_select(0, state_rows) | (counts > 0)
+        out = scores.clone()
+        out.index_copy_(0, index, _penalise(scores.index_select(0, index), [params[i] for i in local], counts, seen))
+        return out
 
 
 class PendingSample:
@@ -262,41 +273,136 @@ def _penalise(logits: torch.Tensor, params: Sequence[SamplingParams], counts: to
     return logits - (frequency * counts + presence * (counts > 0).to(dtype))
 
 
-def _sample_random(logits: torch.Tensor, params: Sequence[SamplingParams],
-                   generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """logits: [S, V] (penalised) -> [S] sampled ids, by vLLM's filters and exponential race."""
-    probs = sampling_probs(logits, params)
-    race = torch.empty_like(probs)
+def chunk_rows(vocab: int, device: torch.device) -> int:
+    """Rows sampled together: on CPU about `CHUNK_BYTES` of float32 logits, so a chunk's temporaries
+    stay in cache and reuse freed memory (128 rows of a 248k vocabulary at once fault in fresh pages
+    for every temporary: 3x slower, bench/sampler_cost.py); on other devices every row at once."""
+    if device.type != "cpu":
+        return 1 << 62
+    return max(1, CHUNK_BYTES // (4 * vocab))
+
+
+def block_size(vocab: int) -> int:
+    """Tokens per block of the two-level race: the power of two at or above sqrt(vocab), so a row
+    draws about 2 sqrt(vocab) exponentials (248,320 tokens: blocks of 512, 485 blocks)."""
+    return 1 << math.ceil(math.log2(max(vocab, 2)) / 2)
+
+
+def _choose(scores: torch.Tensor, params: Sequence[SamplingParams],
+            generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """scores: [C, V] (penalised) -> [C] long: greedy rows their argmax, the others a draw."""
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if len(random_rows) == len(params):
+        return draw(sampling_weights(scores, params), generators)
+    chosen = scores.argmax(dim=-1)
+    if random_rows:
+        index = _on(scores.device, random_rows, torch.long)
+        drawn = draw(sampling_weights(scores.index_select(0, index), [params[i] for i in random_rows]),
+                     [generators[i] for i in random_rows])
+        chosen = chosen.index_copy(0, index, drawn)
+    return chosen
+
+
+def sampling_weights(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits: [S, V] (penalised) -> [S, W] float32 unnormalised weights the rows are sampled from,
+    W = V padded to whole blocks (`block_size`) with zeros: exp(l / T - max), zero outside the kept
+    set of vLLM's filters, all of them thresholds in one ordering (no full-vocabulary sort on CPU):
+
+        min-p   keep l / T >= max + log(min_p)                (probability >= min_p x the largest)
+        top-k   keep l / T >= the k-th largest                (ties kept)
+        top-p   keep weight >= the weight at which the descending mass first reaches top_p x the
+                mass left by min-p and top-k                  (the smallest such set; ties kept)
+
+    Every row keeps its largest token."""
+    rows, vocab = logits.shape
+    device, dtype = logits.device, logits.dtype
+    temperature = _on(device, [p.temperature for p in params], dtype)[:, None]
+    pad = -vocab % block_size(vocab)
+    scaled = (logits / temperature) if not pad else F.pad(logits, (0, pad), value=float("-inf")).div_(temperature)
+    top = scaled.amax(dim=-1, keepdim=True)
+    floor = None
+    if any(p.min_p > 0.0 for p in params):
+        floor = top + torch.log(_on(device, [p.min_p for p in params], dtype))[:, None]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if any(k < vocab for k in top_k):
+        bound = max(k for k in top_k if k < vocab)
+        kth = scaled.topk(bound, dim=-1).values.gather(1, _on(device, [min(k, bound) - 1 for k in top_k],
+                                                               torch.long)[:, None])
+        kth = kth.masked_fill(_on(device, [k == vocab for k in top_k], torch.bool)[:, None], float("-inf"))
+        floor = kth if floor is None else torch.maximum(floor, kth)
+    if floor is not None:
+        scaled.masked_fill_(scaled < floor, float("-inf"))
+    weights = scaled.sub_(top).exp_()
+    if any(p.top_p < 1.0 for p in params):
+        _top_p(weights, [p.top_p for p in params])
+    return weights
+
+
+def _top_p(weights: torch.Tensor, top_p: Sequence[float]) -> None:
+    """Zero, in place, the weights [S, W] outside each row's top-p set (`sampling_weights`). The
+    descending weights come from a full sort on CUDA (no host round trip) and on CPU from `topk` with
+    a bound that grows 8x until every row's mass is reached (host checks cost nothing there): the
+    same values and the same sequential cumulative sums as the sort's first entries."""
+    device, dtype = weights.device, weights.dtype
+    width = weights.shape[1]
+    keep_all = _on(device, [p >= 1.0 for p in top_p], torch.bool)[:, None]
+    target = _on(device, list(top_p), dtype)[:, None] * block_masses(weights).sum(dim=-1, keepdim=True)
+    bound = width if device.type != "cpu" else min(width, 256)
+    while True:
+        if bound == width:
+            ordered = weights.sort(dim=-1, descending=True).values
+        else:
+            ordered = weights.topk(bound, dim=-1).values
+        before = (ordered.cumsum(dim=-1) < target).sum(dim=-1, keepdim=True)  # entries before the mass is reached
+        if bound == width or bool((before < bound).logical_or(keep_all).all()):
+            break
+        bound = min(width, bound * 8)
+    cut = ordered.gather(1, before.clamp_(max=bound - 1)).masked_fill_(keep_all, 0.0)
+    weights.masked_fill_(weights < cut, 0.0)
+
+
+def block_masses(weights: torch.Tensor) -> torch.Tensor:
+    """weights: [S, W] (W whole blocks) -> [S, W / block] the mass of each block (float32: relative
+    error ~1e-7, each block summed alone in the same order whatever the batch)."""
+    rows, width = weights.shape
+    return weights.view(rows, -1, block_size(width)).sum(dim=-1)
+
+
+def draw(weights: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """weights: [S, W] unnormalised (W whole blocks, `sampling_weights`) -> [S] long, token t with
+    probability weights[t] / sum, by a two-level exponential race: the block argmax(mass / q) with
+    q ~ Exp(1) per block, then within it the token argmax(weight / q') with q' ~ Exp(1) per token:
+    P(block) x P(token | block) = weight / sum, from 2 sqrt(V) draws instead of V. A row with a
+    generator draws only from it (its block draws, then its token draws); the others from the
+    default generator."""
+    rows, width = weights.shape
+    block = block_size(width)
+    if width % block:
+        raise ValueError(f"{width} weights a row: not whole blocks of {block} (pad them as sampling_weights does)")
+    blocks = weights.view(rows, -1, block)
+    chosen = block_masses(weights).div_(_exponentials(rows, width // block, generators, weights)).argmax(dim=-1)
+    inner = blocks[torch.arange(rows, device=weights.device), chosen]
+    return chosen * block + inner.div_(_exponentials(rows, block, generators, weights)).argmax(dim=-1)
+
+
+def _exponentials(rows: int, count: int, generators: Sequence[torch.Generator | None],
+                  like: torch.Tensor) -> torch.Tensor:
+    """[rows, count] Exp(1) draws, row r from generators[r] (the default one where None), kept
+    above zero (an exact 0 would divide a zero mass into NaN)."""
+    out = torch.empty(rows, count, dtype=like.dtype, device=like.device)
     if any(g is None for g in generators):
-        race.exponential_()
+        out.exponential_()
     for row, generator in enumerate(generators):
         if generator is not None:
-            race[row].exponential_(generator=generator)
-    return probs.div_(race).argmax(dim=-1)
+            out[row].exponential_(generator=generator)
+    return out.clamp_(min=torch.finfo(like.dtype).tiny)
 
 
 def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """logits: [S, V] (penalised) -> [S, V] float probabilities the rows are sampled from: temperature,
-    min-p, top-k, top-p (vLLM's filters), softmax. Rejection sampling (runner/speculative.py) reads them."""
-    device, dtype = logits.device, logits.dtype
-    vocab = logits.shape[-1]
-    temperature = _on(device, [p.temperature for p in params], dtype)[:, None]
-    logits = logits / temperature
-    if any(p.min_p > 0.0 for p in params):
-        min_p = _on(device, [p.min_p for p in params], dtype)[:, None]
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    if any(k < vocab for k in top_k) or any(p.top_p < 1.0 for p in params):
-        ordered, order = logits.sort(dim=-1)  # ascending
-        kth = _on(device, [vocab - k for k in top_k], torch.long)[:, None]
-        ordered = ordered.masked_fill(ordered < ordered.gather(1, kth), float("-inf"))
-        top_p = _on(device, [p.top_p for p in params], dtype)[:, None]
-        below = torch.softmax(ordered, dim=-1).cumsum(dim=-1) <= 1.0 - top_p
-        below[:, -1] = False
-        ordered = ordered.masked_fill(below, float("-inf"))
-        logits = ordered.scatter(1, order, ordered)
-    return torch.softmax(logits, dim=-1)
+    """logits: [S, V] (penalised) -> [S, V] float probabilities the rows are sampled from (the
+    normalised `sampling_weights`). Rejection sampling (runner/speculative.py) reads them."""
+    weights = sampling_weights(logits, params)[:, : logits.shape[1]]
+    return weights / weights.sum(dim=-1, keepdim=True)
 
 
 def with_logprobs(raw: torch.Tensor, chosen: torch.Tensor, params: Sequence[SamplingParams]) -> list[SampledToken]:
@@ -381,18 +487,25 @@ def reference_sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[
 
 
 def _reference_draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    scores = logits / params.temperature
+    """One row's draw, spelled out: the filters of `sampling_weights` with a full sort, then the
+    two-level race of `draw` (the same draws from `generator`, so seeded rows agree)."""
+    vocab = logits.numel()
+    block = block_size(vocab)
+    scores = torch.cat([logits, logits.new_full((-vocab % block,), float("-inf"))]) / params.temperature
+    top = scores.max()
+    floor = torch.tensor(float("-inf"))
     if params.min_p > 0.0:
-        probs = torch.softmax(scores, dim=-1)
-        scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    vocab = scores.numel()
+        floor = top + torch.log(torch.tensor(params.min_p, dtype=scores.dtype))
     if 0 < params.top_k < vocab:
-        scores = scores.masked_fill(scores < scores.sort().values[vocab - params.top_k], float("-inf"))
+        floor = torch.maximum(floor, scores.sort(descending=True).values[params.top_k - 1])
+    weights = (scores.masked_fill(scores < floor, float("-inf")) - top).exp()
     if params.top_p < 1.0:
-        ordered, order = scores.sort()
-        below = torch.softmax(ordered, dim=-1).cumsum(dim=-1) <= 1.0 - params.top_p  # mass above >= top_p
-        below[-1] = False
-        scores = scores.scatter(0, order[below], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / race).argmax())
+        target = torch.tensor(params.top_p, dtype=weights.dtype) * weights.view(-1, block).sum(dim=-1).sum()
+        ordered = weights.sort(descending=True).values
+        reached = int((ordered.cumsum(dim=0) < target).sum())  # entries before the mass is reached
+        weights = weights.masked_fill(weights < ordered[min(reached, vocab - 1)], 0.0)
+    blocks = weights.view(-1, block)
+    first = torch.empty(blocks.shape[0]).exponential_(generator=generator).clamp_(min=torch.finfo().tiny)
+    chosen = int((blocks.sum(dim=-1) / first).argmax())
+    second = torch.empty(block).exponential_(generator=generator).clamp_(min=torch.finfo().tiny)
+    return chosen * block + int((blocks[chosen] / second).argmax())

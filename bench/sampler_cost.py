@@ -1,0 +1,162 @@
+"""What sampling a step's rows costs on this machine: `Sampler.sample` (runner/sampler.py) over a
+248,320-token vocabulary for 1, 16 and 128 rows, per kind of request, and the primitives it is built of.
+
+Cases (every row of a call alike): greedy; temperature 0.8 (no generator: the default one); the same
+seeded (one torch.Generator per row, as `seed` gives); top-k 50; top-p 0.9; min-p 0.05; penalties
+(frequency 0.5, repetition 1.1, temperature 0.8, state kept across calls as in decoding). Logits are
+Zipf-like (logit = -1.2 ln(rank), ranks shuffled per row, plus N(0, 0.1) noise) or `--logits normal`
+(N(0, 3^2): a flat tail, the widest top-p sets). Each call is timed --reps times after one warm-up; the
+table gives the median ms per call and per row. Then the primitives' ms per call on the same rows
+(where the time goes): softmax, exponential_ over the vocabulary, a full sort, topk 50, cumsum,
+argmax, an elementwise division.
+
+Usage:
+    python bench/sampler_cost.py                          # writes bench/results/sampler_cost_cpu.json/.png
+    python bench/sampler_cost.py --rows 128 --reps 3 --name sampler_cost_cpu_128
+Run an older tree's copy of this file (git archive COMMIT | tar -x -C DIR; cp bench/sampler_cost.py
+DIR/bench/) to measure that commit's sampler the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+from host_info import code_version, machine_info, machine_line  # noqa: E402
+from plots import write_results  # noqa: E402
+
+from forkpoint.runner.sampler import Sampler, SamplingRow  # noqa: E402
+from forkpoint.sampling_params import SamplingParams  # noqa: E402
+
+VOCAB = 248_320
+CASES = {
+    "greedy": SamplingParams(temperature=0.0),
+    "temperature": SamplingParams(temperature=0.8),
+    "temperature_seeded": SamplingParams(temperature=0.8, seed=1),
+    "top_k_50": SamplingParams(temperature=0.8, top_k=50),
+    "top_p_0.9": SamplingParams(temperature=0.8, top_p=0.9),
+    "min_p_0.05": SamplingParams(temperature=0.8, min_p=0.05),
+    "penalties": SamplingParams(temperature=0.8, frequency_penalty=0.5, repetition_penalty=1.1),
+}
+
+
+def make_logits(rows: int, kind: str, generator: torch.Generator) -> torch.Tensor:
+    """[rows, VOCAB] float32 logits of the chosen shape."""
+    if kind == "normal":
+        return torch.randn(rows, VOCAB, generator=generator) * 3.0
+    ranks = torch.arange(1, VOCAB + 1, dtype=torch.float32)
+    base = -1.2 * ranks.log()
+    order = torch.stack([torch.randperm(VOCAB, generator=generator) for _ in range(rows)])
+    return base[order] + 0.1 * torch.randn(rows, VOCAB, generator=generator)
+
+
+def time_case(params: SamplingParams, logits: torch.Tensor, reps: int) -> list[float]:
+    """Seconds per `Sampler.sample` call on `logits`, reps calls after a warm-up; penalty state (and
+    each row's output history) carried from call to call."""
+    rows = logits.shape[0]
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    generators = [torch.Generator().manual_seed(i) if params.seed is not None else None for i in range(rows)]
+    outputs: list[list[int]] = [[] for _ in range(rows)]
+    prompt = list(range(100, 164))
+    times = []
+    for rep in range(reps + 1):
+        sampling_rows = [SamplingRow(f"r{i}", params, generators[i], prompt, list(outputs[i])) for i in range(rows)]
+        begin = time.perf_counter()
+        out = sampler.sample(logits, sampling_rows)
+        if rep:
+            times.append(time.perf_counter() - begin)
+        for i, token in enumerate(out):
+            outputs[i].append(token.token_id)
+    return times
+
+
+def primitives(logits: torch.Tensor, reps: int) -> dict[str, float]:
+    """Median ms per call of the operations a sampler is made of, on `logits` [R, V]."""
+    other = torch.rand_like(logits) + 0.5
+    ops = {
+        "softmax": lambda: torch.softmax(logits, dim=-1),
+        "exponential_": lambda: torch.empty_like(logits).exponential_(),
+        "sort": lambda: logits.sort(dim=-1),
+        "topk_50": lambda: logits.topk(50, dim=-1),
+        "cumsum": lambda: logits.cumsum(dim=-1),
+        "argmax": lambda: logits.argmax(dim=-1),
+        "divide": lambda: logits / other,
+    }
+    out = {}
+    for name, op in ops.items():
+        op()
+        times = []
+        for _ in range(max(1, reps if name != "sort" else 1)):
+            begin = time.perf_counter()
+            op()
+            times.append(time.perf_counter() - begin)
+        out[name] = 1000 * statistics.median(times)
+    return out
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for case in CASES:
+        points = [(r["rows"], r["ms_per_call"]) for r in res["rows"] if r["case"] == case]
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=case)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("rows sampled in one call")
+    ax.set_ylabel("ms per call (median)")
+    ax.set_title(f"Sampler.sample, vocabulary {VOCAB:,}, {res['logits']} logits ({res['code']['commit'] or '?'}"[:90]
+                 + ")")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 128])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--logits", choices=["zipf", "normal"], default="zipf")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--no-primitives", action="store_true")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--name", default="sampler_cost_cpu")
+    args = parser.parse_args()
+    machine = machine_info()
+    print(machine_line(machine))
+    generator = torch.Generator().manual_seed(0)
+    results, prims = [], {}
+    print(f"{'case':<20} {'rows':>5} {'ms/call':>9} {'ms/row':>8} {'min':>8} {'max':>8}")
+    for rows in args.rows:
+        logits = make_logits(rows, args.logits, generator)
+        for case in args.cases:
+            times = time_case(CASES[case], logits, args.reps)
+            median = 1000 * statistics.median(times)
+            results.append({"case": case, "rows": rows, "ms_per_call": median, "ms_per_row": median / rows,
+                            "ms_min": 1000 * min(times), "ms_max": 1000 * max(times)})
+            print(f"{case:<20} {rows:>5} {median:>9.2f} {median / rows:>8.3f} {1000 * min(times):>8.2f} "
+                  f"{1000 * max(times):>8.2f}")
+        if not args.no_primitives:
+            prims[rows] = primitives(logits, args.reps)
+    if prims:
+        names = list(next(iter(prims.values())))
+        print("\nprimitives, ms per call on the same logits\n" + f"{'rows':>5} " + " ".join(f"{n:>13}" for n in names))
+        for rows, values in prims.items():
+            print(f"{rows:>5} " + " ".join(f"{values[n]:>13.2f}" for n in names))
+    res = {"vocab": VOCAB, "logits": args.logits, "reps": args.reps, "machine": machine, "code": code_version(),
+           "torch_threads": torch.get_num_threads(), "rows": results, "primitives_ms": prims}
+    print("wrote", write_results(res, args.out, args.name, plot))
+
+
+if __name__ == "__main__":
+    main()
