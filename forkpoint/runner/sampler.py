@@ -1,4 +1,5 @@
-"""Token sampling, all rows of a step in one vectorised pass on the device, one host copy per step.
+"""Token sampling, the rows of a step vectorised on the device (on CPU in chunks of a few rows), one
+host copy per step.
 
 vLLM's semantics throughout:
 
@@ -8,9 +9,14 @@ vLLM's semantics throughout:
     penalties (repetition, then frequency and presence; counts kept on the device per request)
         |-- greedy rows: argmax
         v
-    / temperature -> min-p (against the full softmax) -> top-k (ties kept) -> top-p (smallest set
-    whose mass reaches p, at least one token) -> softmax -> exponential race: argmax(probs / q),
-    q ~ Exp(1) drawn from the row's generator
+    / temperature -> min-p, top-k (ties kept), top-p (smallest set whose mass reaches p, ties
+    kept): thresholds, `sampling_weights` -> weights exp(l / T - max), zero outside the kept set
+        v
+    two-level exponential race (`draw`): a block of sqrt(V) tokens by argmax(block mass / q), then
+    a token in it by argmax(weight / q'), q, q' ~ Exp(1) from the row's generator
+
+The race draws 2 sqrt(V) exponentials a row, not V (one per token: 3.5 ms a row of a 248k vocabulary
+on a CPU core, bench/sampler_cost.py), and no filter sorts the vocabulary on CPU (`topk` bounds).
 
 Log-probabilities are those of the model's unmodified distribution (vLLM's default "raw" mode):
 the sampled token's and the top-k alternatives'. Everything the host needs (chosen ids, and for
@@ -25,27 +31,18 @@ is the plain per-row spec the tests compare it with.
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from forkpoint.outputs import Logprob
 from forkpoint.runner.logits_processors import ProcessorRow, RequestProcessors, apply_logits_processors
+from forkpoint.runner.random_draw import block_size, chunk_rows, draw, on_device, sampling_weights
+from forkpoint.runner.random_draw import sampling_probs as sampling_probs  # read by runner/speculative.py
 from forkpoint.sampling_params import SamplingParams
 from forkpoint.step.result import SampledToken
-
-
-def _on(device: torch.device, values: Sequence, dtype: torch.dtype) -> torch.Tensor:
-    """`values` as a tensor on `device`, copied without a host synchronisation (`torch.tensor(...,
-    device=cuda)` would wait for the queued forward)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-
-CHUNK_BYTES = 1 << 22  # CPU: logits rows sampled together (`chunk_rows`)
 
 
 @dataclass(frozen=True)
@@ -105,7 +102,7 @@ class PenaltyCounts:
             if stale:
                 self._build(index, row)
             indices.append(index)
-        return _on(self.device, indices, torch.long)
+        return on_device(self.device, indices, torch.long)
 
     def record(self, keys: Sequence[str], indices: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Count the sampled `token_ids` ([len(keys)] on the device) for these rows."""
@@ -186,7 +183,7 @@ class Sampler:
             return PendingSample(empty, empty, params, 0)
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         state_rows = self.penalties.row_indices([rows[i] for i in penalised]) if penalised else None
-        step = chunk_rows(logits.shape[1], logits.device)
+        step = chunk_rows(len(rows), logits.shape[1], logits.device)
         parts = []
         for start in range(0, len(rows), step):
             stop = min(start + step, len(rows))
@@ -197,21 +194,21 @@ class Sampler:
                                                  if r.processors is not None else None for r in rows[start:stop]])
             first, last = bisect_left(penalised, start), bisect_left(penalised, stop)
             if last > first:
-                scores = self._penalise(scores, [i - start for i in penalised[first:last]],
+                scores = self._with_penalties(scores, [i - start for i in penalised[first:last]],
                                         params[start:stop], state_rows[first:last])
             parts.append(_choose(scores, params[start:stop], [row.generator for row in rows[start:stop]]))
         chosen = torch.cat(parts) if len(parts) > 1 else parts[0]
         if state_rows is not None:
             self.penalties.record([rows[i].key for i in penalised], state_rows,
-                                  chosen.index_select(0, _on(logits.device, penalised, torch.long)))
+                                  chosen.index_select(0, on_device(logits.device, penalised, torch.long)))
         packed, k = _pack(logits, chosen, params)
         return PendingSample(chosen, packed, params, k)
 
-    def _penalise(self, scores: torch.Tensor, local: list[int], params: Sequence[SamplingParams],
+    def _with_penalties(self, scores: torch.Tensor, local: list[int], params: Sequence[SamplingParams],
                   state_rows: torch.Tensor) -> torch.Tensor:
         """scores: [C, V] of one chunk; local: its penalised rows; state_rows: their rows of the
         penalty state -> a penalised copy."""
-        index = _on(scores.device, local, torch.long)
+        index = on_device(scores.device, local, torch.long)
         counts = self.penalties.counts.index_select(0, state_rows)
         seen = self.penalties.seen.index_select(0, state_rows) | (counts > 0)
         out = scores.clone()
@@ -264,28 +261,13 @@ def _penalise(logits: torch.Tensor, params: Sequence[SamplingParams], counts: to
               seen: torch.Tensor) -> torch.Tensor:
     """logits, counts: [P, V]; seen: [P, V] bool (prompt or output) -> penalised logits."""
     device, dtype = logits.device, logits.dtype
-    repetition = _on(device, [p.repetition_penalty for p in params], dtype)[:, None]
-    frequency = _on(device, [p.frequency_penalty for p in params], dtype)[:, None]
-    presence = _on(device, [p.presence_penalty for p in params], dtype)[:, None]
+    repetition = on_device(device, [p.repetition_penalty for p in params], dtype)[:, None]
+    frequency = on_device(device, [p.frequency_penalty for p in params], dtype)[:, None]
+    presence = on_device(device, [p.presence_penalty for p in params], dtype)[:, None]
     scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = torch.where(seen, scaled, logits)
     counts = counts.to(dtype)
     return logits - (frequency * counts + presence * (counts > 0).to(dtype))
-
-
-def chunk_rows(vocab: int, device: torch.device) -> int:
-    """Rows sampled together: on CPU about `CHUNK_BYTES` of float32 logits, so a chunk's temporaries
-    stay in cache and reuse freed memory (128 rows of a 248k vocabulary at once fault in fresh pages
-    for every temporary: 3x slower, bench/sampler_cost.py); on other devices every row at once."""
-    if device.type != "cpu":
-        return 1 << 62
-    return max(1, CHUNK_BYTES // (4 * vocab))
-
-
-def block_size(vocab: int) -> int:
-    """Tokens per block of the two-level race: the power of two at or above sqrt(vocab), so a row
-    draws about 2 sqrt(vocab) exponentials (248,320 tokens: blocks of 512, 485 blocks)."""
-    return 1 << math.ceil(math.log2(max(vocab, 2)) / 2)
 
 
 def _choose(scores: torch.Tensor, params: Sequence[SamplingParams],
@@ -296,113 +278,11 @@ def _choose(scores: torch.Tensor, params: Sequence[SamplingParams],
         return draw(sampling_weights(scores, params), generators)
     chosen = scores.argmax(dim=-1)
     if random_rows:
-        index = _on(scores.device, random_rows, torch.long)
+        index = on_device(scores.device, random_rows, torch.long)
         drawn = draw(sampling_weights(scores.index_select(0, index), [params[i] for i in random_rows]),
                      [generators[i] for i in random_rows])
         chosen = chosen.index_copy(0, index, drawn)
     return chosen
-
-
-def sampling_weights(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """logits: [S, V] (penalised) -> [S, W] float32 unnormalised weights the rows are sampled from,
-    W = V padded to whole blocks (`block_size`) with zeros: exp(l / T - max), zero outside the kept
-    set of vLLM's filters, all of them thresholds in one ordering (no full-vocabulary sort on CPU):
-
-        min-p   keep l / T >= max + log(min_p)                (probability >= min_p x the largest)
-        top-k   keep l / T >= the k-th largest                (ties kept)
-        top-p   keep weight >= the weight at which the descending mass first reaches top_p x the
-                mass left by min-p and top-k                  (the smallest such set; ties kept)
-
-    Every row keeps its largest token."""
-    rows, vocab = logits.shape
-    device, dtype = logits.device, logits.dtype
-    temperature = _on(device, [p.temperature for p in params], dtype)[:, None]
-    pad = -vocab % block_size(vocab)
-    scaled = (logits / temperature) if not pad else F.pad(logits, (0, pad), value=float("-inf")).div_(temperature)
-    top = scaled.amax(dim=-1, keepdim=True)
-    floor = None
-    if any(p.min_p > 0.0 for p in params):
-        floor = top + torch.log(_on(device, [p.min_p for p in params], dtype))[:, None]
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    if any(k < vocab for k in top_k):
-        bound = max(k for k in top_k if k < vocab)
-        kth = scaled.topk(bound, dim=-1).values.gather(1, _on(device, [min(k, bound) - 1 for k in top_k],
-                                                               torch.long)[:, None])
-        kth = kth.masked_fill(_on(device, [k == vocab for k in top_k], torch.bool)[:, None], float("-inf"))
-        floor = kth if floor is None else torch.maximum(floor, kth)
-    if floor is not None:
-        scaled.masked_fill_(scaled < floor, float("-inf"))
-    weights = scaled.sub_(top).exp_()
-    if any(p.top_p < 1.0 for p in params):
-        _top_p(weights, [p.top_p for p in params])
-    return weights
-
-
-def _top_p(weights: torch.Tensor, top_p: Sequence[float]) -> None:
-    """Zero, in place, the weights [S, W] outside each row's top-p set (`sampling_weights`). The
-    descending weights come from a full sort on CUDA (no host round trip) and on CPU from `topk` with
-    a bound that grows 8x until every row's mass is reached (host checks cost nothing there): the
-    same values and the same sequential cumulative sums as the sort's first entries."""
-    device, dtype = weights.device, weights.dtype
-    width = weights.shape[1]
-    keep_all = _on(device, [p >= 1.0 for p in top_p], torch.bool)[:, None]
-    target = _on(device, list(top_p), dtype)[:, None] * block_masses(weights).sum(dim=-1, keepdim=True)
-    bound = width if device.type != "cpu" else min(width, 256)
-    while True:
-        if bound == width:
-            ordered = weights.sort(dim=-1, descending=True).values
-        else:
-            ordered = weights.topk(bound, dim=-1).values
-        before = (ordered.cumsum(dim=-1) < target).sum(dim=-1, keepdim=True)  # entries before the mass is reached
-        if bound == width or bool((before < bound).logical_or(keep_all).all()):
-            break
-        bound = min(width, bound * 8)
-    cut = ordered.gather(1, before.clamp_(max=bound - 1)).masked_fill_(keep_all, 0.0)
-    weights.masked_fill_(weights < cut, 0.0)
-
-
-def block_masses(weights: torch.Tensor) -> torch.Tensor:
-    """weights: [S, W] (W whole blocks) -> [S, W / block] the mass of each block (float32: relative
-    error ~1e-7, each block summed alone in the same order whatever the batch)."""
-    rows, width = weights.shape
-    return weights.view(rows, -1, block_size(width)).sum(dim=-1)
-
-
-def draw(weights: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """weights: [S, W] unnormalised (W whole blocks, `sampling_weights`) -> [S] long, token t with
-    probability weights[t] / sum, by a two-level exponential race: the block argmax(mass / q) with
-    q ~ Exp(1) per block, then within it the token argmax(weight / q') with q' ~ Exp(1) per token:
-    P(block) x P(token | block) = weight / sum, from 2 sqrt(V) draws instead of V. A row with a
-    generator draws only from it (its block draws, then its token draws); the others from the
-    default generator."""
-    rows, width = weights.shape
-    block = block_size(width)
-    if width % block:
-        raise ValueError(f"{width} weights a row: not whole blocks of {block} (pad them as sampling_weights does)")
-    blocks = weights.view(rows, -1, block)
-    chosen = block_masses(weights).div_(_exponentials(rows, width // block, generators, weights)).argmax(dim=-1)
-    inner = blocks[torch.arange(rows, device=weights.device), chosen]
-    return chosen * block + inner.div_(_exponentials(rows, block, generators, weights)).argmax(dim=-1)
-
-
-def _exponentials(rows: int, count: int, generators: Sequence[torch.Generator | None],
-                  like: torch.Tensor) -> torch.Tensor:
-    """[rows, count] Exp(1) draws, row r from generators[r] (the default one where None), kept
-    above zero (an exact 0 would divide a zero mass into NaN)."""
-    out = torch.empty(rows, count, dtype=like.dtype, device=like.device)
-    if any(g is None for g in generators):
-        out.exponential_()
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            out[row].exponential_(generator=generator)
-    return out.clamp_(min=torch.finfo(like.dtype).tiny)
-
-
-def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """logits: [S, V] (penalised) -> [S, V] float probabilities the rows are sampled from (the
-    normalised `sampling_weights`). Rejection sampling (runner/speculative.py) reads them."""
-    weights = sampling_weights(logits, params)[:, : logits.shape[1]]
-    return weights / weights.sum(dim=-1, keepdim=True)
 
 
 def with_logprobs(raw: torch.Tensor, chosen: torch.Tensor, params: Sequence[SamplingParams]) -> list[SampledToken]:
@@ -418,7 +298,7 @@ def _pack(raw: torch.Tensor, chosen: torch.Tensor, params: Sequence[SamplingPara
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return chosen, 0
-    index = _on(raw.device, rows, torch.long)
+    index = on_device(raw.device, rows, torch.long)
     logprobs = torch.log_softmax(raw.index_select(0, index), dim=-1)
     k = max(params[i].logprobs for i in rows)
     top_values, top_ids = torch.topk(logprobs, k, dim=-1)

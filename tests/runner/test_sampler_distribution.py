@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from forkpoint.runner import sampler as sampler_module
+from forkpoint.runner import random_draw
 from forkpoint.runner.sampler import Sampler, SamplingRow, block_size, reference_sample, sample, sampling_weights
 from forkpoint.sampling_params import SamplingParams
 
@@ -108,7 +108,7 @@ def test_a_seeded_row_draws_the_same_tokens_in_any_batch_and_chunking(monkeypatc
     for i, p in enumerate(params):
         generator = torch.Generator().manual_seed(100 + i)
         alone.append([sample(step[i:i + 1], [p], [generator])[0].token_id for step in steps])
-    monkeypatch.setattr(sampler_module, "CHUNK_BYTES", 3 * 4 * vocab)
+    monkeypatch.setattr(random_draw, "CHUNK_BYTES", 3 * 4 * vocab)
     generators = [torch.Generator().manual_seed(100 + i) for i in range(len(params))]
     together: list[list[int]] = [[] for _ in params]
     for step in steps:
@@ -164,8 +164,8 @@ def test_sampling_is_chunked_on_cpu_with_the_same_tokens(monkeypatch):
         return [t.token_id for t in Sampler(vocab, torch.device("cpu")).sample(logits, rows)]
 
     whole = run()
-    monkeypatch.setattr(sampler_module, "CHUNK_BYTES", 4 * vocab)
-    assert sampler_module.chunk_rows(vocab, torch.device("cpu")) == 1
+    monkeypatch.setattr(random_draw, "CHUNK_BYTES", 4 * vocab)
+    assert random_draw.chunk_rows(len(params), vocab, torch.device("cpu")) == 1
     assert run() == whole
 
 
