@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from forkpoint.sampling_params import SamplingParams
 
 CHUNK_BYTES = 1 << 22  # CPU: logits rows sampled together (`chunk_rows`)
+EXP_FLOOR = -87.0  # l / T - max below this counts as this (`sampling_weights`): exp stays a normal float32
 
 
 def on_device(device: torch.device, values: Sequence, dtype: torch.dtype) -> torch.Tensor:
@@ -55,7 +56,10 @@ def sampling_weights(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
         top-p   keep weight >= the weight at which the descending mass first reaches top_p x the
                 mass left by min-p and top-k                  (the smallest such set; ties kept)
 
-    Every row keeps its largest token."""
+    Every row keeps its largest token. A kept weight is at least e^EXP_FLOOR (1.6e-38 of the
+    largest; the whole vocabulary's excess under 4e-33 of the mass): the CPU's exp takes a slow path
+    for a result below float32's normal range (12x for 0, 27x for a denormal, bench/sampler_cost.py).
+    """
     rows, vocab = logits.shape
     device, dtype = logits.device, logits.dtype
     temperature = on_device(device, [p.temperature for p in params], dtype)[:, None]
@@ -72,9 +76,12 @@ def sampling_weights(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
                                                                torch.long)[:, None])
         kth = kth.masked_fill(on_device(device, [k == vocab for k in top_k], torch.bool)[:, None], float("-inf"))
         floor = kth if floor is None else torch.maximum(floor, kth)
-    if floor is not None:
-        scaled.masked_fill_(scaled < floor, float("-inf"))
-    weights = scaled.sub_(top).exp_()
+    dropped = scaled < floor if floor is not None else None
+    weights = scaled.sub_(top).clamp_(min=EXP_FLOOR).exp_()
+    if dropped is not None:
+        weights = torch.where(dropped, 0.0, weights)
+    if pad:
+        weights[:, vocab:] = 0.0
     if any(p.top_p < 1.0 for p in params):
         _top_p(weights, [p.top_p for p in params])
     return weights
@@ -100,7 +107,7 @@ def _top_p(weights: torch.Tensor, top_p: Sequence[float]) -> None:
             break
         bound = min(width, bound * 8)
     cut = ordered.gather(1, before.clamp_(max=bound - 1)).masked_fill_(keep_all, 0.0)
-    weights.masked_fill_(weights < cut, 0.0)
+    weights.copy_(torch.where(weights < cut, 0.0, weights))
 
 
 def block_masses(weights: torch.Tensor) -> torch.Tensor:

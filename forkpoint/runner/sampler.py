@@ -39,7 +39,7 @@ import torch
 
 from forkpoint.outputs import Logprob
 from forkpoint.runner.logits_processors import ProcessorRow, RequestProcessors, apply_logits_processors
-from forkpoint.runner.random_draw import block_size, chunk_rows, draw, on_device, sampling_weights
+from forkpoint.runner.random_draw import EXP_FLOOR, block_size, chunk_rows, draw, on_device, sampling_weights
 from forkpoint.runner.random_draw import sampling_probs as sampling_probs  # read by runner/speculative.py
 from forkpoint.sampling_params import SamplingParams
 from forkpoint.step.result import SampledToken
@@ -378,7 +378,8 @@ def _reference_draw(logits: torch.Tensor, params: SamplingParams, generator: tor
         floor = top + torch.log(torch.tensor(params.min_p, dtype=scores.dtype))
     if 0 < params.top_k < vocab:
         floor = torch.maximum(floor, scores.sort(descending=True).values[params.top_k - 1])
-    weights = (scores.masked_fill(scores < floor, float("-inf")) - top).exp()
+    weights = (scores - top).clamp(min=EXP_FLOOR).exp().masked_fill(scores < floor, 0.0)
+    weights[vocab:] = 0.0
     if params.top_p < 1.0:
         target = torch.tensor(params.top_p, dtype=weights.dtype) * weights.view(-1, block).sum(dim=-1).sum()
         ordered = weights.sort(descending=True).values
