@@ -10,16 +10,21 @@ table gives the median ms per call and per row. Then the primitives' ms per call
 (where the time goes): softmax, exponential_ over the vocabulary, a full sort, topk 50, cumsum,
 argmax, an elementwise division.
 
+With --baseline FILE (another version's runner/sampler.py, loaded beside this tree's modules) each
+call of this tree's sampler alternates with one of the baseline's on the same rows, so both see the
+same load on a shared machine; the table adds the baseline's ms and the ratio.
+
 Usage:
     python bench/sampler_cost.py                          # writes bench/results/sampler_cost_cpu.json/.png
     python bench/sampler_cost.py --rows 128 --reps 3 --name sampler_cost_cpu_128
-Run an older tree's copy of this file (git archive COMMIT | tar -x -C DIR; cp bench/sampler_cost.py
-DIR/bench/) to measure that commit's sampler the same way.
+    git archive 86c77c3 forkpoint/runner/sampler.py | tar -x -C /tmp/old
+    python bench/sampler_cost.py --baseline /tmp/old/forkpoint/runner/sampler.py --name sampler_cost_cpu_vs_86c77c3
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
@@ -31,7 +36,7 @@ import torch  # noqa: E402
 from host_info import code_version, machine_info, machine_line  # noqa: E402
 from plots import write_results  # noqa: E402
 
-from forkpoint.runner.sampler import Sampler, SamplingRow  # noqa: E402
+from forkpoint.runner.sampler import Sampler  # noqa: E402
 from forkpoint.sampling_params import SamplingParams  # noqa: E402
 
 VOCAB = 248_320
@@ -56,24 +61,49 @@ def make_logits(rows: int, kind: str, generator: torch.Generator) -> torch.Tenso
     return base[order] + 0.1 * torch.randn(rows, VOCAB, generator=generator)
 
 
-def time_case(params: SamplingParams, logits: torch.Tensor, reps: int) -> list[float]:
-    """Seconds per `Sampler.sample` call on `logits`, reps calls after a warm-up; penalty state (and
-    each row's output history) carried from call to call."""
-    rows = logits.shape[0]
-    sampler = Sampler(VOCAB, torch.device("cpu"))
-    generators = [torch.Generator().manual_seed(i) if params.seed is not None else None for i in range(rows)]
-    outputs: list[list[int]] = [[] for _ in range(rows)]
-    prompt = list(range(100, 164))
-    times = []
-    for rep in range(reps + 1):
-        sampling_rows = [SamplingRow(f"r{i}", params, generators[i], prompt, list(outputs[i])) for i in range(rows)]
+class Timed:
+    """One sampler implementation (`module`: runner/sampler.py or a baseline's copy) sampling the same
+    rows call after call; penalty state (and each row's output history) carried from call to call."""
+
+    def __init__(self, module, params: SamplingParams, rows: int) -> None:
+        self.module, self.params = module, params
+        self.sampler = module.Sampler(VOCAB, torch.device("cpu"))
+        self.generators = [torch.Generator().manual_seed(i) if params.seed is not None else None
+                           for i in range(rows)]
+        self.outputs: list[list[int]] = [[] for _ in range(rows)]
+        self.times: list[float] = []
+
+    def call(self, logits: torch.Tensor, record: bool) -> None:
+        prompt = list(range(100, 164))
+        rows = [self.module.SamplingRow(f"r{i}", self.params, self.generators[i], prompt, list(self.outputs[i]))
+                for i in range(logits.shape[0])]
         begin = time.perf_counter()
-        out = sampler.sample(logits, sampling_rows)
-        if rep:
-            times.append(time.perf_counter() - begin)
+        out = self.sampler.sample(logits, rows)
+        if record:
+            self.times.append(time.perf_counter() - begin)
         for i, token in enumerate(out):
-            outputs[i].append(token.token_id)
-    return times
+            self.outputs[i].append(token.token_id)
+
+
+def time_case(params: SamplingParams, logits: torch.Tensor, reps: int, baseline) -> tuple[list[float], list[float]]:
+    """Seconds per `Sampler.sample` call on `logits` (reps calls after a warm-up), this tree's and,
+    alternating with it, the baseline module's (empty without one)."""
+    ours = Timed(sys.modules[Sampler.__module__], params, logits.shape[0])
+    theirs = Timed(baseline, params, logits.shape[0]) if baseline is not None else None
+    for rep in range(reps + 1):
+        ours.call(logits, record=rep > 0)
+        if theirs is not None:
+            theirs.call(logits, record=rep > 0)
+    return ours.times, theirs.times if theirs is not None else []
+
+
+def load_baseline(path: str):
+    """Another version's runner/sampler.py as a module of its own (its imports resolve to this tree)."""
+    spec = importlib.util.spec_from_file_location("baseline_sampler", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def primitives(logits: torch.Tensor, reps: int) -> dict[str, float]:
@@ -129,23 +159,32 @@ def main() -> None:
     parser.add_argument("--logits", choices=["zipf", "normal"], default="zipf")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-primitives", action="store_true")
+    parser.add_argument("--baseline", help="another version's runner/sampler.py, timed alternately")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--name", default="sampler_cost_cpu")
     args = parser.parse_args()
     machine = machine_info()
     print(machine_line(machine))
     generator = torch.Generator().manual_seed(0)
+    baseline = load_baseline(args.baseline) if args.baseline else None
     results, prims = [], {}
-    print(f"{'case':<20} {'rows':>5} {'ms/call':>9} {'ms/row':>8} {'min':>8} {'max':>8}")
+    print(f"{'case':<20} {'rows':>5} {'ms/call':>9} {'ms/row':>8} {'min':>8} {'max':>8}"
+          + (f" {'baseline':>9} {'min':>8} {'ratio':>7}" if baseline else ""))
     for rows in args.rows:
         logits = make_logits(rows, args.logits, generator)
         for case in args.cases:
-            times = time_case(CASES[case], logits, args.reps)
+            times, base = time_case(CASES[case], logits, args.reps, baseline)
             median = 1000 * statistics.median(times)
-            results.append({"case": case, "rows": rows, "ms_per_call": median, "ms_per_row": median / rows,
-                            "ms_min": 1000 * min(times), "ms_max": 1000 * max(times)})
-            print(f"{case:<20} {rows:>5} {median:>9.2f} {median / rows:>8.3f} {1000 * min(times):>8.2f} "
-                  f"{1000 * max(times):>8.2f}")
+            row = {"case": case, "rows": rows, "ms_per_call": median, "ms_per_row": median / rows,
+                   "ms_min": 1000 * min(times), "ms_max": 1000 * max(times)}
+            line = (f"{case:<20} {rows:>5} {median:>9.2f} {median / rows:>8.3f} {1000 * min(times):>8.2f} "
+                    f"{1000 * max(times):>8.2f}")
+            if base:
+                row.update(baseline_ms_per_call=1000 * statistics.median(base), baseline_ms_min=1000 * min(base))
+                line += (f" {row['baseline_ms_per_call']:>9.2f} {row['baseline_ms_min']:>8.2f} "
+                         f"{row['baseline_ms_per_call'] / median:>6.1f}x")
+            results.append(row)
+            print(line)
         if not args.no_primitives:
             prims[rows] = primitives(logits, args.reps)
     if prims:
@@ -154,7 +193,7 @@ def main() -> None:
         for rows, values in prims.items():
             print(f"{rows:>5} " + " ".join(f"{values[n]:>13.2f}" for n in names))
     res = {"vocab": VOCAB, "logits": args.logits, "reps": args.reps, "machine": machine, "code": code_version(),
-           "torch_threads": torch.get_num_threads(), "rows": results, "primitives_ms": prims}
+           "torch_threads": torch.get_num_threads(), "baseline": args.baseline, "rows": results, "primitives_ms": prims}
     print("wrote", write_results(res, args.out, args.name, plot))
 
 

@@ -298,14 +298,18 @@ def _pack(raw: torch.Tensor, chosen: torch.Tensor, params: Sequence[SamplingPara
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return chosen, 0
-    index = on_device(raw.device, rows, torch.long)
-    logprobs = torch.log_softmax(raw.index_select(0, index), dim=-1)
     k = max(params[i].logprobs for i in rows)
-    top_values, top_ids = torch.topk(logprobs, k, dim=-1)
-    chosen_values = logprobs.gather(1, chosen.index_select(0, index)[:, None])
-    ranks = (logprobs > chosen_values).sum(dim=-1, keepdim=True) + 1
-    return torch.cat([chosen.double(), torch.cat(
-        [chosen_values.double(), ranks.double(), top_values.double(), top_ids.double()], dim=1).flatten()]), k
+    step = chunk_rows(len(rows), raw.shape[1], raw.device)
+    blocks = []
+    for start in range(0, len(rows), step):  # CPU: cache-sized chunks, as the sampling
+        index = on_device(raw.device, rows[start: start + step], torch.long)
+        logprobs = torch.log_softmax(raw.index_select(0, index), dim=-1)
+        top_values, top_ids = torch.topk(logprobs, k, dim=-1)
+        chosen_values = logprobs.gather(1, chosen.index_select(0, index)[:, None])
+        ranks = (logprobs > chosen_values).sum(dim=-1, keepdim=True) + 1
+        blocks.append(torch.cat([chosen_values.double(), ranks.double(), top_values.double(), top_ids.double()],
+                                dim=1))
+    return torch.cat([chosen.double(), torch.cat(blocks).flatten()]), k
 
 
 def _unpack(host: list, params: Sequence[SamplingParams], k: int) -> list[SampledToken]:

@@ -152,21 +152,26 @@ def test_the_race_reaches_the_last_token_of_a_padded_vocabulary():
 
 
 def test_sampling_is_chunked_on_cpu_with_the_same_tokens(monkeypatch):
-    """One row a chunk gives the tokens of one chunk for all rows (penalties and greedy rows among them)."""
+    """One row a chunk gives the tokens and logprobs of one chunk for all rows (penalties, greedy rows
+    and logprobs among them)."""
     vocab = 200
-    params = [SamplingParams(temperature=0.0, presence_penalty=1.0), CASES["combined"],
-              SamplingParams(temperature=0.8, frequency_penalty=0.5), SamplingParams(temperature=0.0)]
+    params = [SamplingParams(temperature=0.0, presence_penalty=1.0, logprobs=2),
+              SamplingParams(temperature=1.3, top_k=30, top_p=0.9, min_p=0.02, logprobs=0),
+              SamplingParams(temperature=0.8, frequency_penalty=0.5), SamplingParams(temperature=0.0, logprobs=4)]
     logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(5)) * 3
 
-    def run() -> list[int]:
+    def run() -> list[tuple]:
         rows = [SamplingRow(str(i), p, torch.Generator().manual_seed(i), [1, 2, 3], [4, 4, 5])
                 for i, p in enumerate(params)]
-        return [t.token_id for t in Sampler(vocab, torch.device("cpu")).sample(logits, rows)]
+        out = Sampler(vocab, torch.device("cpu")).sample(logits, rows)
+        return [(t.token_id, None if t.logprobs is None else [(k, float(v), v.rank) for k, v in t.logprobs.items()])
+                for t in out]
 
     whole = run()
     monkeypatch.setattr(random_draw, "CHUNK_BYTES", 4 * vocab)
     assert random_draw.chunk_rows(len(params), vocab, torch.device("cpu")) == 1
     assert run() == whole
+    assert [entry is None for _, entry in whole] == [False, False, True, False]
 
 
 @pytest.mark.gpu
