@@ -173,47 +173,52 @@ class Sampler:
 
     def sample_async(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> PendingSample:
         """As `sample`, but returns once the work is enqueued: the chosen ids stay on the device and
-        the copy to the host is in flight (`PendingSample.result()` waits for it). Rows go through in
-        chunks of `chunk_rows` (all at once on CUDA); a row's result does not depend on its chunk."""
+        the copy to the host is in flight (`PendingSample.result()` waits for it). Greedy rows without
+        penalties or processors: one argmax; the others in chunks of `chunk_rows` (all at once on CUDA),
+        a row's result independent of its chunk."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
         params = [row.params for row in rows]
         if not rows:
             empty = torch.zeros(0, dtype=torch.long, device=logits.device)
             return PendingSample(empty, empty, params, 0)
+        device = logits.device
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         state_rows = self.penalties.row_indices([rows[i] for i in penalised]) if penalised else None
-        step = chunk_rows(len(rows), logits.shape[1], logits.device)
-        parts = []
-        for start in range(0, len(rows), step):
-            stop = min(start + step, len(rows))
-            scores = logits[start:stop]
-            if any(row.processors is not None for row in rows[start:stop]):  # logit_bias ... grammar, on a copy
-                scores = scores.clone()
-                apply_logits_processors(scores, [ProcessorRow(r.processors, r.output_token_ids, r.num_unseen)
-                                                 if r.processors is not None else None for r in rows[start:stop]])
-            first, last = bisect_left(penalised, start), bisect_left(penalised, stop)
+        # rows beyond a plain argmax (one op for all of them: under load each op costs a thread wake-up)
+        work = [i for i, row in enumerate(rows)
+                if not row.params.greedy or row.params.has_penalties or row.processors is not None]
+        chosen = logits.argmax(dim=-1) if len(work) < len(rows) else torch.empty(len(rows), dtype=torch.long,
+                                                                                     device=device)
+        step = chunk_rows(len(work), logits.shape[1], device)
+        for start in range(0, len(work), step):
+            part = work[start: start + step]
+            index = on_device(device, part, torch.long)
+            scores = logits.index_select(0, index)
+            if any(rows[i].processors is not None for i in part):  # logit_bias ... grammar
+                apply_logits_processors(scores, [ProcessorRow(rows[i].processors, rows[i].output_token_ids,
+                                                              rows[i].num_unseen)
+                                                 if rows[i].processors is not None else None for i in part])
+            first, last = bisect_left(penalised, part[0]), bisect_left(penalised, part[-1] + 1)
             if last > first:
-                scores = self._with_penalties(scores, [i - start for i in penalised[first:last]],
-                                        params[start:stop], state_rows[first:last])
-            parts.append(_choose(scores, params[start:stop], [row.generator for row in rows[start:stop]]))
-        chosen = torch.cat(parts) if len(parts) > 1 else parts[0]
+                scores = self._with_penalties(scores, [part.index(i) for i in penalised[first:last]],
+                                              [params[i] for i in part], state_rows[first:last])
+            chosen.index_copy_(0, index, _choose(scores, [params[i] for i in part], [rows[i].generator for i in part]))
         if state_rows is not None:
             self.penalties.record([rows[i].key for i in penalised], state_rows,
-                                  chosen.index_select(0, on_device(logits.device, penalised, torch.long)))
+                                  chosen.index_select(0, on_device(device, penalised, torch.long)))
         packed, k = _pack(logits, chosen, params)
         return PendingSample(chosen, packed, params, k)
 
     def _with_penalties(self, scores: torch.Tensor, local: list[int], params: Sequence[SamplingParams],
-                  state_rows: torch.Tensor) -> torch.Tensor:
-        """scores: [C, V] of one chunk; local: its penalised rows; state_rows: their rows of the
-        penalty state -> a penalised copy."""
+                        state_rows: torch.Tensor) -> torch.Tensor:
+        """scores: [C, V], one chunk's own copy, penalised in place (and returned); local: its
+        penalised rows; state_rows: their rows of the penalty state."""
         index = on_device(scores.device, local, torch.long)
         counts = self.penalties.counts.index_select(0, state_rows)
         seen = self.penalties.seen.index_select(0, state_rows) | (counts > 0)
-        out = scores.clone()
-        out.index_copy_(0, index, _penalise(scores.index_select(0, index), [params[i] for i in local], counts, seen))
-        return out
+        return scores.index_copy_(0, index, _penalise(scores.index_select(0, index), [params[i] for i in local],
+                                                      counts, seen))
 
 
 class PendingSample:
@@ -377,20 +382,23 @@ def _reference_draw(logits: torch.Tensor, params: SamplingParams, generator: tor
     block = block_size(vocab)
     scores = torch.cat([logits, logits.new_full((-vocab % block,), float("-inf"))]) / params.temperature
     top = scores.max()
-    floor = torch.tensor(float("-inf"))
+    device = logits.device
+    floor = torch.tensor(float("-inf"), device=device)
     if params.min_p > 0.0:
-        floor = top + torch.log(torch.tensor(params.min_p, dtype=scores.dtype))
+        floor = top + torch.log(torch.tensor(params.min_p, dtype=scores.dtype, device=device))
     if 0 < params.top_k < vocab:
         floor = torch.maximum(floor, scores.sort(descending=True).values[params.top_k - 1])
     weights = (scores - top).clamp(min=EXP_FLOOR).exp().masked_fill(scores < floor, 0.0)
     weights[vocab:] = 0.0
     if params.top_p < 1.0:
-        target = torch.tensor(params.top_p, dtype=weights.dtype) * weights.view(-1, block).sum(dim=-1).sum()
+        mass = weights.view(-1, block).sum(dim=-1).sum()  # block by block, as `block_masses`
+        target = torch.tensor(params.top_p, dtype=weights.dtype, device=device) * mass
         ordered = weights.sort(descending=True).values
         reached = int((ordered.cumsum(dim=0) < target).sum())  # entries before the mass is reached
         weights = weights.masked_fill(weights < ordered[min(reached, vocab - 1)], 0.0)
     blocks = weights.view(-1, block)
-    first = torch.empty(blocks.shape[0]).exponential_(generator=generator).clamp_(min=torch.finfo().tiny)
+    tiny = torch.finfo(weights.dtype).tiny
+    first = torch.empty(blocks.shape[0], device=device).exponential_(generator=generator).clamp_(min=tiny)
     chosen = int((blocks.sum(dim=-1) / first).argmax())
-    second = torch.empty(block).exponential_(generator=generator).clamp_(min=torch.finfo().tiny)
+    second = torch.empty(block, device=device).exponential_(generator=generator).clamp_(min=tiny)
     return chosen * block + int((blocks[chosen] / second).argmax())
