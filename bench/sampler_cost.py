@@ -19,6 +19,7 @@ Usage:
     python bench/sampler_cost.py --rows 128 --reps 3 --name sampler_cost_cpu_128
     git archive 86c77c3 forkpoint/runner/sampler.py | tar -x -C /tmp/old
     python bench/sampler_cost.py --baseline /tmp/old/forkpoint/runner/sampler.py --name sampler_cost_cpu_vs_86c77c3
+    python bench/sampler_cost.py --rows 128 --cases temperature --chunk-mib 4 --no-primitives --name chunk_4mib
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch  # noqa: E402
 from host_info import code_version, machine_info, machine_line  # noqa: E402
 from plots import write_results  # noqa: E402
 
+from forkpoint.runner import random_draw  # noqa: E402
 from forkpoint.runner.sampler import Sampler  # noqa: E402
 from forkpoint.sampling_params import SamplingParams  # noqa: E402
 
@@ -160,6 +162,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-primitives", action="store_true")
     parser.add_argument("--baseline", help="another version's runner/sampler.py, timed alternately")
+    parser.add_argument("--chunk-mib", type=float, help="CPU chunk of rows sampled together, MiB of logits "
+                        "(runner/random_draw.py's CHUNK_BYTES; default: its value)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--name", default="sampler_cost_cpu")
     args = parser.parse_args()
@@ -167,6 +171,8 @@ def main() -> None:
     print(machine_line(machine))
     generator = torch.Generator().manual_seed(0)
     baseline = load_baseline(args.baseline) if args.baseline else None
+    if args.chunk_mib is not None:
+        random_draw.CHUNK_BYTES = int(args.chunk_mib * (1 << 20))
     results, prims = [], {}
     print(f"{'case':<20} {'rows':>5} {'ms/call':>9} {'ms/row':>8} {'min':>8} {'max':>8}"
           + (f" {'baseline':>9} {'min':>8} {'ratio':>7}" if baseline else ""))
@@ -193,7 +199,8 @@ def main() -> None:
         for rows, values in prims.items():
             print(f"{rows:>5} " + " ".join(f"{values[n]:>13.2f}" for n in names))
     res = {"vocab": VOCAB, "logits": args.logits, "reps": args.reps, "machine": machine, "code": code_version(),
-           "torch_threads": torch.get_num_threads(), "baseline": args.baseline, "rows": results, "primitives_ms": prims}
+           "torch_threads": torch.get_num_threads(), "baseline": args.baseline,
+           "chunk_bytes": random_draw.CHUNK_BYTES, "rows": results, "primitives_ms": prims}
     print("wrote", write_results(res, args.out, args.name, plot))
 
 
