@@ -33,11 +33,11 @@ def on_device(device: torch.device, values: Sequence, dtype: torch.dtype) -> tor
 
 def chunk_rows(num_rows: int, vocab: int, device: torch.device) -> int:
     """Rows sampled together, of `num_rows`: on CPU about `CHUNK_BYTES` of float32 logits (16 rows
-    of a 248k vocabulary), elsewhere all. Measured on 2 shared cores, 128 rows, temperature only:
-    idle, 4-row chunks 17 ms, 16-row 25 ms, all at once 57 ms (each temporary over glibc's 32 MiB
-    mmap ceiling faults in fresh pages); under load (1-minute average ~3) 1,530, 448 and 179 ms, as
-    every parallel op waits ~8 ms for its second thread, so fewer, larger ops win. 16 MiB keeps the
-    temporaries under the ceiling with 8x fewer ops than 4-row chunks."""
+    of a 248k vocabulary), elsewhere all. 128 temperature rows on 2 shared cores
+    (bench/sampler_cost.py --chunk-mib): at load ~1.2, 4 MiB chunks 30.5 ms, 16 MiB 24.6-40.9 ms, all
+    at once 90.7 ms (a temporary over glibc's 32 MiB mmap ceiling faults in fresh pages); at load
+    ~2.8, 1,530, 448 and 179 ms, as every parallel op waits ~8 ms for its second thread and fewer,
+    larger ops win. 16 MiB keeps the temporaries under the ceiling with a quarter of 4 MiB's ops."""
     if device.type != "cpu":
         return max(1, num_rows)
     return max(1, min(num_rows, CHUNK_BYTES // (4 * vocab)))
@@ -61,7 +61,7 @@ def sampling_weights(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
 
     Every row keeps its largest token. A kept weight is at least e^EXP_FLOOR (1.6e-38 of the
     largest; the whole vocabulary's excess under 4e-33 of the mass): the CPU's exp takes a slow path
-    for a result below float32's normal range (12x for 0, 27x for a denormal, bench/sampler_cost.py).
+    for a result below float32's normal range (measured with torch 2.13: 12x for 0, 27x for a denormal).
     """
     rows, vocab = logits.shape
     device, dtype = logits.device, logits.dtype
