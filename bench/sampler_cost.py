@@ -139,15 +139,22 @@ def plot(res: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for case in CASES:
-        points = [(r["rows"], r["ms_per_call"]) for r in res["rows"] if r["case"] == case]
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=case)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for n, case in enumerate(CASES):
+        points = [r for r in res["rows"] if r["case"] == case]
+        colour = colours[n % len(colours)]
+        ax.plot([p["rows"] for p in points], [p["ms_per_call"] for p in points], marker="o", color=colour,
+                label=case)
+        if any("baseline_ms_per_call" in p for p in points):
+            ax.plot([p["rows"] for p in points], [p["baseline_ms_per_call"] for p in points], marker="x",
+                    linestyle="--", color=colour)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("rows sampled in one call")
     ax.set_ylabel("ms per call (median)")
-    ax.set_title(f"Sampler.sample, vocabulary {VOCAB:,}, {res['logits']} logits ({res['code']['commit'] or '?'}"[:90]
-                 + ")")
+    baseline = ", dashed: --baseline" if res.get("baseline") else ""
+    ax.set_title(f"Sampler.sample, vocabulary {VOCAB:,}, {res['logits']} logits, "
+                 f"{str(res['code']['commit'])[:7]}{baseline}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
