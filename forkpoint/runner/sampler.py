@@ -1,4 +1,5 @@
-"""Token sampling, all rows of a step in one vectorised pass on the device, one host copy per step.
+"""Token sampling, the rows of a step vectorised on the device (on CPU in chunks of a few rows), one
+host copy per step.
 
 vLLM's semantics throughout:
 
@@ -8,9 +9,14 @@ vLLM's semantics throughout:
     penalties (repetition, then frequency and presence; counts kept on the device per request)
         |-- greedy rows: argmax
         v
-    / temperature -> min-p (against the full softmax) -> top-k (ties kept) -> top-p (smallest set
-    whose mass reaches p, at least one token) -> softmax -> exponential race: argmax(probs / q),
-    q ~ Exp(1) drawn from the row's generator
+    / temperature -> min-p, top-k (ties kept), top-p (smallest set whose mass reaches p, ties
+    kept): thresholds, `sampling_weights` -> weights exp(l / T - max), zero outside the kept set
+        v
+    two-level exponential race (`draw`): a block of sqrt(V) tokens by argmax(block mass / q), then
+    a token in it by argmax(weight / q'), q, q' ~ Exp(1) from the row's generator
+
+The race draws 2 sqrt(V) exponentials a row, not V (one per token: 3.5 ms a row of a 248k vocabulary
+on a CPU core, bench/sampler_cost.py), and no filter sorts the vocabulary on CPU (`topk` bounds).
 
 Log-probabilities are those of the model's unmodified distribution (vLLM's default "raw" mode):
 the sampled token's and the top-k alternatives'. Everything the host needs (chosen ids, and for
@@ -25,6 +31,7 @@ is the plain per-row spec the tests compare it with.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,14 +39,10 @@ import torch
 
 from forkpoint.outputs import Logprob
 from forkpoint.runner.logits_processors import ProcessorRow, RequestProcessors, apply_logits_processors
+from forkpoint.runner.random_draw import EXP_FLOOR, block_size, chunk_rows, draw, on_device, sampling_weights
+from forkpoint.runner.random_draw import sampling_probs as sampling_probs  # read by runner/speculative.py
 from forkpoint.sampling_params import SamplingParams
 from forkpoint.step.result import SampledToken
-
-
-def _on(device: torch.device, values: Sequence, dtype: torch.dtype) -> torch.Tensor:
-    """`values` as a tensor on `device`, copied without a host synchronisation (`torch.tensor(...,
-    device=cuda)` would wait for the queued forward)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ class PenaltyCounts:
             if stale:
                 self._build(index, row)
             indices.append(index)
-        return _on(self.device, indices, torch.long)
+        return on_device(self.device, indices, torch.long)
 
     def record(self, keys: Sequence[str], indices: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Count the sampled `token_ids` ([len(keys)] on the device) for these rows."""
@@ -170,42 +173,52 @@ class Sampler:
 
     def sample_async(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> PendingSample:
         """As `sample`, but returns once the work is enqueued: the chosen ids stay on the device and
-        the copy to the host is in flight (`PendingSample.result()` waits for it)."""
+        the copy to the host is in flight (`PendingSample.result()` waits for it). Greedy rows without
+        penalties or processors: one argmax; the others in chunks of `chunk_rows` (all at once on CUDA),
+        a row's result independent of its chunk."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
         params = [row.params for row in rows]
         if not rows:
             empty = torch.zeros(0, dtype=torch.long, device=logits.device)
             return PendingSample(empty, empty, params, 0)
-        raw = logits
-        if any(row.processors is not None for row in rows):  # logit_bias ... grammar bitmasks, on a copy
-            logits = logits.clone()
-            apply_logits_processors(logits, [ProcessorRow(r.processors, r.output_token_ids, r.num_unseen)
-                                             if r.processors is not None else None for r in rows])
         device = logits.device
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
-        counted: tuple[list[str], torch.Tensor, torch.Tensor] | None = None
-        if penalised:
-            index = _on(device, penalised, torch.long)
-            state_rows = self.penalties.row_indices([rows[i] for i in penalised])
-            counts = self.penalties.counts.index_select(0, state_rows)
-            seen = self.penalties.seen.index_select(0, state_rows) | (counts > 0)
-            logits = logits.clone()
-            logits.index_copy_(0, index, _penalise(logits.index_select(0, index), [params[i] for i in penalised],
-                                                   counts, seen))
-            counted = ([rows[i].key for i in penalised], index, state_rows)
-        chosen = logits.argmax(dim=-1)
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if random_rows:
-            index = _on(device, random_rows, torch.long)
-            drawn = _sample_random(logits.index_select(0, index), [params[i] for i in random_rows],
-                                   [rows[i].generator for i in random_rows])
-            chosen = chosen.index_copy(0, index, drawn)
-        if counted is not None:
-            keys, index, state_rows = counted
-            self.penalties.record(keys, state_rows, chosen.index_select(0, index))
-        packed, k = _pack(raw, chosen, params)
+        state_rows = self.penalties.row_indices([rows[i] for i in penalised]) if penalised else None
+        # rows beyond a plain argmax (one op for all of them: under load each op costs a thread wake-up)
+        work = [i for i, row in enumerate(rows)
+                if not row.params.greedy or row.params.has_penalties or row.processors is not None]
+        chosen = logits.argmax(dim=-1) if len(work) < len(rows) else torch.empty(len(rows), dtype=torch.long,
+                                                                                     device=device)
+        step = chunk_rows(len(work), logits.shape[1], device)
+        for start in range(0, len(work), step):
+            part = work[start: start + step]
+            index = on_device(device, part, torch.long)
+            scores = logits.index_select(0, index)
+            if any(rows[i].processors is not None for i in part):  # logit_bias ... grammar
+                apply_logits_processors(scores, [ProcessorRow(rows[i].processors, rows[i].output_token_ids,
+                                                              rows[i].num_unseen)
+                                                 if rows[i].processors is not None else None for i in part])
+            first, last = bisect_left(penalised, part[0]), bisect_left(penalised, part[-1] + 1)
+            if last > first:
+                scores = self._with_penalties(scores, [part.index(i) for i in penalised[first:last]],
+                                              [params[i] for i in part], state_rows[first:last])
+            chosen.index_copy_(0, index, _choose(scores, [params[i] for i in part], [rows[i].generator for i in part]))
+        if state_rows is not None:
+            self.penalties.record([rows[i].key for i in penalised], state_rows,
+                                  chosen.index_select(0, on_device(device, penalised, torch.long)))
+        packed, k = _pack(logits, chosen, params)
         return PendingSample(chosen, packed, params, k)
+
+    def _with_penalties(self, scores: torch.Tensor, local: list[int], params: Sequence[SamplingParams],
+                        state_rows: torch.Tensor) -> torch.Tensor:
+        """scores: [C, V], one chunk's own copy, penalised in place (and returned); local: its
+        penalised rows; state_rows: their rows of the penalty state."""
+        index = on_device(scores.device, local, torch.long)
+        counts = self.penalties.counts.index_select(0, state_rows)
+        seen = self.penalties.seen.index_select(0, state_rows) | (counts > 0)
+        return scores.index_copy_(0, index, _penalise(scores.index_select(0, index), [params[i] for i in local],
+                                                      counts, seen))
 
 
 class PendingSample:
@@ -253,50 +266,28 @@ def _penalise(logits: torch.Tensor, params: Sequence[SamplingParams], counts: to
               seen: torch.Tensor) -> torch.Tensor:
     """logits, counts: [P, V]; seen: [P, V] bool (prompt or output) -> penalised logits."""
     device, dtype = logits.device, logits.dtype
-    repetition = _on(device, [p.repetition_penalty for p in params], dtype)[:, None]
-    frequency = _on(device, [p.frequency_penalty for p in params], dtype)[:, None]
-    presence = _on(device, [p.presence_penalty for p in params], dtype)[:, None]
+    repetition = on_device(device, [p.repetition_penalty for p in params], dtype)[:, None]
+    frequency = on_device(device, [p.frequency_penalty for p in params], dtype)[:, None]
+    presence = on_device(device, [p.presence_penalty for p in params], dtype)[:, None]
     scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = torch.where(seen, scaled, logits)
     counts = counts.to(dtype)
     return logits - (frequency * counts + presence * (counts > 0).to(dtype))
 
 
-def _sample_random(logits: torch.Tensor, params: Sequence[SamplingParams],
-                   generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """logits: [S, V] (penalised) -> [S] sampled ids, by vLLM's filters and exponential race."""
-    probs = sampling_probs(logits, params)
-    race = torch.empty_like(probs)
-    if any(g is None for g in generators):
-        race.exponential_()
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            race[row].exponential_(generator=generator)
-    return probs.div_(race).argmax(dim=-1)
-
-
-def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """logits: [S, V] (penalised) -> [S, V] float probabilities the rows are sampled from: temperature,
-    min-p, top-k, top-p (vLLM's filters), softmax. Rejection sampling (runner/speculative.py) reads them."""
-    device, dtype = logits.device, logits.dtype
-    vocab = logits.shape[-1]
-    temperature = _on(device, [p.temperature for p in params], dtype)[:, None]
-    logits = logits / temperature
-    if any(p.min_p > 0.0 for p in params):
-        min_p = _on(device, [p.min_p for p in params], dtype)[:, None]
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    if any(k < vocab for k in top_k) or any(p.top_p < 1.0 for p in params):
-        ordered, order = logits.sort(dim=-1)  # ascending
-        kth = _on(device, [vocab - k for k in top_k], torch.long)[:, None]
-        ordered = ordered.masked_fill(ordered < ordered.gather(1, kth), float("-inf"))
-        top_p = _on(device, [p.top_p for p in params], dtype)[:, None]
-        below = torch.softmax(ordered, dim=-1).cumsum(dim=-1) <= 1.0 - top_p
-        below[:, -1] = False
-        ordered = ordered.masked_fill(below, float("-inf"))
-        logits = ordered.scatter(1, order, ordered)
-    return torch.softmax(logits, dim=-1)
+def _choose(scores: torch.Tensor, params: Sequence[SamplingParams],
+            generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """scores: [C, V] (penalised) -> [C] long: greedy rows their argmax, the others a draw."""
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if len(random_rows) == len(params):
+        return draw(sampling_weights(scores, params), generators)
+    chosen = scores.argmax(dim=-1)
+    if random_rows:
+        index = on_device(scores.device, random_rows, torch.long)
+        drawn = draw(sampling_weights(scores.index_select(0, index), [params[i] for i in random_rows]),
+                     [generators[i] for i in random_rows])
+        chosen = chosen.index_copy(0, index, drawn)
+    return chosen
 
 
 def with_logprobs(raw: torch.Tensor, chosen: torch.Tensor, params: Sequence[SamplingParams]) -> list[SampledToken]:
@@ -312,14 +303,18 @@ def _pack(raw: torch.Tensor, chosen: torch.Tensor, params: Sequence[SamplingPara
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return chosen, 0
-    index = _on(raw.device, rows, torch.long)
-    logprobs = torch.log_softmax(raw.index_select(0, index), dim=-1)
     k = max(params[i].logprobs for i in rows)
-    top_values, top_ids = torch.topk(logprobs, k, dim=-1)
-    chosen_values = logprobs.gather(1, chosen.index_select(0, index)[:, None])
-    ranks = (logprobs > chosen_values).sum(dim=-1, keepdim=True) + 1
-    return torch.cat([chosen.double(), torch.cat(
-        [chosen_values.double(), ranks.double(), top_values.double(), top_ids.double()], dim=1).flatten()]), k
+    step = chunk_rows(len(rows), raw.shape[1], raw.device)
+    blocks = []
+    for start in range(0, len(rows), step):  # CPU: cache-sized chunks, as the sampling
+        index = on_device(raw.device, rows[start: start + step], torch.long)
+        logprobs = torch.log_softmax(raw.index_select(0, index), dim=-1)
+        top_values, top_ids = torch.topk(logprobs, k, dim=-1)
+        chosen_values = logprobs.gather(1, chosen.index_select(0, index)[:, None])
+        ranks = (logprobs > chosen_values).sum(dim=-1, keepdim=True) + 1
+        blocks.append(torch.cat([chosen_values.double(), ranks.double(), top_values.double(), top_ids.double()],
+                                dim=1))
+    return torch.cat([chosen.double(), torch.cat(blocks).flatten()]), k
 
 
 def _unpack(host: list, params: Sequence[SamplingParams], k: int) -> list[SampledToken]:
@@ -381,18 +376,29 @@ def reference_sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[
 
 
 def _reference_draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    scores = logits / params.temperature
+    """One row's draw, spelled out: the filters of `sampling_weights` with a full sort, then the
+    two-level race of `draw` (the same draws from `generator`, so seeded rows agree)."""
+    vocab = logits.numel()
+    block = block_size(vocab)
+    scores = torch.cat([logits, logits.new_full((-vocab % block,), float("-inf"))]) / params.temperature
+    top = scores.max()
+    device = logits.device
+    floor = torch.tensor(float("-inf"), device=device)
     if params.min_p > 0.0:
-        probs = torch.softmax(scores, dim=-1)
-        scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    vocab = scores.numel()
+        floor = top + torch.log(torch.tensor(params.min_p, dtype=scores.dtype, device=device))
     if 0 < params.top_k < vocab:
-        scores = scores.masked_fill(scores < scores.sort().values[vocab - params.top_k], float("-inf"))
+        floor = torch.maximum(floor, scores.sort(descending=True).values[params.top_k - 1])
+    weights = (scores - top).clamp(min=EXP_FLOOR).exp().masked_fill(scores < floor, 0.0)
+    weights[vocab:] = 0.0
     if params.top_p < 1.0:
-        ordered, order = scores.sort()
-        below = torch.softmax(ordered, dim=-1).cumsum(dim=-1) <= 1.0 - params.top_p  # mass above >= top_p
-        below[-1] = False
-        scores = scores.scatter(0, order[below], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / race).argmax())
+        mass = weights.view(-1, block).sum(dim=-1).sum()  # block by block, as `block_masses`
+        target = torch.tensor(params.top_p, dtype=weights.dtype, device=device) * mass
+        ordered = weights.sort(descending=True).values
+        reached = int((ordered.cumsum(dim=0) < target).sum())  # entries before the mass is reached
+        weights = weights.masked_fill(weights < ordered[min(reached, vocab - 1)], 0.0)
+    blocks = weights.view(-1, block)
+    tiny = torch.finfo(weights.dtype).tiny
+    first = torch.empty(blocks.shape[0], device=device).exponential_(generator=generator).clamp_(min=tiny)
+    chosen = int((blocks.sum(dim=-1) / first).argmax())
+    second = torch.empty(block, device=device).exponential_(generator=generator).clamp_(min=tiny)
+    return chosen * block + int((blocks[chosen] / second).argmax())
