@@ -93,6 +93,7 @@ from e2e_gpu_shapes import (  # noqa: E402
     nemotron_param_counts,
     qwen3_next_80b_config,
     qwen3_next_tiny_config,
+    qwen_tiny_sizes,
     save_word_tokenizer,
     with_fp8,
 )
@@ -147,13 +148,7 @@ def full_config() -> dict:
 
 def tiny_config() -> dict:
     """Same family and vocabulary, tiny sizes (smoke test and CPU dry run)."""
-    cfg = full_config()
-    cfg.update(hidden_size=128, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
-               num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
-               linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=8,
-               num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
-               max_position_embeddings=32768)
-    return cfg
+    return {**full_config(), **qwen_tiny_sizes()}
 
 
 SHAPES = ("qwen3.5-35b-a3b", "nemotron3-nano", "qwen3.5-35b-a3b-fp8", "qwen3-next-80b-a3b-fp8")

@@ -195,15 +195,18 @@ def qwen3_next_80b_config() -> dict:
     }
 
 
+def qwen_tiny_sizes() -> dict:
+    """The tiny sizes of a Qwen3.5-MoE / Qwen3-Next config (both layer kinds; smoke tests and CPU dry runs)."""
+    return dict(
+        hidden_size=128, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=64, linear_value_head_dim=64, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64, max_position_embeddings=32768)
+
+
 def qwen3_next_tiny_config() -> dict:
     """The same family and vocabulary at tiny sizes (both layer kinds; smoke test and CPU dry run)."""
-    cfg = qwen3_next_80b_config()
-    cfg.update(hidden_size=128, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
-               num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
-               linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=8,
-               num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
-               intermediate_size=128, max_position_embeddings=32768)
-    return cfg
+    return {**qwen3_next_80b_config(), **qwen_tiny_sizes(), "intermediate_size": 128}
 
 
 def fp8_quantization_config(block: tuple[int, int] = (128, 128)) -> dict:
