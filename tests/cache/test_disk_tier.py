@@ -115,7 +115,7 @@ def test_scan_orders_by_modification_time_and_bounds_the_bytes(tmp_path):
     assert not (tmp_path / "other" / file_name(5, key(9))).exists()
     assert not stale.exists() and fresh.exists()
     assert len(disk) == 4 and disk.lengths() == {10, 11, 12, 13} and disk.num_bytes == 4 * size
-    header, _ = disk.load(key(0))  # now the most recently used
+    header, _, _ = disk.load(key(0))  # now the most recently used
     assert header.num_tokens == 10
     name, dropped = disk.save(key(5), 15, 1)
     assert name.endswith(file_name(15, key(5))) and dropped == [f"{own.name}/{file_name(11, key(1))}"]
