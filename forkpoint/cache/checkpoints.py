@@ -169,7 +169,8 @@ class CheckpointRegistry:
                      accept: Callable[[Checkpoint], bool] | None = None) -> bool:
         """Whether bringing checkpoint `key` back from `tier` costs no more than computing the tokens it
         saves over the longest READY device checkpoint below it that `accept` takes (cache/reuse_rule.py).
-        A decline is remembered for `tier_miss` (and counted in `declined`); a restore forgets it."""
+        A decline is remembered for `tier_miss` (and counted in `declined`) and ages the tier's measured
+        cost (cache/reuse_rates.py, re-probing); a restore forgets it."""
         if tier is Tier.HOST:
             entry = self.host.entry(key)
             length, state_tokens, num_bytes, read_done = entry.num_tokens, entry.state_tokens, entry.num_bytes, False
@@ -187,6 +188,9 @@ class CheckpointRegistry:
         while len(self._declined) > _REMEMBERED_DECLINES:
             self._declined.popitem(last=False)
         self.declined[tier] += 1
+        rates = self.rates
+        for cost in (rates.host_restore,) if tier is Tier.HOST else (rates.disk_read, rates.disk_restore):
+            cost.age()  # enough declines in a row and the tier is measured afresh (cache/reuse_rates.py)
         logger.debug("recompute is faster: %d-token checkpoint in the %s tier (%.3g s to move %d bytes, %.3g s to "
                      "compute %d tokens)", length, tier.value, verdict.restore_s, num_bytes, verdict.recompute_s, saved)
         return False

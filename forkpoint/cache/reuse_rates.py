@@ -6,6 +6,12 @@ by `decay` first), so recent steps count most and a large observation counts mor
 It has no value (`per_unit` is None) until something was observed: a fresh engine measures nothing and
 the rule then reuses as before it existed.
 
+Re-probing: a tier whose cost makes the rule decline is never used, so never measured again, and one
+slow outlier would keep it out for good. Each decline therefore ages that tier's cost (`age`: its
+weight, the decayed count of its observations, times `decay`); once the weight falls below
+`MIN_WEIGHT` the cost counts as unmeasured again, the next hit is restored and measured afresh (with
+decay 0.8, after about 14 declines in a row for a cost of one observation, 21 for a steady one).
+
 What is measured, and where (the engine sees a step's device work end only when its result is back:
 the plan's writes, restores included, run before its forward, in one enqueued step):
 
@@ -28,20 +34,24 @@ from dataclasses import dataclass, field
 from forkpoint.step.plan import DiskRestore, Restore, SegmentKind, StepPlan
 
 DEFAULT_DECAY = 0.8  # each observation keeps 0.8 of the weight of those before it (about 5 recent ones)
+MIN_WEIGHT = 0.05  # a cost aged below this weight counts as unmeasured (re-probing, above)
 
 
 @dataclass
 class MeasuredCost:
-    """Seconds per unit: decayed `seconds` over decayed `units` (both >= 0; `decay` in (0, 1]). A cost
-    can be given as a prior (seconds and units already observed), e.g. from an earlier measurement."""
+    """Seconds per unit: decayed `seconds` over decayed `units` (both >= 0; `decay` in (0, 1]); `weight`:
+    the decayed count of observations (a prior given as seconds and units counts as one). A cost can be
+    given as a prior (seconds and units already observed), e.g. from an earlier measurement."""
 
     seconds: float = 0.0
     units: float = 0.0
     decay: float = DEFAULT_DECAY
+    weight: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.seconds < 0 or self.units < 0:
-            raise ValueError(f"a measured cost needs seconds >= 0 and units >= 0, got {self.seconds}, {self.units}")
+        if self.seconds < 0 or self.units < 0 or self.weight < 0:
+            raise ValueError(f"a measured cost needs seconds, units and weight >= 0, got {self.seconds}, "
+                             f"{self.units}, {self.weight}")
         if not 0 < self.decay <= 1:
             raise ValueError(f"decay must lie in (0, 1], got {self.decay}")
 
@@ -51,13 +61,18 @@ class MeasuredCost:
             raise ValueError(f"an observation needs seconds >= 0 and units >= 0, got {seconds}, {units}")
         if units == 0:
             return
+        self.weight = (self.weight * self.decay if self.units else 0.0) + 1.0
         self.seconds = self.seconds * self.decay + seconds
         self.units = self.units * self.decay + units
 
+    def age(self) -> None:
+        """The rule declined what this cost prices: its weight fades (re-probing, module docstring)."""
+        self.weight *= self.decay
+
     @property
     def per_unit(self) -> float | None:
-        """Seconds per unit, None until some units were observed."""
-        return self.seconds / self.units if self.units > 0 else None
+        """Seconds per unit, None until some units were observed or once aged below MIN_WEIGHT."""
+        return self.seconds / self.units if self.units > 0 and self.weight >= MIN_WEIGHT else None
 
 
 @dataclass

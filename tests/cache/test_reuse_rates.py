@@ -72,3 +72,14 @@ def test_a_plan_counts_its_prompt_tokens_decodes_and_restored_bytes():
     assert rates.disk_restore.units == 300
     rates.observe_plan(StepPlan(segments=plan.segments, verifies=(Verify("r10", 60, (1,)),)), 9.0, 100, 50)
     assert rates.prefill.units == 100  # speculative steps are not used
+
+
+def test_a_cost_aged_by_declines_counts_as_unmeasured_until_observed_again():
+    cost = MeasuredCost(seconds=1.0, units=1.0)  # a prior: one observation
+    ages = 0
+    while cost.per_unit is not None:
+        cost.age()
+        ages += 1
+    assert ages == 14  # 0.8 ** 14 < MIN_WEIGHT = 0.05 <= 0.8 ** 13
+    cost.observe(0.5, 1.0)  # re-measured: counts again, the old sums still in it
+    assert cost.per_unit == pytest.approx(1.3 / 1.8)
