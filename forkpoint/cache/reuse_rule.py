@@ -10,7 +10,8 @@ Inputs (all measured, cache/reuse_rates.py; seconds, bytes, tokens):
   less the alternative's (less 0);
 - `read_done`: a disk candidate whose read ahead has finished (its read is paid already).
 
-Formula, with c_x the measured seconds per unit of `ReuseRates` (a cost not measured yet counts 0)::
+Formula, with c_x the measured seconds per unit of `ReuseRates` (a cost not measured yet counts 0;
+c_prefill: the fitted marginal seconds per token of a step, `ReuseRates.step.per_token`)::
 
     restore_s   = num_bytes * c_host_restore                                    (host tier)
                 = num_bytes * ((0 if read_done else c_disk_read) + c_disk_restore)   (disk tier)
@@ -56,5 +57,5 @@ def estimate(rates: ReuseRates, tier: Tier, num_bytes: int, tokens_saved: int, *
         per_byte = rates.host_restore.per_unit or 0.0
     else:
         per_byte = (0.0 if read_done else rates.disk_read.per_unit or 0.0) + (rates.disk_restore.per_unit or 0.0)
-    prefill = rates.prefill.per_unit
+    prefill = rates.step.per_token
     return ReuseEstimate(num_bytes * per_byte, None if prefill is None else tokens_saved * prefill)

@@ -12,7 +12,7 @@ from forkpoint.cache.checkpoint_types import CacheMissReason, CheckpointKind
 from forkpoint.cache.checkpoints import CheckpointRegistry
 from forkpoint.cache.disk_tier import DiskTier
 from forkpoint.cache.host_tier import HostTier
-from forkpoint.cache.reuse_rates import MeasuredCost, ReuseRates
+from forkpoint.cache.reuse_rates import MeasuredCost, ReuseRates, StepCost
 from forkpoint.cache.reuse_rule import Tier
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.step.plan import Restore
@@ -55,7 +55,7 @@ def _spilled_32_over_device_16(rates: ReuseRates, **kwargs) -> _Registry:
 
 
 def _rates(prefill: float, host_restore: float) -> ReuseRates:
-    return ReuseRates(prefill=MeasuredCost(prefill, 1.0), host_restore=MeasuredCost(host_restore, 1.0))
+    return ReuseRates(step=StepCost.per_token_prior(prefill), host_restore=MeasuredCost(host_restore, 1.0))
 
 
 def test_a_host_hit_that_costs_more_than_its_tokens_is_recomputed_from_the_device_checkpoint():
@@ -110,7 +110,7 @@ def test_the_rule_off_restores_every_hit():
 def test_a_disk_read_ahead_is_issued_only_when_it_pays(tmp_path, disk_read, issued):
     disk = DiskTier(tmp_path, b"identity".ljust(32, b"\0"), 1 << 20, SLOT, BLOCK, block_size=16)
     disk.save(prefix_hash(48), 48, 3)  # counted, never written: a read of it would find it missing
-    rates = ReuseRates(prefill=MeasuredCost(1e-3, 1.0), disk_read=MeasuredCost(disk_read, 1.0))
+    rates = ReuseRates(step=StepCost.per_token_prior(1e-3), disk_read=MeasuredCost(disk_read, 1.0))
     pools = _Registry(rates, disk=disk)
     pools.ready(16)  # 32 tokens saved: 32 ms against ~1.3 s (declined) or ~1.3 us
     pools.registry.read_ahead(prefix_hash, 100)

@@ -1,11 +1,11 @@
-"""The measured costs (cache/reuse_rates.py): decayed ratios of sums, and a step's seconds split into
-prefill, decode and restore time."""
+"""The measured costs (cache/reuse_rates.py): decayed ratios of sums, a step's fitted fixed and
+per-token cost, and a restore step's excess over it."""
 
 from __future__ import annotations
 
 import pytest
 
-from forkpoint.cache.reuse_rates import MeasuredCost, ReuseRates
+from forkpoint.cache.reuse_rates import MeasuredCost, ReuseRates, StepCost
 from forkpoint.step.plan import DiskRestore, Restore, Segment, SegmentKind, StepPlan, Verify
 
 
@@ -38,22 +38,41 @@ def test_bad_costs_are_refused(kwargs):
         MeasuredCost().observe(-1.0, 1)
 
 
-def test_steps_split_into_decode_prefill_and_restore_time():
-    rates = ReuseRates(**{name: MeasuredCost(decay=1.0) for name in
-                          ("prefill", "decode", "host_restore", "disk_read", "disk_restore")})
-    rates.observe_step(0.5, prompt_tokens=0, decodes=1, host_bytes=100)  # no prefill cost yet: not used
-    assert rates.host_restore.per_unit is None and rates.decode.per_unit is None
-    rates.observe_step(0.04, prompt_tokens=0, decodes=4)  # 0.01 s per decode
-    rates.observe_step(1.02, prompt_tokens=100, decodes=2)  # 1.0 s for 100 tokens
-    assert rates.decode.per_unit == pytest.approx(0.01) and rates.prefill.per_unit == pytest.approx(0.01)
-    # 100 tokens (1 s) and 2 decodes (0.02 s), then 0.3 s more for 3000 bytes: 1000 host, 2000 from disk
-    rates.observe_step(1.32, prompt_tokens=100, decodes=2, host_bytes=1000, disk_bytes=2000)
+def test_a_step_cost_fits_a_fixed_part_and_a_per_token_part():
+    cost = StepCost(decay=1.0)
+    assert cost.fit() is None and cost.predict(10) is None
+    cost.observe(0.0, 0)  # no tokens: ignored
+    cost.observe(0.12, 10)  # a single size: through the origin
+    assert cost.fit() == pytest.approx((0.0, 0.012))
+    cost.observe(1.02, 100)  # 0.02 s + 0.01 s per token, exactly
+    cost.observe(0.52, 50)
+    fixed, per_token = cost.fit()
+    assert fixed == pytest.approx(0.02) and per_token == pytest.approx(0.01)
+    assert cost.predict(1000) == pytest.approx(10.02)
+    unphysical = StepCost(decay=1.0)  # more tokens, less time: a slope <= 0 is not a cost; through the origin
+    unphysical.observe(1.0, 10)
+    unphysical.observe(0.5, 100)
+    assert unphysical.fit() == pytest.approx((0.0, (10 * 1.0 + 100 * 0.5) / (100 + 10_000)))
+    assert StepCost.per_token_prior(2e-5).per_token == pytest.approx(2e-5)
+    with pytest.raises(ValueError):
+        StepCost(weight=-1.0)
+
+
+def test_a_restore_step_charges_its_excess_over_the_fitted_step_to_the_tiers():
+    rates = ReuseRates(step=StepCost(decay=1.0), host_restore=MeasuredCost(decay=1.0),
+                       disk_restore=MeasuredCost(decay=1.0))
+    rates.observe_step(0.5, tokens=10, host_bytes=100)  # no step cost yet: not used
+    assert rates.host_restore.per_unit is None
+    rates.observe_step(1.02, tokens=100)
+    rates.observe_step(0.52, tokens=50)  # 0.02 s + 0.01 s per token
+    # 100 tokens (1.02 s fitted), then 0.3 s more for 3000 bytes: 1000 from the host, 2000 from disk
+    rates.observe_step(1.32, tokens=100, host_bytes=1000, disk_bytes=2000)
     assert rates.host_restore.per_unit == pytest.approx(1e-4) and rates.disk_restore.per_unit == pytest.approx(1e-4)
-    assert rates.prefill.per_unit == pytest.approx(0.01)  # a step with restores does not count as prefill
-    rates.observe_step(0.5, prompt_tokens=100, decodes=0, host_bytes=1000)  # faster than predicted: no excess
+    assert rates.step.fit() == pytest.approx((0.02, 0.01))  # a step with restores does not count in the fit
+    rates.observe_step(0.5, tokens=100, host_bytes=1000)  # faster than fitted: no excess
     assert rates.host_restore.per_unit == pytest.approx(0.1 / 2000)
-    assert set(rates.values()) == {"reuse_prefill_s_per_token", "reuse_decode_s_per_decode",
-                                   "reuse_host_restore_s_per_byte", "reuse_disk_restore_s_per_byte"}
+    assert set(rates.values()) == {"reuse_step_fixed_s", "reuse_prefill_s_per_token", "reuse_host_restore_s_per_byte",
+                                   "reuse_disk_restore_s_per_byte"}
 
 
 def _segment(kind: SegmentKind, start: int, end: int) -> Segment:
@@ -61,17 +80,17 @@ def _segment(kind: SegmentKind, start: int, end: int) -> Segment:
                    initial_slot=1, dest_slots=(1,), kind=kind, phase=1, samples=True)
 
 
-def test_a_plan_counts_its_prompt_tokens_decodes_and_restored_bytes():
-    rates = ReuseRates(prefill=MeasuredCost(seconds=1.0, units=100.0, decay=1.0),
-                       host_restore=MeasuredCost(decay=1.0), disk_restore=MeasuredCost(decay=1.0))
-    plan = StepPlan(segments=(_segment(SegmentKind.PREFILL, 10, 60), _segment(SegmentKind.DECODE, 7, 8)),
+def test_a_plan_counts_its_tokens_and_restored_bytes():
+    rates = ReuseRates(step=StepCost.per_token_prior(0.01, decay=1.0), host_restore=MeasuredCost(decay=1.0),
+                       disk_restore=MeasuredCost(decay=1.0))
+    plan = StepPlan(segments=(_segment(SegmentKind.PREFILL, 10, 59), _segment(SegmentKind.DECODE, 7, 8)),
                     writes=(Restore(0, 5, (1, 2)), DiskRestore(6, (3,), bytearray(300))))
-    # 50 tokens: 0.5 s; the decode's cost is not measured (0); host: 100 + 2 * 50 = 200 bytes, disk: 300
+    # 50 tokens: 0.5 s; host: 100 + 2 * 50 = 200 bytes, disk: 300
     rates.observe_plan(plan, 1.0, slot_bytes=100, block_bytes=50)
     assert rates.host_restore.per_unit == pytest.approx(0.5 / 500) and rates.host_restore.units == 200
     assert rates.disk_restore.units == 300
-    rates.observe_plan(StepPlan(segments=plan.segments, verifies=(Verify("r10", 60, (1,)),)), 9.0, 100, 50)
-    assert rates.prefill.units == 100  # speculative steps are not used
+    rates.observe_plan(StepPlan(segments=plan.segments, verifies=(Verify("r10", 59, (1,)),)), 9.0, 100, 50)
+    assert rates.step.weight == 1.0  # speculative steps are not used
 
 
 def test_a_cost_aged_by_declines_counts_as_unmeasured_until_observed_again():

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from forkpoint.cache.reuse_rates import MeasuredCost, ReuseRates
+from forkpoint.cache.reuse_rates import MeasuredCost, ReuseRates, StepCost
 from forkpoint.cache.reuse_rule import Tier, estimate
 
 MIB = 1 << 20
 
 
-def _rates(**per_unit: float) -> ReuseRates:
-    return ReuseRates(**{name: MeasuredCost(seconds=value, units=1.0) for name, value in per_unit.items()})
+def _rates(prefill: float | None = None, **per_unit: float) -> ReuseRates:
+    step = StepCost() if prefill is None else StepCost.per_token_prior(prefill)
+    return ReuseRates(step=step, **{name: MeasuredCost(seconds=value, units=1.0) for name, value in per_unit.items()})
 
 
 def test_nothing_measured_restores_as_before_the_rule():

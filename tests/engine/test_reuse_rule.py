@@ -10,7 +10,7 @@ from pathlib import Path
 
 from forkpoint import SamplingParams
 from forkpoint.cache.disk_format import SUFFIX
-from forkpoint.cache.reuse_rates import MeasuredCost, ReuseRates
+from forkpoint.cache.reuse_rates import MeasuredCost, ReuseRates, StepCost
 from forkpoint.config import EngineConfig
 from forkpoint.engine.builder import EngineBuilder
 from forkpoint.engine.engine import LLMEngine
@@ -29,7 +29,7 @@ def slow_moves() -> ReuseRates:
 
 def free_moves() -> ReuseRates:
     """Moves measured as free and a prefill cost given: every move wins."""
-    return ReuseRates(prefill=MeasuredCost(1e-3, 1.0), host_restore=MeasuredCost(0.0, 1e12),
+    return ReuseRates(step=StepCost.per_token_prior(1e-3), host_restore=MeasuredCost(0.0, 1e12),
                       disk_read=MeasuredCost(0.0, 1e12), disk_restore=MeasuredCost(0.0, 1e12))
 
 
