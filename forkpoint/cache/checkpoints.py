@@ -180,11 +180,10 @@ class CheckpointRegistry:
         below = self._resident_below(prefix_hash, length, accept)
         saved = max(state_tokens - (below.state_tokens if below is not None else 0), 0)
         verdict = estimate(self.rates, tier, num_bytes, saved, read_done=read_done)
-        if verdict.restore or not self.restore_rule:
-            self._declined.pop(key, None)
-            return True
         self._declined.pop(key, None)
-        self._declined[key] = length
+        if verdict.restore or not self.restore_rule:
+            return True
+        self._declined[key] = length  # (the most recent last: the oldest are forgotten first)
         while len(self._declined) > _REMEMBERED_DECLINES:
             self._declined.popitem(last=False)
         self.declined[tier] += 1
