@@ -163,13 +163,13 @@ def test_disk_restores_that_evict_each_other_stay_exact(model_dir, plain, tmp_pa
     settle(first)
     prompts = [{"prompt": f"{a} {words(i)}"} for i in (2, 3) for a in anchors]
     second = disk_llm(model_dir, tmp_path, auto_checkpoints=False, checkpoint_pool_size=1,
-                      checkpoint_host_bytes=64 << 20)
+                      checkpoint_host_bytes=64 << 20, checkpoint_restore_rule=False)  # (every hit restored)
     outs = [second.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts]
     assert [o.num_cached_tokens for o in outs] == [37] * 6
     metrics = second.metrics()
     assert metrics["checkpoints_loaded_from_disk"] == 3 and metrics["checkpoints_restored"] == 3
     second.engine.check_integrity()
-    third = disk_llm(model_dir, tmp_path, auto_checkpoints=False, checkpoint_pool_size=1)
+    third = disk_llm(model_dir, tmp_path, auto_checkpoints=False, checkpoint_pool_size=1, checkpoint_restore_rule=False)
     batch = third.generate(prompts, GREEDY, use_tqdm=False)
     assert batch[0].num_cached_tokens == 37 and third.metrics()["checkpoints_loaded_from_disk"] >= 1
     third.engine.check_integrity()
