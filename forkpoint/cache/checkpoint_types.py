@@ -58,6 +58,8 @@ class CacheMissReason(enum.Enum):
     DISK_READ_ERROR = "disk_read_error"  # the operating system could not read its file
     WAIT_TIMEOUT = "wait_timeout"  # it stopped waiting for an unready checkpoint (checkpoint_wait_s)
     PROMPT_LOGPROBS = "prompt_logprobs"  # the checkpoint there carries no prompt scores for its top-k
+    RECOMPUTE_FASTER = "recompute_faster"  # a host or disk tier held it, and moving it back was measured
+    # slower than computing the tokens it saves (cache/reuse_rule.py)
 
 
 

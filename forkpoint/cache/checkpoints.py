@@ -34,12 +34,17 @@ Disk tier (`disk`, cache/disk_tier.py): a checkpoint that becomes READY is also 
 (`DiskSave`); a lookup that misses the device and the host tier reads and verifies the file here and
 restores it as READY (`DiskRestore`, the verified payload); a file that is damaged or foreign is a
 miss, and the slot and blocks taken for it are released at once.
+
+Restore or recompute (cache/reuse_rule.py): a hit in the host or disk tier is taken (and a file read
+ahead) only when moving it back costs no more, at the measured rates (`rates`, cache/reuse_rates.py),
+than computing the tokens it saves over the longest READY device checkpoint below it; else the lookup
+goes on below it, and the key is remembered as declined (`tier_miss`: RECOMPUTE_FASTER).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 
 from forkpoint.cache.block_pool import BlockPool
@@ -54,6 +59,8 @@ from forkpoint.cache.disk_format import DamagedFile, FileDamage
 from forkpoint.cache.disk_tier import DiskTier
 from forkpoint.cache.eviction import EvictionPolicy
 from forkpoint.cache.host_tier import HostTier
+from forkpoint.cache.reuse_rates import ReuseRates
+from forkpoint.cache.reuse_rule import Tier, estimate
 from forkpoint.cache.state_pool import SlotAllocator
 from forkpoint.step.plan import DeviceWrite, DiskDrop, DiskRestore, DiskSave, HostDrop, Restore, Spill, StateCopy
 
@@ -63,15 +70,20 @@ _DAMAGE_REASONS = {
     FileDamage.MISSING: CacheMissReason.EVICTED_DISK, FileDamage.TRUNCATED: CacheMissReason.DISK_TRUNCATED,
     FileDamage.CORRUPT: CacheMissReason.DISK_CORRUPT, FileDamage.FOREIGN: CacheMissReason.DISK_FOREIGN,
     FileDamage.READ_ERROR: CacheMissReason.DISK_READ_ERROR}
+_REMEMBERED_DECLINES = 1024
 
 
 class CheckpointRegistry:
     def __init__(self, slots: SlotAllocator, block_pool: BlockPool, host: HostTier | None = None,
-                 disk: DiskTier | None = None) -> None:
+                 disk: DiskTier | None = None, rates: ReuseRates | None = None, *, restore_rule: bool = True) -> None:
         self._slots = slots
         self._blocks = block_pool
         self.host = host  # evicted checkpoints spill here and come back on a hit
         self.disk = disk  # READY checkpoints are written through to files, read back on a miss elsewhere
+        self.rates = rates if rates is not None else ReuseRates()  # what the restore-or-recompute rule weighs
+        self.restore_rule = restore_rule  # False: every tier hit is restored (the rates are measured all the same)
+        self._declined: OrderedDict[bytes, int] = OrderedDict()  # tier hits recomputed instead: key -> length
+        self.declined: Counter[Tier] = Counter()  # tier hits declined by the rule, per tier
         self._by_key: dict[bytes, Checkpoint] = {}
         self._lengths: Counter[int] = Counter()
         self.eviction = EvictionPolicy(slots, self._by_key)  # the order idle checkpoints leave in
@@ -127,7 +139,8 @@ class CheckpointRegistry:
         """(longest registered checkpoint of length < max_length whose key is prefix_hash(length),
         longest READY one), among those `accept` takes (default: all). `prefix_hash(n)` is the chained
         hash of a prompt's first n tokens. With `restore`, spilled checkpoints count too (the one
-        found is brought back from the host or the disk tier); without, only those on the device."""
+        found is brought back from the host or the disk tier, when that pays: `restore_pays`); without,
+        only those on the device."""
         longest = ready = None
         host = self.host if restore else None
         disk = self.disk if restore else None
@@ -138,9 +151,11 @@ class CheckpointRegistry:
                 continue
             key = prefix_hash(length)
             checkpoint = self._by_key.get(key)
-            if checkpoint is None and host is not None and key in host:
+            if checkpoint is None and host is not None and key in host and \
+                    self.restore_pays(Tier.HOST, key, prefix_hash, accept):
                 checkpoint = self._restore(key)
-            if checkpoint is None and disk is not None and key in disk:
+            if checkpoint is None and disk is not None and key in disk and \
+                    self.restore_pays(Tier.DISK, key, prefix_hash, accept):
                 checkpoint = self._load(key)
             if checkpoint is None or (accept is not None and not accept(checkpoint)):
                 continue
@@ -149,6 +164,44 @@ class CheckpointRegistry:
                 ready = checkpoint
                 break
         return longest, ready
+
+    def restore_pays(self, tier: Tier, key: bytes, prefix_hash: Callable[[int], bytes],
+                     accept: Callable[[Checkpoint], bool] | None = None) -> bool:
+        """Whether bringing checkpoint `key` back from `tier` costs no more than computing the tokens it
+        saves over the longest READY device checkpoint below it that `accept` takes (cache/reuse_rule.py).
+        A decline is remembered for `tier_miss` (and counted in `declined`) and ages the tier's measured
+        cost (cache/reuse_rates.py, re-probing); a restore forgets it."""
+        if tier is Tier.HOST:
+            entry = self.host.entry(key)
+            length, state_tokens, num_bytes, read_done = entry.num_tokens, entry.state_tokens, entry.num_bytes, False
+        else:  # (a file's state position is in its header, unread: its length stands for it)
+            length, num_bytes, read_done = self.disk.length(key), self.disk.entry_bytes(key), self.disk.read_done(key)
+            state_tokens = length
+        below = self._resident_below(prefix_hash, length, accept)
+        saved = max(state_tokens - (below.state_tokens if below is not None else 0), 0)
+        verdict = estimate(self.rates, tier, num_bytes, saved, read_done=read_done)
+        self._declined.pop(key, None)
+        if verdict.restore or not self.restore_rule:
+            return True
+        self._declined[key] = length  # (the most recent last: the oldest are forgotten first)
+        while len(self._declined) > _REMEMBERED_DECLINES:
+            self._declined.popitem(last=False)
+        self.declined[tier] += 1
+        rates = self.rates
+        for cost in (rates.host_restore,) if tier is Tier.HOST else (rates.disk_read, rates.disk_restore):
+            cost.age()  # enough declines in a row and the tier is measured afresh (cache/reuse_rates.py)
+        logger.debug("recompute is faster: %d-token checkpoint in the %s tier (%.3g s to move %d bytes, %.3g s to "
+                     "compute %d tokens)", length, tier.value, verdict.restore_s, num_bytes, verdict.recompute_s, saved)
+        return False
+
+    def _resident_below(self, prefix_hash: Callable[[int], bytes], length: int,
+                        accept: Callable[[Checkpoint], bool] | None) -> Checkpoint | None:
+        """The longest READY device checkpoint on the prompt's path shorter than `length` that `accept` takes."""
+        for shorter in sorted((n for n in self._lengths if n < length), reverse=True):
+            checkpoint = self._by_key.get(prefix_hash(shorter))
+            if checkpoint is not None and checkpoint.ready and (accept is None or accept(checkpoint)):
+                return checkpoint
+        return None
 
     def _restore(self, key: bytes) -> Checkpoint | None:
         """Bring a spilled checkpoint back from the host tier as READY; None when the device pools
@@ -385,7 +438,8 @@ class CheckpointRegistry:
                 return None
         slot, blocks = self._slots.allocate(), self._blocks.allocate(num_blocks)
         try:
-            header, payload = self.disk.load(key)
+            header, payload, seconds = self.disk.load(key)
+            self.rates.disk_read.observe(seconds, self.disk.file_bytes(num_blocks))
             kind = CheckpointKind(header.kind)
             if header.num_blocks != num_blocks:
                 raise DamagedFile(FileDamage.CORRUPT, f"{header.num_blocks} KV blocks, its size says {num_blocks}")
@@ -417,21 +471,28 @@ class CheckpointRegistry:
             key = prefix_hash(length)
             if key in self._by_key or (self.host is not None and key in self.host):
                 return
-            if key in self.disk:
+            if key in self.disk and self.restore_pays(Tier.DISK, key, prefix_hash):
                 self.disk.read_ahead(key)
                 return
 
-    def disk_miss(self, prefix_hash: Callable[[int], bytes], cached: int, max_length: int) -> CacheMissReason | None:
-        """The reason a prompt (its prefix hashes) missed a file of the disk tier that would have
-        given it more than `cached` tokens: the damage of the longest such file rejected recently."""
-        if self.disk is None:
-            return None
-        for length in sorted(self.disk.failure_lengths(), reverse=True):
-            if cached < length < max_length:
-                failure = self.disk.failure(prefix_hash(length))
+    def tier_miss(self, prefix_hash: Callable[[int], bytes], cached: int, max_length: int) -> CacheMissReason | None:
+        """The reason a prompt (its prefix hashes) missed a checkpoint of the host or disk tier that would
+        have given it more than `cached` tokens, the longest such first: recomputing was measured faster
+        (RECOMPUTE_FASTER: declined and still in its tier), or the damage of a file rejected recently."""
+        found: list[tuple[int, CacheMissReason]] = []
+        for length in {n for n in self._declined.values() if cached < n < max_length}:
+            key = prefix_hash(length)
+            if self._declined.get(key) == length and self._in_tier(key):
+                found.append((length, CacheMissReason.RECOMPUTE_FASTER))
+        if self.disk is not None:
+            for length in self.disk.failure_lengths():
+                failure = self.disk.failure(prefix_hash(length)) if cached < length < max_length else None
                 if failure is not None:
-                    return _DAMAGE_REASONS[failure[1]]
-        return None
+                    found.append((length, _DAMAGE_REASONS[failure[1]]))
+        return max(found, key=lambda item: item[0])[1] if found else None
+
+    def _in_tier(self, key: bytes) -> bool:
+        return (self.host is not None and key in self.host) or (self.disk is not None and key in self.disk)
 
     def _expect(self, checkpoint: Checkpoint, state: CheckpointState) -> None:
         if checkpoint.state is not state:

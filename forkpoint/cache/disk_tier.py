@@ -17,6 +17,8 @@ This class keeps the index and decides; the bytes move elsewhere:
   foreign or unreadable is a miss (`reject`): it leaves the index, all but unreadable ones are
   deleted, and the damage is remembered per key for the request's `cache_miss_reason`.
 
+- **timing**: each read (`load`, `read_ahead`) is timed with `clock` where it runs; `load` returns the
+  seconds with the payload, for the measured disk-read rate (cache/reuse_rates.py).
 - **read ahead** (`read_ahead`): when a request is queued whose longest checkpoint is only on disk,
   its file is read and verified on a reader thread while the engine runs other steps; the load at
   its admission then takes that result (waiting for it if the read is still running). Results held
@@ -32,6 +34,7 @@ import logging
 import os
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,8 +83,10 @@ class DiskCounters:
 
 class DiskTier:
     def __init__(self, root: Path, identity: bytes, capacity_bytes: int, slot_bytes: int, block_bytes: int,
-                 block_size: int, read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES) -> None:
+                 block_size: int, read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.root = Path(root)
+        self.clock = clock  # times each file read (`load` reports it; cache/reuse_rates.py)
         self.identity = identity
         self.capacity_bytes = capacity_bytes
         self.slot_bytes = slot_bytes
@@ -155,6 +160,18 @@ class DiskTier:
     def file_bytes(self, num_blocks: int) -> int:
         return HEADER_BYTES + self.slot_bytes + num_blocks * self.block_bytes
 
+    def length(self, key: bytes) -> int:
+        """The prefix length (tokens) checkpoint `key`'s file is keyed by."""
+        return self._by_key[key].num_tokens
+
+    def entry_bytes(self, key: bytes) -> int:
+        """The size of checkpoint `key`'s file, as counted."""
+        return self._by_key[key].num_bytes
+
+    def read_done(self, key: bytes) -> bool:
+        """Whether a read ahead of `key`'s file has finished (its result waits in memory)."""
+        return key in self._ahead and self._ahead[key][0].done()
+
     # ------------------------------------------------------------------ transitions
     def save(self, key: bytes, num_tokens: int, num_blocks: int) -> tuple[str | None, list[str]]:
         """Count a new file for checkpoint `key`, deleting least recently used files to make room.
@@ -204,7 +221,7 @@ class DiskTier:
             self._drop_ahead(next(iter(self._ahead)))
         if self._reader is None:
             self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forkpoint-disk-reader")
-        self._ahead[key] = (self._reader.submit(read_file, self.path(entry.name)), entry.num_bytes)
+        self._ahead[key] = (self._reader.submit(self._timed_read, self.path(entry.name)), entry.num_bytes)
         self._ahead_bytes += entry.num_bytes
         self.counters.read_ahead += 1
 
@@ -216,16 +233,22 @@ class DiskTier:
     def _drop_ahead(self, key: bytes) -> None:
         self._take_ahead(key).cancel()  # a read that already runs finishes and its result is dropped
 
-    def load(self, key: bytes) -> tuple[FileHeader, bytearray]:
+    def _timed_read(self, path: Path) -> tuple[FileHeader, bytearray, float]:
+        """`read_file(path)` and the seconds it took (on the thread that reads)."""
+        start = self.clock()
+        header, payload = read_file(path)
+        return header, payload, self.clock() - start
+
+    def load(self, key: bytes) -> tuple[FileHeader, bytearray, float]:
         """The verified header and payload of checkpoint `key`'s file (the file stays; it becomes the
-        most recently used): the result of its read ahead if one was started (waited for), else read
-        now. Raises DamagedFile; the caller then calls `reject`."""
+        most recently used), and the seconds its read and checks took: the result of its read ahead if
+        one was started (waited for), else read now. Raises DamagedFile; the caller then calls `reject`."""
         entry = self._by_key[key]
         if key in self._ahead:
-            header, payload = self._take_ahead(key).result()  # re-raises the reader's DamagedFile
+            header, payload, seconds = self._take_ahead(key).result()  # re-raises the reader's DamagedFile
             self.counters.read_ahead_used += 1
         else:
-            header, payload = read_file(self.path(entry.name))
+            header, payload, seconds = self._timed_read(self.path(entry.name))
         if header.identity != self.identity:
             raise DamagedFile(FileDamage.FOREIGN, f"{entry.name} was written for another model, dtype, layout or "
                                                   "tokenizer")
@@ -240,7 +263,7 @@ class DiskTier:
         except OSError:
             pass
         self.counters.loaded += 1
-        return header, payload
+        return header, payload, seconds
 
     def reject(self, key: bytes, damage: FileDamage) -> str | None:
         """Checkpoint `key`'s file was not usable: it leaves the index and `damage` is remembered.

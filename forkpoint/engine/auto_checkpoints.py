@@ -109,11 +109,12 @@ class AutoCheckpointPlanner:
     def miss_reason(self, request: Request, cached: int) -> CacheMissReason | None:
         """Why `request`, admitted with `cached` prompt tokens from a checkpoint, reuses less than its
         prompt shares with the sequences seen before it (None: it reuses all it can). Counted in
-        `misses` once per prompt (at its first sequence's first admission). A file of the disk tier that
-        would have given more and was found damaged, foreign or gone names its own reason first."""
+        `misses` once per prompt (at its first sequence's first admission). A checkpoint of the host or
+        disk tier that would have given more names its own reason first: recomputing was measured faster
+        than moving it back, or its file was found damaged, foreign or gone."""
         progress = request.checkpointing
         shared = progress.shared
-        reason = self.registry.disk_miss(request.hasher.prefix_hash, cached, len(request.prompt_token_ids))
+        reason = self.registry.tier_miss(request.hasher.prefix_hash, cached, len(request.prompt_token_ids))
         if reason is None:
             if shared is None or cached >= shared.reusable:
                 return None

@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.checkpoints import CheckpointRegistry
 from forkpoint.cache.host_tier import HostTier
+from forkpoint.cache.reuse_rates import ReuseRates
 from forkpoint.cache.sizing import (
     default_disk_tier_bytes,
     default_host_tier_bytes,
@@ -113,10 +114,12 @@ class EngineParts:
 
 
 class EngineBuilder:
-    """Builds `EngineParts` from a config (`build()`, once)."""
+    """Builds `EngineParts` from a config (`build()`, once). `reuse_rates`: the registry's measured costs
+    to start from (cache/reuse_rates.py; default: none measured)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, reuse_rates: ReuseRates | None = None) -> None:
         self.config = config
+        self.reuse_rates = reuse_rates
 
     def build(self) -> EngineParts:
         config = self.config
@@ -194,7 +197,8 @@ class EngineBuilder:
             disk, writer = open_disk_tier(disk_config, model_path, Path(config.tokenizer or model_path),
                                           shapes, self.device, self.dtype)
             storage.attach_disk(writer)
-        self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool, host, disk)
+        self.registry = (CheckpointRegistry(self.state_pool.checkpoints, self.block_pool, host, disk,
+                                            self.reuse_rates, restore_rule=config.checkpoint_restore_rule)
                          if config.enable_checkpoints else None)
         memory = MemoryPlan(checkpoint_rows=self.state_pool.checkpoints.count,
                             request_rows=self.state_pool.requests.count, row_bytes=shapes.slot_bytes,

@@ -226,7 +226,9 @@ class LLMEngine:
                 return self._step_raised([step], error)
             return self._advance()
         try:
+            launched = time.perf_counter()
             result = self.runner.execute(plan_with_sampling(step)).result()
+            self._observe(step, time.perf_counter() - launched)
             record_prompt_scores(step, result, self.registry)
         except Exception as error:
             return self._step_raised([step], error)
@@ -237,6 +239,15 @@ class LLMEngine:
             raise self._fail_steps([step], error) from error
         self._persist_when_idle()
         return outputs
+
+    def _observe(self, step: ScheduledStep, seconds: float) -> None:
+        """A step ran from its launch to its result in `seconds`: the rates the restore-or-recompute rule
+        weighs learn from it (cache/reuse_rates.py)."""
+        if self.registry is None:
+            return
+        host = self.registry.host
+        slot_bytes, block_bytes = (host.slot_bytes, host.block_bytes) if host is not None else (0, 0)
+        self.registry.rates.observe_plan(step.plan, seconds, slot_bytes, block_bytes)
 
     def _record(self, step: ScheduledStep, result: StepResult) -> list[RequestOutput]:
         """A committed step's sampled tokens onto its sequences (a sequence that has ended since it

@@ -7,10 +7,11 @@ from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.checkpoint_types import CheckpointKind
 from forkpoint.cache.checkpoints import CheckpointRegistry
 from forkpoint.cache.disk_format import FileDamage
+from forkpoint.cache.reuse_rule import Tier
 from forkpoint.cache.state_pool import StatePool
 
 
-def checkpoint_metrics(registry: CheckpointRegistry | None) -> dict[str, int]:
+def checkpoint_metrics(registry: CheckpointRegistry | None) -> dict[str, int | float]:
     """Checkpoints created, evicted, pending and live (zero without checkpoints); with checkpoints,
     the same per kind and the host tier's counters."""
     if registry is None:
@@ -24,6 +25,9 @@ def checkpoint_metrics(registry: CheckpointRegistry | None) -> dict[str, int]:
         values[f"checkpoint_tokens_saved_{kind.value}"] = counters.tokens_saved[kind]
         values[f"checkpoints_evicted_{kind.value}"] = counters.evicted[kind]
     values["checkpoints_evicted_session_latest"] = counters.evicted_session_latest  # a live session's newest
+    # the restore-or-recompute rule (cache/reuse_rule.py): tier hits recomputed instead, and the measured costs
+    values.update({f"checkpoint_restores_declined_{tier.value}": registry.declined[tier] for tier in Tier})
+    values.update(registry.rates.values())
     if registry.host is not None:
         tier = registry.host.counters
         values.update(checkpoints_spilled=tier.spilled, checkpoints_restored=tier.restored,

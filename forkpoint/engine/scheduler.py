@@ -551,7 +551,7 @@ class Scheduler:
                 planning.kv_copies.append(KVCopy(shared[full], request.blocks[full], start % self.block_size))
         request.cache_miss_reason = (
             self.auto.miss_reason(request, start) if self.auto is not None else CacheMissReason.DISABLED
-            if self.registry is None else self.registry.disk_miss(request.hasher.prefix_hash, start,
+            if self.registry is None else self.registry.tier_miss(request.hasher.prefix_hash, start,
                                                                   len(request.prompt_token_ids)))
         self.claims.claim(request, start, now)
         if progress.waiting_on is not None:

@@ -77,6 +77,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
     group.add_argument("--checkpoint-dir-bytes", type=int, default=None, metavar="BYTES",
                        help="most bytes of checkpoint files in --checkpoint-dir, least recently used leave first "
                             "(default: a quarter of the file system's free space at start-up)")
+    group.add_argument("--checkpoint-restore-rule", action=argparse.BooleanOptionalAction, default=True,
+                       help="take a checkpoint from the host or disk tier only when moving it back costs no more "
+                            "than computing the tokens it saves, at the rates the engine measures (default: on; "
+                            "off: every tier hit is restored)")
     group.add_argument("--checkpoint-exact", action="store_true",
                        help="GPU: keep checkpoint states at scan-chunk boundaries so consumers' bf16 results are "
                             "bit-identical to a run without checkpoints (recomputes up to 63 tokens per consumer)")
@@ -147,6 +151,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         auto_checkpoints=args.auto_checkpoints,
         checkpoint_host_bytes=args.checkpoint_host_bytes, checkpoint_exact=args.checkpoint_exact,
         checkpoint_dir=args.checkpoint_dir, checkpoint_dir_bytes=args.checkpoint_dir_bytes,
+        checkpoint_restore_rule=args.checkpoint_restore_rule,
         tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
         structured_outputs_config=args.structured_outputs_config, speculative_config=args.speculative_config,
     )

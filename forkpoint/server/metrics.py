@@ -117,6 +117,18 @@ class EngineCollector(Collector):
             if f"checkpoints_{event}" in values:
                 tier.add_metric([event], values[f"checkpoints_{event}"])
         yield tier
+        declined = CounterMetricFamily("forkpoint_checkpoint_restores_declined", "Host or disk tier hits recomputed "
+                                       "instead: moving them back was measured slower (docs/server.md).",
+                                       labels=["tier"])
+        costs = GaugeMetricFamily("forkpoint_reuse_cost_seconds", "The measured costs the restore-or-recompute rule "
+                                  "weighs: seconds per prompt token, decode or byte (docs/server.md).", labels=["cost"])
+        for key, value in values.items():
+            if key.startswith("checkpoint_restores_declined_"):
+                declined.add_metric([key.removeprefix("checkpoint_restores_declined_")], value)
+            elif key.startswith("reuse_"):
+                costs.add_metric([key.removeprefix("reuse_")], value)
+        yield declined
+        yield costs
         if "checkpoints_pending" in values:
             yield GaugeMetricFamily("forkpoint_checkpoints_pending", "Checkpoints being produced (unready).",
                                     value=values["checkpoints_pending"])

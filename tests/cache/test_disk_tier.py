@@ -115,7 +115,7 @@ def test_scan_orders_by_modification_time_and_bounds_the_bytes(tmp_path):
     assert not (tmp_path / "other" / file_name(5, key(9))).exists()
     assert not stale.exists() and fresh.exists()
     assert len(disk) == 4 and disk.lengths() == {10, 11, 12, 13} and disk.num_bytes == 4 * size
-    header, _ = disk.load(key(0))  # now the most recently used
+    header, _, _ = disk.load(key(0))  # now the most recently used
     assert header.num_tokens == 10
     name, dropped = disk.save(key(5), 15, 1)
     assert name.endswith(file_name(15, key(5))) and dropped == [f"{own.name}/{file_name(11, key(1))}"]
@@ -196,3 +196,24 @@ def test_reads_in_memory_keep_a_file_recent_and_tell_the_next_start_up(tmp_path,
     disk.check_integrity()
     restarted = tier(tmp_path, capacity=size)  # the next start-up keeps the file read last
     assert key(0) in restarted and key(1) not in restarted
+
+
+def test_loads_report_the_seconds_of_their_read_on_the_tiers_clock(tmp_path):
+    """Each read is timed where it runs (the reader thread for a read ahead) with the clock given: a
+    clock that advances 0.25 s per call times every read at 0.25 s (cache/reuse_rates.py's disk read)."""
+    own = tmp_path / IDENTITY.hex()[:32]
+    for i in range(2):
+        write(own / file_name(10 + i, key(i)), key(i), 10 + i, 1)
+    ticks = iter(range(1000))
+    disk = DiskTier(tmp_path, IDENTITY, 10_000, SLOT, BLOCK, block_size=16, clock=lambda: 0.25 * next(ticks))
+    disk.read_ahead(key(1))
+    assert disk.load(key(1))[2] == 0.25 and disk.counters.read_ahead_used == 1  # read ahead
+    assert disk.read_done(key(1)) is False  # taken: nothing waits in memory
+    disk.read_ahead(key(0))
+    deadline = time.monotonic() + 10
+    while not disk.read_done(key(0)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert disk.read_done(key(0))  # its result waits: the rule counts its read as paid
+    assert disk.load(key(0))[2] == 0.25
+    assert disk.load(key(0))[2] == 0.25  # read now
+    assert disk.length(key(0)) == 10 and disk.entry_bytes(key(0)) == HEADER_BYTES + SLOT + BLOCK

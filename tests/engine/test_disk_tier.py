@@ -57,7 +57,9 @@ def test_a_restarted_engine_reuses_the_system_prompt_exactly(model_dir, plain, t
     out, count = computed(first, repeat)
     settle(first)
 
-    second = disk_llm(model_dir, tmp_path)
+    # every hit restored: the 71-token prompt end saves 1 token over the 70-token checkpoint already on the
+    # device, which the restore rule on would (rightly, at CPU rates) recompute (tests/engine/test_reuse_rule.py)
+    second = disk_llm(model_dir, tmp_path, checkpoint_restore_rule=False)
     assert second.metrics()["disk_tier_checkpoints"] >= 2
     salted, _ = computed(second, {"prompt": f"{SYSTEM} {words(3)}", "cache_salt": "tenant"})
     assert salted.num_cached_tokens == 0  # the salt is part of every key: the files are another tenant's
@@ -161,13 +163,13 @@ def test_disk_restores_that_evict_each_other_stay_exact(model_dir, plain, tmp_pa
     settle(first)
     prompts = [{"prompt": f"{a} {words(i)}"} for i in (2, 3) for a in anchors]
     second = disk_llm(model_dir, tmp_path, auto_checkpoints=False, checkpoint_pool_size=1,
-                      checkpoint_host_bytes=64 << 20)
+                      checkpoint_host_bytes=64 << 20, checkpoint_restore_rule=False)  # (every hit restored)
     outs = [second.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts]
     assert [o.num_cached_tokens for o in outs] == [37] * 6
     metrics = second.metrics()
     assert metrics["checkpoints_loaded_from_disk"] == 3 and metrics["checkpoints_restored"] == 3
     second.engine.check_integrity()
-    third = disk_llm(model_dir, tmp_path, auto_checkpoints=False, checkpoint_pool_size=1)
+    third = disk_llm(model_dir, tmp_path, auto_checkpoints=False, checkpoint_pool_size=1, checkpoint_restore_rule=False)
     batch = third.generate(prompts, GREEDY, use_tqdm=False)
     assert batch[0].num_cached_tokens == 37 and third.metrics()["checkpoints_loaded_from_disk"] >= 1
     third.engine.check_integrity()

@@ -56,6 +56,9 @@ def test_metrics_count_a_one_to_two_run(server, anchor_text):
     assert after[("forkpoint_checkpoints_pending", ())] == 0
     assert after[("forkpoint_pool_used", (("pool", "state_slots"),))] == 0
     assert after[("forkpoint_pool_used", (("pool", "checkpoint_slots"),))] >= 1
+    # the restore-or-recompute rule's measured prefill cost, and its declines per tier (none here)
+    assert after[("forkpoint_reuse_cost_seconds", (("cost", "prefill_s_per_token"),))] > 0
+    assert after[("forkpoint_checkpoint_restores_declined_total", (("tier", "host"),))] == 0
 
 
 def test_time_to_first_token_parts_add_up_to_it(server):
