@@ -16,10 +16,15 @@ c_prefill: the fitted marginal seconds per token of a step, `ReuseRates.step.per
     restore_s   = num_bytes * c_host_restore                                    (host tier)
                 = num_bytes * ((0 if read_done else c_disk_read) + c_disk_restore)   (disk tier)
     recompute_s = tokens_saved * c_prefill
-    restore  <=>  c_prefill unmeasured  or  restore_s <= recompute_s
+    restore  <=>  c_prefill unmeasured  or  restore_s <= DECLINE_MARGIN * recompute_s
 
 So a fresh engine (nothing measured) restores every hit as before the rule existed, and a tier is
-declined only when what is measured of its cost already exceeds the compute it saves.
+declined only when what is measured of its cost exceeds twice the compute it saves. The margin guards
+the restore side's noise: it is a step's excess over the fitted step time (cache/reuse_rates.py), so a
+slow step (a collection pause, a spill in the same step) counts as restore time, and a few such steps
+would otherwise decline restores that save thousands of tokens, each decline costing the whole
+recompute. Where a tier is really slower (a slow disk under a short prefix) the costs differ by far
+more than 2x, and the rule still declines.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import enum
 from dataclasses import dataclass
 
 from forkpoint.cache.reuse_rates import ReuseRates
+
+DECLINE_MARGIN = 2.0  # a hit is declined only when moving it costs more than this times the recompute
 
 
 class Tier(enum.Enum):
@@ -44,7 +51,7 @@ class ReuseEstimate:
 
     @property
     def restore(self) -> bool:
-        return self.recompute_s is None or self.restore_s <= self.recompute_s
+        return self.recompute_s is None or self.restore_s <= DECLINE_MARGIN * self.recompute_s
 
 
 def estimate(rates: ReuseRates, tier: Tier, num_bytes: int, tokens_saved: int, *,

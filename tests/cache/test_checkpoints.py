@@ -87,10 +87,10 @@ def test_a_host_hit_that_pays_is_restored_and_its_decline_forgotten():
 
 
 def test_the_tokens_saved_count_from_the_device_checkpoint_below():
-    # 1200 bytes at 1e-5 s/byte: 12 ms. Over the 16-token checkpoint the 32-token one saves 16 ms: restored;
-    # a reader that may not read the 16-token one (accept) saves 32 tokens, restored as well; at 0.5 ms per
-    # token only the reader without the shorter checkpoint restores (16 ms against 8 ms, 12 ms against 16)
-    pools = _spilled_32_over_device_16(_rates(prefill=0.5e-3, host_restore=1e-5))
+    # 1200 bytes at 1e-5 s/byte: 12 ms to move. At 0.25 ms per token, over the 16-token checkpoint the 32-token
+    # one saves 16 tokens, 4 ms (12 > 2 x 4: declined); a reader that may not read the 16-token one (accept)
+    # saves 32 tokens, 8 ms (12 <= 2 x 8: restored)
+    pools = _spilled_32_over_device_16(_rates(prefill=0.25e-3, host_restore=1e-5))
     registry = pools.registry
     _, ready = registry.lookup(prefix_hash, 100)
     assert ready.num_tokens == 16
