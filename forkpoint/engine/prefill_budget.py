@@ -24,7 +24,8 @@ progresses every step. The others then take what is left in order. Holding chang
 step computes, never the results: chunked prefill is exact.
 
     step that decodes:   [decodes (not counted in B)] [first running prefill <= B - held] [other prefills <= rest of B]
-                         [short prefills, each whole, <= SHORT_PREFILL_BUDGETS x B in all (`short_room`)]
+                         [short prefills, each whole: the first <= SHORT_PREFILL_BUDGETS x B, all together
+                          <= SHORT_STACK_BUDGETS x B, each counted with SHORT_SEQUENCE_TOKENS (`short_room`)]
     step with no decode: [running prefills and admissions <= max_num_batched_tokens]
 """
 
@@ -41,6 +42,16 @@ DECODE_GRACE_S = 1.0  # seconds after the last step with a decode during which s
 # on the CPU the cap had doubled a chat server's time to first token (docs/server.md); the stall it costs a
 # stream is one step, not the tens of seconds of a long prompt's
 SHORT_PREFILL_BUDGETS = 16
+# short prefills stacked in one step that decodes: at most this many budgets in all (the first of the step
+# runs whole however large, up to SHORT_PREFILL_BUDGETS x B). At 16 (one chat turn's room) a burst of 32
+# prompts of 32 tokens made the step 3x a decode step (bench/burst_step_cost.py) and 80 marker prompts that
+# hit their checkpoints ran in one 1.05 s step beside a bystander's 0.2 s decode steps (bench/hostile.py,
+# docs/server.md: issue 27's bursts)
+SHORT_STACK_BUDGETS = 8
+# what one short prefill sequence costs a step beyond its tokens, in prefill tokens: its sampling, its state
+# row and its segment's setup. bench/burst_step_cost.py on the CPU with the embedded model (f7cbad6, 2 cores,
+# load 1.6): a step = 83 ms + 0.99 ms a sequence + 0.087 ms a token, so one sequence costs what 11 tokens do
+SHORT_SEQUENCE_TOKENS = 11
 
 
 # what one prompt-logit row (a scored prompt position: a [vocabulary] row of logits, its log-softmax and
@@ -59,11 +70,23 @@ def score_rows_with_decodes(budget: int, scan_chunk: int | None) -> int:
 
 
 def short_room(budget: int) -> int:
-    """Short prefills' tokens, all of them together, in a step that decodes with prefill budget
-    `budget` (B): SHORT_PREFILL_BUDGETS x B, what one short prefill may take at most. Each runs whole,
-    so one always fits a step; several stack only up to this (a burst of chat turns, 80 marker
-    prompts), and the next wait for the next step, in order."""
-    return SHORT_PREFILL_BUDGETS * budget
+    """Short prefills' cost (`short_cost`), all of them together, in a step that decodes with prefill
+    budget `budget` (B): SHORT_STACK_BUDGETS x B. The first short prefill of the step runs whole even
+    past it (`short_whole`); the others stack only up to it (a burst of chat turns, 80 marker prompts,
+    64 one-token requests: the burst as a whole), and the next wait for the next step."""
+    return SHORT_STACK_BUDGETS * budget
+
+
+def short_whole(budget: int) -> int:
+    """The most a short prefill costs (`short_cost` of SHORT_PREFILL_BUDGETS x B tokens): the first of
+    a step that decodes may take this much, so every short prefill runs whole in some step."""
+    return short_cost(SHORT_PREFILL_BUDGETS * budget)
+
+
+def short_cost(tokens: int) -> int:
+    """What a short prefill of `tokens` tokens takes of the short room: its tokens and
+    SHORT_SEQUENCE_TOKENS for the sequence (a burst's cost is its sequences' as much as its tokens')."""
+    return tokens + SHORT_SEQUENCE_TOKENS
 
 
 def is_capped_prefill(request: Request, start: int, budget: int, origin: int) -> bool:

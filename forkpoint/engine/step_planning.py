@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from forkpoint.cache.checkpoint_types import Checkpoint
+from forkpoint.engine.prefill_budget import short_cost
 from forkpoint.engine.request import Request
 from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan, Verify
 
@@ -72,9 +73,12 @@ class StepPlanning:
     # first running prefill leaves for the other prefills (engine/prefill_budget.py; None: no cap)
     prefill_left: int | None = None
     prefill_held: int = 0
-    # short prefills' tokens (they run whole, engine/prefill_budget.py) the step may still take while
-    # sequences decode in it (None: no cap), and whether one waiting had to wait for the next step
+    # short prefills' cost (they run whole, engine/prefill_budget.py: `short_cost`) the step may still
+    # take while sequences decode in it (None: no cap), what the first of them may take (`short_whole`),
+    # how many it has planned, and whether one waiting had to wait for the next step
     short_left: int | None = None
+    short_whole: int = 0
+    short_seqs: int = 0
     short_full: bool = False
     score_cap: int | None = None  # prompt-logit rows of a step that decodes (None: Scheduler.score_rows)
 
@@ -100,9 +104,19 @@ class StepPlanning:
         if self.prefill_left is not None:
             self.prefill_left -= count
 
+    def short_cap(self) -> int | None:
+        """Short-room cost the next short prefill may take (None: no cap): the first of the step
+        runs whole (`short_whole`), the others share what is left of the stack."""
+        if self.short_left is None:
+            return None
+        return self.short_left if self.short_seqs else max(self.short_left, self.short_whole)
+
     def take_short(self, count: int) -> None:
+        """A short prefill of `count` tokens is planned (the room never goes below 0: the first may
+        take more than the stack)."""
         if self.short_left is not None:
-            self.short_left -= count
+            self.short_left = max(0, self.short_left - short_cost(count))
+            self.short_seqs += 1
 
     def release_held_prefill(self) -> None:
         """The first running prefill is planned: the other prefills may take what it left them."""
