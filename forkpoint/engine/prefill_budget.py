@@ -42,12 +42,12 @@ DECODE_GRACE_S = 1.0  # seconds after the last step with a decode during which s
 # on the CPU the cap had doubled a chat server's time to first token (docs/server.md); the stall it costs a
 # stream is one step, not the tens of seconds of a long prompt's
 SHORT_PREFILL_BUDGETS = 16
-# short prefills stacked in one step that decodes: at most this many budgets in all (the first of the step
-# runs whole however large, up to SHORT_PREFILL_BUDGETS x B). At 16 (one chat turn's room) a burst of 32
-# prompts of 32 tokens made the step 3x a decode step (bench/burst_step_cost.py) and 80 marker prompts that
-# hit their checkpoints ran in one 1.05 s step beside a bystander's 0.2 s decode steps (bench/hostile.py,
-# docs/server.md: issue 27's bursts)
-SHORT_STACK_BUDGETS = 8
+# short prefills stacked in one step that decodes: at most this many budgets in all, each counted with
+# SHORT_SEQUENCE_TOKENS (the first of the step runs whole even past it, up to SHORT_PREFILL_BUDGETS x B). 8
+# slowed chat turns: bench/agent_sessions.py's small CPU config (4 sessions, their turns arriving together)
+# had reused turns' TTFT p50 at 287-619 ms against 265-282 ms with 16, the reuse phase 6.1-8.3 s against
+# 4.2-4.8 s (docs/server.md, issue 27's bursts)
+SHORT_STACK_BUDGETS = 16
 # what one short prefill sequence costs a step beyond its tokens, in prefill tokens: its sampling, its state
 # row and its segment's setup. bench/burst_step_cost.py on the CPU with the embedded model (f7cbad6, 2 cores,
 # load 1.6): a step = 83 ms + 0.99 ms a sequence + 0.087 ms a token, so one sequence costs what 11 tokens do

@@ -17,7 +17,7 @@ from tests.engine.test_prefill_budget_short import engine_with_streams
 from tests.helpers import assert_same_outputs, finish
 
 B = 32  # _config's max_prefill_tokens_with_decodes
-BURST, BURST_TOKENS = 80, 10  # 80 prompts of 10 tokens: 800 tokens, under the old 16 x B room once, not twice
+BURST, BURST_TOKENS = 80, 10  # 80 prompts of 10 tokens: 800 tokens, 1,680 with their sequences' cost
 
 
 def _request(request_id: str, prompt_len: int, tenant: str, max_tokens: int) -> Request:
@@ -89,7 +89,7 @@ def test_one_short_prompt_past_the_stack_still_runs_whole():
 
 def test_outputs_of_a_burst_equal_steps_without_the_budget(model_dir):
     """CPU float32, greedy with logprobs, tiny model: 12 short prompts of client b arriving together
-    while client a's two streams decode, with B = 8 (stack room 64: three 10-token prompts a step), give
+    while client a's two streams decode, with B = 8 (stack room 128: six 10-token prompts a step), give
     the tokens and logprobs of steps with no prefill budget (all twelve in one step)."""
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
 
@@ -103,7 +103,7 @@ def test_outputs_of_a_burst_equal_steps_without_the_budget(model_dir):
         return finish(engine), admitted
 
     capped, admitted = run(8)
-    assert admitted == 64 // short_cost(10)
+    assert admitted == 128 // short_cost(10)
     whole, admitted = run(None)
     assert admitted == 12
     assert_same_outputs(capped, whole)
