@@ -17,6 +17,11 @@ free loopback port, or uses --url (with --server-pid for the RSS columns). For e
                  over the same client's gap during an idle interval (the baseline row); the JSON's
                  `extra` has its streamed chunks (one token each) during the case and their rate
 
+The bystander's requests carry `user` "bystander" and the cases' "hostile" (two clients to the server's
+per-client order, engine/fair_order.py); --anonymous sends none (every request its own client). The
+bursts' notes have their requests' time p50 / p90 (1-token responses: their TTFT; disconnects_50: to
+the first streamed chunk).
+
 The issue's bar: no 500, /health under 250 ms, RSS kept under 200 MB, bystander gap within 2x of
 its baseline. Writes bench/results/hostile_cpu.json and hostile_cpu.png.
 
@@ -253,9 +258,15 @@ def _one(name: str, what: str, path: str, body_of: Callable[[str], dict | bytes]
 def _many(name: str, what: str, count: int, path: str, body_of: Callable[[str, int], dict],
           user: str | None = None) -> Case:
     async def run(client: httpx.AsyncClient, model: str, payload: object) -> tuple[list[int], str]:
-        responses = await asyncio.gather(*(_post(client, path, body) for body in payload))
+        async def timed(body: bytes) -> tuple[httpx.Response, float]:
+            begin = time.perf_counter()
+            response = await _post(client, path, body)
+            return response, time.perf_counter() - begin
+
+        done = await asyncio.gather(*(timed(body) for body in payload))
+        responses = [r for r, _ in done]
         errors = sorted({_error_message(r) for r in responses if r.status_code >= 400})
-        return [r.status_code for r in responses], "; ".join(errors)[:90]
+        return [r.status_code for r in responses], "; ".join([_latencies([s for _, s in done]), *errors])[:120]
 
     return Case(name, what, run, lambda model: [_json({**body_of(model, i), **_user(user)}) for i in range(count)])
 
@@ -267,15 +278,22 @@ async def _idle(client: httpx.AsyncClient, model: str, payload: object) -> tuple
 
 async def _disconnects(client: httpx.AsyncClient, model: str, payload: object) -> tuple[list[int], str]:
     """50 streams, each dropped after its first chunk (payload: the `user` fields, `_user`)."""
-    async def one(i: int) -> int:
+    async def one(i: int) -> tuple[int, float]:
         body = {"model": model, "prompt": f"drop me {i}", "max_tokens": 200, "stream": True, "ignore_eos": True,
                 **payload}
+        begin = time.perf_counter()
         async with client.stream("POST", "/v1/completions", json=body, timeout=600) as response:
             async for line in response.aiter_lines():
                 if line.startswith("data:"):
                     break
-            return response.status_code
-    return list(await asyncio.gather(*(one(i) for i in range(50)))), "each closed after its first chunk"
+            return response.status_code, time.perf_counter() - begin
+    done = await asyncio.gather(*(one(i) for i in range(50)))
+    return [status for status, _ in done], f"{_latencies([s for _, s in done], 'first chunk')}; each closed after it"
+
+
+def _latencies(seconds: list[float], what: str = "response") -> str:
+    """p50 / p90 of a burst's request times (its TTFT: 1-token responses, or the first streamed chunk)."""
+    return f"{what} p50 {percentile(seconds, 50):.2f} s, p90 {percentile(seconds, 90):.2f} s"
 
 
 def _huge_text(mib: int) -> str:

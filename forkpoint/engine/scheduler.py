@@ -51,6 +51,7 @@ from forkpoint.engine.prefill_budget import (
     prefill_room,
     score_rows_with_decodes,
     short_cost,
+    short_repeat_room,
     short_room,
     short_whole,
 )
@@ -210,6 +211,7 @@ class Scheduler:
         if prefill is not None:  # sequences decode in this step: its prefill stays small (engine/prefill_budget.py)
             planning.prefill_left, planning.prefill_held = prefill.total, prefill.held
             planning.short_left, planning.short_whole = short_room(prefill.total), short_whole(prefill.total)
+            planning.repeat_left = short_repeat_room(prefill.total)
             planning.score_cap = min(self.score_rows, score_rows_with_decodes(
                 prefill.total, SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else None))
         preempted = False
@@ -250,7 +252,7 @@ class Scheduler:
                 elif self._capped(request, request.num_computed_tokens):
                     planning.take_prefill(count)
                 else:
-                    planning.take_short(count)
+                    planning.take_short(count, client_of(request))
                 self._plan_chunk(planning, request, request.num_computed_tokens, count, None)
             budget -= count
             planning.take_seq()
@@ -457,7 +459,8 @@ class Scheduler:
         if prefill_cap is not None and self._capped(request, start, admitting):
             count = min(count, prefill_cap)
         elif planning.short_left is not None and is_prefill(request, start):
-            count = min(count, planning.short_cap() - SHORT_SEQUENCE_TOKENS)  # a short prefill: the step's short room
+            # a short prefill: the step's short room (and its client's repeat room)
+            count = min(count, planning.short_cap(client_of(request)) - SHORT_SEQUENCE_TOKENS)
         to_score = len(request.prompt_token_ids) - 1 - start
         rows_left = (planning.score_cap or self.score_rows) - planning.score_rows
         if request.params.prompt_logprobs is not None and to_score > rows_left:
@@ -519,10 +522,13 @@ class Scheduler:
         if self.states.requests.num_free == 0:
             return None
         start = source.state_tokens if source is not None else 0
-        if (planning.short_left is not None and not self._capped(request, start, admitting=True)
-                and short_cost(request.num_tokens - start) > planning.short_cap()):
-            planning.short_full = True  # a short prefill runs whole: it waits for a step with room
-            return 0
+        if planning.short_left is not None and not self._capped(request, start, admitting=True):
+            cost = short_cost(request.num_tokens - start)
+            if cost > planning.short_cap():
+                planning.short_full = True  # a short prefill runs whole: it waits for a step with room
+                return 0
+            if cost > planning.short_cap(client_of(request)):
+                return 0  # its client's short prefills fill the repeat room: the next step; other clients go on
         count = self._chunk(planning, request, start, budget, admitting=True)
         if count == 0:
             return None  # exact mode: no scan-chunk boundary within the budget left
@@ -566,7 +572,7 @@ class Scheduler:
         if self._capped(request, start, admitting=True):  # a long prefill's chunk counts against the budget
             planning.take_prefill(count)
         else:
-            planning.take_short(count)
+            planning.take_short(count, client_of(request))
         self._plan_chunk(planning, request, start, count, source)
         return count
 

@@ -80,6 +80,10 @@ class StepPlanning:
     short_whole: int = 0
     short_seqs: int = 0
     short_full: bool = False
+    # clients (engine/fair_order.py's client_of) with a short prefill planned in this step, and the short
+    # room their further short prefills may still take, all clients together (`short_repeat_room`)
+    short_clients: set[str] = field(default_factory=set)
+    repeat_left: int = 0
     score_cap: int | None = None  # prompt-logit rows of a step that decodes (None: Scheduler.score_rows)
 
     def add_segment(self, request: Request, start: int, end: int, initial: int, dests: tuple[int, ...],
@@ -104,18 +108,24 @@ class StepPlanning:
         if self.prefill_left is not None:
             self.prefill_left -= count
 
-    def short_cap(self) -> int | None:
-        """Short-room cost the next short prefill may take (None: no cap): the first of the step
-        runs whole (`short_whole`), the others share what is left of the stack."""
+    def short_cap(self, client: str | None = None) -> int | None:
+        """Short-room cost the next short prefill (of `client`; None: any) may take (None: no cap): the
+        first of the step runs whole (`short_whole`), the others share what is left of the stack, and
+        a client's second and later ones at most what is left of the repeat room."""
         if self.short_left is None:
             return None
-        return self.short_left if self.short_seqs else max(self.short_left, self.short_whole)
+        cap = self.short_left if self.short_seqs else max(self.short_left, self.short_whole)
+        return min(cap, self.repeat_left) if client in self.short_clients else cap
 
-    def take_short(self, count: int) -> None:
-        """A short prefill of `count` tokens is planned (the room never goes below 0: the first may
-        take more than the stack)."""
+    def take_short(self, count: int, client: str) -> None:
+        """A short prefill of `count` tokens of `client` is planned (the rooms never go below 0: the
+        first may take more than the stack)."""
         if self.short_left is not None:
-            self.short_left = max(0, self.short_left - short_cost(count))
+            cost = short_cost(count)
+            self.short_left = max(0, self.short_left - cost)
+            if client in self.short_clients:
+                self.repeat_left = max(0, self.repeat_left - cost)
+            self.short_clients.add(client)
             self.short_seqs += 1
 
     def release_held_prefill(self) -> None:

@@ -1,8 +1,8 @@
 """A burst of short prompts from one client beside another client's streams (issue 27, engine/prefill_budget.py:
-SHORT_STACK_BUDGETS, SHORT_SEQUENCE_TOKENS; engine/fair_order.py): short prefills stack, as a whole and each
-counted with its sequence's cost, only up to the stack room of a step that decodes (the first runs whole); the
-streams decode every step; their client's next request is admitted ahead of the burst's queue; the burst is
-served in the steps its cost needs; outputs are those of steps with no budget."""
+SHORT_REPEAT_BUDGETS, SHORT_SEQUENCE_TOKENS; engine/fair_order.py): in a step that decodes, a client's first
+short prefill runs whole and its others, each counted with its sequence's cost, take at most the repeat room;
+the streams decode every step; their client's next request is admitted ahead of the burst's queue; the burst
+is served in the steps its cost needs; outputs are those of steps with no budget."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import math
 
 from forkpoint import SamplingParams
 from forkpoint.cache.hashing import PrefixHasher
-from forkpoint.engine.prefill_budget import short_cost, short_room, short_whole
+from forkpoint.engine.prefill_budget import short_cost, short_repeat_room, short_room
 from forkpoint.engine.request import Request
 from tests.engine.test_prefill_budget import _config, _Run
 from tests.engine.test_prefill_budget_short import engine_with_streams
@@ -45,17 +45,33 @@ def _burst_beside_streams() -> tuple[_Run, list[Request], list[Request], Request
     return run, streams, burst, turn
 
 
-def test_a_burst_stacks_within_the_room_as_a_whole_and_the_streams_decode_every_step():
+def test_a_clients_burst_takes_one_whole_prompt_and_the_repeat_room_a_step_and_the_streams_decode_every_step():
     run, streams, burst, turn = _burst_beside_streams()
     for step in run.steps[1:]:
         assert all(step["tokens"].get(s.request_id) == 1 for s in streams), step  # every stream, every step
-        short = [n for rid, n in step["tokens"].items()  # the prefills (the turn's later steps decode it)
-                 if rid.startswith("b") or (rid == turn.request_id and n == len(turn.prompt_token_ids))]
-        # each short prefill with its sequence's cost: the stack room, or one whole prefill past it
-        assert sum(map(short_cost, short)) <= max(short_room(B), short_whole(B) if len(short) == 1 else 0), step
-    # served in the steps its cost needs (and the turn's), not more
-    per_step = short_room(B) // short_cost(BURST_TOKENS)
-    assert len(run.steps) - 1 <= math.ceil((BURST + 1) / per_step) + 1, len(run.steps)
+        costs = [short_cost(n) for rid, n in step["tokens"].items() if rid.startswith("b")]
+        # b's first prompt of the step whole, the others within the repeat room (each with its sequence's cost)
+        assert sum(costs[1:]) <= short_repeat_room(B), step
+        assert sum(costs) <= short_room(B), step
+    # served in the steps its cost needs, not more
+    per_step = 1 + short_repeat_room(B) // short_cost(BURST_TOKENS)
+    assert len(run.steps) - 1 <= math.ceil(BURST / per_step) + 1, len(run.steps)
+    run.drain()
+    run.check_outputs()
+
+
+def test_first_short_prompts_of_different_clients_share_the_whole_stack():
+    """Chat turns of different sessions (no `user`: each prompt its own client) beside decodes: each
+    is its client's first, so they stack up to the short room, not the repeat room."""
+    run = _Run(_config(max_num_batched_tokens=2048))
+    run.add(_request("s", 3, "a", max_tokens=20))
+    run.step()
+    turns = [_request(f"t{i}", 100, "", max_tokens=2) for i in range(4)]  # 4 x 111 > the repeat room
+    for request in turns:
+        run.add(request)
+    run.step()
+    assert [run.steps[-1]["tokens"].get(t.request_id) for t in turns] == [100] * 4
+    assert 4 * short_cost(100) > short_repeat_room(B)
     run.drain()
     run.check_outputs()
 
@@ -88,22 +104,23 @@ def test_one_short_prompt_past_the_stack_still_runs_whole():
 
 
 def test_outputs_of_a_burst_equal_steps_without_the_budget(model_dir):
-    """CPU float32, greedy with logprobs, tiny model: 12 short prompts of client b arriving together
-    while client a's two streams decode, with B = 8 (stack room 128: six 10-token prompts a step), give
-    the tokens and logprobs of steps with no prefill budget (all twelve in one step)."""
+    """CPU float32, greedy with logprobs, tiny model: 6 short prompts of client b arriving together
+    while client a's two streams decode, with B = 8 (one whole, then the repeat room of 32: one more a
+    step), give
+    the tokens and logprobs of steps with no prefill budget (all six in one step)."""
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
 
     def run(budget: int | None) -> tuple[list, int]:
         engine = engine_with_streams(model_dir, budget, 512, params)
-        for i in range(12):
+        for i in range(6):
             engine.add_request(f"p{i:02d}", {"prompt_token_ids": [(29 * j + 5 * i) % 150 + 5 for j in range(10)]},
                                params, stream=False, tenant="b")
         engine.step()
-        admitted = sum(bool(engine.sequences(f"p{i:02d}")[0].num_computed_tokens) for i in range(12))
+        admitted = sum(bool(engine.sequences(f"p{i:02d}")[0].num_computed_tokens) for i in range(6))
         return finish(engine), admitted
 
     capped, admitted = run(8)
-    assert admitted == 128 // short_cost(10)
+    assert admitted == 1 + short_repeat_room(8) // short_cost(10)
     whole, admitted = run(None)
-    assert admitted == 12
+    assert admitted == 6
     assert_same_outputs(capped, whole)
