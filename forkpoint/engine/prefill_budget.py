@@ -26,7 +26,7 @@ step computes, never the results: chunked prefill is exact.
     step that decodes:   [decodes (not counted in B)] [first running prefill <= B - held] [other prefills <= rest of B]
                          [short prefills, each whole: the first <= SHORT_PREFILL_BUDGETS x B, all together
                           <= SHORT_STACK_BUDGETS x B, each counted with SHORT_SEQUENCE_TOKENS (`short_room`);
-                          a client's second and later <= SHORT_REPEAT_BUDGETS x B, clients together]
+                          a client's second and later <= SHORT_REPEAT_BUDGETS x B]
     step with no decode: [running prefills and admissions <= max_num_batched_tokens]
 """
 
@@ -49,12 +49,13 @@ SHORT_PREFILL_BUDGETS = 16
 # f7cbad6 (16, sequences not counted), reused turn 1's TTFT p50 287-619 ms against 265-282 ms, the reuse phase
 # 6.1-8.3 s against 4.2-4.8 s, 3 runs each at load 1.3-2.5 (docs/server.md, issue 27's bursts)
 SHORT_STACK_BUDGETS = 16
-# a client's second and later short prefills in one step that decodes: at most this many budgets in all,
-# clients together (engine/fair_order.py's client_of: a `user`, else one prompt). One client's burst then
+# a client's second and later short prefills in one step that decodes: at most this many budgets in all, per
+# client (engine/fair_order.py's client_of: a `user`, else one prompt). One client's burst then
 # takes one whole prompt and this much a step, not the whole stack: 16 marker prompts of one client (816
 # tokens) made a step 0.69-0.74 s beside the bystander's 0.13-0.26 s decode steps under load 3.5
 # (bench/hostile.py, bench/step_trace.py; docs/server.md, issue 27's bursts). Different clients' first short
-# prefills (chat turns of different sessions) still share the whole stack.
+# prefills (chat turns of different sessions) still share the whole stack. Shared by all clients, the room went
+# to the burst's queue, which ranked first, and a bystander's 8 restarted streams took 3 steps to come back.
 SHORT_REPEAT_BUDGETS = 4
 # what one short prefill sequence costs a step beyond its tokens, in prefill tokens: its sampling, its state
 # row and its segment's setup. bench/burst_step_cost.py on the CPU with the embedded model (f7cbad6, 2 cores,
@@ -86,9 +87,8 @@ def short_room(budget: int) -> int:
 
 
 def short_repeat_room(budget: int) -> int:
-    """Short prefills' cost, after each client's first of the step, in a step that decodes with prefill
-    budget `budget` (B): SHORT_REPEAT_BUDGETS x B, all such prefills together (they also count against
-    `short_room`)."""
+    """Short prefills' cost, after a client's first of the step, in a step that decodes with prefill
+    budget `budget` (B): SHORT_REPEAT_BUDGETS x B per client (they also count against `short_room`)."""
     return SHORT_REPEAT_BUDGETS * budget
 
 

@@ -211,7 +211,7 @@ class Scheduler:
         if prefill is not None:  # sequences decode in this step: its prefill stays small (engine/prefill_budget.py)
             planning.prefill_left, planning.prefill_held = prefill.total, prefill.held
             planning.short_left, planning.short_whole = short_room(prefill.total), short_whole(prefill.total)
-            planning.repeat_left = short_repeat_room(prefill.total)
+            planning.repeat_room = short_repeat_room(prefill.total)
             planning.score_cap = min(self.score_rows, score_rows_with_decodes(
                 prefill.total, SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else None))
         preempted = False
@@ -528,7 +528,7 @@ class Scheduler:
                 planning.short_full = True  # a short prefill runs whole: it waits for a step with room
                 return 0
             if cost > planning.short_cap(client_of(request)):
-                return 0  # its client's short prefills fill the repeat room: the next step; other clients go on
+                return 0  # its client's short prefills fill its repeat room: the next step; other clients go on
         count = self._chunk(planning, request, start, budget, admitting=True)
         if count == 0:
             return None  # exact mode: no scan-chunk boundary within the budget left

@@ -80,10 +80,11 @@ class StepPlanning:
     short_whole: int = 0
     short_seqs: int = 0
     short_full: bool = False
-    # clients (engine/fair_order.py's client_of) with a short prefill planned in this step, and the short
-    # room their further short prefills may still take, all clients together (`short_repeat_room`)
-    short_clients: set[str] = field(default_factory=set)
-    repeat_left: int = 0
+    # the short-room cost of each client's (engine/fair_order.py's client_of) short prefills planned in this
+    # step after its first (a client with a short prefill here has an entry), and how much that may be
+    # (`short_repeat_room`)
+    repeats: dict[str, int] = field(default_factory=dict)
+    repeat_room: int = 0
     score_cap: int | None = None  # prompt-logit rows of a step that decodes (None: Scheduler.score_rows)
 
     def add_segment(self, request: Request, start: int, end: int, initial: int, dests: tuple[int, ...],
@@ -111,11 +112,11 @@ class StepPlanning:
     def short_cap(self, client: str | None = None) -> int | None:
         """Short-room cost the next short prefill (of `client`; None: any) may take (None: no cap): the
         first of the step runs whole (`short_whole`), the others share what is left of the stack, and
-        a client's second and later ones at most what is left of the repeat room."""
+        a client's second and later ones at most what is left of its repeat room."""
         if self.short_left is None:
             return None
         cap = self.short_left if self.short_seqs else max(self.short_left, self.short_whole)
-        return min(cap, self.repeat_left) if client in self.short_clients else cap
+        return min(cap, self.repeat_room - self.repeats[client]) if client in self.repeats else cap
 
     def take_short(self, count: int, client: str) -> None:
         """A short prefill of `count` tokens of `client` is planned (the rooms never go below 0: the
@@ -123,9 +124,7 @@ class StepPlanning:
         if self.short_left is not None:
             cost = short_cost(count)
             self.short_left = max(0, self.short_left - cost)
-            if client in self.short_clients:
-                self.repeat_left = max(0, self.repeat_left - cost)
-            self.short_clients.add(client)
+            self.repeats[client] = self.repeats[client] + cost if client in self.repeats else 0
             self.short_seqs += 1
 
     def release_held_prefill(self) -> None:

@@ -60,6 +60,30 @@ def test_a_clients_burst_takes_one_whole_prompt_and_the_repeat_room_a_step_and_t
     run.check_outputs()
 
 
+def test_a_clients_restarted_streams_come_back_in_one_step_beside_anothers_burst():
+    """a's 8 streams end in one step while b's 60 prompts wait; a's 8 next requests (9 tokens each)
+    arrive after them and run in the next step: the repeat room is a client's own, so b's queue
+    (ranked as early: no b sequence runs) does not take it. Shared by the clients, it took 3 steps."""
+    run = _Run(_config(max_num_batched_tokens=2048, max_num_seqs=128, num_kv_blocks=2048,
+                       max_prefill_tokens_with_decodes=64))  # the CPU server's B: 7 x 20 fit its repeat room
+    streams = [_request(f"a{i}", 9, "a", max_tokens=3) for i in range(8)]
+    for request in streams:
+        run.add(request)
+    run.step()
+    for request in [_request(f"b{i}", 20, "b", max_tokens=1) for i in range(60)]:
+        run.add(request)
+    while not all(s.is_finished for s in streams):
+        run.step()
+    restarts = [_request(f"{s.request_id}-next", 9, "a", max_tokens=3) for s in streams]
+    for request in restarts:
+        run.add(request)
+    run.step()
+    assert [run.steps[-1]["tokens"].get(r.request_id) for r in restarts] == [9] * 8, run.steps[-1]
+    assert sum(1 for rid in run.steps[-1]["tokens"] if rid.startswith("b")) >= 1  # the burst goes on beside them
+    run.drain()
+    run.check_outputs()
+
+
 def test_first_short_prompts_of_different_clients_share_the_whole_stack():
     """Chat turns of different sessions (no `user`: each prompt its own client) beside decodes: each
     is its client's first, so they stack up to the short room, not the repeat room."""
