@@ -56,6 +56,9 @@ SHORT_STACK_BUDGETS = 16
 # (bench/hostile.py, bench/step_trace.py; docs/server.md, issue 27's bursts). Different clients' first short
 # prefills (chat turns of different sessions) still share the whole stack. Shared by all clients, the room went
 # to the burst's queue, which ranked first, and a bystander's 8 restarted streams took 3 steps to come back.
+# 8 measured against 4 (bench/hostile.py with `user`, load 2.5-3.5): beside 80 marker prompts the bystander's
+# worst gap was 2.6x and 1.7x its baseline at 8 (steps of 9-10 prompts, 0.35-0.39 s, a restart spans 2-3
+# steps), 1.5x in 3 runs at 4; the flood's own TTFT p50 2.25 and 1.94 s at 8, 1.74-3.50 s at 4
 SHORT_REPEAT_BUDGETS = 4
 # what one short prefill sequence costs a step beyond its tokens, in prefill tokens: its sampling, its state
 # row and its segment's setup. bench/burst_step_cost.py on the CPU with the embedded model (f7cbad6, 2 cores,
