@@ -17,6 +17,11 @@ free loopback port, or uses --url (with --server-pid for the RSS columns). For e
                  over the same client's gap during an idle interval (the baseline row); the JSON's
                  `extra` has its streamed chunks (one token each) during the case and their rate
 
+The bystander's requests carry `user` "bystander" and the cases' "hostile" (two clients to the server's
+per-client order, engine/fair_order.py); --anonymous sends none (every request its own client). The
+bursts' notes have their requests' time p50 / p90 (1-token responses: their TTFT; disconnects_50: to
+the first streamed chunk).
+
 The issue's bar: no 500, /health under 250 ms, RSS kept under 200 MB, bystander gap within 2x of
 its baseline. Writes bench/results/hostile_cpu.json and hostile_cpu.png.
 
@@ -40,6 +45,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -55,6 +61,9 @@ HEALTH_EVERY_S = 0.1
 RSS_EVERY_S = 0.05
 BYSTANDER_STREAMS = 8
 BYSTANDER_TOKENS = 24
+# the `user` fields (unless --anonymous): the bystander and the cases are two clients to the server
+# (engine/fair_order.py orders a step's admissions by client)
+BYSTANDER_USER, CASE_USER = "bystander", "hostile"
 SETTLE_S = 2.0  # after a case, before the RSS "after" sample
 LOOP_TEMPLATE = "{% for i in range(2000) %}{% for j in range(2000) %}{% endfor %}{% endfor %}{{ messages[0].content }}"
 LIMITS = {"health_ms": 250.0, "rss_kept_mib": 200.0, "gap_ratio": 2.0}
@@ -150,14 +159,14 @@ class Bystander:
     """Keeps `BYSTANDER_STREAMS` streaming completions going; records each stream's event times and
     counts its errors (a non-200 status, an in-band error event, a transport error)."""
 
-    def __init__(self, client: httpx.AsyncClient, model: str) -> None:
-        self.client, self.model = client, model
+    def __init__(self, client: httpx.AsyncClient, model: str, user: str | None) -> None:
+        self.client, self.model, self.user = client, model, user
         self.gaps: list[tuple[float, float]] = []  # (from, to) between consecutive events of one stream
         self.errors = 0
 
     async def stream_forever(self, index: int, stop: asyncio.Event) -> None:
         body = {"model": self.model, "prompt": f"Bystander {index} tells a story:", "max_tokens": BYSTANDER_TOKENS,
-                "temperature": 0.0, "stream": True, "ignore_eos": True}
+                "temperature": 0.0, "stream": True, "ignore_eos": True, **_user(self.user)}
         while not stop.is_set():
             last = time.perf_counter()
             try:
@@ -210,6 +219,11 @@ def _ids(count: int, seed: int) -> list[int]:
     return [rng.randrange(1000, VOCAB_LIMIT) for _ in range(count)]
 
 
+def _user(user: str | None) -> dict:
+    """The `user` field of a request body (none when `user` is None: every request its own client)."""
+    return {} if user is None else {"user": user}
+
+
 def _json(body: dict) -> bytes:
     return json.dumps(body).encode()
 
@@ -225,7 +239,8 @@ def _error_message(response: httpx.Response) -> str:
         return response.text[:90]
 
 
-def _one(name: str, what: str, path: str, body_of: Callable[[str], dict | bytes], note_usage: bool = False) -> Case:
+def _one(name: str, what: str, path: str, body_of: Callable[[str], dict | bytes], note_usage: bool = False,
+         user: str | None = None) -> Case:
     async def run(client: httpx.AsyncClient, model: str, payload: object) -> tuple[list[int], str]:
         response = await _post(client, path, payload)
         if response.status_code >= 400:
@@ -235,18 +250,25 @@ def _one(name: str, what: str, path: str, body_of: Callable[[str], dict | bytes]
 
     def prepare(model: str) -> bytes:
         body = body_of(model)
-        return body if isinstance(body, bytes) else _json(body)
+        return body if isinstance(body, bytes) else _json({**body, **_user(user)})
 
     return Case(name, what, run, prepare)
 
 
-def _many(name: str, what: str, count: int, path: str, body_of: Callable[[str, int], dict]) -> Case:
+def _many(name: str, what: str, count: int, path: str, body_of: Callable[[str, int], dict],
+          user: str | None = None) -> Case:
     async def run(client: httpx.AsyncClient, model: str, payload: object) -> tuple[list[int], str]:
-        responses = await asyncio.gather(*(_post(client, path, body) for body in payload))
-        errors = sorted({_error_message(r) for r in responses if r.status_code >= 400})
-        return [r.status_code for r in responses], "; ".join(errors)[:90]
+        async def timed(body: bytes) -> tuple[httpx.Response, float]:
+            begin = time.perf_counter()
+            response = await _post(client, path, body)
+            return response, time.perf_counter() - begin
 
-    return Case(name, what, run, lambda model: [_json(body_of(model, i)) for i in range(count)])
+        done = await asyncio.gather(*(timed(body) for body in payload))
+        responses = [r for r, _ in done]
+        errors = sorted({_error_message(r) for r in responses if r.status_code >= 400})
+        return [r.status_code for r in responses], "; ".join([_latencies([s for _, s in done]), *errors])[:120]
+
+    return Case(name, what, run, lambda model: [_json({**body_of(model, i), **_user(user)}) for i in range(count)])
 
 
 async def _idle(client: httpx.AsyncClient, model: str, payload: object) -> tuple[list[int], str]:
@@ -255,15 +277,23 @@ async def _idle(client: httpx.AsyncClient, model: str, payload: object) -> tuple
 
 
 async def _disconnects(client: httpx.AsyncClient, model: str, payload: object) -> tuple[list[int], str]:
-    """50 streams, each dropped after its first chunk."""
-    async def one(i: int) -> int:
-        body = {"model": model, "prompt": f"drop me {i}", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    """50 streams, each dropped after its first chunk (payload: the `user` fields, `_user`)."""
+    async def one(i: int) -> tuple[int, float]:
+        body = {"model": model, "prompt": f"drop me {i}", "max_tokens": 200, "stream": True, "ignore_eos": True,
+                **payload}
+        begin = time.perf_counter()
         async with client.stream("POST", "/v1/completions", json=body, timeout=600) as response:
             async for line in response.aiter_lines():
                 if line.startswith("data:"):
                     break
-            return response.status_code
-    return list(await asyncio.gather(*(one(i) for i in range(50)))), "each closed after its first chunk"
+            return response.status_code, time.perf_counter() - begin
+    done = await asyncio.gather(*(one(i) for i in range(50)))
+    return [status for status, _ in done], f"{_latencies([s for _, s in done], 'first chunk')}; each closed after it"
+
+
+def _latencies(seconds: list[float], what: str = "response") -> str:
+    """p50 / p90 of a burst's request times (its TTFT: 1-token responses, or the first streamed chunk)."""
+    return f"{what} p50 {percentile(seconds, 50):.2f} s, p90 {percentile(seconds, 90):.2f} s"
 
 
 def _huge_text(mib: int) -> str:
@@ -272,51 +302,54 @@ def _huge_text(mib: int) -> str:
     return " ".join(rng.choice(words) for _ in range(mib * (1 << 20) // 6))
 
 
-def build_cases(max_model_len: int) -> list[Case]:
+def build_cases(max_model_len: int, user: str | None) -> list[Case]:
+    """Every case; their requests carry `user` (None: none, every request its own client)."""
     half = max_model_len // 2
+    one, many = partial(_one, user=user), partial(_many, user=user)
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "size": {"type": "integer"}},
               "required": ["name", "size"]}
     return [
         Case("baseline", "idle 6 s (the bystander alone)", _idle),
-        _one("prompt_logprobs_4k", "4,096-token prompt, prompt_logprobs=5", "/v1/completions",
+        one("prompt_logprobs_4k", "4,096-token prompt, prompt_logprobs=5", "/v1/completions",
              lambda m: {"model": m, "prompt": _ids(4096, 1), "max_tokens": 1, "prompt_logprobs": 5}, True),
-        _one("echo_logprobs_8k", "8,192-token prompt, echo + logprobs=5, max_tokens 0", "/v1/completions",
+        one("echo_logprobs_8k", "8,192-token prompt, echo + logprobs=5, max_tokens 0", "/v1/completions",
              lambda m: {"model": m, "prompt": _ids(8192, 2), "max_tokens": 0, "echo": True, "logprobs": 5}, True),
-        _one("long_prompt_half_ctx", f"{half:,}-token prompt (half of max_model_len), 1 token", "/v1/completions",
+        one("long_prompt_half_ctx", f"{half:,}-token prompt (half of max_model_len), 1 token", "/v1/completions",
              lambda m: {"model": m, "prompt": _ids(half, 3), "max_tokens": 1}, True),
-        _one("huge_body_8mib", "8 MiB text prompt (~1.4M tokens: too long)", "/v1/completions",
+        one("huge_body_8mib", "8 MiB text prompt (~1.4M tokens: too long)", "/v1/completions",
              lambda m: {"model": m, "prompt": _huge_text(8), "max_tokens": 1}),
-        _one("tokenize_8mib", "8 MiB text to /tokenize (~1.4M tokens)", "/tokenize",
+        one("tokenize_8mib", "8 MiB text to /tokenize (~1.4M tokens)", "/tokenize",
              lambda m: {"model": m, "prompt": _huge_text(8)}),
-        _one("detokenize_1m_ids", "1,000,000 token ids to /detokenize", "/detokenize",
+        one("detokenize_1m_ids", "1,000,000 token ids to /detokenize", "/detokenize",
              lambda m: {"model": m, "tokens": _ids(1_000_000, 4)}),
-        _one("n_128", "one prompt, n=128, 16 tokens each", "/v1/completions",
+        one("n_128", "one prompt, n=128, 16 tokens each", "/v1/completions",
              lambda m: {"model": m, "prompt": "many", "n": 128, "max_tokens": 16, "ignore_eos": True}),
-        _one("16_prompts_n_128", "16 prompts x n=128 (2,048 sequences)", "/v1/completions",
+        one("16_prompts_n_128", "16 prompts x n=128 (2,048 sequences)", "/v1/completions",
              lambda m: {"model": m, "prompt": [f"p{i}" for i in range(16)], "n": 128, "max_tokens": 16}),
-        _one("stop_strings_1e5", "100,000 stop strings", "/v1/completions",
+        one("stop_strings_1e5", "100,000 stop strings", "/v1/completions",
              lambda m: {"model": m, "prompt": "stop", "max_tokens": 8, "stop": [f"s{i}x" for i in range(100_000)]}),
-        _one("first_json_schema", "first constrained request (json_schema)", "/v1/chat/completions",
+        one("first_json_schema", "first constrained request (json_schema)", "/v1/chat/completions",
              lambda m: {"model": m, "max_tokens": 16, "messages": [{"role": "user", "content": "json"}],
                         "response_format": {"type": "json_schema", "json_schema": {"name": "item", "schema": schema}}}),
-        _one("request_template", "chat_template_kwargs.chat_template with a 2000x2000 loop", "/v1/chat/completions",
+        one("request_template", "chat_template_kwargs.chat_template with a 2000x2000 loop", "/v1/chat/completions",
              lambda m: {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
                         "chat_template_kwargs": {"chat_template": LOOP_TEMPLATE}}),
-        _many("marker_flood_80", "80 prompts with distinct checkpoint markers", 80, "/v1/completions",
+        many("marker_flood_80", "80 prompts with distinct checkpoint markers", 80, "/v1/completions",
               lambda m, i: {"model": m, "prompt": f"flood {i} " * 12 + MARKER + " q", "max_tokens": 1}),
-        _many("burst_64", "64 concurrent 1-token requests", 64, "/v1/completions",
+        many("burst_64", "64 concurrent 1-token requests", 64, "/v1/completions",
               lambda m, i: {"model": m, "prompt": f"burst {i}", "max_tokens": 1}),
-        Case("disconnects_50", "50 streams dropped after the first chunk", _disconnects),
-        _one("lone_surrogate", "a lone surrogate in the prompt", "/v1/completions",
+        Case("disconnects_50", "50 streams dropped after the first chunk", _disconnects, lambda model: _user(user)),
+        one("lone_surrogate", "a lone surrogate in the prompt", "/v1/completions",
              lambda m: b'{"model": "' + m.encode() + b'", "prompt": "a\\ud800b", "max_tokens": 1}'),
-        _one("deep_json", "a prompt nested 100,000 lists deep", "/v1/completions",
+        one("deep_json", "a prompt nested 100,000 lists deep", "/v1/completions",
              lambda m: b'{"model": "' + m.encode() + b'", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
     ]
 
 
-async def run_case(case: Case, client: httpx.AsyncClient, url: str, model: str, pid: int | None) -> Row:
+async def run_case(case: Case, client: httpx.AsyncClient, url: str, model: str, pid: int | None,
+                   bystander_user: str | None) -> Row:
     payload = case.prepare(model)
-    probes, bystander, stop = Probes(client, pid), Bystander(client, model), asyncio.Event()
+    probes, bystander, stop = Probes(client, pid), Bystander(client, model, bystander_user), asyncio.Event()
     health = HealthProcess(url)  # started now: a Python process takes a while to send its first probe
     streams = [asyncio.ensure_future(bystander.stream_forever(i, stop)) for i in range(BYSTANDER_STREAMS)]
     await asyncio.sleep(3.0)  # the bystander is streaming before the case starts
@@ -357,7 +390,7 @@ async def run_all(args: argparse.Namespace, url: str, pid: int | None, code: dic
         info = (await client.get("/v1/models")).json()["data"][0]
         model, max_model_len = info["id"], info["max_model_len"]
         await _post(client, "/v1/completions", _json({"model": model, "prompt": "warm up", "max_tokens": 2}))
-        cases = build_cases(max_model_len)
+        cases = build_cases(max_model_len, None if args.anonymous else CASE_USER)
         wanted = set(args.cases.split(",")) if args.cases else {c.name for c in cases}
         unknown = wanted - {c.name for c in cases}
         if unknown:
@@ -366,11 +399,12 @@ async def run_all(args: argparse.Namespace, url: str, pid: int | None, code: dic
         for case in cases:
             if case.name not in wanted:
                 continue
-            row = await run_case(case, client, url, model, pid)
+            row = await run_case(case, client, url, model, pid, None if args.anonymous else BYSTANDER_USER)
             print(format_row(row, rows[0].bystander_gap_s if rows and rows[0].case == "baseline" else None),
                   flush=True)
             rows.append(row)
     return {"url": url, "model": model, "max_model_len": max_model_len, "server_args": args.server_arg,
+            "users": None if args.anonymous else {"bystander": BYSTANDER_USER, "cases": CASE_USER},
             "limits": LIMITS, "code": code, "machine": machine, "rows": [asdict(r) for r in rows]}
 
 
@@ -453,6 +487,8 @@ def main() -> int:
     parser.add_argument("--server-arg", action="append", default=[],
                         help="extra argument for the started `forkpoint serve` (repeatable)")
     parser.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
+    parser.add_argument("--anonymous", action="store_true",
+                        help="send no `user` (default: the bystander's requests say 'bystander', the cases' 'hostile')")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="output directory")
     parser.add_argument("--name", default="hostile_cpu", help="output file stem (default: hostile_cpu)")
     args = parser.parse_args()

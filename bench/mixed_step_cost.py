@@ -33,16 +33,30 @@ from plots import write_results  # noqa: E402
 from forkpoint import LLM, SamplingParams  # noqa: E402
 
 
+def start_streams(engine, streams: int) -> None:
+    """`streams` greedy streams (ids stream-0 ...; short prompts, ignore_eos) admitted into `engine`
+    (an `LLMEngine`), their first tokens out: every later step decodes each of them."""
+    params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+    for i in range(streams):
+        engine.add_request(f"stream-{i}", f"Stream {i} tells a story:", params)
+    for _ in range(3):
+        engine.step()
+
+
+def stop_streams(engine, streams: int) -> None:
+    """Abort the streams `start_streams` began and run `engine` until nothing is left."""
+    for i in range(streams):
+        engine.abort_request(f"stream-{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def measure(chunk: int, args: argparse.Namespace) -> dict:
     """Step times of one engine whose long prompt runs in chunks of `chunk` tokens beside the streams."""
     llm = LLM(args.model, long_prefill_token_threshold=chunk, max_prefill_tokens_with_decodes=chunk, seed=0,
               **({"load_format": "dummy"} if args.dummy else {}))
     engine = llm.engine
-    stream_params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
-    for i in range(args.streams):
-        engine.add_request(f"stream-{i}", f"Stream {i} tells a story:", stream_params)
-    for _ in range(3):  # admitted, first tokens out
-        engine.step()
+    start_streams(engine, args.streams)
     decode = []
     for _ in range(args.decode_steps):
         begin = time.perf_counter()
@@ -58,10 +72,7 @@ def measure(chunk: int, args: argparse.Namespace) -> dict:
         begin = time.perf_counter()
         engine.step()
         mixed.append((position, long_request.num_computed_tokens - position, time.perf_counter() - begin))
-    for i in range(args.streams):
-        engine.abort_request(f"stream-{i}")
-    while engine.has_unfinished_requests():
-        engine.step()
+    stop_streams(engine, args.streams)
     return {"chunk": chunk, "decode_s": decode, "decode_median_s": statistics.median(decode), "mixed": mixed}
 
 

@@ -4,7 +4,8 @@ Runs the server CLI in this process after wrapping the scheduler: every non-empt
 JSON line to TRACE (the path in $FORKPOINT_STEP_TRACE): when it was planned and settled
 (time.perf_counter(), the clock bench/hostile.py's bystander uses; both processes on one machine),
 how it ended (commit, requeue after out-of-memory, fail), its decode segments and its prefill
-segments (request id, start, end). No engine code changes; the wrappers cost microseconds per step.
+segments (request id, start, end); and one line per sequence the scheduler takes in (`added`: its id,
+its tenant, when). No engine code changes; the wrappers cost microseconds per step.
 
 Usage (then run bench/hostile.py --url ... --server-pid ... against it, and read both files together):
     FORKPOINT_STEP_TRACE=/tmp/steps.jsonl python bench/step_trace.py serve --port 8011 --log-level warning
@@ -25,7 +26,8 @@ from forkpoint.step.plan import SegmentKind  # noqa: E402
 
 
 def install(path: str) -> None:
-    """Wrap Scheduler.schedule / schedule_ahead / commit / requeue / fail to log each step to `path`."""
+    """Wrap Scheduler.add / schedule / schedule_ahead / commit / requeue / fail to log each sequence
+    taken in and each step to `path`."""
     sink = open(path, "a", buffering=1)  # noqa: SIM115 (open for the process's life)
     planned: dict[int, dict] = {}
 
@@ -44,8 +46,17 @@ def install(path: str) -> None:
             "decodes": sum(1 for s, _ in segments if s.kind is SegmentKind.DECODE),
             "decoders": sorted({r.parent_id for s, r in segments if s.kind is SegmentKind.DECODE}),
             "prefills": [[r.request_id, s.start, s.end] for s, r in segments if s.kind is not SegmentKind.DECODE],
+            "tenants": sorted({r.tenant for s, r in segments if s.kind is not SegmentKind.DECODE}),
             "running": None, "waiting": None}
 
+    add = Scheduler.add
+
+    def traced_add(self, request, *args, **kwargs):
+        add(self, request, *args, **kwargs)
+        sink.write(json.dumps({"added": request.request_id, "tenant": request.tenant, "at": time.perf_counter()})
+                   + "\n")
+
+    Scheduler.add = traced_add
     schedule, ahead = Scheduler.schedule, Scheduler.schedule_ahead
     commit, requeue, fail = Scheduler.commit, Scheduler.requeue, Scheduler.fail
 

@@ -9,8 +9,9 @@ step's limits, the sequences of clients with fewer sequences in the step go firs
   round k holds each client's k-th running sequence, in running order. One client's n=128 sequences
   then cannot take every token of a step from another client's single stream, which decodes every
   step while the budget holds one sequence per client.
-- Waiting sequences (`admission_order`): while the step has room (tokens and sequence slots) for
-  every waiting prompt, the queue order (first come, first served). When it does not, a client's
+- Waiting sequences (`admission_order`): while the step has room (tokens and sequence slots; in a
+  step that decodes, its prefill and short rooms: engine/prefill_budget.py) for every waiting prompt,
+  the queue order (first come, first served). When it does not, a client's
   k-th waiting sequence ranks after its running ones (rank = its running sequences + k) and lower
   ranks are admitted first, ties in queue order: a client whose many sequences run or wait does not
   hold another client's first request behind them.
@@ -32,11 +33,13 @@ def client_of(request: Request) -> str:
     return f"tenant:{request.tenant}" if request.tenant else f"prompt:{request.parent_id}"
 
 
-def _fit(requests: Iterable[Request], budget: int, chunk_cap: int) -> bool:
+def _fit(requests: Iterable[Request], budget: int, chunk_cap: int, seq_tokens: int = 0) -> bool:
     """Whether `budget` tokens hold an upper bound on what `requests` take this step: what each has
-    left, capped at `chunk_cap`, plus its drafts. Stops at the first request past the budget."""
+    left, capped at `chunk_cap`, plus its drafts, plus `seq_tokens` a sequence. Stops at the first
+    request past the budget."""
     for request in requests:
-        budget -= min(request.num_tokens - request.num_computed_tokens, chunk_cap) + len(request.draft_token_ids)
+        budget -= (min(request.num_tokens - request.num_computed_tokens, chunk_cap) + len(request.draft_token_ids)
+                   + seq_tokens)
         if budget < 0:
             return False
     return True
@@ -64,10 +67,11 @@ def step_order(running: Sequence[Request], budget: int, chunk_cap: int, seq_room
 
 
 def admission_order(waiting: Sequence[Request], running: Sequence[Request], budget: int, seq_room: int,
-                    chunk_cap: int) -> list[Request]:
+                    chunk_cap: int, seq_tokens: int = 0) -> list[Request]:
     """`waiting` in the order a step with `budget` tokens left and room for `seq_room` more
-    sequences tries to admit them: the queue order when all fit, else by rank (module docstring).
-    A permutation of `waiting`."""
-    if len(waiting) <= seq_room and _fit(waiting, budget, chunk_cap):
+    sequences tries to admit them: the queue order when all fit (each sequence counted with
+    `seq_tokens` more: a step that decodes counts short prefills so, engine/prefill_budget.py), else
+    by rank (module docstring). A permutation of `waiting`."""
+    if len(waiting) <= seq_room and _fit(waiting, budget, chunk_cap, seq_tokens):
         return list(waiting)
     return _round_robin(waiting, Counter(client_of(r) for r in running))

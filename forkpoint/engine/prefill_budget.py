@@ -24,7 +24,9 @@ progresses every step. The others then take what is left in order. Holding chang
 step computes, never the results: chunked prefill is exact.
 
     step that decodes:   [decodes (not counted in B)] [first running prefill <= B - held] [other prefills <= rest of B]
-                         [short prefills, each whole, <= SHORT_PREFILL_BUDGETS x B in all (`short_room`)]
+                         [short prefills, each whole: the first <= SHORT_PREFILL_BUDGETS x B, all together
+                          <= SHORT_STACK_BUDGETS x B, each counted with SHORT_SEQUENCE_TOKENS (`short_room`);
+                          a client's second and later <= SHORT_REPEAT_BUDGETS x B]
     step with no decode: [running prefills and admissions <= max_num_batched_tokens]
 """
 
@@ -41,6 +43,27 @@ DECODE_GRACE_S = 1.0  # seconds after the last step with a decode during which s
 # on the CPU the cap had doubled a chat server's time to first token (docs/server.md); the stall it costs a
 # stream is one step, not the tens of seconds of a long prompt's
 SHORT_PREFILL_BUDGETS = 16
+# short prefills stacked in one step that decodes: at most this many budgets in all, each counted with
+# SHORT_SEQUENCE_TOKENS (the first of the step runs whole even past it, up to SHORT_PREFILL_BUDGETS x B). 8
+# looked slower for chat turns: bench/agent_sessions.py's small CPU config (4 sessions), alternating with
+# f7cbad6 (16, sequences not counted), reused turn 1's TTFT p50 287-619 ms against 265-282 ms, the reuse phase
+# 6.1-8.3 s against 4.2-4.8 s, 3 runs each at load 1.3-2.5 (docs/server.md, issue 27's bursts)
+SHORT_STACK_BUDGETS = 16
+# a client's second and later short prefills in one step that decodes: at most this many budgets in all, per
+# client (engine/fair_order.py's client_of: a `user`, else one prompt). One client's burst then
+# takes one whole prompt and this much a step, not the whole stack: 16 marker prompts of one client (816
+# tokens) made a step 0.69-0.74 s beside the bystander's 0.13-0.26 s decode steps under load 3.5
+# (bench/hostile.py, bench/step_trace.py; docs/server.md, issue 27's bursts). Different clients' first short
+# prefills (chat turns of different sessions) still share the whole stack. Shared by all clients, the room went
+# to the burst's queue, which ranked first, and a bystander's 8 restarted streams took 3 steps to come back.
+# 8 measured against 4 (bench/hostile.py with `user`, load 2.5-3.5): beside 80 marker prompts the bystander's
+# worst gap was 2.6x and 1.7x its baseline at 8 (steps of 9-10 prompts, 0.35-0.39 s, a restart spans 2-3
+# steps), 1.5x in 3 runs at 4; the flood's own TTFT p50 2.25 and 1.94 s at 8, 1.74-3.50 s at 4
+SHORT_REPEAT_BUDGETS = 4
+# what one short prefill sequence costs a step beyond its tokens, in prefill tokens: its sampling, its state
+# row and its segment's setup. bench/burst_step_cost.py on the CPU with the embedded model (f7cbad6, 2 cores,
+# load 1.6): a step = 83 ms + 0.99 ms a sequence + 0.087 ms a token, so one sequence costs what 11 tokens do
+SHORT_SEQUENCE_TOKENS = 11
 
 
 # what one prompt-logit row (a scored prompt position: a [vocabulary] row of logits, its log-softmax and
@@ -59,11 +82,29 @@ def score_rows_with_decodes(budget: int, scan_chunk: int | None) -> int:
 
 
 def short_room(budget: int) -> int:
-    """Short prefills' tokens, all of them together, in a step that decodes with prefill budget
-    `budget` (B): SHORT_PREFILL_BUDGETS x B, what one short prefill may take at most. Each runs whole,
-    so one always fits a step; several stack only up to this (a burst of chat turns, 80 marker
-    prompts), and the next wait for the next step, in order."""
-    return SHORT_PREFILL_BUDGETS * budget
+    """Short prefills' cost (`short_cost`), all of them together, in a step that decodes with prefill
+    budget `budget` (B): SHORT_STACK_BUDGETS x B. The first short prefill of the step runs whole even
+    past it (`short_whole`); the others stack only up to it (a burst of chat turns, 80 marker prompts,
+    64 one-token requests: the burst as a whole), and the next wait for the next step."""
+    return SHORT_STACK_BUDGETS * budget
+
+
+def short_repeat_room(budget: int) -> int:
+    """Short prefills' cost, after a client's first of the step, in a step that decodes with prefill
+    budget `budget` (B): SHORT_REPEAT_BUDGETS x B per client (they also count against `short_room`)."""
+    return SHORT_REPEAT_BUDGETS * budget
+
+
+def short_whole(budget: int) -> int:
+    """The most a short prefill costs (`short_cost` of SHORT_PREFILL_BUDGETS x B tokens): the first of
+    a step that decodes may take this much, so every short prefill runs whole in some step."""
+    return short_cost(SHORT_PREFILL_BUDGETS * budget)
+
+
+def short_cost(tokens: int) -> int:
+    """What a short prefill of `tokens` tokens takes of the short room: its tokens and
+    SHORT_SEQUENCE_TOKENS for the sequence (a burst's cost is its sequences' as much as its tokens')."""
+    return tokens + SHORT_SEQUENCE_TOKENS
 
 
 def is_capped_prefill(request: Request, start: int, budget: int, origin: int) -> bool:

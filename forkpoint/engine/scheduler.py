@@ -45,11 +45,15 @@ from forkpoint.engine.fair_order import admission_order, client_of, step_order
 from forkpoint.engine.held_slots import HeldSlots
 from forkpoint.engine.prefill_budget import (
     DECODE_GRACE_S,
+    SHORT_SEQUENCE_TOKENS,
     is_capped_prefill,
     is_prefill,
     prefill_room,
     score_rows_with_decodes,
+    short_cost,
+    short_repeat_room,
     short_room,
+    short_whole,
 )
 from forkpoint.engine.request import Request, RequestStatus
 from forkpoint.engine.scheduler_stats import SchedulerStats
@@ -206,7 +210,8 @@ class Scheduler:
             SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else None, recently_decoded=recently)
         if prefill is not None:  # sequences decode in this step: its prefill stays small (engine/prefill_budget.py)
             planning.prefill_left, planning.prefill_held = prefill.total, prefill.held
-            planning.short_left = short_room(prefill.total)
+            planning.short_left, planning.short_whole = short_room(prefill.total), short_whole(prefill.total)
+            planning.repeat_room = short_repeat_room(prefill.total)
             planning.score_cap = min(self.score_rows, score_rows_with_decodes(
                 prefill.total, SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else None))
         preempted = False
@@ -247,7 +252,7 @@ class Scheduler:
                 elif self._capped(request, request.num_computed_tokens):
                     planning.take_prefill(count)
                 else:
-                    planning.take_short(count)
+                    planning.take_short(count, client_of(request))
                 self._plan_chunk(planning, request, request.num_computed_tokens, count, None)
             budget -= count
             planning.take_seq()
@@ -255,8 +260,12 @@ class Scheduler:
         planning.release_held_prefill()
         if not preempted:
             room = self._admission_room(planning)
-            for request in admission_order(self.waiting, self.running, budget, room,
-                                           planning.chunk_cap or self.chunk_cap):
+            # in a step that decodes, prefills fit the short room and the prefill room, not the step's
+            # tokens: a burst that does not fit them is ordered by client (engine/fair_order.py)
+            fit, seq_tokens = ((budget, 0) if planning.short_left is None else
+                               (min(budget, planning.short_left + planning.prefill_cap()), SHORT_SEQUENCE_TOKENS))
+            for request in admission_order(self.waiting, self.running, fit, room,
+                                           planning.chunk_cap or self.chunk_cap, seq_tokens):
                 if budget == 0 or len(self.running) >= self.config.max_num_seqs or planning.seqs_full:
                     break
                 client = client_of(request)
@@ -450,7 +459,8 @@ class Scheduler:
         if prefill_cap is not None and self._capped(request, start, admitting):
             count = min(count, prefill_cap)
         elif planning.short_left is not None and is_prefill(request, start):
-            count = min(count, planning.short_left)  # a short prefill: the step's short room
+            # a short prefill: the step's short room (and its client's repeat room)
+            count = min(count, planning.short_cap(client_of(request)) - SHORT_SEQUENCE_TOKENS)
         to_score = len(request.prompt_token_ids) - 1 - start
         rows_left = (planning.score_cap or self.score_rows) - planning.score_rows
         if request.params.prompt_logprobs is not None and to_score > rows_left:
@@ -512,10 +522,13 @@ class Scheduler:
         if self.states.requests.num_free == 0:
             return None
         start = source.state_tokens if source is not None else 0
-        if (planning.short_left is not None and not self._capped(request, start, admitting=True)
-                and request.num_tokens - start > planning.short_left):
-            planning.short_full = True  # a short prefill runs whole: it waits for a step with room
-            return 0
+        if planning.short_left is not None and not self._capped(request, start, admitting=True):
+            cost = short_cost(request.num_tokens - start)
+            if cost > planning.short_cap():
+                planning.short_full = True  # a short prefill runs whole: it waits for a step with room
+                return 0
+            if cost > planning.short_cap(client_of(request)):
+                return 0  # its client's short prefills fill its repeat room: the next step; other clients go on
         count = self._chunk(planning, request, start, budget, admitting=True)
         if count == 0:
             return None  # exact mode: no scan-chunk boundary within the budget left
@@ -559,7 +572,7 @@ class Scheduler:
         if self._capped(request, start, admitting=True):  # a long prefill's chunk counts against the budget
             planning.take_prefill(count)
         else:
-            planning.take_short(count)
+            planning.take_short(count, client_of(request))
         self._plan_chunk(planning, request, start, count, source)
         return count
 

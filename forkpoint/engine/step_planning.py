@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from forkpoint.cache.checkpoint_types import Checkpoint
+from forkpoint.engine.prefill_budget import short_cost
 from forkpoint.engine.request import Request
 from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan, Verify
 
@@ -72,10 +73,18 @@ class StepPlanning:
     # first running prefill leaves for the other prefills (engine/prefill_budget.py; None: no cap)
     prefill_left: int | None = None
     prefill_held: int = 0
-    # short prefills' tokens (they run whole, engine/prefill_budget.py) the step may still take while
-    # sequences decode in it (None: no cap), and whether one waiting had to wait for the next step
+    # short prefills' cost (they run whole, engine/prefill_budget.py: `short_cost`) the step may still
+    # take while sequences decode in it (None: no cap), what the first of them may take (`short_whole`),
+    # how many it has planned, and whether one waiting had to wait for the next step
     short_left: int | None = None
+    short_whole: int = 0
+    short_seqs: int = 0
     short_full: bool = False
+    # the short-room cost of each client's (engine/fair_order.py's client_of) short prefills planned in this
+    # step after its first (a client with a short prefill here has an entry), and how much that may be
+    # (`short_repeat_room`)
+    repeats: dict[str, int] = field(default_factory=dict)
+    repeat_room: int = 0
     score_cap: int | None = None  # prompt-logit rows of a step that decodes (None: Scheduler.score_rows)
 
     def add_segment(self, request: Request, start: int, end: int, initial: int, dests: tuple[int, ...],
@@ -100,9 +109,23 @@ class StepPlanning:
         if self.prefill_left is not None:
             self.prefill_left -= count
 
-    def take_short(self, count: int) -> None:
+    def short_cap(self, client: str | None = None) -> int | None:
+        """Short-room cost the next short prefill (of `client`; None: any) may take (None: no cap): the
+        first of the step runs whole (`short_whole`), the others share what is left of the stack, and
+        a client's second and later ones at most what is left of its repeat room."""
+        if self.short_left is None:
+            return None
+        cap = self.short_left if self.short_seqs else max(self.short_left, self.short_whole)
+        return min(cap, self.repeat_room - self.repeats[client]) if client in self.repeats else cap
+
+    def take_short(self, count: int, client: str) -> None:
+        """A short prefill of `count` tokens of `client` is planned (the rooms never go below 0: the
+        first may take more than the stack)."""
         if self.short_left is not None:
-            self.short_left -= count
+            cost = short_cost(count)
+            self.short_left = max(0, self.short_left - cost)
+            self.repeats[client] = self.repeats[client] + cost if client in self.repeats else 0
+            self.short_seqs += 1
 
     def release_held_prefill(self) -> None:
         """The first running prefill is planned: the other prefills may take what it left them."""
