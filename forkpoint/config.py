@@ -346,7 +346,7 @@ class EngineConfig:
     # plus the directory's files at start-up, cache/sizing.py), least recently used files leave first
     checkpoint_dir: str | None = None
     checkpoint_dir_bytes: int | None = None
-    # take a hit in the host or disk tier only when moving it back is measured to cost no more than
+    # take a hit in the host or disk tier only when moving it back is measured to cost no more than twice
     # computing the tokens it saves (cache/reuse_rule.py); False: take every hit (measured all the same)
     checkpoint_restore_rule: bool = True
     # keep every checkpoint's state at a multiple of SCAN_CHUNK_TOKENS at or before its position, and

@@ -167,8 +167,8 @@ class CheckpointRegistry:
 
     def restore_pays(self, tier: Tier, key: bytes, prefix_hash: Callable[[int], bytes],
                      accept: Callable[[Checkpoint], bool] | None = None) -> bool:
-        """Whether bringing checkpoint `key` back from `tier` costs no more than computing the tokens it
-        saves over the longest READY device checkpoint below it that `accept` takes (cache/reuse_rule.py).
+        """Whether bringing checkpoint `key` back from `tier` costs no more than twice computing the tokens
+        it saves over the longest READY device checkpoint below it that `accept` takes (cache/reuse_rule.py).
         A decline is remembered for `tier_miss` (and counted in `declined`) and ages the tier's measured
         cost (cache/reuse_rates.py, re-probing); a restore forgets it."""
         if tier is Tier.HOST:

@@ -1,5 +1,5 @@
 """The restore-versus-recompute rule: take a checkpoint from the host or disk tier only when moving it
-back costs no more than computing the tokens it saves (issue 32).
+back costs no more than twice computing the tokens it saves (issue 32; DECLINE_MARGIN below).
 
 Inputs (all measured, cache/reuse_rates.py; seconds, bytes, tokens):
 

@@ -117,9 +117,9 @@ class EngineCollector(Collector):
             if f"checkpoints_{event}" in values:
                 tier.add_metric([event], values[f"checkpoints_{event}"])
         yield tier
-        declined = CounterMetricFamily("forkpoint_checkpoint_restores_declined", "Host or disk tier hits recomputed "
-                                       "instead: moving them back was measured slower (docs/server.md).",
-                                       labels=["tier"])
+        declined = CounterMetricFamily("forkpoint_checkpoint_restores_declined",
+                                       "Host or disk tier hits recomputed instead: moving them back was measured to "
+                                       "cost more than twice the recompute (docs/server.md).", labels=["tier"])
         costs = GaugeMetricFamily("forkpoint_reuse_cost_seconds", "The measured costs the restore-or-recompute rule "
                                   "weighs: seconds per prompt token, decode or byte (docs/server.md).", labels=["cost"])
         for key, value in values.items():
