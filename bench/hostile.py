@@ -306,6 +306,7 @@ def build_cases(max_model_len: int, user: str | None) -> list[Case]:
     """Every case; their requests carry `user` (None: none, every request its own client)."""
     half = max_model_len // 2
     one, many = partial(_one, user=user), partial(_many, user=user)
+    utility = partial(_one, user=None)  # /tokenize and /detokenize take no `user` (vLLM's neither): a 400 otherwise
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "size": {"type": "integer"}},
               "required": ["name", "size"]}
     return [
@@ -318,9 +319,9 @@ def build_cases(max_model_len: int, user: str | None) -> list[Case]:
              lambda m: {"model": m, "prompt": _ids(half, 3), "max_tokens": 1}, True),
         one("huge_body_8mib", "8 MiB text prompt (~1.4M tokens: too long)", "/v1/completions",
              lambda m: {"model": m, "prompt": _huge_text(8), "max_tokens": 1}),
-        one("tokenize_8mib", "8 MiB text to /tokenize (~1.4M tokens)", "/tokenize",
+        utility("tokenize_8mib", "8 MiB text to /tokenize (~1.4M tokens)", "/tokenize",
              lambda m: {"model": m, "prompt": _huge_text(8)}),
-        one("detokenize_1m_ids", "1,000,000 token ids to /detokenize", "/detokenize",
+        utility("detokenize_1m_ids", "1,000,000 token ids to /detokenize", "/detokenize",
              lambda m: {"model": m, "tokens": _ids(1_000_000, 4)}),
         one("n_128", "one prompt, n=128, 16 tokens each", "/v1/completions",
              lambda m: {"model": m, "prompt": "many", "n": 128, "max_tokens": 16, "ignore_eos": True}),
