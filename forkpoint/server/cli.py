@@ -23,6 +23,11 @@ from forkpoint.server.bench_cli import add_bench_args, run_bench
 from forkpoint.server.config import DEFAULT_MODEL_NAME, MarkerPolicy, ServerConfig, default_tokenizer_workers
 from forkpoint.server.engine_args import add_engine_args, check_engine_kwargs, engine_kwargs, server_engine_kwargs
 
+# An idle kept-alive connection's life on the server (seconds): longer than a client's own (httpx, and so the openai
+# client, keep one 5 s; uvicorn's and vLLM's default is 5 s too, which races them: bench/agent_sessions.py at 256
+# sessions, docs/server.md)
+KEEP_ALIVE_S = 30.0
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="forkpoint", description=__doc__.split("\n\n")[0],
@@ -61,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout_s,
                       help="seconds in-flight requests get to finish on shutdown before they are aborted "
                            f"(default: {ServerConfig.shutdown_timeout_s:g})")
+    http.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
+                      help="seconds an idle HTTP/1.1 connection stays open for the client's next request (uvicorn's "
+                           "option; default: %(default)g, longer than the 5 s clients such as httpx and the openai "
+                           "client keep an idle connection, so the client closes it first: a server that closes "
+                           "first can close a connection just as a client sends on it, which fails that request)")
     http.add_argument("--max-request-bytes", type=int, default=None,
                       help="request bodies above this many bytes get 413 before they are read (default: enough "
                            "for any one prompt that fits --max-model-len, written with the worst JSON escaping)")
@@ -155,7 +165,7 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(llm, config, load_time_s=time.perf_counter() - start)
     freeze_startup_heap()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout)
+                timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=args.timeout_keep_alive)
     return 0
 
 

@@ -6,6 +6,8 @@ import argparse
 import gc
 import json
 import signal
+import socket
+import time
 
 import httpx
 import pytest
@@ -75,8 +77,44 @@ def test_serve_process_answers_and_stops_on_sigint(tmp_path):
         assert response.json()["usage"]["completion_tokens"] == 1
         rejected = httpx.post(f"{base}/v1/completions", json={"model": "cli-test", "prompt": "a<|mamba_checkpoint|>b"})
         assert rejected.status_code == 400
+        assert kept_alive_past(base, seconds=5.5)  # clients keep an idle connection 5 s: the server keeps it longer
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 0
+
+
+def kept_alive_past(base_url: str, seconds: float) -> bool:
+    """Whether one HTTP/1.1 connection answers GET /health, stays idle `seconds`, and answers again."""
+    host, port = base_url.removeprefix("http://").split(":")
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(request)
+        if not read_response(sock).startswith(b"HTTP/1.1 200"):
+            return False
+        time.sleep(seconds)
+        try:
+            sock.sendall(request)
+            return read_response(sock).startswith(b"HTTP/1.1 200")
+        except OSError:  # the server closed it (a reset, or the send after its close)
+            return False
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One whole response (head and its Content-Length body); what came before the peer closed, if it did."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return data
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
 
 
 def test_generate_prints_outputs_and_timings(capsys):

@@ -151,7 +151,7 @@ def serve_replicas(args: argparse.Namespace, config: ServerConfig, engine_kwargs
     with ReplicaCluster(engine_kwargs, options, ray_address=args.ray_address, ray_init_kwargs=init) as cluster:
         logger.info("%d replicas ready (%s)", options.num_replicas, "a GPU each" if cluster.options.num_gpus else "CPU")
         uvicorn.run(cluster.app(config), host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=args.shutdown_timeout)
+                    timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=args.timeout_keep_alive)
     return 0
 
 
