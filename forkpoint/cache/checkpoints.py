@@ -418,7 +418,8 @@ class CheckpointRegistry:
     # ------------------------------------------------------------------ disk tier
     def _save(self, checkpoint: Checkpoint) -> None:
         """Write a checkpoint that just became READY through to the disk tier (unless it has the file)."""
-        name, dropped = self.disk.save(checkpoint.key, checkpoint.num_tokens, len(checkpoint.blocks))
+        name, dropped = self.disk.save(checkpoint.key, checkpoint.num_tokens, len(checkpoint.blocks),
+                                       reads=checkpoint.hits)
         for old in dropped:
             self._record(DiskDrop(old))
         if name is not None:

@@ -7,10 +7,18 @@ This class keeps the index and decides; the bytes move elsewhere:
 - **save** (`save`): a checkpoint that became READY is written through to disk (a restart then finds
   it). The registry records a `DiskSave` plan write; the runner's storage copies the state row and
   blocks to the host and a background thread writes the file under a temporary name, then renames it
-  (runner/disk_io.py), so a reader never sees half a file. Files leave least recently used first
-  (modification time at start-up, then use: loads, and reads in memory through `touch`) when
-  `capacity_bytes` would be exceeded, other identities' files included; a `DiskDrop` plan write
+  (runner/disk_io.py), so a reader never sees half a file. When `capacity_bytes` would be exceeded,
+  files leave least valuable first (below), other identities' files included; a `DiskDrop` plan write
   deletes them, in order after any pending write.
+- **value** (frequency with aging, "LFU-DA"): a file's priority is the tier's age `L` when it was last
+  used plus its uses (its save, its checkpoint's reads in memory before it (`save`'s `reads`) and after
+  it (`touch`), loads); the
+  lowest priority leaves first, the least recently used of equals first, and `L` becomes the priority
+  of the file that left. A shared system prompt's checkpoint, read by every session's first turn, so
+  outlives the stream of per-session turns written after it that plain recency would keep instead
+  (bench/agent_sessions.py `--restart`: 32 sessions x 6 turns filled the bound, and the restarted
+  server found only later turns); `L` rises as files leave, so a file used often long ago leaves in
+  the end. Files found at start-up have no uses yet: they keep their modification-time order.
 - **load** (`load`): on a lookup that misses the device and host tiers, the file is read whole here
   and verified (identity, key, length, header and payload checksums) before anything uses it; the
   payload then travels in a `DiskRestore` plan write. A file that is missing, truncated, corrupt,
@@ -95,6 +103,9 @@ class DiskTier:
         self.directory = self.root / identity_dir_name(identity)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._files: OrderedDict[str, DiskEntry] = OrderedDict()  # every counted file, least recently used first
+        self._priority: dict[str, int] = {}  # name -> L at its last use + its uses (the module docstring)
+        self._uses: dict[str, int] = {}
+        self._age = 0  # L: the priority of the last file that left to make room
         self._by_key: dict[bytes, DiskEntry] = {}
         self._lengths: Counter[int] = Counter()
         self._failures: OrderedDict[bytes, tuple[int, FileDamage]] = OrderedDict()
@@ -128,7 +139,7 @@ class DiskTier:
             entry = DiskEntry(name, size) if parsed is None else DiskEntry(name, size, parsed[1], parsed[0])
             self._add(entry)
         while self.num_bytes > self.capacity_bytes:  # the bound may have shrunk since the files were written
-            self.path(self._pop_oldest()).unlink(missing_ok=True)  # nothing is pending at start-up
+            self.path(self._pop_least_valuable()).unlink(missing_ok=True)  # nothing is pending at start-up
         if self._by_key:
             logger.info("disk tier: %d checkpoint files of this model in %s", len(self._by_key), self.directory)
 
@@ -173,10 +184,11 @@ class DiskTier:
         return key in self._ahead and self._ahead[key][0].done()
 
     # ------------------------------------------------------------------ transitions
-    def save(self, key: bytes, num_tokens: int, num_blocks: int) -> tuple[str | None, list[str]]:
-        """Count a new file for checkpoint `key`, deleting least recently used files to make room.
-        Returns (its name, or None when it is larger than the tier or already kept; the names of the
-        files that leave): the caller records the `DiskDrop`s, then the `DiskSave`."""
+    def save(self, key: bytes, num_tokens: int, num_blocks: int, reads: int = 0) -> tuple[str | None, list[str]]:
+        """Count a new file for checkpoint `key`, deleting the least valuable files to make room; `reads`:
+        its checkpoint's reads before the file (a step that produces a prefix can read it too), counted
+        as uses with the save. Returns (its name, or None when it is larger than the tier or already kept;
+        the names of the files that leave): the caller records the `DiskDrop`s, then the `DiskSave`."""
         if key in self._by_key:
             return None, []
         num_bytes = self.file_bytes(num_blocks)
@@ -185,22 +197,24 @@ class DiskTier:
             return None, []
         dropped = []
         while self.num_bytes + num_bytes > self.capacity_bytes:
-            dropped.append(self._pop_oldest())
+            dropped.append(self._pop_least_valuable())
         name = str(Path(identity_dir_name(self.identity)) / file_name(num_tokens, key))
         self._add(DiskEntry(name, num_bytes, key, num_tokens))
+        self._uses[name] = reads
+        self._use(name)
         self._failures.pop(key, None)
         self.counters.saved += 1
         return name, dropped
 
     def touch(self, key: bytes) -> None:
-        """Checkpoint `key` was read in memory: its file (when it has one) is as recently used, so a
-        full tier deletes it after files nobody reads (a shared system prompt's checkpoint, written
-        first and read by every new session, would otherwise be the first to go), and, at most every
+        """Checkpoint `key` was read in memory: its file (when it has one) is used once more, so a full
+        tier deletes it after files read less (a shared system prompt's checkpoint, written first and
+        read by every new session, would otherwise be the first to go), and, at most every
         TOUCH_INTERVAL_S, its modification time tells the next start-up, which orders files by it."""
         entry = self._by_key.get(key)
         if entry is None:
             return
-        self._files.move_to_end(entry.name)
+        self._use(entry.name)
         now = time.monotonic()
         last = self._touched.get(key)
         if last is not None and now - last < TOUCH_INTERVAL_S:
@@ -257,7 +271,7 @@ class DiskTier:
         if not 0 < header.state_tokens <= header.num_tokens or header.num_blocks * self.block_size < \
                 header.state_tokens or header.payload_bytes != self.slot_bytes + header.num_blocks * self.block_bytes:
             raise DamagedFile(FileDamage.CORRUPT, f"{entry.name}: its fields do not fit this model's pools")
-        self._files.move_to_end(entry.name)
+        self._use(entry.name)
         try:
             os.utime(self.path(entry.name))  # recency for the next start-up's order
         except OSError:
@@ -289,13 +303,22 @@ class DiskTier:
 
     def _add(self, entry: DiskEntry) -> None:
         self._files[entry.name] = entry
+        self._priority[entry.name] = self._age
+        self._uses[entry.name] = 0
         self.num_bytes += entry.num_bytes
         if entry.key is not None:
             self._by_key[entry.key] = entry
             self._lengths[entry.num_tokens] += 1
 
+    def _use(self, name: str) -> None:
+        """One more use of file `name`: its priority becomes L + its uses; it is the most recently used."""
+        self._uses[name] += 1
+        self._priority[name] = self._age + self._uses[name]
+        self._files.move_to_end(name)
+
     def _discard(self, entry: DiskEntry) -> None:
         del self._files[entry.name]
+        del self._priority[entry.name], self._uses[entry.name]
         self.num_bytes -= entry.num_bytes
         if entry.key in self._ahead:
             self._drop_ahead(entry.key)
@@ -306,8 +329,11 @@ class DiskTier:
             if not self._lengths[entry.num_tokens]:
                 del self._lengths[entry.num_tokens]
 
-    def _pop_oldest(self) -> str:
-        entry = next(iter(self._files.values()))
+    def _pop_least_valuable(self) -> str:
+        """The file of lowest priority leaves (the least recently used of equals); L becomes its priority."""
+        name = min(self._files, key=self._priority.__getitem__)  # min keeps the first of equals: LRU order
+        self._age = max(self._age, self._priority[name])
+        entry = self._files[name]
         self._discard(entry)
         self.counters.dropped += 1
         return entry.name
@@ -315,6 +341,8 @@ class DiskTier:
     def check_integrity(self) -> None:
         if self.num_bytes != sum(e.num_bytes for e in self._files.values()) or self.num_bytes > self.capacity_bytes:
             raise AssertionError("disk tier byte count is wrong or over capacity")
+        if set(self._priority) != set(self._files) or set(self._uses) != set(self._files):
+            raise AssertionError("disk tier priorities are stale")
         if {e.key for e in self._files.values() if e.key is not None} != set(self._by_key):
             raise AssertionError("disk tier key index is stale")
         if Counter(e.num_tokens for e in self._by_key.values()) != self._lengths:

@@ -1,6 +1,7 @@
 """The disk tier's file format and directory: headers round-trip and catch damage, the identity
-separates models and layouts, files leave least recently used first within the byte bound, and a
-rejected file leaves the index with its damage remembered."""
+separates models and layouts, files leave least valuable first within the byte bound (frequency with
+aging, the least recently used of equals), and a rejected file leaves the index with its damage
+remembered."""
 
 from __future__ import annotations
 
@@ -121,6 +122,32 @@ def test_scan_orders_by_modification_time_and_bounds_the_bytes(tmp_path):
     assert name.endswith(file_name(15, key(5))) and dropped == [f"{own.name}/{file_name(11, key(1))}"]
     assert disk.save(key(5), 15, 1) == (None, [])  # kept already
     assert disk.save(key(6), 16, 1000) == (None, [])  # larger than the whole tier
+    disk.check_integrity()
+
+
+def test_a_file_read_often_outlives_the_turns_written_after_it_and_leaves_once_the_tier_has_aged(tmp_path):
+    """A shared system prompt's file (read by every new session) against a stream of sessions' turns,
+    each read once by the session's next turn: plain recency dropped the shared one first (the restart
+    in bench/agent_sessions.py found only late turns); by value it stays while the turns come and go,
+    and once files read as often have left, it leaves too."""
+    size = HEADER_BYTES + SLOT + BLOCK
+    disk = tier(tmp_path, capacity=4 * size)
+    shared = key(0)
+    disk.save(shared, 100, 1)
+    for _ in range(6):  # six sessions' first turns read it
+        disk.touch(shared)
+    turns = [key(i) for i in range(1, 13)]
+    for i, turn in enumerate(turns):
+        _, dropped = disk.save(turn, 200 + i, 1)
+        if i:
+            disk.touch(turns[i - 1])  # the session's next turn read the previous one
+        assert shared in disk and not any(file_name(100, shared) in name for name in dropped)
+        disk.check_integrity()
+    assert len(disk) == 4 and turns[-3:] == [t for t in turns if t in disk][-3:]
+    for i in range(13, 40):  # turns read twice each: the tier's age passes the shared file's priority
+        disk.save(key(i), 300 + i, 1)
+        disk.touch(key(i))
+    assert shared not in disk
     disk.check_integrity()
 
 
