@@ -1,0 +1,251 @@
+"""One client's share of a step's decodes (engine/decode_share.py): beside another client's streams a
+request with a large n decodes at most its share a step, its other sequences take turns oldest first
+and keep their state, the streams decode every step, and outputs do not change."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+
+import pytest
+
+from forkpoint import LLM, SamplingParams
+from forkpoint.cache.block_pool import BlockPool
+from forkpoint.cache.hashing import PrefixHasher
+from forkpoint.cache.state_pool import StatePool
+from forkpoint.config import CPU_SERVE_DECODE_SHARE, EngineConfig
+from forkpoint.engine.decode_share import DecodeTurns, decode_share
+from forkpoint.engine.request import Request, RequestStatus
+from forkpoint.engine.scheduler import Scheduler
+from forkpoint.server.cli import build_parser
+from forkpoint.server.engine_args import engine_kwargs, server_engine_kwargs
+from tests.engine.fake_executor import FakeExecutor, append_sampled, reference
+from tests.engine.test_faults import assert_drained
+from tests.helpers import assert_same_outputs
+from tests.tiny_models import token_words
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+SHARE = 8
+
+
+def _request(request_id: str, parent_id: str, index: int, prompt: list[int], tenant: str = "",
+             params: SamplingParams = GREEDY, computed: int | None = None) -> Request:
+    request = Request(request_id, parent_id, index, prompt, (), params, 0.0, PrefixHasher(prompt, 4), None,
+                      tenant=tenant)
+    if computed is not None:  # decoding: the prompt computed and one output token sampled
+        request.output_token_ids.append(1)
+        request.num_computed_tokens = len(prompt) if computed else 0
+    return request
+
+
+def _decoders(client: str, n: int) -> list[Request]:
+    return [_request(f"{client}#{i}", client, i, [1, 2, 3], computed=1) for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------- the rule
+def test_the_share_is_the_floor_or_the_largest_other_client():
+    running = Counter({"big": 64, "small": 4, "mid": 12})
+    assert decode_share(8, "big", running) == 12  # the largest other client runs more than the floor
+    assert decode_share(16, "big", running) == 16
+    assert decode_share(8, "small", running) == 64  # a small client is never capped by a larger one
+    assert decode_share(8, "big", Counter({"big": 64})) == 8  # others waiting, none running: the floor
+    with pytest.raises(ValueError, match="floor >= 1"):
+        decode_share(0, "big", running)
+    with pytest.raises(ValueError, match="max_decode_share must be >= 1"):
+        DecodeTurns(0)
+    with pytest.raises(ValueError, match="max_decode_share must be >= 1"):
+        EngineConfig(max_decode_share=0)
+
+
+def test_a_lone_client_is_never_capped():
+    turns = DecodeTurns(SHARE)
+    big = _decoders("big", 64)
+    assert turns.pick(big, live_clients={"prompt:big"}, departed=False) == big
+    # a client that just left (a held slot) may come back within the grace: the share holds meanwhile
+    assert len(turns.pick(big, live_clients={"prompt:big"}, departed=True)) == SHARE
+
+
+def test_equal_clients_do_not_cap_each_other_and_prefills_never_skip():
+    turns = DecodeTurns(SHARE)
+    a, b = _decoders("a", 20), _decoders("b", 20)
+    assert turns.pick(a + b, live_clients={"prompt:a", "prompt:b"}, departed=False) == a + b
+    prefilling = [_request(f"p#{i}", "big", i, [1, 2, 3], computed=0) for i in range(12)]
+    big = _decoders("big", 20) + prefilling
+    picked = turns.pick(big + _decoders("s", 2), live_clients={"prompt:big", "prompt:s"}, departed=False)
+    assert sum(r.parent_id == "big" and r.num_computed_tokens > 0 for r in picked) == SHARE
+    assert all(r in picked for r in prefilling)  # prefill chunks are the prefill budget's, not the share's
+
+
+def test_turns_go_oldest_first_and_none_waits_more_than_its_rounds():
+    turns = DecodeTurns(SHARE)
+    big, small = _decoders("big", 20), _decoders("small", 3)
+    running = big + small
+    waited = Counter()
+    for step in range(12):
+        picked = turns.pick(running, live_clients={"prompt:big", "prompt:small"}, departed=False)
+        assert all(s in picked for s in small)
+        assert sum(r in picked for r in big) == SHARE
+        for request in big:
+            waited[request.request_id] = 0 if request in picked else waited[request.request_id] + 1
+            assert waited[request.request_id] <= math.ceil(20 / SHARE) - 1
+        turns.record(picked, running, step)
+    picked = turns.pick(running, {"prompt:big", "prompt:small"}, False)
+    ran_last = [turns.last_ran[r.request_id] for r in big if r in picked]
+    assert max(ran_last) <= min(turns.last_ran[r.request_id] for r in big if r not in picked)  # oldest first
+    turns.record([], running[:5], 12)
+    assert set(turns.last_ran) == {f"big#{i}" for i in range(5)}  # ended sequences are forgotten
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+class _Loop:
+    """The engine's loop around the scheduler with `FakeExecutor` as the runner: one prompt x n=64
+    (client "big") and 4 single-sequence streams of another client ("small", `tenant`), all arriving
+    at once; records which sequences each step planned."""
+
+    def __init__(self, share: int | None, abort_skipped_at: int | None = None) -> None:
+        config = EngineConfig(max_num_batched_tokens=256, max_num_seqs=128, block_size=4, num_kv_blocks=1024,
+                              checkpoint_pool_size=1, max_decode_share=share)
+        self.blocks = BlockPool(config.num_kv_blocks, config.block_size)
+        self.states = StatePool(config.max_num_seqs, config.checkpoint_pool_size)
+        self.scheduler = Scheduler(config, self.blocks, self.states, None, vocab_size=1000)
+        self.executor = FakeExecutor(config.block_size)
+        self.big = [_request(f"big#{i}", "big", i, [7, 1, 3]) for i in range(64)]
+        self.small = [_request(f"small{s}", f"small{s}", 0, [9, s], tenant="small",
+                                params=dataclasses.replace(GREEDY, max_tokens=20)) for s in range(4)]
+        for request in self.big + self.small:
+            self.scheduler.add(request)
+        self.planned: list[list[Request]] = []
+        self.aborted: Request | None = None
+        self.abort_skipped_at = abort_skipped_at
+
+    def run(self) -> _Loop:
+        for index in range(500):
+            if not self.scheduler.has_unfinished():
+                return self
+            now = index * 0.05  # a fake clock: a held slot lapses 20 steps after its client left
+            step = self.scheduler.schedule(now=now)
+            self.planned.append(list(step.requests))
+            if index == self.abort_skipped_at:  # a sequence skipping this step is aborted (it holds no step)
+                self.aborted = next(r for r in self.big if r.status is RequestStatus.RUNNING
+                                    and r not in step.requests)
+                self.scheduler.finish(self.aborted, "abort", now=now)
+                assert self.aborted.slot is None and not self.aborted.blocks
+            tokens = self.executor.execute(step.plan)
+            self.scheduler.commit(step)
+            for request in append_sampled(step, tokens):
+                if len(request.output_token_ids) >= request.params.max_tokens and not request.is_finished:
+                    self.scheduler.finish(request, "length", now=now)
+            self.scheduler.check_integrity()
+            self.states.check_integrity()
+        raise AssertionError("the scheduler did not drain")
+
+
+@pytest.fixture(scope="module")
+def shared() -> _Loop:
+    return _Loop(SHARE).run()
+
+
+def _contested(loop: _Loop) -> list[int]:
+    """Steps in which a small stream decoded (they outlive big's first tokens: 20 tokens each)."""
+    return [i for i, planned in enumerate(loop.planned) if any(r.tenant == "small" for r in planned)]
+
+
+def test_the_other_clients_streams_decode_every_step(shared):
+    steps = _contested(shared)
+    assert steps == list(range(20)), steps  # admitted in the first step, then one token every step
+
+
+def test_the_big_request_takes_at_most_its_share_while_others_run(shared):
+    for index in _contested(shared)[1:]:  # the first step is both clients' prefill
+        assert sum(r.parent_id == "big" for r in shared.planned[index]) <= SHARE
+    assert shared.scheduler.stats.decode_turns_skipped > 0
+    # alone once the streams' client left and its held slots lapsed (20 steps), big decodes all it has left
+    alone = shared.planned[_contested(shared)[-1] + 21:]
+    assert alone and max(len(planned) for planned in alone) > SHARE, [len(p) for p in shared.planned]
+
+
+def test_without_the_share_the_big_request_decodes_all_64_beside_the_streams():
+    """The failure the share fixes (main: every running sequence decodes in every step)."""
+    loop = _Loop(None).run()
+    assert all(sum(r.parent_id == "big" for r in loop.planned[i]) == 64 for i in range(1, 12))
+    assert loop.scheduler.stats.decode_turns_skipped == 0
+
+
+def test_no_sequence_waits_more_than_its_rounds(shared):
+    bound = math.ceil(64 / SHARE) - 1
+    for request in shared.big:
+        ran = [i for i, planned in enumerate(shared.planned) if request in planned]
+        assert max(b - a - 1 for a, b in zip(ran, ran[1:])) <= bound, (request.request_id, ran)
+
+
+def test_outputs_equal_the_run_without_the_share(shared):
+    unshared = _Loop(None).run()
+    for ours, theirs in zip(shared.big + shared.small, unshared.big + unshared.small):
+        assert ours.output_token_ids == theirs.output_token_ids == reference(
+            ours.prompt_token_ids, ours.params.max_tokens)
+    assert len(shared.planned) > len(unshared.planned)  # the turns cost the big request steps
+    assert shared.blocks.num_used == 0 and shared.states.requests.num_used == 0
+
+
+def test_aborting_a_skipped_sequence_releases_everything():
+    loop = _Loop(SHARE, abort_skipped_at=5).run()
+    assert loop.aborted is not None and loop.aborted.finish_reason == "abort"
+    assert loop.blocks.num_used == 0 and loop.states.requests.num_used == 0
+    for request in loop.big + loop.small:
+        if request is not loop.aborted:
+            assert request.output_token_ids == reference(request.prompt_token_ids, request.params.max_tokens)
+
+
+def test_the_config_and_the_servers_default():
+    parse = build_parser().parse_args
+    cpu, cuda = parse(["serve", "--device", "cpu"]), parse(["serve", "--device", "cuda"])
+    assert server_engine_kwargs(cpu)["max_decode_share"] == CPU_SERVE_DECODE_SHARE
+    assert engine_kwargs(cpu)["max_decode_share"] is None  # forkpoint generate / bench, LLM: off
+    assert server_engine_kwargs(cuda)["max_decode_share"] is None  # not measured on CUDA
+    assert server_engine_kwargs(parse(["serve", "--device", "cpu", "--max-decode-share", "4"]))[
+        "max_decode_share"] == 4
+
+
+# ---------------------------------------------------------------------------------------------- the model
+MARK = "<|mamba_checkpoint|>"
+
+
+@pytest.mark.parametrize("engine_kwargs", [dict(), dict(async_scheduling=True)], ids=["sync", "async"])
+def test_real_model_outputs_are_unchanged(moe_model, engine_kwargs):
+    """CPU float32: a seeded n=8 request with logprobs beside two greedy streams (one reading a
+    checkpoint another prompt writes) gives the same tokens and logprobs with a share of 2 as without;
+    the abort of a sequence waiting for its turn releases everything."""
+    anchor = token_words(30, 24)
+    prompts = [token_words(31, 6), f"{anchor} {MARK} {token_words(32, 3)}", f"{anchor} {MARK} {token_words(33, 5)}"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    seeded = SamplingParams(temperature=0.9, top_k=20, seed=11, n=8, max_tokens=10, ignore_eos=True, logprobs=2)
+
+    def run(share: int | None) -> tuple[list, dict]:
+        llm = LLM(str(moe_model[0]), num_kv_blocks=256, block_size=8, max_num_seqs=16, max_decode_share=share,
+                  **engine_kwargs)
+        outs = llm.generate(prompts, [seeded, greedy, greedy], use_tqdm=False)
+        llm.engine.check_integrity()
+        return [dataclasses.replace(out, outputs=[c]) for out in outs for c in out.outputs], llm.metrics()
+
+    shared, metrics = run(share=2)
+    assert metrics["decode_turns_skipped"] > 10
+    unshared, off = run(share=None)
+    assert off["decode_turns_skipped"] == 0
+    assert_same_outputs(shared, unshared)
+    assert [o.request_id for o in shared] == [o.request_id for o in unshared]
+
+
+def test_real_model_abort_of_a_waiting_turn_releases_everything(moe_model):
+    llm = LLM(str(moe_model[0]), num_kv_blocks=256, block_size=8, max_num_seqs=16, max_decode_share=2)
+    engine = llm.engine
+    engine.add_request("big", token_words(34, 6), SamplingParams(temperature=0.0, n=8, max_tokens=30, ignore_eos=True))
+    engine.add_request("stream", token_words(35, 4), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine.scheduler.stats.decode_turns_skipped > 0
+    engine.abort_request("big")
+    engine.check_integrity()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_drained(llm)  # integrity, and no block or slot held once idle checkpoints are evicted
