@@ -9,6 +9,8 @@ import math
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from forkpoint import LLM, SamplingParams
 from forkpoint.cache.block_pool import BlockPool
@@ -22,8 +24,9 @@ from forkpoint.server.cli import build_parser
 from forkpoint.server.engine_args import engine_kwargs, server_engine_kwargs
 from tests.engine.fake_executor import FakeExecutor, append_sampled, reference
 from tests.engine.test_faults import assert_drained
+from tests.engine.test_speculative import SPEC
 from tests.helpers import assert_same_outputs
-from tests.tiny_models import token_words
+from tests.tiny_models import add_mtp_weights, token_words
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SHARE = 8
@@ -249,3 +252,69 @@ def test_real_model_abort_of_a_waiting_turn_releases_everything(moe_model):
     while engine.has_unfinished_requests():
         engine.step()
     assert_drained(llm)  # integrity, and no block or slot held once idle checkpoints are evicted
+
+
+def test_speculative_decoding_under_the_share_keeps_greedy_outputs(tiny_model_factory, tmp_path_factory):
+    """Verify steps under a share of 1: a sequence that skips keeps its drafts for its next turn; greedy
+    outputs equal the plain engine's (no speculation, no share), integrity checked after every step."""
+    source, _ = tiny_model_factory("qwen3_5_moe_text")
+    directory = tmp_path_factory.mktemp("decode_share_mtp")
+    add_mtp_weights(source, directory)
+    prompts = [token_words(36, 5), token_words(37, 7), token_words(38, 4)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    wide = dataclasses.replace(params, n=4)
+    reference = LLM(str(directory)).generate(prompts, [wide, params, params], use_tqdm=False)
+    llm = LLM(str(directory), speculative_config=SPEC, max_decode_share=1)
+    engine = llm.engine
+    for i, (prompt, p) in enumerate(zip(prompts, [wide, params, params])):
+        engine.add_request(f"p{i}", prompt, p)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((out.request_id, out) for out in engine.step() if out.finished)
+        engine.check_integrity()
+    got = [outputs[f"p{i}"] for i in range(len(prompts))]
+    for ours, theirs in zip(got, reference):
+        assert_same_outputs([dataclasses.replace(ours, outputs=[c]) for c in ours.outputs],
+                            [dataclasses.replace(theirs, outputs=[c]) for c in theirs.outputs])
+    metrics = llm.metrics()
+    assert metrics["decode_turns_skipped"] > 0 and metrics["spec_verifications"] > 0
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)  # the same examples each run
+@given(
+    prompts=st.lists(st.tuples(st.sampled_from(["", "alice", "bob"]), st.integers(1, 10), st.integers(1, 6)),
+                     min_size=1, max_size=5),
+    budget=st.integers(2, 40),
+    share=st.integers(1, 4),
+    spare_blocks=st.integers(0, 12),
+)
+def test_random_clients_under_a_share_keep_every_output(prompts, budget, share, spare_blocks):
+    """Random clients (tenant, prompt length, n) under a share, a token budget and KV blocks short
+    enough to preempt: every sequence ends with the fake model's greedy output and the pools drain."""
+    longest = max(length for _, length, _ in prompts) + GREEDY.max_tokens
+    config = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=8, block_size=4, max_decode_share=share,
+                          num_kv_blocks=-(-longest // 4) + spare_blocks, checkpoint_pool_size=1)
+    blocks, states = BlockPool(config.num_kv_blocks, config.block_size), StatePool(8, 1)
+    scheduler, executor = Scheduler(config, blocks, states, None, vocab_size=1000), FakeExecutor(config.block_size)
+    sequences = [_request(f"p{p}#{i}", f"p{p}", i, [p, *range(length - 1)], tenant)
+                 for p, (tenant, length, n) in enumerate(prompts) for i in range(n)]
+    for request in sequences:
+        scheduler.add(request)
+    for _ in range(2000):
+        if not scheduler.has_unfinished():
+            break
+        step = scheduler.schedule()
+        if step.empty:  # as the engine: nothing to run this time (a preempted sequence waits for memory)
+            continue
+        assert all(r.status is RequestStatus.RUNNING and r.slot is not None for r in step.requests)
+        tokens = executor.execute(step.plan)
+        scheduler.commit(step)
+        for request in append_sampled(step, tokens):
+            if len(request.output_token_ids) >= GREEDY.max_tokens:
+                scheduler.finish(request, "length")
+        scheduler.check_integrity()
+        states.check_integrity()
+    assert not scheduler.has_unfinished(), "the scheduler did not drain"
+    for request in sequences:
+        assert request.output_token_ids == reference(request.prompt_token_ids, GREEDY.max_tokens)
+    assert blocks.num_used == 0 and states.requests.num_used == 0
