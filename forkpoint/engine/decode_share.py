@@ -74,15 +74,18 @@ class DecodeTurns:
         if len(set(live_clients) | set(clients)) <= 1 and not departed:
             return list(running)
         skipped: set[int] = set()
-        decoding: dict[str, list[tuple[int, int, Request]]] = {}
+        # per client, its decoding sequences by turn: any not recorded yet first, then by
+        # the step each last ran in, ties in running order
+        decoding: dict[str, list[tuple[tuple[bool, int, int], Request]]] = {}
         for position, request in enumerate(running):
             if takes_turns(request):
-                decoding.setdefault(client_of(request), []).append(
-                    (self.last_ran.get(request.request_id, -1), position, request))
+                ran = request.request_id in self.last_ran
+                turn = (ran, self.last_ran[request.request_id] if ran else 0, position)
+                decoding.setdefault(client_of(request), []).append((turn, request))
         for client, candidates in decoding.items():
             share = decode_share(self.floor, client, clients)
             if len(candidates) > share:
-                skipped.update(id(request) for _, _, request in sorted(candidates, key=lambda c: c[:2])[share:])
+                skipped.update(id(request) for _, request in sorted(candidates, key=lambda c: c[0])[share:])
         return [r for r in running if id(r) not in skipped]
 
     def record(self, ran: Sequence[Request], running: Sequence[Request], step: int) -> None:
