@@ -17,6 +17,10 @@ sampled for them. A client alone in the engine is never capped; beside a small c
 still decodes `floor` rows a step; two clients of equal size never cap each other (each one's share
 is the other's count). The client is engine/fair_order.py's `client_of` (the `user`, else the prompt).
 
+While a client has its share of a step's sequences (decodes, prefill chunks and admissions together),
+none of its waiting sequences is admitted into that step (`StepShares.admits`): one request's n=128
+arriving beside a stream client otherwise added 22 one-token prompts a step to the capped decodes.
+
 Turns: a capped client's sequences that decode are taken oldest-first by the step in which each last
 ran (`DecodeTurns`), ties in running order, so a sequence that skipped goes before one that just
 ran and none starves: with d sequences decoding and a share of s, each waits at most ceil(d/s) - 1
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 from forkpoint.engine.fair_order import client_of
 from forkpoint.engine.prefill_budget import is_prefill
@@ -52,6 +57,23 @@ def takes_turns(request: Request) -> bool:
     return not is_prefill(request, request.num_computed_tokens) and not request.checkpointing.producing
 
 
+@dataclass(frozen=True)
+class StepShares:
+    """One step under the share: `taking`, the running sequences that take part in it (running order);
+    `running`, running sequences per client when it was planned; `floor`, the share's floor while other
+    clients have work (None: one client alone, no cap)."""
+
+    taking: list[Request]
+    running: Counter[str]
+    floor: int | None
+
+    def admits(self, client: str, in_step: int) -> bool:
+        """Whether `client`, with `in_step` sequences in the step so far (decodes, prefills, admissions),
+        may have one more admitted into it: below its share, or no cap. A client's new sequences would
+        otherwise add rows beside its capped decodes (n=128's arrival: 22 one-token prompts a step)."""
+        return self.floor is None or in_step < decode_share(self.floor, client, self.running)
+
+
 class DecodeTurns:
     """The steps in which running sequences last ran, and the pick of a step's decoders under the
     share. `floor` >= 1 (`EngineConfig.max_decode_share`).
@@ -65,14 +87,14 @@ class DecodeTurns:
         self.floor = floor
         self.last_ran: dict[str, int] = {}
 
-    def pick(self, running: Sequence[Request], live_clients: Collection[str], departed: bool) -> list[Request]:
-        """The running sequences that take part in the next step, in running order: all of them when
-        no other client than theirs has work (`live_clients`: clients with sequences running or
-        waiting; `departed`: a slot is held for a client that just left), else each client's
-        decoding sequences beyond its share skip, those that ran longest ago going first."""
+    def pick(self, running: Sequence[Request], live_clients: Collection[str], departed: bool) -> StepShares:
+        """The next step's shares: the running sequences that take part in it, in running order (all of
+        them when no other client than theirs has work: `live_clients`, clients with sequences running
+        or waiting; `departed`, a slot is held for a client that just left), else each client's decoding
+        sequences beyond its share skip, those that ran longest ago going first."""
         clients = Counter(client_of(r) for r in running)
         if len(set(live_clients) | set(clients)) <= 1 and not departed:
-            return list(running)
+            return StepShares(list(running), clients, None)
         skipped: set[int] = set()
         # per client, its decoding sequences by turn: any not recorded yet first, then by
         # the step each last ran in, ties in running order
@@ -86,7 +108,7 @@ class DecodeTurns:
             share = decode_share(self.floor, client, clients)
             if len(candidates) > share:
                 skipped.update(id(request) for _, request in sorted(candidates, key=lambda c: c[0])[share:])
-        return [r for r in running if id(r) not in skipped]
+        return StepShares([r for r in running if id(r) not in skipped], clients, self.floor)
 
     def record(self, ran: Sequence[Request], running: Sequence[Request], step: int) -> None:
         """Sequences `ran` took part in step `step`; `running`: the running list after it was planned."""

@@ -64,18 +64,18 @@ def test_the_share_is_the_floor_or_the_largest_other_client():
 def test_a_lone_client_is_never_capped():
     turns = DecodeTurns(SHARE)
     big = _decoders("big", 64)
-    assert turns.pick(big, live_clients={"prompt:big"}, departed=False) == big
+    assert turns.pick(big, live_clients={"prompt:big"}, departed=False).taking == big
     # a client that just left (a held slot) may come back within the grace: the share holds meanwhile
-    assert len(turns.pick(big, live_clients={"prompt:big"}, departed=True)) == SHARE
+    assert len(turns.pick(big, live_clients={"prompt:big"}, departed=True).taking) == SHARE
 
 
 def test_equal_clients_do_not_cap_each_other_and_prefills_never_skip():
     turns = DecodeTurns(SHARE)
     a, b = _decoders("a", 20), _decoders("b", 20)
-    assert turns.pick(a + b, live_clients={"prompt:a", "prompt:b"}, departed=False) == a + b
+    assert turns.pick(a + b, live_clients={"prompt:a", "prompt:b"}, departed=False).taking == a + b
     prefilling = [_request(f"p#{i}", "big", i, [1, 2, 3], computed=0) for i in range(12)]
     big = _decoders("big", 20) + prefilling
-    picked = turns.pick(big + _decoders("s", 2), live_clients={"prompt:big", "prompt:s"}, departed=False)
+    picked = turns.pick(big + _decoders("s", 2), live_clients={"prompt:big", "prompt:s"}, departed=False).taking
     assert sum(r.parent_id == "big" and r.num_computed_tokens > 0 for r in picked) == SHARE
     assert all(r in picked for r in prefilling)  # prefill chunks are the prefill budget's, not the share's
 
@@ -86,14 +86,14 @@ def test_turns_go_oldest_first_and_none_waits_more_than_its_rounds():
     running = big + small
     waited = Counter()
     for step in range(12):
-        picked = turns.pick(running, live_clients={"prompt:big", "prompt:small"}, departed=False)
+        picked = turns.pick(running, live_clients={"prompt:big", "prompt:small"}, departed=False).taking
         assert all(s in picked for s in small)
         assert sum(r in picked for r in big) == SHARE
         for request in big:
             waited[request.request_id] = 0 if request in picked else waited[request.request_id] + 1
             assert waited[request.request_id] <= math.ceil(20 / SHARE) - 1
         turns.record(picked, running, step)
-    picked = turns.pick(running, {"prompt:big", "prompt:small"}, False)
+    picked = turns.pick(running, {"prompt:big", "prompt:small"}, False).taking
     ran_last = [turns.last_ran[r.request_id] for r in big if r in picked]
     assert max(ran_last) <= min(turns.last_ran[r.request_id] for r in big if r not in picked)  # oldest first
     turns.record([], running[:5], 12)
@@ -103,10 +103,11 @@ def test_turns_go_oldest_first_and_none_waits_more_than_its_rounds():
 # ---------------------------------------------------------------------------------------------- the engine
 class _Loop:
     """The engine's loop around the scheduler with `FakeExecutor` as the runner: one prompt x n=64
-    (client "big") and 4 single-sequence streams of another client ("small", `tenant`), all arriving
-    at once; records which sequences each step planned."""
+    (client "big") and 4 single-sequence streams of another client ("small", `tenant`); the `first`
+    client's arrive before the first step, the other's before the second. Records which sequences
+    each step planned."""
 
-    def __init__(self, share: int | None, abort_skipped_at: int | None = None) -> None:
+    def __init__(self, share: int | None, abort_skipped_at: int | None = None, first: str = "big") -> None:
         config = EngineConfig(max_num_batched_tokens=256, max_num_seqs=128, block_size=4, num_kv_blocks=1024,
                               checkpoint_pool_size=1, max_decode_share=share)
         self.blocks = BlockPool(config.num_kv_blocks, config.block_size)
@@ -116,17 +117,18 @@ class _Loop:
         self.big = [_request(f"big#{i}", "big", i, [7, 1, 3]) for i in range(64)]
         self.small = [_request(f"small{s}", f"small{s}", 0, [9, s], tenant="small",
                                 params=dataclasses.replace(GREEDY, max_tokens=20)) for s in range(4)]
-        for request in self.big + self.small:
-            self.scheduler.add(request)
+        self.arrivals = [self.big, self.small] if first == "big" else [self.small, self.big]
         self.planned: list[list[Request]] = []
         self.aborted: Request | None = None
         self.abort_skipped_at = abort_skipped_at
 
     def run(self) -> _Loop:
         for index in range(500):
-            if not self.scheduler.has_unfinished():
+            if index >= len(self.arrivals) and not self.scheduler.has_unfinished():
                 return self
             now = index * 0.05  # a fake clock: a held slot lapses 20 steps after its client left
+            for request in self.arrivals[index] if index < len(self.arrivals) else ():
+                self.scheduler.add(request, now)
             step = self.scheduler.schedule(now=now)
             self.planned.append(list(step.requests))
             if index == self.abort_skipped_at:  # a sequence skipping this step is aborted (it holds no step)
@@ -156,11 +158,12 @@ def _contested(loop: _Loop) -> list[int]:
 
 def test_the_other_clients_streams_decode_every_step(shared):
     steps = _contested(shared)
-    assert steps == list(range(20)), steps  # admitted in the first step, then one token every step
+    assert steps == list(range(1, 21)), steps  # admitted in the second step, then one token every step
 
 
 def test_the_big_request_takes_at_most_its_share_while_others_run(shared):
-    for index in _contested(shared)[1:]:  # the first step is both clients' prefill
+    assert len(shared.planned[0]) == 64  # alone in the first step: all of it
+    for index in _contested(shared):
         assert sum(r.parent_id == "big" for r in shared.planned[index]) <= SHARE
     assert shared.scheduler.stats.decode_turns_skipped > 0
     # alone once the streams' client left and its held slots lapsed (20 steps), big decodes all it has left
@@ -173,6 +176,20 @@ def test_without_the_share_the_big_request_decodes_all_64_beside_the_streams():
     loop = _Loop(None).run()
     assert all(sum(r.parent_id == "big" for r in loop.planned[i]) == 64 for i in range(1, 12))
     assert loop.scheduler.stats.decode_turns_skipped == 0
+
+
+def test_arriving_beside_the_streams_the_big_request_is_admitted_its_share_at_a_time():
+    """n=64 arrives while the other client's streams run: at most its share of sequences a step,
+    admissions included (without the share: all 64 prompts in its first step)."""
+    loop = _Loop(SHARE, first="small").run()
+    steps = _contested(loop)
+    assert steps == list(range(20)), steps
+    for index in steps:
+        assert sum(r.parent_id == "big" for r in loop.planned[index]) <= SHARE
+    assert loop.scheduler.stats.decode_turns_skipped == 0  # admitted a share at a time, none has to skip
+    for request in loop.big + loop.small:
+        assert request.output_token_ids == reference(request.prompt_token_ids, request.params.max_tokens)
+    assert sum(r.parent_id == "big" for r in _Loop(None, first="small").run().planned[1]) == 64
 
 
 def test_no_sequence_waits_more_than_its_rounds(shared):
@@ -214,43 +231,65 @@ def test_the_config_and_the_servers_default():
 MARK = "<|mamba_checkpoint|>"
 
 
+def _drive(engine, arrivals: list[tuple[int, str, str, SamplingParams]], abort: tuple[int, str] | None = None) -> dict:
+    """Step `engine` until it is done, adding each (step, id, prompt, params) before that step and
+    aborting `abort` (step, id) before its step; integrity checked after every step. Returns the
+    finished outputs by id, one entry per sequence (`RequestOutput` with that one completion)."""
+    outputs = {}
+    for index in range(1000):
+        for _, request_id, prompt, params in (a for a in arrivals if a[0] == index):
+            engine.add_request(request_id, prompt, params)
+        if abort is not None and abort[0] == index:
+            engine.abort_request(abort[1])
+            engine.check_integrity()
+        if index > max(a[0] for a in arrivals) and not engine.has_unfinished_requests():
+            return outputs
+        for out in engine.step():
+            if out.finished:
+                outputs.update((f"{out.request_id}/{c.index}", dataclasses.replace(out, outputs=[c]))
+                               for c in out.outputs)
+        engine.check_integrity()
+    raise AssertionError("the engine did not drain")
+
+
+def _same(ours: dict, theirs: dict) -> None:
+    assert sorted(ours) == sorted(theirs)
+    assert_same_outputs([ours[k] for k in sorted(ours)], [theirs[k] for k in sorted(theirs)])
+
+
 @pytest.mark.parametrize("engine_kwargs", [dict(), dict(async_scheduling=True)], ids=["sync", "async"])
 def test_real_model_outputs_are_unchanged(moe_model, engine_kwargs):
-    """CPU float32: a seeded n=8 request with logprobs beside two greedy streams (one reading a
-    checkpoint another prompt writes) gives the same tokens and logprobs with a share of 2 as without;
-    the abort of a sequence waiting for its turn releases everything."""
+    """CPU float32: a seeded n=8 request with logprobs, joined after its first steps by two greedy
+    streams (one reading a checkpoint the other writes), gives the same tokens and logprobs with a
+    share of 2 as without."""
     anchor = token_words(30, 24)
-    prompts = [token_words(31, 6), f"{anchor} {MARK} {token_words(32, 3)}", f"{anchor} {MARK} {token_words(33, 5)}"]
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
-    seeded = SamplingParams(temperature=0.9, top_k=20, seed=11, n=8, max_tokens=10, ignore_eos=True, logprobs=2)
+    seeded = SamplingParams(temperature=0.9, top_k=20, seed=11, n=8, max_tokens=12, ignore_eos=True, logprobs=2)
+    arrivals = [(0, "big", token_words(31, 6), seeded),
+                (3, "writer", f"{anchor} {MARK} {token_words(32, 3)}", greedy),
+                (4, "reader", f"{anchor} {MARK} {token_words(33, 5)}", greedy)]
 
-    def run(share: int | None) -> tuple[list, dict]:
+    def run(share: int | None) -> tuple[dict, dict]:
         llm = LLM(str(moe_model[0]), num_kv_blocks=256, block_size=8, max_num_seqs=16, max_decode_share=share,
                   **engine_kwargs)
-        outs = llm.generate(prompts, [seeded, greedy, greedy], use_tqdm=False)
-        llm.engine.check_integrity()
-        return [dataclasses.replace(out, outputs=[c]) for out in outs for c in out.outputs], llm.metrics()
+        outputs = _drive(llm.engine, arrivals)
+        assert_drained(llm)
+        return outputs, llm.metrics()
 
     shared, metrics = run(share=2)
-    assert metrics["decode_turns_skipped"] > 10
+    assert metrics["decode_turns_skipped"] > 10 and metrics["checkpoint_hits"] > 0
     unshared, off = run(share=None)
     assert off["decode_turns_skipped"] == 0
-    assert_same_outputs(shared, unshared)
-    assert [o.request_id for o in shared] == [o.request_id for o in unshared]
+    _same(shared, unshared)
 
 
-def test_real_model_abort_of_a_waiting_turn_releases_everything(moe_model):
+def test_real_model_abort_of_sequences_waiting_for_their_turn_releases_everything(moe_model):
     llm = LLM(str(moe_model[0]), num_kv_blocks=256, block_size=8, max_num_seqs=16, max_decode_share=2)
-    engine = llm.engine
-    engine.add_request("big", token_words(34, 6), SamplingParams(temperature=0.0, n=8, max_tokens=30, ignore_eos=True))
-    engine.add_request("stream", token_words(35, 4), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
-    for _ in range(4):
-        engine.step()
-    assert engine.scheduler.stats.decode_turns_skipped > 0
-    engine.abort_request("big")
-    engine.check_integrity()
-    while engine.has_unfinished_requests():
-        engine.step()
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    arrivals = [(0, "big", token_words(34, 6), dataclasses.replace(params, n=8)),
+                (2, "stream", token_words(35, 4), params)]
+    outputs = _drive(llm.engine, arrivals, abort=(6, "big"))
+    assert llm.metrics()["decode_turns_skipped"] > 0 and list(outputs) == ["stream/0"]
     assert_drained(llm)  # integrity, and no block or slot held once idle checkpoints are evicted
 
 
@@ -260,22 +299,12 @@ def test_speculative_decoding_under_the_share_keeps_greedy_outputs(tiny_model_fa
     source, _ = tiny_model_factory("qwen3_5_moe_text")
     directory = tmp_path_factory.mktemp("decode_share_mtp")
     add_mtp_weights(source, directory)
-    prompts = [token_words(36, 5), token_words(37, 7), token_words(38, 4)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
-    wide = dataclasses.replace(params, n=4)
-    reference = LLM(str(directory)).generate(prompts, [wide, params, params], use_tqdm=False)
+    arrivals = [(0, "wide", token_words(36, 5), dataclasses.replace(params, n=4)),
+                (2, "a", token_words(37, 7), params), (2, "b", token_words(38, 4), params)]
+    reference_outputs = _drive(LLM(str(directory)).engine, arrivals)
     llm = LLM(str(directory), speculative_config=SPEC, max_decode_share=1)
-    engine = llm.engine
-    for i, (prompt, p) in enumerate(zip(prompts, [wide, params, params])):
-        engine.add_request(f"p{i}", prompt, p)
-    outputs = {}
-    while engine.has_unfinished_requests():
-        outputs.update((out.request_id, out) for out in engine.step() if out.finished)
-        engine.check_integrity()
-    got = [outputs[f"p{i}"] for i in range(len(prompts))]
-    for ours, theirs in zip(got, reference):
-        assert_same_outputs([dataclasses.replace(ours, outputs=[c]) for c in ours.outputs],
-                            [dataclasses.replace(theirs, outputs=[c]) for c in theirs.outputs])
+    _same(_drive(llm.engine, arrivals), reference_outputs)
     metrics = llm.metrics()
     assert metrics["decode_turns_skipped"] > 0 and metrics["spec_verifications"] > 0
 
