@@ -373,7 +373,8 @@ class EngineConfig:
     max_prefill_tokens_with_decodes: int | None = None
     # while other clients (engine/fair_order.py's client_of: the `user`, else the prompt) have work, one
     # client decodes at most max(max_decode_share, the largest other client's running sequences)
-    # sequences a step; its others skip the step in turn, keeping their state (engine/decode_share.py).
+    # sequences a step; its others skip the step in turn, keeping their state, and it admits no more into a
+    # step once it has that many there (engine/decode_share.py).
     # None: no cap (vLLM), the default; `forkpoint serve` on the CPU: CPU_SERVE_DECODE_SHARE
     max_decode_share: int | None = None
     # bytes of float32 prompt-logit rows ([rows, vocab]) one step computes for prompt logprobs: a scored
