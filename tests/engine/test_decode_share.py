@@ -272,12 +272,23 @@ def test_real_model_outputs_are_unchanged(moe_model, engine_kwargs):
     def run(share: int | None) -> tuple[dict, dict]:
         llm = LLM(str(moe_model[0]), num_kv_blocks=256, block_size=8, max_num_seqs=16, max_decode_share=share,
                   **engine_kwargs)
+        scheduler, schedule_ahead = llm.engine.scheduler, llm.engine.scheduler.schedule_ahead
+
+        def counted(*args, **kwargs):
+            step = schedule_ahead(*args, **kwargs)
+            ahead.append(step is not None)
+            return step
+
+        ahead = []
+        scheduler.schedule_ahead = counted
         outputs = _drive(llm.engine, arrivals)
         assert_drained(llm)
-        return outputs, llm.metrics()
+        return outputs, dict(llm.metrics(), ran_ahead=sum(ahead))
 
     shared, metrics = run(share=2)
     assert metrics["decode_turns_skipped"] > 10 and metrics["checkpoint_hits"] > 0
+    if engine_kwargs.get("async_scheduling"):
+        assert metrics["ran_ahead"] > 0, metrics  # steps ran ahead before and after the turns
     unshared, off = run(share=None)
     assert off["decode_turns_skipped"] == 0
     _same(shared, unshared)
