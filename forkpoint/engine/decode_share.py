@@ -15,7 +15,8 @@ of its sequences in a step (`floor`: `EngineConfig.max_decode_share`). The other
 keep their slot, state row and KV blocks, nothing is recomputed or preempted, and no token is
 sampled for them. A client alone in the engine is never capped; beside a small client a large one
 still decodes `floor` rows a step; two clients of equal size never cap each other (each one's share
-is the other's count). The client is engine/fair_order.py's `client_of` (the `user`, else the prompt).
+is the other's count). The client is engine/fair_order.py's `client_of` (the request's tenant: the
+server's API key client or `user`; else the prompt, its n sequences together).
 
 While a client has its share of a step's sequences (decodes, prefill chunks and admissions together),
 none of its waiting sequences is admitted into that step (`StepShares.admits`): one request's n=128
@@ -24,8 +25,8 @@ arriving beside a stream client otherwise added 22 one-token prompts a step to t
 Turns: a capped client's sequences that decode are taken oldest-first by the step in which each last
 ran (`DecodeTurns`), ties in running order, so a sequence that skipped goes before one that just
 ran and none starves: with d sequences decoding and a share of s, each waits at most ceil(d/s) - 1
-steps in a row. Prefill chunks are not counted (the prefill budget governs them), nor a sequence
-that produces a checkpoint in its next token (other requests wait on it). Which sequences run in a
+steps in a row. Running prefill chunks never skip (the prefill budget governs them), nor does a
+sequence that is producing a checkpoint (other requests may wait on it). Which sequences run in a
 step never changes what any of them samples: each has its own generator, penalty counts and masks.
 
     step k:    client A (n=64): [a0 .. a15] decode, a16 .. a63 skip;   client B: [b0 .. b3] decode
