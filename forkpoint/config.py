@@ -301,6 +301,17 @@ SCAN_CHUNK_TOKENS = 64
 # bystanders"). The offline `LLM` and CUDA (not measured there) keep no cap.
 CPU_SERVE_PREFILL_TOKENS_WITH_DECODES = 64
 
+# `EngineConfig.max_decode_share` (`forkpoint serve --max-decode-share`) on the CPU, where a decode step's
+# time grows with its rows (embedded model, 2 cores, median step by decode rows, engine/decode_share.py):
+#
+#   rows    8      16     24     32     64     136
+#   step    0.066  0.088  0.096  0.119  0.180  0.351 s
+#
+# 16 beside a client's 8 streams makes 24-row steps (1.45x theirs) where one request's n=128 made
+# 136-row steps (5.3x); a larger client still decodes 16 sequences a step while others have work, and
+# all of them once alone. The offline `LLM` and CUDA (not measured there) keep no cap.
+CPU_SERVE_DECODE_SHARE = 16
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -360,6 +371,12 @@ class EngineConfig:
     # budget; engine/prefill_budget.py). A step with no decode takes max_num_batched_tokens. None: no
     # cap (vLLM's mixed steps), the default; `forkpoint serve` on the CPU: CPU_SERVE_PREFILL_TOKENS_WITH_DECODES
     max_prefill_tokens_with_decodes: int | None = None
+    # while other clients (engine/fair_order.py's client_of: the `user`, else the prompt) have work, one
+    # client decodes at most max(max_decode_share, the largest other client's running sequences)
+    # sequences a step; its others skip the step in turn, keeping their state, and it admits no more into a
+    # step once it has that many there (engine/decode_share.py).
+    # None: no cap (vLLM), the default; `forkpoint serve` on the CPU: CPU_SERVE_DECODE_SHARE
+    max_decode_share: int | None = None
     # bytes of float32 prompt-logit rows ([rows, vocab]) one step computes for prompt logprobs: a scored
     # prompt runs in chunks of that many rows (`prompt_score_rows`), so its memory is O(chunk x vocab)
     # per step plus O(prompt x k) of kept scores, not O(prompt x vocab). None: 64 MiB on the CPU (64
@@ -467,7 +484,7 @@ class EngineConfig:
             raise ValueError(f"image_min_pixels {self.image_min_pixels} exceeds image_max_pixels "
                              f"{self.image_max_pixels}")
         for name in ("checkpoint_pool_size", "num_kv_blocks", "num_state_slots", "long_prefill_token_threshold",
-                     "max_prefill_tokens_with_decodes", "image_min_pixels", "image_max_pixels"):
+                     "max_prefill_tokens_with_decodes", "max_decode_share", "image_min_pixels", "image_max_pixels"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

@@ -12,7 +12,9 @@ it (it stopped, or was aborted) leaves the running list at once but keeps its sl
 
 `schedule()` plans running requests first (decodes and prefill chunks, in order; round robin by client
 when the token budget cannot hold them all: engine/fair_order.py; in a step that decodes, prefill
-within its own budget, engine/prefill_budget.py), then waiting
+within its own budget, engine/prefill_budget.py; while other clients have work, a client's decodes beyond
+its share skip the step in turn, and a client with its share of the step admits nothing more into it,
+engine/decode_share.py), then waiting
 requests in arrival order under the token and sequence budgets (by client when they cannot all be
 admitted: a client with fewer running sequences goes first). A waiting request whose longest
 matching checkpoint is still being produced is *deferred*: it keeps its place in the queue and later
@@ -41,6 +43,7 @@ from forkpoint.cache.state_pool import ZERO_SLOT, StatePool
 from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig
 from forkpoint.engine.auto_checkpoints import AutoCheckpointPlanner, Placement
 from forkpoint.engine.checkpoint_claims import CheckpointClaims
+from forkpoint.engine.decode_share import DecodeTurns, StepShares
 from forkpoint.engine.fair_order import admission_order, client_of, step_order
 from forkpoint.engine.held_slots import HeldSlots
 from forkpoint.engine.prefill_budget import (
@@ -95,6 +98,8 @@ class Scheduler:
         self._present: set[str] = set()
         # slots freed by clients that left, held a moment for clients that run nothing (engine/held_slots.py)
         self.held_slots = HeldSlots(DECODE_GRACE_S)
+        # one client's share of a step's decodes while others have work (engine/decode_share.py; None: off)
+        self.decode_turns = DecodeTurns(config.max_decode_share) if config.max_decode_share is not None else None
         # speculative decoding: verify plans and their state rows (None: off)
         self.speculation = (Speculation(config.speculative_config, state_pool)
                             if config.speculative_config is not None else None)
@@ -203,7 +208,9 @@ class Scheduler:
         if limits is not None:
             budget = min(budget, limits.max_tokens)
         chunk_cap = planning.chunk_cap or self.chunk_cap
-        order = step_order(self.running, budget, chunk_cap, planning.seq_room)  # per-client round robin when short
+        shares = self._shares(now)  # the running sequences that are not skipping this step
+        self.stats.decode_turns_skipped += len(self.running) - len(shares.taking)
+        order = step_order(shares.taking, budget, chunk_cap, planning.seq_room)  # per-client round robin when short
         recently = self.last_decode_at is not None and now - self.last_decode_at < DECODE_GRACE_S
         prefill = None if self.prefill_with_decodes is None else prefill_room(
             order, self.waiting, self.prefill_with_decodes, chunk_cap, self._admission_room(planning),
@@ -264,11 +271,14 @@ class Scheduler:
             # tokens: a burst that does not fit them is ordered by client (engine/fair_order.py)
             fit, seq_tokens = ((budget, 0) if planning.short_left is None else
                                (min(budget, planning.short_left + planning.prefill_cap()), SHORT_SEQUENCE_TOKENS))
+            in_step = Counter(client_of(r) for r in dict.fromkeys(planning.requests))
             for request in admission_order(self.waiting, self.running, fit, room,
                                            planning.chunk_cap or self.chunk_cap, seq_tokens):
                 if budget == 0 or len(self.running) >= self.config.max_num_seqs or planning.seqs_full:
                     break
                 client = client_of(request)
+                if not shares.admits(client, in_step[client]):
+                    continue  # its client has its share of this step (engine/decode_share.py)
                 if client in self._present and (self.config.max_num_seqs - len(self.running)
                                                 <= self.held_slots.count(now)):
                     continue  # the slots left are held for clients that come back (engine/held_slots.py)
@@ -283,12 +293,22 @@ class Scheduler:
                 budget -= admitted
                 if admitted:
                     planning.take_seq()
+                    in_step[client] += 1
                 if request.status is RequestStatus.RUNNING and client not in self._present:
                     self.held_slots.take(now)
                     self._present.add(client)
         self.claims.reserve_for_queued(self.waiting)
-
+        if self.decode_turns is not None:
+            self.decode_turns.record(planning.requests, self.running, self.num_steps)
         return self._scheduled(planning)
+
+    def _shares(self, now: float) -> StepShares:
+        """The next step's shares: every running sequence takes part and no admission is capped, unless a
+        client is over its share of the step while other clients have work (its other decodes skip it in
+        turn, and it admits nothing more into it: engine/decode_share.py)."""
+        if self.decode_turns is None:
+            return StepShares(list(self.running), Counter(), None)
+        return self.decode_turns.pick(self.running, self._client_live, self.held_slots.count(now) > 0)
 
     def _admission_room(self, planning: StepPlanning) -> int:
         """How many waiting sequences this step can admit, under max_num_seqs and its StepLimits."""
@@ -314,7 +334,8 @@ class Scheduler:
         follows for them). None, and nothing changed, unless this is steady decoding: exactly one
         step in flight, a pure decode step (no checkpoint written or read, no copy-on-write) with
         every running sequence in it; no waiting request while fewer than max_num_seqs run; no
-        sequence that produces a checkpoint; and a free KV block for every sequence that needs one
+        sequence that produces a checkpoint; no client over its decode share (engine/decode_share.py:
+        the turns are taken in a normal step); and a free KV block for every sequence that needs one
         (no eviction, no preemption: those wait for a normal `schedule()`)."""
         if len(self.in_flight) != 1:
             return None
@@ -330,6 +351,8 @@ class Scheduler:
         ends = {request.request_id: segment.end for segment, request in zip(plan.segments, previous.requests)}
         if any(r.request_id not in ends or r.checkpointing.producing for r in self.running):
             return None
+        if len(self._shares(time.monotonic()).taking) < len(self.running):
+            return None  # some sequences take turns under the decode share: a normal step picks them
         decoding = [r for r in self.running if not leave_out(r)]
         if not decoding:
             return None
@@ -348,6 +371,8 @@ class Scheduler:
                 fed_row=rows[request.request_id]))
             planning.requests.append(request)
         self.last_decode_at = time.monotonic()
+        if self.decode_turns is not None:
+            self.decode_turns.record(planning.requests, self.running, self.num_steps)
         return self._scheduled(planning)
 
     def commit(self, step: ScheduledStep) -> None:

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 @dataclass
 class SchedulerStats:
     """Counts since the engine started: deferrals and their wait, promotions to producer, checkpoint hits,
-    waits given up, preemptions, prompt tokens computed, failed and requeued steps."""
+    waits given up, preemptions, prompt tokens computed, failed and requeued steps, and the steps that
+    sequences skipped under their client's decode share (engine/decode_share.py: one per sequence a step)."""
 
     requests_deferred: int = 0
     producer_promotions: int = 0
@@ -19,3 +20,4 @@ class SchedulerStats:
     prompt_tokens_computed: int = 0
     failed_steps: int = 0
     requeued_steps: int = 0
+    decode_turns_skipped: int = 0

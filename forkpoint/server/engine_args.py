@@ -49,6 +49,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
                             "prompt keeps running streams' token gaps near their step time; a step with no decode "
                             "takes --max-num-batched-tokens; prefills of at most 16 x N tokens run whole (default for "
                             "serve: 64 on the CPU, measured; no cap on CUDA; none for offline commands)")
+    group.add_argument("--max-decode-share", type=int, default=None, metavar="N",
+                       help="while other clients (`user`, else each request) have work, a client decodes at most "
+                            "max(N, the largest other client's running sequences) sequences a step, the rest in turn "
+                            "(default for serve: 16 on the CPU, measured; no cap on CUDA; none for offline commands)")
     group.add_argument("--prompt-score-bytes", type=int, default=None, metavar="BYTES",
                        help="bytes of float32 prompt-logit rows one step computes for prompt logprobs (echo + "
                             "logprobs, prompt_logprobs): a scored prompt runs in chunks of that many rows, so its "
@@ -145,6 +149,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         long_prefill_token_threshold=args.long_prefill_token_threshold, prompt_score_bytes=args.prompt_score_bytes,
         max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
+        max_decode_share=args.max_decode_share,
         enable_checkpoints=not args.no_checkpoints, checkpoint_token=args.checkpoint_token,
         max_checkpoints_per_request=args.max_checkpoints_per_request, load_format=args.load_format,
         enforce_eager=args.enforce_eager, startup_compile_workers=args.startup_compile_workers,
@@ -161,18 +166,26 @@ def server_engine_kwargs(args: argparse.Namespace, *, replicas: bool = False) ->
     """`engine_kwargs(args)` with `forkpoint serve`'s defaults where they differ from `LLM`'s (scripts and
     tests may hold several engines in one process, and batches want throughput):
     - on the CPU, `max_prefill_tokens_with_decodes` CPU_SERVE_PREFILL_TOKENS_WITH_DECODES (config.py:
-      a long prompt keeps running streams' token gaps near their step time; short prefills run whole);
+      a long prompt keeps running streams' token gaps near their step time; short prefills run whole)
+      and `max_decode_share` CPU_SERVE_DECODE_SHARE (one request's large n keeps other clients' decode
+      steps small);
     - on a GPU, the default host tier's size (cache/sizing.py), so the engine pins it ahead before the
       server serves (engine/builder.py; pinning as the tier first fills stalled the steps, issue 32),
       except for `replicas`, which split the machine's tier between them (server/replicas/launch.py)."""
     from forkpoint.cache.sizing import default_host_tier_bytes, physical_memory_bytes
-    from forkpoint.config import CPU_SERVE_PREFILL_TOKENS_WITH_DECODES, EngineConfig  # imports torch
+    from forkpoint.config import (  # imports torch
+        CPU_SERVE_DECODE_SHARE,
+        CPU_SERVE_PREFILL_TOKENS_WITH_DECODES,
+        EngineConfig,
+    )
 
     kwargs = engine_kwargs(args)
     config = EngineConfig(**kwargs)
     device = config.torch_device().type
     if config.max_prefill_tokens_with_decodes is None and device == "cpu":
         kwargs["max_prefill_tokens_with_decodes"] = CPU_SERVE_PREFILL_TOKENS_WITH_DECODES
+    if config.max_decode_share is None and device == "cpu":
+        kwargs["max_decode_share"] = CPU_SERVE_DECODE_SHARE
     if not replicas and config.checkpoint_host_bytes is None and config.enable_checkpoints and device == "cuda":
         kwargs["checkpoint_host_bytes"] = default_host_tier_bytes(physical_memory_bytes(), True,
                                                                   config.tensor_parallel_size)
