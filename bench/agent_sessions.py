@@ -8,7 +8,8 @@ shapes on the same server with a unique nonce opening every request, so nothing 
 
 Per turn (over sessions): prompt tokens, cached tokens (`usage.prompt_tokens_details.cached_tokens`),
 the tokens the turn shares with the session's previous turn (the longest common prefix of the rendered
-prompts' token ids, from `/tokenize`; turn 0: with the other sessions' first prompts), TTFT p50/p90 and
+prompts' token ids, from `/tokenize`, asked after the phase's wall time: an agent framework sends none;
+turn 0: with the other sessions' first prompts), TTFT p50/p90 and
 the miss reasons the server gave (`cache_miss_reason`); totals per phase, and the server's
 `forkpoint_cache_misses_total` by reason. Per phase: the server's time to first token by part (mean ms per
 request: prompt rendered and tokenised, hand-off to the engine thread, queue, prefill, delivery; the
@@ -98,9 +99,10 @@ def build_sessions(args: argparse.Namespace, documents_seed: int | None = None) 
 
 async def one_request(http: httpx.AsyncClient, model: str, messages: list[dict], args: argparse.Namespace) -> dict:
     """One streamed chat request as an OpenAI client sends it (plain httpx and SSE: the device has no
-    `openai` package); the prompt's token ids come from `/tokenize` with the same body, asked after the
-    request (asked before, it would tokenise the turn's new text first and warm the server's token cache,
-    inputs/segment_tokens.py, for the request: its prompt part would read lower than a client's)."""
+    `openai` package). The record keeps the request's `/tokenize` body (`tokenize_body`): its token ids are
+    asked after the phase (`tokenize_records`), not here: an agent framework sends no `/tokenize`, and at
+    256 sessions in lock-step 256 of them between turns competed with the next turn's requests (asked
+    before the request, it would also warm the server's token cache, inputs/segment_tokens.py)."""
     kwargs = {} if args.thinking == "unset" else {"enable_thinking": args.thinking == "on"}
     body = {"messages": messages, "tools": TOOLS, "chat_template_kwargs": kwargs}
     request = {**body, "model": model, "max_tokens": args.reply_tokens, "temperature": 0.0, "stream": True,
@@ -130,11 +132,24 @@ async def one_request(http: httpx.AsyncClient, model: str, messages: list[dict],
             if chunk.get("usage"):
                 usage = chunk["usage"]
     end = time.perf_counter()
-    tokenized = (await http.post("/tokenize", json=body)).json()
     details = usage.get("prompt_tokens_details") or {}
     return {"prompt_tokens": usage["prompt_tokens"], "cached_tokens": details.get("cached_tokens") or 0,
             "miss_reason": details.get("cache_miss_reason"), "ttft_s": (first or end) - begin,
-            "latency_s": end - begin, "ids": tokenized["tokens"], "reply": "".join(reply), "id": response_id}
+            "latency_s": end - begin, "reply": "".join(reply), "id": response_id,
+            "tokenize_body": {**body, "messages": list(messages)}}  # the session appends its next turn's messages
+
+
+async def tokenize_records(http: httpx.AsyncClient, records: list[dict], concurrency: int = 16) -> None:
+    """Each record's prompt token ids (`ids`), from `/tokenize` with its request's body, after the phase."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(record: dict) -> None:
+        async with gate:
+            response = await http.post("/tokenize", json=record.pop("tokenize_body"))
+        response.raise_for_status()
+        record["ids"] = response.json()["tokens"]
+
+    await asyncio.gather(*(one(r) for r in records))
 
 
 @dataclass(frozen=True)
@@ -248,7 +263,7 @@ async def run_phase(url: str, model: str, args: argparse.Namespace, nonce: bool,
                 record = await one_request(http, model, messages, args)
                 record.update(session=session.index, turn=turn, previous=previous)
                 records.append(record)
-                previous = record["ids"]
+                previous = record
                 session.add_turn(turn, record["reply"])
 
         samples.append(server_sample((await http.get("/metrics")).text, time.perf_counter()))
@@ -261,14 +276,15 @@ async def run_phase(url: str, model: str, args: argparse.Namespace, nonce: bool,
             wall = time.perf_counter() - start
             stop.set()
             await poller
-    async with httpx.AsyncClient(base_url=url, timeout=60) as http:  # after the last token of the phase
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:  # after the last token of the phase
         samples.append(server_sample((await http.get("/metrics")).text, time.perf_counter()))
+        await tokenize_records(http, records)
     first_records = [r for r in records if r["turn"] == 0]
     for r, shared in zip(first_records, max_shared_with_others([r["ids"] for r in first_records])):
         r["shared_tokens"] = shared
     for r in records:
         if r["previous"] is not None:
-            r["shared_tokens"] = common_prefix_length(r["previous"], r["ids"])
+            r["shared_tokens"] = common_prefix_length(r["previous"]["ids"], r["ids"])
     windows = generation_windows([(x.time, x.generated) for x in samples], args.window_s)
     evicted_latest, evicted_latest_below = latest_evictions(samples)
     parts = mean_parts_ms(parts_before, first_token_parts(url))
