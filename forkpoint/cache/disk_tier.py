@@ -10,11 +10,11 @@ This class keeps the index and decides; the bytes move elsewhere:
   (runner/disk_io.py), so a reader never sees half a file. When `capacity_bytes` would be exceeded,
   files leave least valuable first (below), other identities' files included; a `DiskDrop` plan write
   deletes them, in order after any pending write.
-- **value** (frequency with aging, "LFU-DA"): a file's priority is the tier's age `L` when it was last
-  used plus its uses (its save, its checkpoint's reads in memory before it (`save`'s `reads`) and after
-  it (`touch`), loads); the
-  lowest priority leaves first, the least recently used of equals first, and `L` becomes the priority
-  of the file that left. A shared system prompt's checkpoint, read by every session's first turn, so
+- **value** (frequency with aging, "LFU-DA"; the device tier's GreedyDual is cache/eviction.py): a
+  file's priority is the tier's age `L` when it was last used plus its uses (its save, its checkpoint's
+  reads in memory before it (`save`'s `reads`) and after it (`touch`), loads); the lowest priority
+  leaves first, the least recently used of equals first, and `L` becomes the priority of the file that
+  left. A shared system prompt's checkpoint, read by every session's first turn, so
   outlives the stream of per-session turns written after it that plain recency would keep instead
   (bench/agent_sessions.py `--restart`: 32 sessions x 6 turns filled the bound, and the restarted
   server found only later turns); `L` rises as files leave, so a file used often long ago leaves in
