@@ -113,6 +113,7 @@ async def one_request(http: httpx.AsyncClient, model: str, messages: list[dict],
     response_id = None
     reply = []
     async with http.stream("POST", "/v1/chat/completions", json=request) as response:
+        headers = time.perf_counter()  # the server answers with headers once the engine took the prompt
         if response.status_code != 200:
             raise RuntimeError(f"/v1/chat/completions answered {response.status_code}: "
                                f"{(await response.aread()).decode()[:500]}")
@@ -135,7 +136,7 @@ async def one_request(http: httpx.AsyncClient, model: str, messages: list[dict],
     details = usage.get("prompt_tokens_details") or {}
     return {"prompt_tokens": usage["prompt_tokens"], "cached_tokens": details.get("cached_tokens") or 0,
             "miss_reason": details.get("cache_miss_reason"), "ttft_s": (first or end) - begin,
-            "latency_s": end - begin, "reply": "".join(reply), "id": response_id,
+            "headers_s": headers - begin, "latency_s": end - begin, "reply": "".join(reply), "id": response_id,
             "tokenize_body": {**body, "messages": list(messages)}}  # the session appends its next turn's messages
 
 
@@ -322,6 +323,7 @@ def summarise(phase: dict, turns: int) -> dict:
                      "cached_of_shared": sum(r["cached_tokens"] for r in rs) / max(shared, 1),
                      "ttft_p50_ms": 1000 * percentile([r["ttft_s"] for r in rs], 50),
                      "ttft_p90_ms": 1000 * percentile([r["ttft_s"] for r in rs], 90), "miss_reasons": reasons,
+                     "headers_p50_ms": 1000 * percentile([r["headers_s"] for r in rs], 50),
                      "ttft_parts_p50_ms": parts_p50([r["ttft_parts_ms"] for r in rs if r.get("ttft_parts_ms")])})
     requests = phase["requests"]
     prompt = sum(r["prompt_tokens"] for r in requests)
@@ -400,6 +402,14 @@ def server_options(args: argparse.Namespace) -> list[str]:
             *args.server_arg]
 
 
+def traced(args: argparse.Namespace) -> dict:
+    """start_server's launcher and environment for --step-trace (none without it)."""
+    if args.step_trace is None:
+        return {}
+    return {"launcher": [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "step_trace.py")],
+            "env": {**os.environ, "FORKPOINT_STEP_TRACE": args.step_trace, "FORKPOINT_STEP_TRACE_COMPACT": "1"}}
+
+
 def stop_server(process: subprocess.Popen) -> None:
     """SIGTERM: the server shuts down gracefully (the disk tier's writer drains at exit)."""
     process.terminate()
@@ -435,7 +445,8 @@ def table(name: str, summary: dict) -> str:
     for row in summary["turns"]:
         parts = row["ttft_parts_p50_ms"]
         if parts:
-            lines.append(f"turn {row['turn']}: time to first token by part (server log, p50 ms): prompt "
+            lines.append(f"turn {row['turn']}: client's time to response headers p50 {row['headers_p50_ms']:.0f} ms; "
+                         f"time to first token by part (server log, p50 ms): prompt "
                          f"{parts['prompt']:.0f}, hand-off {parts['handoff']:.0f}, queue {parts['queue']:.0f} "
                          f"({parts['queued_steps']:.0f} steps), prefill {parts['prefill']:.0f}"
                          + (f" ({parts['prefill_steps']:.0f} steps)" if "prefill_steps" in parts else "")
@@ -496,6 +507,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "debug, each turn's time to first token by part (p50) is read from it (with --url: the "
                              "log of the running server)")
     parser.add_argument("--start-timeout", type=float, default=900)
+    parser.add_argument("--step-trace", default=None,
+                        help="the started server runs under bench/step_trace.py (compact lines: counts per step) and "
+                             "appends one JSON line per step to this file")
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-words", type=int, default=300, help="shared system prompt length in words")
@@ -540,7 +554,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.restart:
             args.server_arg = [*args.server_arg, "--checkpoint-dir", str(Path(scratch) / "checkpoints")]
         if url is None:
-            process, url = start_server(server_options(args), model_dir, args.start_timeout, output=server_log)
+            process, url = start_server(server_options(args), model_dir, args.start_timeout, output=server_log,
+                                        **traced(args))
         try:
             model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
             before = scrape_misses(url)
@@ -550,7 +565,8 @@ def main(argv: list[str] | None = None) -> dict:
             res["server_misses_reuse_phase"] = {k: after[k] - before.get(k, 0) for k in after}
             if args.restart:
                 stop_server(process)
-                process, url = start_server(server_options(args), model_dir, args.start_timeout, output=server_log)
+                process, url = start_server(server_options(args), model_dir, args.start_timeout, output=server_log,
+                                            **traced(args))
                 first_turn = argparse.Namespace(**{**vars(args), "turns": 1})
                 phase_done("restart", "after a restart on the same --checkpoint-dir (first turn, new documents)",
                            summarise(asyncio.run(run_phase(url, model, first_turn, nonce=False,

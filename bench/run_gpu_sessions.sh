@@ -47,7 +47,8 @@
 #
 # Knobs (environment): TOTAL (560), STEPS (a), SHAPE_ARGS ("--shape qwen3.5-35b-a3b --server-arg=--device=cuda"),
 # WORKLOAD_ARGS (above), SMALL_SESSIONS (32), LARGE_SESSIONS (256), HOST_SESSIONS (64), HOST_BYTES (40000000000),
-# TOOL_SECONDS (1.0, tool32's mean tool time), SERVER_LOG_LEVEL (debug: the start-up summary, the stats lines, each request's time to first token by part
+# TOOL_SECONDS (1.0, tool32's mean tool time), STEP_TRACE (0; 1: each step's server runs under bench/step_trace.py and
+# <step>.steps.jsonl in logs.tar.gz has one line of counts per engine step, with its plan and settle times), SERVER_LOG_LEVEL (debug: the start-up summary, the stats lines, each request's time to first token by part
 # and the checkpoints' life cycle; each step's server log is <step>.server.log in logs.tar.gz), PYTHON (python3), INSTALL (1: install the
 # wheels into /tmp/site). CPU dry run of the same script (embedded default model, ~1-2 minutes):
 #   OUT=/tmp/x INSTALL=0 PYTHON=/work/main/.venv/bin/python SHAPE_ARGS="--server-arg=--max-model-len=8192" \
@@ -160,6 +161,7 @@ for name in $STEP_LIST; do
   FIRST=0
   # shellcheck disable=SC2046,SC2086  # word splitting of the argument lists is intended
   ARGS="$SHAPE_ARGS $WORKLOAD_ARGS $(step_args "$name") --server-log-level $SERVER_LOG_LEVEL --server-log $LOGS/$name.server.log --out $OUT --name $name"
+  [ "${STEP_TRACE:-0}" = 1 ] && ARGS="$ARGS --step-trace $LOGS/$name.steps.jsonl"
   echo "== $name: timeout $BUDGET s, at $(( $(date +%s) - START )) s: agent_sessions.py $ARGS"
   T0=$(date +%s)
   # shellcheck disable=SC2086

@@ -14,15 +14,17 @@ import httpx
 
 
 def start_server(options: Sequence[str], model: str | None, timeout_s: float, *, output: IO | None = None,
-                 env: Mapping[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+                 env: Mapping[str, str] | None = None, launcher: Sequence[str] | None = None,
+                 ) -> tuple[subprocess.Popen, str]:
     """Start `forkpoint serve [model] --port P options...` (its output goes to `output`, default stderr;
     environment `env`, default this process's) and wait until `/health` answers 200. Returns (the
     process, its base URL); the caller stops the process. Raises RuntimeError, the process killed, when
-    it exits or does not answer within `timeout_s`."""
+    it exits or does not answer within `timeout_s`. launcher: the command that takes `serve ...`
+    (default `python -m forkpoint.server.cli`; bench/step_trace.py wraps it with a per-step trace)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "forkpoint.server.cli", "serve", "--port", str(port)]
+    command = [*(launcher or (sys.executable, "-m", "forkpoint.server.cli")), "serve", "--port", str(port)]
     if model:
         command.append(model)
     output = sys.stderr if output is None else output

@@ -6,6 +6,9 @@ JSON line to TRACE (the path in $FORKPOINT_STEP_TRACE): when it was planned and 
 how it ended (commit, requeue after out-of-memory, fail), its decode segments and its prefill
 segments (request id, start, end); and one line per sequence the scheduler takes in (`added`: its id,
 its tenant, when). No engine code changes; the wrappers cost microseconds per step.
+With FORKPOINT_STEP_TRACE_COMPACT=1 a step line holds counts instead of ids (decodes; prefill segments
+and tokens; the plan's device writes by type: Spill, Restore, StateCopy, ...),
+for runs of hundreds of sequences (bench/agent_sessions.py --step-trace).
 
 Usage (then run bench/hostile.py --url ... --server-pid ... against it, and read both files together):
     FORKPOINT_STEP_TRACE=/tmp/steps.jsonl python bench/step_trace.py serve --port 8011 --log-level warning
@@ -17,6 +20,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -30,6 +34,7 @@ def install(path: str) -> None:
     taken in and each step to `path`."""
     sink = open(path, "a", buffering=1)  # noqa: SIM115 (open for the process's life)
     planned: dict[int, dict] = {}
+    compact = os.environ.get("FORKPOINT_STEP_TRACE_COMPACT", "0") == "1"
 
     def record(step, ended: str) -> None:
         entry = planned.pop(id(step), None)
@@ -41,6 +46,15 @@ def install(path: str) -> None:
         if step.empty:
             return
         segments = list(zip(step.plan.segments, step.requests))
+        if compact:
+            prefills = [s for s, _ in segments if s.kind is not SegmentKind.DECODE]
+            planned[id(step)] = {
+                "start": time.perf_counter(),
+                "decodes": len(segments) - len(prefills), "prefill_segments": len(prefills),
+                "prefill_tokens": sum(s.end - s.start for s in prefills),
+                "writes": dict(Counter(type(w).__name__ for w in step.plan.writes)),
+                "kv_copies": len(step.plan.kv_copies), "running": None, "waiting": None}
+            return
         planned[id(step)] = {
             "start": time.perf_counter(),
             "decodes": sum(1 for s, _ in segments if s.kind is SegmentKind.DECODE),
