@@ -93,6 +93,9 @@ class Checkpoint:
     # it ends (CHAT_TURN, PROMPT_END, TURN_END) while that turn's session waits for its next turn
     value: float = 0.0
     turn: str | None = None
+    # it ended a turn whose session's next turn came (read this turn's checkpoints): the host tier does
+    # not keep it unless it is read again (cache/checkpoints.py `evict_one`)
+    passed: bool = False
     owner: str | None = ""  # the tenant it counts against (cache/eviction.py, "Tenants")
 
     def __post_init__(self) -> None:
@@ -109,10 +112,13 @@ class Checkpoint:
 @dataclass
 class CheckpointCounters:
     """Per kind: created (became ready), hits (segments that read it), tokens_saved, evicted;
-    evicted_session_latest: evictions of a live session's latest checkpoint (the last resort)."""
+    evicted_session_latest: evictions of a live session's latest checkpoint (the last resort);
+    unspilled_passed: evictions with a host tier that did not spill, the checkpoint's session having
+    moved past it (cache/checkpoints.py `evict_one`)."""
 
     created: Counter[CheckpointKind] = field(default_factory=Counter)
     hits: Counter[CheckpointKind] = field(default_factory=Counter)
     tokens_saved: Counter[CheckpointKind] = field(default_factory=Counter)
     evicted: Counter[CheckpointKind] = field(default_factory=Counter)
     evicted_session_latest: int = 0
+    unspilled_passed: int = 0

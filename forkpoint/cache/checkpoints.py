@@ -372,7 +372,14 @@ class CheckpointRegistry:
 
     def evict_one(self, *, markers_too: bool = True, owner: str | None = None) -> bool:
         """Evict one idle READY checkpoint in the eviction policy's order (cache/eviction.py; only
-        `owner`'s when given). False when none is."""
+        `owner`'s when given). False when none is.
+
+        With a host tier the victim spills there, unless its session moved past it: a turn's end that
+        the next turn read (`passed`) and nothing read more than that once. Its only reader has
+        registered the turn ends after it, so only an edit of that turn could read it again; a spill
+        would cost the step loop its copies (~3 ms of host time at 35B shapes, docs/auto_checkpoints.md)
+        and the tier the room of a checkpoint that can still be read (at 256 chat sessions the tier took
+        1,177 spills, older turns' ends, and restored none: docs/server.md, session 16)."""
         idle = [c for c in self._by_key.values() if c.ready and c.pins == 0 and c.waiters == 0 and c.reserved == 0
                 and (markers_too or c.kind.automatic) and (owner is None or c.owner == owner)]
         if not idle:
@@ -380,7 +387,9 @@ class CheckpointRegistry:
         victim, session_latest = self.eviction.victim(idle)
         if session_latest:
             self.counters.evicted_session_latest += 1
-        if self.host is not None:
+        if self.host is not None and victim.passed and victim.hits <= 1:
+            self.counters.unspilled_passed += 1
+        elif self.host is not None:
             entry, dropped = self.host.spill(victim.key, victim.num_tokens, victim.state_tokens, victim.kind,
                                              len(victim.blocks))
             for entry_id in dropped:

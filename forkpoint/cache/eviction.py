@@ -29,7 +29,7 @@ for its next turn: it is live, and its *latest* checkpoint is the one the next t
 longest CHAT_TURN when the turn has one: chat templates re-render the previous reply, so a chat's
 next prompt leaves the turn at its rendered history; else the longest of its prompt end and turn
 end: a completion client resends the text). Reading any of them means the next turn came (or the
-prompt was sent again): that turn's checkpoints become ordinary ones (order 1) and the reader's own
+prompt was sent again): that turn's checkpoints become ordinary ones (order 1), *passed*, and the reader's own
 turn-end checkpoints are the session's latest from then on. A session that never comes back keeps
 its latest checkpoint until the pool holds nothing else to evict, and then goes first (idle longest).
 
@@ -85,6 +85,7 @@ class EvictionPolicy:
         if checkpoint.turn is not None:
             for key in self._turns.pop(checkpoint.turn, ()):
                 self._checkpoints[key].turn = None
+                self._checkpoints[key].passed = True
         self.touch(checkpoint)
 
     def forget(self, checkpoint: Checkpoint) -> None:

@@ -25,6 +25,7 @@ def checkpoint_metrics(registry: CheckpointRegistry | None) -> dict[str, int | f
         values[f"checkpoint_tokens_saved_{kind.value}"] = counters.tokens_saved[kind]
         values[f"checkpoints_evicted_{kind.value}"] = counters.evicted[kind]
     values["checkpoints_evicted_session_latest"] = counters.evicted_session_latest  # a live session's newest
+    values["checkpoints_unspilled_passed"] = counters.unspilled_passed  # its session moved on: not spilled
     # the restore-or-recompute rule (cache/reuse_rule.py): tier hits recomputed instead, and the measured costs
     values.update({f"checkpoint_restores_declined_{tier.value}": registry.declined[tier] for tier in Tier})
     values.update(registry.rates.values())

@@ -24,6 +24,9 @@ ENGINE_COUNTERS = {
     "checkpoints_evicted_session_latest": ("forkpoint_checkpoints_evicted_session_latest",
                                            "Evicted checkpoints that were a live chat session's newest (value "
                                            "eviction takes them after every other automatic checkpoint)."),
+    "checkpoints_unspilled_passed": ("forkpoint_checkpoints_unspilled_passed",
+                                     "Evicted checkpoints not spilled to the host tier: a chat turn's end that "
+                                     "its session's next turn read, read no more than that once."),
     "requests_deferred": ("forkpoint_requests_deferred", "Requests deferred behind an unready checkpoint."),
     "producer_promotions": ("forkpoint_producer_promotions", "Consumers promoted to producer after a producer failed."),
     "deferral_wait_s_total": ("forkpoint_deferral_wait_seconds", "Seconds requests spent deferred."),

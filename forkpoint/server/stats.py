@@ -110,6 +110,7 @@ def _tier_traffic(values: dict[str, float], delta: Callable[[str], float]) -> st
         return ""
     return (f" | host tier: {delta('checkpoints_spilled'):.0f} spilled, {delta('checkpoints_restored'):.0f} "
             f"restored, {delta('checkpoints_dropped_from_host'):.0f} dropped, "
+            f"{delta('checkpoints_unspilled_passed'):.0f} passed turns not spilled, "
             f"{values.get('host_tier_checkpoints', 0):.0f} held ({values.get('host_tier_bytes', 0) / 2**30:.2f} of "
             f"{values['host_tier_capacity_bytes'] / 2**30:.1f} GiB)")
 

@@ -9,14 +9,16 @@ from collections import Counter
 from forkpoint.cache.block_pool import BlockPool
 from forkpoint.cache.checkpoint_types import Checkpoint, CheckpointKind
 from forkpoint.cache.checkpoints import CheckpointRegistry
+from forkpoint.cache.host_tier import HostTier
 from forkpoint.cache.state_pool import StatePool
+from forkpoint.step.plan import Spill
 
 
 class _Pools:
-    def __init__(self, checkpoint_slots: int, num_blocks: int = 32768) -> None:
+    def __init__(self, checkpoint_slots: int, num_blocks: int = 32768, host: HostTier | None = None) -> None:
         self.blocks = BlockPool(num_blocks, 16)
         self.states = StatePool(1, checkpoint_slots)
-        self.registry = CheckpointRegistry(self.states.checkpoints, self.blocks)
+        self.registry = CheckpointRegistry(self.states.checkpoints, self.blocks, host)
 
     def ready(self, key: bytes, num_tokens: int, producer: str, kind: CheckpointKind) -> Checkpoint | None:
         checkpoint = self.registry.register(key, num_tokens, producer, 0.0, kind)
@@ -84,6 +86,31 @@ def test_a_session_that_never_comes_back_goes_first_among_the_latest():
     assert pools.registry.counters.evicted_session_latest == 1
     assert pools.registry.eviction.session_heads() == {_key(2, 0, "chat"), _key(0, 1, "chat"), _key(3, 0, "chat")}
     pools.check()
+
+
+def test_the_host_tier_keeps_what_can_still_be_read_not_the_turn_ends_a_session_moved_past():
+    """8 sessions x 3 turns, then every checkpoint evicted into a host tier: a turn end that its
+    session's next turn read once (or a sibling end that turn went past) is not spilled; a live
+    session's ends and a checkpoint read more than once (a shared prefix, a regenerated turn) are."""
+    host = HostTier(1 << 40, 1000, 100)
+    pools = _Pools(checkpoint_slots=80, host=host)
+    pools.ready(b"shared", 1000, "first", CheckpointKind.SHARED_PREFIX)
+    pools.read(b"shared")
+    pools.read(b"shared")
+    for turn in range(3):
+        for session in range(8):
+            _chat_turn(pools, session, turn)
+    pools.read(_key(7, 1, "chat"))  # session 7's last turn is sent again (its reply regenerated)
+    assert pools.registry.evict_all_idle() == 1 + 8 * 3 * 3
+    passed = {_key(s, t, what) for s in range(8) for t in range(2) for what in ("chat", "prompt", "turn")}
+    live = {_key(s, 2, what) for s in range(8) for what in ("chat", "prompt", "turn")}
+    spilled = {key for key in passed | live | {b"shared"} if key in host}
+    assert spilled == live | {b"shared", _key(7, 1, "chat")}
+    _, writes = pools.registry.take_writes()
+    assert host.counters.spilled == len(spilled) == sum(isinstance(w, Spill) for w in writes)
+    assert pools.registry.counters.unspilled_passed == len(passed) - 1
+    pools.check()
+    host.check_integrity()
 
 
 def test_value_weighs_reads_and_tokens_and_ages():

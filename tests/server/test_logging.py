@@ -104,9 +104,9 @@ def test_stats_line_and_start_up_summary_show_the_host_tier():
             "host_tier_checkpoints": 2, "host_tier_bytes": 2**29, "host_tier_capacity_bytes": 2**31}
     stats = StatsLine(base, now=0.0)
     later = {**base, "checkpoints_spilled": 7, "checkpoints_restored": 4, "checkpoints_dropped_from_host": 1,
-             "host_tier_checkpoints": 6, "host_tier_bytes": 3 * 2**29}
+             "host_tier_checkpoints": 6, "host_tier_bytes": 3 * 2**29, "checkpoints_unspilled_passed": 2}
     line = stats.line(later, now=10.0)
-    assert "host tier: 5 spilled, 3 restored, 1 dropped, 6 held (1.50 of 2.0 GiB)" in line
+    assert "host tier: 5 spilled, 3 restored, 1 dropped, 2 passed turns not spilled, 6 held (1.50 of 2.0 GiB)" in line
     assert "host tier" not in StatsLine({**base}, 0.0).line(
         {k: v for k, v in base.items() if "tier" not in k and "spilled" not in k}, 10.0)
     assert host_tier_summary(later).startswith("host tier: 2.0 GiB of host memory")
