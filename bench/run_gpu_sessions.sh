@@ -48,7 +48,9 @@
 # Knobs (environment): TOTAL (560), STEPS (a), SHAPE_ARGS ("--shape qwen3.5-35b-a3b --server-arg=--device=cuda"),
 # WORKLOAD_ARGS (above), SMALL_SESSIONS (32), LARGE_SESSIONS (256), HOST_SESSIONS (64), HOST_BYTES (40000000000),
 # TOOL_SECONDS (1.0, tool32's mean tool time), STEP_TRACE (0; 1: each step's server runs under bench/step_trace.py and
-# <step>.steps.jsonl in logs.tar.gz has one line of counts per engine step, with its plan and settle times), SERVER_LOG_LEVEL (debug: the start-up summary, the stats lines, each request's time to first token by part
+# <step>.steps.jsonl in logs.tar.gz has one line of counts per engine step, with its plan and settle times), PROFILE_AT
+# (unset; S: S seconds after each step's first server is up, py-spy, installed from .whl/tools, samples the thread
+# holding its GIL for PROFILE_S seconds (default 30) into <step>.gil.txt in logs.tar.gz, collapsed stacks), SERVER_LOG_LEVEL (debug: the start-up summary, the stats lines, each request's time to first token by part
 # and the checkpoints' life cycle; each step's server log is <step>.server.log in logs.tar.gz), PYTHON (python3), INSTALL (1: install the
 # wheels into /tmp/site). CPU dry run of the same script (embedded default model, ~1-2 minutes):
 #   OUT=/tmp/x INSTALL=0 PYTHON=/work/main/.venv/bin/python SHAPE_ARGS="--server-arg=--max-model-len=8192" \
@@ -119,6 +121,19 @@ wait_gpu_free() {  # a killed server's memory is freed when its process is gone:
   echo "GPU still in use after 30 s:"; nvidia-smi --query-compute-apps=pid,used_memory --format=csv
 }
 
+profile_server() {  # PROFILE_AT s after the step's server is up: py-spy samples whichever thread holds the GIL
+  local log="$LOGS/$1.server.log" pid=""
+  for _ in $(seq 900); do
+    grep -q "Application startup complete" "$log" 2>/dev/null && break
+    sleep 1
+  done
+  sleep "$PROFILE_AT"
+  pid=$(pgrep -f "serve --port" | head -1)
+  [ -z "$pid" ] && { echo "profile: no server process" > "$LOGS/$1.gil.txt"; return; }
+  py-spy record --pid "$pid" --gil --nonblocking --rate 200 --duration "${PROFILE_S:-30}" --format raw \
+    -o "$LOGS/$1.gil.txt" > "$LOGS/$1.pyspy.log" 2>&1
+}
+
 for name in $STEP_LIST; do
   step_args "$name" > /dev/null || { echo "unknown step '$name' (off32 off256 on32 b4096 b2048 host64 restart32 nohost64 tool32)"; exit 2; }
 done
@@ -133,6 +148,10 @@ if [ "${INSTALL:-1}" != 0 ] && compgen -G ".whl/*.whl" > /dev/null; then
     echo "wheel install failed (install.log): going on with what is installed"; tail -5 "$LOGS/install.log"
   fi
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  if [ -n "${PROFILE_AT:-}" ] && compgen -G ".whl/tools/*.whl" > /dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tools \
+      .whl/tools/*.whl >> "$LOGS/install.log" 2>&1 && export PATH="/tmp/tools/bin:$PATH"
+  fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -163,6 +182,7 @@ for name in $STEP_LIST; do
   ARGS="$SHAPE_ARGS $WORKLOAD_ARGS $(step_args "$name") --server-log-level $SERVER_LOG_LEVEL --server-log $LOGS/$name.server.log --out $OUT --name $name"
   [ "${STEP_TRACE:-0}" = 1 ] && ARGS="$ARGS --step-trace $LOGS/$name.steps.jsonl"
   echo "== $name: timeout $BUDGET s, at $(( $(date +%s) - START )) s: agent_sessions.py $ARGS"
+  [ -n "${PROFILE_AT:-}" ] && profile_server "$name" &
   T0=$(date +%s)
   # shellcheck disable=SC2086
   timeout -k 10 "$BUDGET" "$PYTHON" bench/agent_sessions.py $ARGS > "$LOGS/$name.out" 2> "$LOGS/$name.log"
