@@ -39,6 +39,7 @@ from forkpoint.server.errors import (
     invalid_request,
     log_error_response,
 )
+from forkpoint.server.gc_pauses import GcPauses
 from forkpoint.server.generation import Admission
 from forkpoint.server.limits import RequestSizeLimit, default_max_request_bytes
 from forkpoint.server.metrics import ServerMetrics
@@ -69,10 +70,16 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
     """
     engine = llm.engine
     worker = EngineWorker(engine)
+    gc_pauses = GcPauses()
+
+    def snapshot() -> dict[str, float]:
+        """The engine's metrics and this process's garbage collections."""
+        return {**worker.metrics_snapshot(), **gc_pauses.values()}
+
     admission = Admission(config.max_waiting_requests, config.retry_after_s,
                           max_per_request=config.max_num_seqs_per_request,
                           max_waiting_per_client=config.max_waiting_per_user)
-    metrics = ServerMetrics(worker.metrics_snapshot, lambda: admission.waiting, lambda: admission.running,
+    metrics = ServerMetrics(snapshot, lambda: admission.waiting, lambda: admission.running,
                             endpoints=tuple(GENERATION_ENDPOINTS.values()))
     tokenizer = llm.get_tokenizer()
     takes_images = engine.images.processor is not None
@@ -113,12 +120,14 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
         await asyncio.to_thread(engine.wait_for_host_tier)
         if time.perf_counter() - began > 0.5:
             logger.info("waited %.1f s for the host tier's pinned memory before serving", time.perf_counter() - began)
+        gc_pauses.install()
         worker.start()
-        stats = (asyncio.create_task(log_stats_forever(worker.metrics_snapshot, config.log_stats_interval_s))
+        stats = (asyncio.create_task(log_stats_forever(snapshot, config.log_stats_interval_s))
                  if config.log_stats else None)
         try:
             yield
         finally:
+            gc_pauses.uninstall()
             if stats is not None:
                 stats.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from forkpoint.server.gc_pauses import GENERATIONS
+
 # engine.metrics() key -> (metric name without "_total", help); exposed as counters
 ENGINE_COUNTERS = {
     "prompt_tokens_total": ("forkpoint_prompt_tokens", "Prompt tokens of all requests (markers excluded)."),
@@ -143,6 +145,18 @@ class EngineCollector(Collector):
                 capacity.add_metric([pool], values[total_key])
         yield used
         yield capacity
+        if "gc_collections_gen0" in values:  # the serving process's garbage collector (server/gc_pauses.py)
+            collections = CounterMetricFamily("forkpoint_gc_collections", "Garbage collections of the serving "
+                                              "process by generation (each holds the GIL).", labels=["generation"])
+            paused = CounterMetricFamily("forkpoint_gc_pause_seconds", "Seconds the serving process's garbage "
+                                         "collections took, by generation.", labels=["generation"])
+            for generation in GENERATIONS:
+                collections.add_metric([str(generation)], values[f"gc_collections_gen{generation}"])
+                paused.add_metric([str(generation)], values[f"gc_pause_seconds_gen{generation}"])
+            yield collections
+            yield paused
+            yield GaugeMetricFamily("forkpoint_gc_longest_pause_seconds", "The longest garbage collection so far.",
+                                    value=values["gc_longest_pause_seconds"])
 
 
 class ServerMetrics:

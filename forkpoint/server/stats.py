@@ -21,6 +21,7 @@ from collections.abc import Callable
 from forkpoint.kernels import kernel_variants
 from forkpoint.llm import LLM
 from forkpoint.server.config import ServerConfig
+from forkpoint.server.gc_pauses import GENERATIONS
 from forkpoint.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger("forkpoint.server")
@@ -153,7 +154,17 @@ class StatsLine:
                 f"{values.get('checkpoint_slots_total', 0)} | checkpoints: {delta('checkpoint_hits'):.0f} hits, "
                 f"{max(reused, 0):,.0f} prompt tokens reused, hit rate {share} of prompt tokens since start"
                 + _tier_traffic(values, delta) + _disk_traffic(values, delta) + _by_kind(values, last)
-                + _speculation(values, delta))
+                + _speculation(values, delta) + _gc(delta))
+
+
+def _gc(delta: Callable[[str], float]) -> str:
+    """' | GC: ...' for the stats line (the interval's garbage collections), or '' without any."""
+    count = sum(delta(f"gc_collections_gen{g}") for g in GENERATIONS)
+    if count <= 0:
+        return ""
+    seconds = sum(delta(f"gc_pause_seconds_gen{g}") for g in GENERATIONS)
+    return (f" | GC: {count:.0f} collections, {1000 * seconds:.0f} ms (oldest generation "
+            f"{delta('gc_collections_gen2'):.0f}, {1000 * delta('gc_pause_seconds_gen2'):.0f} ms)")
 
 
 def _speculation(values: dict[str, float], delta: Callable[[str], float]) -> str:
