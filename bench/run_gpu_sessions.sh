@@ -29,6 +29,7 @@
 #   a  off256    256 sessions, thinking off           start 31 + A ~35 (~110 if reuse stalls as in issue 32)
 #                                                     + B ~115 (5.4M prompt tokens at 55k/s) + stop        ~190-270 s
 #   a  on32       32 sessions, thinking on            start 31 + A ~15 + B ~21 + stop                      ~80 s
+#      on256     256 sessions, thinking on            (as off256; session 16: off256's phases took 53-65 s and 138-146 s)
 #   c  b4096      32 sessions, thinking off, --max-num-batched-tokens 4096 (and b2048: 2048)        ~80 s each
 #   b  host64     64 sessions, --checkpoint-host-bytes 40000000000 (issue 32's server)
 #                                                     start 160 cold / 31 + A ~25-60 + B ~38 + stop        ~135 s warm
@@ -88,6 +89,7 @@ step_args() {  # the step's own arguments of agent_sessions.py
   case "$1" in
     off32) echo "--sessions $SMALL_SESSIONS --thinking off" ;;
     off256) echo "--sessions $LARGE_SESSIONS --thinking off" ;;
+    on256) echo "--sessions $LARGE_SESSIONS --thinking on" ;;
     on32) echo "--sessions $SMALL_SESSIONS --thinking on" ;;
     b4096) echo "--sessions $SMALL_SESSIONS --thinking off --server-arg=--max-num-batched-tokens=4096" ;;
     b2048) echo "--sessions $SMALL_SESSIONS --thinking off --server-arg=--max-num-batched-tokens=2048" ;;
@@ -101,7 +103,7 @@ step_args() {  # the step's own arguments of agent_sessions.py
 
 step_need() {  # seconds a step needs to print its first table (server start after the first, phase A, margin)
   case "$1" in
-    off256 | host64) echo 90 ;;
+    off256 | on256 | host64) echo 90 ;;
     on32) echo 60 ;;
     restart32) echo 110 ;;
     *) echo 80 ;;
@@ -135,7 +137,7 @@ profile_server() {  # PROFILE_AT s after the step's server is up: py-spy samples
 }
 
 for name in $STEP_LIST; do
-  step_args "$name" > /dev/null || { echo "unknown step '$name' (off32 off256 on32 b4096 b2048 host64 restart32 nohost64 tool32)"; exit 2; }
+  step_args "$name" > /dev/null || { echo "unknown step '$name' (off32 off256 on256 on32 b4096 b2048 host64 restart32 nohost64 tool32)"; exit 2; }
 done
 
 if [ "${INSTALL:-1}" != 0 ] && compgen -G ".whl/*.whl" > /dev/null; then

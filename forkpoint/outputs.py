@@ -65,7 +65,8 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """Output of one prompt. prompt_token_ids never contain the checkpoint marker;
+    """Output of one prompt. prompt_token_ids never contain the checkpoint marker (every output of one
+    prompt holds the same list, as vLLM's do: read it, do not change it);
     num_cached_tokens counts prompt tokens reused from a checkpoint (max over the n samples);
     cache_miss_reason (an extension of vLLM's fields) says why reuse stopped short of the tokens the
     prompt shares with prompts computed before (a `CacheMissReason` value: "no_checkpoint",

@@ -78,7 +78,7 @@ class OutputProcessor:
         max_tokens = request.params.max_tokens
         return num_output >= request.params.min_tokens and max_tokens is not None and num_output >= max_tokens
 
-    def make_output(self, request_id: str, prompt: str | None, prompt_token_ids: Sequence[int],
+    def make_output(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     checkpoint_positions: Sequence[int], sequences: Sequence[Request]) -> RequestOutput:
         """The cumulative output of one prompt's sequences (prompt logprobs from the first sequence,
         which scores the prompt for all); once all have finished, their text state is dropped (this
@@ -105,7 +105,8 @@ class OutputProcessor:
             prompt_logprobs=prompt_logprobs,
             request_id=request_id,
             prompt=prompt,
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=prompt_token_ids,  # the prompt's one list: not copied per step (256 streams of
+            # 3,700-token prompts copied 1M ids a step, 2.5% of the engine thread's time in the 256-session run)
             outputs=completions,
             num_cached_tokens=max(s.num_cached_tokens for s in sequences),
             cache_miss_reason=first.cache_miss_reason.value if first.cache_miss_reason is not None else None,
