@@ -15,13 +15,19 @@ difference is the text the new tokens add. While `full` ends in U+FFFD (a charac
 remaining bytes are still to come), the window is kept and nothing is committed; `text` then shows
 the part before the incomplete character, and `final_text` includes the replacement characters,
 as a full decode does.
+
+The windows are decoded by the Rust tokenizer itself when the tokenizer's `decode` (spaces not cleaned
+up) is exactly that call (a `TokenizersBackend` that overrides neither `decode` nor `_decode`): the
+Python wrapper around it cost ~3/4 of each window's decode (256 streams: ~4 ms of every decode step
+on the engine thread, measured on the CPU).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from transformers import PreTrainedTokenizerBase
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 REPLACEMENT = "\ufffd"
 
@@ -38,6 +44,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, *, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._decode_ids = window_decoder(tokenizer, skip_special_tokens)
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -77,7 +84,16 @@ class IncrementalDetokenizer:
         return self.text[len(before):]
 
     def _decode(self, ids: Sequence[int]) -> str:
-        if not ids:
-            return ""
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens,
-                                      clean_up_tokenization_spaces=False)
+        return self._decode_ids(ids) if ids else ""
+
+
+def window_decoder(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> Callable[[Sequence[int]], str]:
+    """`ids -> tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`, through
+    the Rust tokenizer directly when that is all the tokenizer's decode does (see the module docstring)."""
+    cls = type(tokenizer)
+    if (isinstance(tokenizer, TokenizersBackend) and cls._decode is TokenizersBackend._decode
+            and cls.decode is PreTrainedTokenizerBase.decode):
+        backend = tokenizer.backend_tokenizer
+        return lambda ids: backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                        clean_up_tokenization_spaces=False)

@@ -3,11 +3,13 @@ linear in the number of tokens."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forkpoint.inputs.detokenizer import IncrementalDetokenizer
+from forkpoint.inputs.detokenizer import IncrementalDetokenizer, window_decoder
 
 TEXTS = ["Hello, world! ", "naïve café ", "日本語のテキスト", "emoji 🤖🧪 and 👩‍👩‍👧", " tabs\tand\nnewlines ",
          "Ελληνικά ", "ﷺ ", "<|im_end|>", "  spaces  "]
@@ -90,3 +92,29 @@ def test_work_is_linear_in_the_tokens(qwen):
     assert len(ids) > 1000
     assert sum(decoded) < 8 * len(ids)  # a full decode per token would be ~len(ids)**2 / 2
     assert detok.final_text == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_windows_decode_through_the_rust_tokenizer_exactly_as_decode(qwen, pieces):
+    """The Qwen tokenizer's decode is the Rust tokenizer's: the windows skip the Python wrapper and give
+    the same text for random ids (special tokens, split characters) with and without skipping specials;
+    a tokenizer class that overrides its decode keeps going through it."""
+    tokenizer = qwen.tokenizer
+    rng = random.Random(3)
+    pool = pieces["text"] + pieces["partial"] + pieces["special"] + [rng.randrange(len(tokenizer)) for _ in range(64)]
+    for skip in (True, False):
+        decode = window_decoder(tokenizer, skip)
+        assert "backend" in decode.__code__.co_freevars
+        for length in (1, 2, 5, 17):
+            ids = [rng.choice(pool) for _ in range(length)]
+            assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+    class Shouting(type(tokenizer)):
+        def _decode(self, token_ids, **kwargs):
+            return super()._decode(token_ids, **kwargs).upper()
+
+    tokenizer.__class__, original = Shouting, type(tokenizer)
+    try:
+        assert window_decoder(tokenizer, True)(pieces["text"][:8]) == tokenizer.decode(pieces["text"][:8],
+                                                                                     skip_special_tokens=True).upper()
+    finally:
+        tokenizer.__class__ = original
