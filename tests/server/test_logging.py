@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from forkpoint.server.config import ServerConfig
-from forkpoint.server.stats import StatsLine, disk_tier_summary, host_tier_summary
+from forkpoint.server.stats import StatsLine, disk_tier_summary, host_tier_summary, http_summary
 from tests.server.conftest import RunningServer, serve
 
 
@@ -139,3 +139,10 @@ def test_stats_line_reuse_by_kind_evictions_and_misses():
     line = stats.line(after, now=10.0)
     assert line.endswith("| by kind chat_turn 60.0%, marker 10.0%; 2 evicted; misses template_divergence 3")
     assert "evicted_device" not in line  # no new ones in the interval
+
+
+def test_start_up_names_the_http_parser_and_event_loop_and_how_to_get_the_fast_ones():
+    assert http_summary(lambda name: True) == "HTTP: httptools parser, uvloop event loop"
+    slow = http_summary(lambda name: False)
+    assert slow.startswith("HTTP: h11 parser, asyncio event loop") and "pip install httptools uvloop" in slow
+    assert http_summary() == "HTTP: httptools parser, uvloop event loop"  # both are forkpoint's dependencies
