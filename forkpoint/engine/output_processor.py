@@ -106,7 +106,7 @@ class OutputProcessor:
             request_id=request_id,
             prompt=prompt,
             prompt_token_ids=prompt_token_ids,  # the prompt's one list: not copied per step (256 streams of
-            # 3,700-token prompts copied 1M ids a step, 2.5% of the engine thread's time in the 256-session run)
+            # 3,700-token prompts copied ~1M ids a step: 0.8 s of a 30-s GIL profile of the 256-session run)
             outputs=completions,
             num_cached_tokens=max(s.num_cached_tokens for s in sequences),
             cache_miss_reason=first.cache_miss_reason.value if first.cache_miss_reason is not None else None,

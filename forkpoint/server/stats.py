@@ -74,7 +74,7 @@ def http_summary(available: Callable[[str], bool] | None = None) -> str:
     """The start-up line on what uvicorn serves with: it picks httptools and uvloop when they are installed
     (both are forkpoint's dependencies), else the pure-Python h11 parser and asyncio's loop, which cost the
     event loop, and the GIL it shares with the engine thread, more per streamed chunk (the 256-session
-    profile on the H200, without them: ~5% of the GIL held in h11's send). available: whether a module
+    profile on the H200, without them: ~4% of the GIL samples in h11's send). available: whether a module
     can be imported (default: importlib's finder)."""
     available = available or (lambda name: importlib.util.find_spec(name) is not None)
     parser = "httptools" if available("httptools") else "h11"

@@ -1,0 +1,130 @@
+"""What the engine thread's output work costs per decode step at many streams, on this machine's CPU: each
+stream's incremental detokenisation of its new token and its cumulative `RequestOutput`
+(engine/output_processor.py), with the real Qwen3.5 tokenizer (the embedded model's).
+
+Rows: the incremental detokenizer with its windows decoded through the Rust tokenizer directly (the
+default, inputs/detokenizer.py `window_decoder`) against through `tokenizer.decode` (the wrapper, as
+before session 16); and `make_output` for N streams with P-token prompts. Each measurement decodes
+--steps tokens for every stream, --reps times, alternating the two decoders so both see the same load;
+the table gives the median microseconds per token and milliseconds per step of N streams.
+
+Usage:
+    python bench/output_path_cost.py                  # N = 256, P = 3,700: bench/results/output_path_cost_cpu.*
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from host_info import code_version, machine_info, machine_line  # noqa: E402
+from plots import write_results  # noqa: E402
+
+from forkpoint.cache.hashing import PrefixHasher  # noqa: E402
+from forkpoint.engine.output_processor import OutputProcessor  # noqa: E402
+from forkpoint.engine.request import Request  # noqa: E402
+from forkpoint.inputs import detokenizer  # noqa: E402
+from forkpoint.inputs.detokenizer import IncrementalDetokenizer  # noqa: E402
+from forkpoint.sampling_params import SamplingParams  # noqa: E402
+
+WORDS = ("river", "basin", "flood", "level", "spring", "report", "station", "gauge", "rain", "upstream", "naïve",
+         "café", "日本語", "🤖", "valley", "north", "meter", "daily", "peak", "record", "season", "storm")
+
+
+def wrapper_decoder(tokenizer, skip_special_tokens: bool):
+    """The decode before session 16: through the tokenizer's Python `decode`."""
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                        clean_up_tokenization_spaces=False)
+
+
+def time_detokenizers(tokenizer, ids: list[int], streams: int, steps: int, through) -> float:
+    """Seconds to add `steps` tokens to each of `streams` detokenizers built with `through` as the
+    window decoder factory."""
+    original = detokenizer.window_decoder
+    detokenizer.window_decoder = through
+    try:
+        detoks = [IncrementalDetokenizer(tokenizer) for _ in range(streams)]
+    finally:
+        detokenizer.window_decoder = original
+    begin = time.perf_counter()
+    for step in range(steps):
+        for d in detoks:
+            d.add([ids[step]])
+    return time.perf_counter() - begin
+
+
+def time_outputs(tokenizer, ids: list[int], streams: int, steps: int, prompt_tokens: int) -> float:
+    """Seconds of `make_output` for `streams` requests with `prompt_tokens`-token prompts, one token
+    appended to each per step (the engine's per-step output work, detokenisation included)."""
+    processor = OutputProcessor(tokenizer, eos_token_ids=(), max_model_len=1 << 20)
+    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    prompt = [ids[i % len(ids)] for i in range(prompt_tokens)]
+    requests = [Request(f"r{i}", f"r{i}", 0, prompt, (), params, 0.0, PrefixHasher(prompt, 16), None)
+                for i in range(streams)]
+    begin = time.perf_counter()
+    for step in range(steps):
+        for r in requests:
+            processor.append_token(r, ids[step], None, 0.0)
+            processor.make_output(r.request_id, None, prompt, [], [r])
+    return time.perf_counter() - begin
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, default=256)
+    parser.add_argument("--prompt-tokens", type=int, default=3700)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--name", default="output_path_cost_cpu")
+    args = parser.parse_args()
+
+    from forkpoint import LLM
+
+    tokenizer = LLM().get_tokenizer()
+    rng = random.Random(0)
+    ids = tokenizer(" ".join(rng.choice(WORDS) for _ in range(4 * args.steps)))["input_ids"][: args.steps]
+    runs = {"rust": [], "wrapper": [], "make_output": []}
+    for _ in range(args.reps):
+        runs["rust"].append(time_detokenizers(tokenizer, ids, args.streams, args.steps, detokenizer.window_decoder))
+        runs["wrapper"].append(time_detokenizers(tokenizer, ids, args.streams, args.steps, wrapper_decoder))
+        runs["make_output"].append(time_outputs(tokenizer, ids, args.streams, args.steps, args.prompt_tokens))
+    tokens = args.streams * args.steps
+    rows = {name: {"us_per_token": 1e6 * statistics.median(seconds) / tokens,
+                   "ms_per_step": 1e3 * statistics.median(seconds) / args.steps} for name, seconds in runs.items()}
+    res = {"config": vars(args), "machine": machine_info(), "code": code_version(), "rows": rows}
+    print(machine_line(res["machine"]))
+    print(f"{args.streams} streams, {args.steps} tokens each, median of {args.reps}")
+    print(f"{'what':<48} {'us/token':>9} {'ms/step':>8}")
+    labels = {"rust": "detokenize, windows through the Rust tokenizer",
+              "wrapper": "detokenize, through tokenizer.decode",
+              "make_output": f"make_output ({args.prompt_tokens}-token prompts)"}
+    for name, row in rows.items():
+        print(f"{labels[name]:<48} {row['us_per_token']:>9.2f} {row['ms_per_step']:>8.2f}")
+
+    def plot(result: dict, path: str) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        names = list(result["rows"])
+        ax.barh([labels[n] for n in names], [result["rows"][n]["ms_per_step"] for n in names])
+        ax.set_xlabel(f"ms per decode step of {args.streams} streams")
+        ax.set_title("engine thread output work per step (CPU)")
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+
+    print("results:", write_results(res, args.out, args.name, plot))
+
+
+if __name__ == "__main__":
+    main()
