@@ -94,6 +94,6 @@ def window_decoder(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool
     if (isinstance(tokenizer, TokenizersBackend) and cls._decode is TokenizersBackend._decode
             and cls.decode is PreTrainedTokenizerBase.decode):
         backend = tokenizer.backend_tokenizer
-        return lambda ids: backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)  # lists and tuples alike
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
                                         clean_up_tokenization_spaces=False)
