@@ -162,32 +162,56 @@ def precompile(plan: CompilePlan, workers: int, cache_dir: Path) -> PrecompileRe
     env = dict(os.environ, TRITON_CACHE_DIR=str(cache_dir), TRITON_CACHE_AUTOTUNING="0", OMP_NUM_THREADS="1")
     package_root = str(Path(forkpoint.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    failed = 0
     with tempfile.TemporaryDirectory(prefix="forkpoint-precompile-") as scratch:
         plan_file = Path(scratch) / "plan.pkl"
         plan_file.write_bytes(pickle.dumps(plan))
         running = []
-        for index in range(workers):
-            log = (Path(scratch) / f"worker{index}.log").open("wb")
-            process = subprocess.Popen([sys.executable, "-m", WORKER_MODULE, str(plan_file), str(index),
-                                        str(workers)], env=env, stdout=log, stderr=subprocess.STDOUT)
-            running.append((index, process, log))
-        deadline = time.monotonic() + WORKER_TIMEOUT_S
-        for index, process, log in running:
-            try:
-                code = process.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                code = process.wait()
-                logger.warning("start-up compile worker %d ran past %.0f s and was stopped", index, WORKER_TIMEOUT_S)
-            log.close()
-            if code != 0:
-                failed += 1
-                tail = (Path(scratch) / f"worker{index}.log").read_text(errors="replace")[-2000:]
-                logger.warning("start-up compile worker %d failed (exit %d); the engine compiles its share:\n%s",
-                               index, code, tail)
+        try:
+            for index in range(workers):
+                log = (Path(scratch) / f"worker{index}.log").open("wb")
+                try:
+                    process = subprocess.Popen([sys.executable, "-m", WORKER_MODULE, str(plan_file), str(index),
+                                                str(workers)], env=env, stdout=log, stderr=subprocess.STDOUT)
+                except BaseException:
+                    log.close()
+                    raise
+                running.append((index, process, log))
+            failed = _wait_for(running, Path(scratch))
+        finally:
+            _stop(running)
     if not failed:
         marker = marker_path(plan, cache_dir)
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(repr(plan))
     return PrecompileReport(workers, failed, time.perf_counter() - start)
+
+
+def _wait_for(running: list, scratch: Path) -> int:
+    """Wait for each (index, process, log) of `running` until WORKER_TIMEOUT_S from now (a late one is
+    killed); log each failure with its log's tail. Returns how many did not exit 0."""
+    failed = 0
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
+    for index, process, log in running:
+        try:
+            code = process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            code = process.wait()
+            logger.warning("start-up compile worker %d ran past %.0f s and was stopped", index, WORKER_TIMEOUT_S)
+        log.close()
+        if code != 0:
+            failed += 1
+            tail = (scratch / f"worker{index}.log").read_text(errors="replace")[-2000:]
+            logger.warning("start-up compile worker %d failed (exit %d); the engine compiles its share:\n%s",
+                           index, code, tail)
+    return failed
+
+
+def _stop(running: list) -> None:
+    """Kill and reap every worker of `running` still alive and close its log: whatever way `precompile`
+    leaves (an interrupt, a failed start of a later worker), no worker outlives it."""
+    for _, process, log in running:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        log.close()

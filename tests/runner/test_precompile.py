@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -76,6 +78,27 @@ def test_a_failing_worker_is_reported_and_leaves_no_marker(moe_model, tmp_path, 
     assert not marker_path(plan, tmp_path).exists()
     assert "failed (exit" in caplog.text and "the engine compiles its share" in caplog.text
     assert "2 failed" in report.summary()
+
+
+def test_no_worker_outlives_a_start_up_that_fails_half_way(moe_model, tmp_path, monkeypatch):
+    """The second worker cannot start (here: Popen raises): the first, already running, is killed and
+    reaped, and the error reaches the caller; no marker is written."""
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen(args, **kwargs):
+        if started:
+            raise OSError("no more processes")
+        process = real_popen([sys.executable, "-c", "import time; time.sleep(600)"], **kwargs)
+        started.append(process)
+        return process
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    plan = plan_of(moe_model[0])
+    with pytest.raises(OSError, match="no more processes"):
+        precompile(plan, 2, tmp_path)
+    assert len(started) == 1 and started[0].returncode is not None  # killed and reaped
+    assert not marker_path(plan, tmp_path).exists()
 
 
 def test_default_workers_follow_cpus_and_memory(moe_model):
