@@ -137,6 +137,7 @@ async def one_request(http: httpx.AsyncClient, model: str, messages: list[dict],
     return {"prompt_tokens": usage["prompt_tokens"], "cached_tokens": details.get("cached_tokens") or 0,
             "miss_reason": details.get("cache_miss_reason"), "ttft_s": (first or end) - begin,
             "headers_s": headers - begin, "latency_s": end - begin, "reply": "".join(reply), "id": response_id,
+            "sent_at": begin, "headers_at": headers, "first_at": first, "end_at": end,
             "tokenize_body": {**body, "messages": list(messages)}}  # the session appends its next turn's messages
 
 
@@ -306,6 +307,16 @@ def parts_p50(parts: list[dict[str, float]]) -> dict[str, float]:
     the keys every request has (a server before the prefill steps were logged has none); empty without any."""
     return {key: percentile([p[key] for p in parts], 50) for key in parts[0]
             if all(key in p for p in parts)} if parts else {}
+
+
+def logged_phase(args: argparse.Namespace, name: str, phase: dict) -> dict:
+    """`phase`, its requests' times appended to --request-log (when given) as one JSON line each."""
+    if args.request_log is not None:
+        keys = ("id", "session", "turn", "sent_at", "headers_at", "first_at", "end_at")
+        with open(args.request_log, "a") as log:
+            for r in phase["requests"]:
+                log.write(json.dumps({"phase": name, **{k: r[k] for k in keys}}) + "\n")
+    return phase
 
 
 def summarise(phase: dict, turns: int) -> dict:
@@ -528,6 +539,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--window-s", type=float, default=10.0,
                         help="width of the windows of generation throughput (default: 10 s)")
     parser.add_argument("--poll-s", type=float, default=0.5, help="how often /metrics is read (default: 0.5 s)")
+    parser.add_argument("--request-log", default=None,
+                        help="append one JSON line per request and phase to this file: ids, session, turn and the "
+                             "client's send, headers, first-token and end times (time.perf_counter: on Linux the "
+                             "clock of the server's time.monotonic, so they line up with --step-trace's times)")
+    parser.add_argument("--phases", default="all", choices=["all", "reuse"],
+                        help="reuse: stop after the reuse phase (and the restart's), no no-reuse phase")
     parser.add_argument("--restart", action="store_true",
                         help="serve with --checkpoint-dir, restart the server after phase A and send the first turn "
                              "of new sessions (same system prompt, new documents) before phase B")
@@ -559,8 +576,8 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
             before = scrape_misses(url)
-            reuse = phase_done("reuse", "reuse", summarise(asyncio.run(run_phase(url, model, args, nonce=False)),
-                                                           args.turns))
+            reuse = phase_done("reuse", "reuse", summarise(logged_phase(args, "reuse", asyncio.run(
+                run_phase(url, model, args, nonce=False))), args.turns))
             after = scrape_misses(url)
             res["server_misses_reuse_phase"] = {k: after[k] - before.get(k, 0) for k in after}
             if args.restart:
@@ -569,10 +586,13 @@ def main(argv: list[str] | None = None) -> dict:
                                             **traced(args))
                 first_turn = argparse.Namespace(**{**vars(args), "turns": 1})
                 phase_done("restart", "after a restart on the same --checkpoint-dir (first turn, new documents)",
-                           summarise(asyncio.run(run_phase(url, model, first_turn, nonce=False,
-                                                           documents_seed=args.seed + 1)), 1))
+                           summarise(logged_phase(args, "restart", asyncio.run(run_phase(
+                               url, model, first_turn, nonce=False, documents_seed=args.seed + 1))), 1))
+            if args.phases == "reuse":
+                return res
             none = phase_done("no_reuse", "no reuse (a nonce opens every request)",
-                              summarise(asyncio.run(run_phase(url, model, args, nonce=True)), args.turns))
+                              summarise(logged_phase(args, "no_reuse", asyncio.run(
+                                  run_phase(url, model, args, nonce=True))), args.turns))
         finally:
             if process is not None:
                 stop_server(process)

@@ -49,7 +49,9 @@
 # Knobs (environment): TOTAL (560), STEPS (a), SHAPE_ARGS ("--shape qwen3.5-35b-a3b --server-arg=--device=cuda"),
 # WORKLOAD_ARGS (above), SMALL_SESSIONS (32), LARGE_SESSIONS (256), HOST_SESSIONS (64), HOST_BYTES (40000000000),
 # TOOL_SECONDS (1.0, tool32's mean tool time), STEP_TRACE (0; 1: each step's server runs under bench/step_trace.py and
-# <step>.steps.jsonl in logs.tar.gz has one line of counts per engine step, with its plan and settle times), PROFILE_AT
+# <step>.steps.jsonl in logs.tar.gz has one line of counts per engine step, with its plan and settle times, and
+# <step>.requests.jsonl one line per request with the client's send, headers, first-token and end times on the
+# same clock), PHASES (all; reuse: no no-reuse phase), PROFILE_AT
 # (unset; S: S seconds after each step's first server is up, py-spy, installed from .whl/tools, samples the thread
 # holding its GIL for PROFILE_S seconds (default 30) into <step>.gil.txt in logs.tar.gz, collapsed stacks), SERVER_LOG_LEVEL (debug: the start-up summary, the stats lines, each request's time to first token by part
 # and the checkpoints' life cycle; each step's server log is <step>.server.log in logs.tar.gz), PYTHON (python3), INSTALL (1: install the
@@ -182,7 +184,8 @@ for name in $STEP_LIST; do
   FIRST=0
   # shellcheck disable=SC2046,SC2086  # word splitting of the argument lists is intended
   ARGS="$SHAPE_ARGS $WORKLOAD_ARGS $(step_args "$name") --server-log-level $SERVER_LOG_LEVEL --server-log $LOGS/$name.server.log --out $OUT --name $name"
-  [ "${STEP_TRACE:-0}" = 1 ] && ARGS="$ARGS --step-trace $LOGS/$name.steps.jsonl"
+  [ "${STEP_TRACE:-0}" = 1 ] && ARGS="$ARGS --step-trace $LOGS/$name.steps.jsonl --request-log $LOGS/$name.requests.jsonl"
+  [ "${PHASES:-all}" = reuse ] && ARGS="$ARGS --phases reuse"
   echo "== $name: timeout $BUDGET s, at $(( $(date +%s) - START )) s: agent_sessions.py $ARGS"
   [ -n "${PROFILE_AT:-}" ] && profile_server "$name" &
   T0=$(date +%s)
