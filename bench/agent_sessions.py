@@ -12,7 +12,8 @@ prompts' token ids, from `/tokenize`, asked after the phase's wall time: an agen
 turn 0: with the other sessions' first prompts), TTFT p50/p90 and
 the miss reasons the server gave (`cache_miss_reason`); totals per phase, and the server's
 `forkpoint_cache_misses_total` by reason. Per phase: the server's time to first token by part (mean ms per
-request: prompt rendered and tokenised, hand-off to the engine thread, queue, prefill, delivery; the
+request: the HTTP body read and validated before the handler, prompt rendered and tokenised, hand-off to
+the engine thread, queue, prefill, delivery; the
 `forkpoint_request_<part>_time_seconds` histograms; per turn, p50 and the steps queued behind, from the
 server's debug lines with `--server-log FILE --server-log-level debug`), its wall time and the server's generation
 throughput (`forkpoint_generation_tokens_total`, read every --poll-s) over the phase and per --window-s
@@ -362,7 +363,7 @@ def scrape_misses(url: str) -> dict[str, float]:
     return values
 
 
-FIRST_TOKEN_PARTS = ("prompt", "handoff", "queue", "prefill", "delivery")  # server/metrics.py
+FIRST_TOKEN_PARTS = ("request", "prompt", "handoff", "queue", "prefill", "delivery")  # server/metrics.py
 
 
 def first_token_parts(url: str) -> dict[str, tuple[float, float]]:
@@ -388,9 +389,10 @@ def mean_parts_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple
     return means
 
 
-PARTS_LINE = re.compile(r"request (\S+)-0: first token after [\d.]+ ms: prompt ([\d.]+), hand-off ([\d.]+), "
-                        r"queue ([\d.]+) \((\d+) steps\), prefill ([\d.]+)(?: \((\d+) steps\))?, delivery ([\d.]+) ms")
-PARTS = ("prompt", "handoff", "queue", "queued_steps", "prefill", "prefill_steps", "delivery")
+PARTS_LINE = re.compile(r"request (\S+)-0: first token after [\d.]+ ms: (?:request ([\d.]+), )?prompt ([\d.]+), "
+                        r"hand-off ([\d.]+), queue ([\d.]+) \((\d+) steps\), prefill ([\d.]+)(?: \((\d+) steps\))?, "
+                        r"delivery ([\d.]+) ms")
+PARTS = ("request", "prompt", "handoff", "queue", "queued_steps", "prefill", "prefill_steps", "delivery")
 
 
 def logged_parts(path: str | None) -> dict[str, dict[str, float]]:
@@ -457,8 +459,9 @@ def table(name: str, summary: dict) -> str:
         parts = row["ttft_parts_p50_ms"]
         if parts:
             lines.append(f"turn {row['turn']}: client's time to response headers p50 {row['headers_p50_ms']:.0f} ms; "
-                         f"time to first token by part (server log, p50 ms): prompt "
-                         f"{parts['prompt']:.0f}, hand-off {parts['handoff']:.0f}, queue {parts['queue']:.0f} "
+                         "time to first token by part (server log, p50 ms): "
+                         + (f"request {parts['request']:.0f}, " if "request" in parts else "")
+                         + f"prompt {parts['prompt']:.0f}, hand-off {parts['handoff']:.0f}, queue {parts['queue']:.0f} "
                          f"({parts['queued_steps']:.0f} steps), prefill {parts['prefill']:.0f}"
                          + (f" ({parts['prefill_steps']:.0f} steps)" if "prefill_steps" in parts else "")
                          + f", delivery {parts['delivery']:.0f}")

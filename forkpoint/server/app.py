@@ -30,6 +30,7 @@ from forkpoint.inputs.markers import validate_token_ids
 from forkpoint.inputs.segment_tokens import SegmentEncoder
 from forkpoint.inputs.template_sandbox import TemplateLimits, TemplateSandbox
 from forkpoint.llm import LLM
+from forkpoint.server.arrival import ArrivalTime
 from forkpoint.server.auth import APIKeyAuth
 from forkpoint.server.config import ServerConfig
 from forkpoint.server.errors import (
@@ -184,8 +185,9 @@ def install_request_guards(app: FastAPI, metrics: ServerMetrics, max_request_byt
 
     install_error_handlers(app, on_error)
     app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes, on_reject=on_too_large)
-    if api_keys:  # added last: the outermost, so a request without a valid key gets no further
+    if api_keys:  # added late: outside the size limit, so a request without a valid key gets no further
         app.add_middleware(APIKeyAuth, keys=api_keys)
+    app.add_middleware(ArrivalTime)  # added last: the outermost, it stamps the request before any other work
 
 
 def _decode(tokenizer, token_ids: list[int]) -> str:

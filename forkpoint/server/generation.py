@@ -102,13 +102,14 @@ class Generation:
     admission places, so a client that goes away frees its engine resources.
     endpoint: label of the request in the outcome metric; prompt_param: the request field
     named in a 400 when the engine rejects a prompt. received: when the HTTP request reached its
-    handler (`time.monotonic()`; default: now), the start of its time to first token.
+    handler (`time.monotonic()`; default: now); arrived: when it reached the application
+    (`server/arrival.py`; default: received), the start of its time to first token.
     """
 
     def __init__(self, worker: EngineWorker, admission: Admission, metrics: ServerMetrics, *,
                  endpoint: str, prompt_param: str, request_id: str, prompts: Sequence[EnginePrompt],
                  params: SamplingParams, cache_key: str | None = None, client: str = "",
-                 received: float | None = None) -> None:
+                 received: float | None = None, arrived: float | None = None) -> None:
         self._cache_key = cache_key  # prompt_cache_key: replicas route the group together
         self._client = client  # the request's `user` ("" without one): its admission places are its client's
         self._endpoint = endpoint
@@ -120,9 +121,10 @@ class Generation:
         self._index = {rid: i for i, rid in enumerate(self._ids)}
         self._prompts = prompts
         self._params = params
-        self._arrival = time.monotonic() if received is None else received
-        self._submitted = self._arrival  # when the prompts were handed to the engine thread
-        self._added = self._arrival  # when the engine had taken them (add_many returned)
+        self._received = time.monotonic() if received is None else received  # the handler's start
+        self._arrival = self._received if arrived is None else min(arrived, self._received)
+        self._submitted = self._received  # when the prompts were handed to the engine thread
+        self._added = self._received  # when the engine had taken them (add_many returned)
         self._state = dict.fromkeys(self._ids, "new")  # new -> waiting -> running -> done
         self._sink: OutputSink | None = None
         self._outcome: str | None = None
@@ -203,7 +205,8 @@ class Generation:
 
     def _first_token_breakdown(self, output: RequestOutput, now: float) -> None:
         """Where the time to `output`'s first token went, into the latency histograms and a debug log
-        line: prompt (rendered, tokenised, admitted), hand-off (queued for the engine thread, which
+        line: request (the HTTP body read, parsed and validated before the handler), prompt (rendered,
+        tokenised, admitted), hand-off (queued for the engine thread, which
         takes new prompts between steps), queue (until a step first schedules it, behind how many
         steps), prefill (to its first sampled token, in how many steps: 1 when the step that first
         schedules it samples it), delivery (the engine's output work and the hop to the event loop).
@@ -213,17 +216,19 @@ class Generation:
         if (times is None or times.first_scheduled_time is None or times.first_token_time is None
                 or not self._submitted <= times.arrival_time <= self._added):
             return
-        prompt, handoff = self._submitted - self._arrival, times.arrival_time - self._submitted
+        request, prompt = self._received - self._arrival, self._submitted - self._received
+        handoff = times.arrival_time - self._submitted
         queue = times.first_scheduled_time - times.arrival_time
         prefill = times.first_token_time - times.first_scheduled_time
         delivery = now - times.first_token_time
-        self._metrics.observe_first_token(prompt=prompt, handoff=handoff, queue=queue, prefill=prefill,
-                                          delivery=delivery)
+        self._metrics.observe_first_token(request=request, prompt=prompt, handoff=handoff, queue=queue,
+                                          prefill=prefill, delivery=delivery)
         if logger.isEnabledFor(logging.DEBUG):
             steps = "" if times.prefill_steps is None else f" ({times.prefill_steps} steps)"
-            logger.debug("request %s: first token after %.1f ms: prompt %.1f, hand-off %.1f, queue %.1f (%d steps), "
-                         "prefill %.1f%s, delivery %.1f ms; %d of %d prompt tokens cached", output.request_id,
-                         1000 * (now - self._arrival), 1000 * prompt, 1000 * handoff, 1000 * queue,
+            logger.debug("request %s: first token after %.1f ms: request %.1f, prompt %.1f, hand-off %.1f, "
+                         "queue %.1f (%d steps), prefill %.1f%s, delivery %.1f ms; %d of %d prompt tokens cached",
+                         output.request_id,
+                         1000 * (now - self._arrival), 1000 * request, 1000 * prompt, 1000 * handoff, 1000 * queue,
                          times.queued_steps, 1000 * prefill, steps, 1000 * delivery, output.num_cached_tokens,
                          len(output.prompt_token_ids))
 

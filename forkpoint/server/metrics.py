@@ -64,6 +64,8 @@ ENGINE_POOLS = {
 OUTCOMES = ("success", "invalid_request", "rejected", "aborted", "error")
 # the parts of the time to first token (server/generation.py), each a histogram forkpoint_request_<part>_time_seconds
 FIRST_TOKEN_PARTS = {
+    "request": "From the HTTP request reaching the application (its headers parsed) to its handler: the body "
+               "read, parsed and validated, per request.",
     "prompt": "From the request reaching its handler to its prompts being handed to the engine thread (chat "
               "template rendered, tokenised, admitted), per request.",
     "handoff": "From the prompts handed to the engine thread to the engine taking them (between two steps), "

@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 from forkpoint.inputs.template_sandbox import TemplateSandbox
 from forkpoint.outputs import CompletionOutput, RequestOutput
 from forkpoint.sampling_params import SamplingParams
+from forkpoint.server.arrival import arrival_time
 from forkpoint.server.chat_format import ChatFormat, ChatOptions
 from forkpoint.server.errors import APIError, error_body, invalid_request
 from forkpoint.server.generation import Admission, Generation
@@ -211,7 +212,8 @@ class OpenAIServing:
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         gen = Generation(self.worker, self.admission, self.metrics, endpoint=endpoint, prompt_param=prompt_param,
                          request_id=request_id, prompts=prompts, params=params, cache_key=body.prompt_cache_key,
-                         client=api_client(request) or body.user or "", received=received)
+                         client=api_client(request) or body.user or "", received=received,
+                         arrived=arrival_time(request))
         await gen.start()
         header = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         if body.stream:

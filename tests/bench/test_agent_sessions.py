@@ -51,7 +51,7 @@ def test_agent_sessions_bench(tmp_path):
         handler.close()
     for phase in ("reuse", "no_reuse"):  # every turn's parts, joined to the requests by response id
         for row in res[phase]["turns"]:
-            assert set(row["ttft_parts_p50_ms"]) == {"prompt", "handoff", "queue", "queued_steps", "prefill",
+            assert set(row["ttft_parts_p50_ms"]) == {"request", "prompt", "handoff", "queue", "queued_steps", "prefill",
                                                      "prefill_steps", "delivery"}
             assert row["ttft_parts_p50_ms"]["prefill"] > 0
     for row in res["reuse"]["turns"][1:]:

@@ -66,13 +66,15 @@ class _Worker:
         pass
 
 
-def _first_token_parts(engine_times) -> dict[str, float]:
+def _first_token_parts(engine_times, waited_before_handler: float | None = None) -> dict[str, float]:
     metrics = ServerMetrics(dict, lambda: 0, lambda: 0, endpoints=("chat",))
 
     async def run() -> None:
+        received = time.monotonic() - 0.5
+        arrived = None if waited_before_handler is None else received - waited_before_handler
         gen = Generation(_Worker(engine_times), Admission(4, 1), metrics, endpoint="chat", prompt_param="messages",
                          request_id="r", prompts=[EnginePrompt([1, 2], ())], params=SamplingParams(max_tokens=1),
-                         received=time.monotonic() - 0.5)
+                         received=received, arrived=arrived)
         await gen.start()
         async for _ in gen.outputs():
             break
@@ -86,6 +88,15 @@ def test_first_token_parts_add_up_on_the_engine_clock():
     parts = _first_token_parts(lambda now: (now, now + 0.005, now + 0.015))
     assert parts["prompt"] >= 0.5 and parts["queue"] == pytest.approx(0.005) and parts["prefill"] == pytest.approx(0.01)
     assert parts["handoff"] >= 0 and parts["delivery"] >= 0.005
+
+
+def test_the_time_before_the_handler_is_the_request_part_of_the_time_to_first_token():
+    """A request stamped 0.3 s before its handler started (its body read and validated meanwhile): the
+    request part holds those 0.3 s, the prompt part only the handler's own time."""
+    parts = _first_token_parts(lambda now: (now, now + 0.005, now + 0.015), waited_before_handler=0.3)
+    assert parts["request"] == pytest.approx(0.3, abs=1e-6)
+    assert 0.5 <= parts["prompt"] < 0.8
+    assert _first_token_parts(lambda now: (now, now + 0.005, now + 0.015))["request"] == 0.0  # no stamp
 
 
 def test_first_token_parts_are_left_out_for_an_engine_on_another_clock():

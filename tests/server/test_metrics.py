@@ -62,10 +62,11 @@ def test_metrics_count_a_one_to_two_run(server, anchor_text):
 
 
 def test_time_to_first_token_parts_add_up_to_it(server):
-    """Each streamed chat request's time to first token splits into prompt, hand-off, queue, prefill
-    and delivery (one histogram each); the parts add up to the whole."""
+    """Each streamed chat request's time to first token, from its arrival at the application, splits into
+    request (body read and validated), prompt, hand-off, queue, prefill and delivery (one histogram
+    each); the parts add up to the whole."""
     server.wait_idle()
-    parts = ("prompt", "handoff", "queue", "prefill", "delivery")
+    parts = ("request", "prompt", "handoff", "queue", "prefill", "delivery")
     before = server.metrics()
     client = server.client()
     for question in ("Which river?", "Which city?"):
@@ -85,3 +86,4 @@ def test_time_to_first_token_parts_add_up_to_it(server):
     total = sum(delta(f"forkpoint_request_{part}_time_seconds_sum") for part in parts)
     assert abs(total - delta("forkpoint_time_to_first_token_seconds_sum")) < 1e-6
     assert delta("forkpoint_request_prefill_time_seconds_sum") > 0
+    assert delta("forkpoint_request_request_time_seconds_sum") > 0  # the stamp precedes the handler
