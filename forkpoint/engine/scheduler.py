@@ -96,7 +96,8 @@ class Scheduler:
         self._client_live: Counter[str] = Counter()  # live sequences (waiting or running) per client
         # clients admitted since they last had no live sequence: they take no held slot
         self._present: set[str] = set()
-        # slots freed by clients that left, held a moment for clients that run nothing (engine/held_slots.py)
+        # freed slots held a moment: for clients that run nothing (their client left) or for the client still
+        # present whose sequence freed it (engine/held_slots.py)
         self.held_slots = HeldSlots(DECODE_GRACE_S)
         # one client's share of a step's decodes while others have work (engine/decode_share.py; None: off)
         self.decode_turns = DecodeTurns(config.max_decode_share) if config.max_decode_share is not None else None
@@ -150,8 +151,11 @@ class Scheduler:
             if not self._client_live[client]:
                 del self._client_live[client]
                 self._present.discard(client)
+                self.held_slots.release(client)
                 if request.status is RequestStatus.RUNNING:  # its client left: its slot is held a moment
                     self.held_slots.hold(now)
+            elif request.status is RequestStatus.RUNNING:  # its client still runs others: held for that client
+                self.held_slots.hold(now, owner=client)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
@@ -272,6 +276,7 @@ class Scheduler:
             fit, seq_tokens = ((budget, 0) if planning.short_left is None else
                                (min(budget, planning.short_left + planning.prefill_cap()), SHORT_SEQUENCE_TOKENS))
             in_step = Counter(client_of(r) for r in dict.fromkeys(planning.requests))
+            self.held_slots.trim(self.config.max_num_seqs - len(self.running), now)
             for request in admission_order(self.waiting, self.running, fit, room,
                                            planning.chunk_cap or self.chunk_cap, seq_tokens):
                 if budget == 0 or len(self.running) >= self.config.max_num_seqs or planning.seqs_full:
@@ -279,9 +284,9 @@ class Scheduler:
                 client = client_of(request)
                 if not shares.admits(client, in_step[client]):
                     continue  # its client has its share of this step (engine/decode_share.py)
-                if client in self._present and (self.config.max_num_seqs - len(self.running)
-                                                <= self.held_slots.count(now)):
-                    continue  # the slots left are held for clients that come back (engine/held_slots.py)
+                present = client in self._present
+                if self.config.max_num_seqs - len(self.running) <= self.held_slots.barred(client, present, now):
+                    continue  # the slots left are held for other clients (engine/held_slots.py)
                 admitted = self._try_admit(planning, request, budget, now)
                 if planning.short_full:
                     break  # short prefills fill this step: the rest wait for the next, in order
@@ -294,8 +299,8 @@ class Scheduler:
                 if admitted:
                     planning.take_seq()
                     in_step[client] += 1
-                if request.status is RequestStatus.RUNNING and client not in self._present:
-                    self.held_slots.take(now)
+                if request.status is RequestStatus.RUNNING:
+                    self.held_slots.take(client, present, now)
                     self._present.add(client)
         self.claims.reserve_for_queued(self.waiting)
         if self.decode_turns is not None:
@@ -308,7 +313,7 @@ class Scheduler:
         turn, and it admits nothing more into it: engine/decode_share.py)."""
         if self.decode_turns is None:
             return StepShares(list(self.running), Counter(), None)
-        return self.decode_turns.pick(self.running, self._client_live, self.held_slots.count(now) > 0)
+        return self.decode_turns.pick(self.running, self._client_live, self.held_slots.left(now) > 0)
 
     def _admission_room(self, planning: StepPlanning) -> int:
         """How many waiting sequences this step can admit, under max_num_seqs and its StepLimits."""

@@ -31,13 +31,35 @@ def test_a_hold_lasts_the_grace_and_ends_when_taken():
     holds.hold(10.0)
     holds.hold(10.5)
     assert holds.count(10.9) == 2
-    holds.take(10.9)
+    holds.take("c", False, 10.9)
     assert holds.count(10.9) == 1
     assert holds.count(11.5) == 0  # the second lapsed 1 s after it was freed
-    holds.take(11.5)  # nothing held: nothing to take
+    holds.take("c", False, 11.5)  # nothing held: nothing to take
     assert holds.count(11.5) == 0
     with pytest.raises(ValueError, match="grace"):
         HeldSlots(0.0)
+
+
+def test_an_owned_hold_is_its_owners_alone():
+    """A hold owned by present client a: a takes it, nobody else; a hold of a client that left goes to
+    clients that run nothing, not to present ones."""
+    holds = HeldSlots(1.0)
+    holds.hold(0.0, owner="a")
+    holds.hold(0.0)
+    assert holds.barred("a", True, 0.1) == 1  # the one of a client that left
+    assert holds.barred("b", False, 0.1) == 1  # a's
+    assert holds.barred("b", True, 0.1) == 2
+    assert holds.left(0.1) == 1  # a client that left: its next request is a round trip away
+    holds.take("b", True, 0.1)  # a present client given a free slot ends no hold
+    assert holds.count(0.1) == 2
+    holds.take("a", True, 0.1)
+    assert holds.barred("b", False, 0.1) == 0 and holds.count(0.1) == 1
+    holds.take("b", False, 0.1)
+    assert holds.count(0.1) == 0
+    for owner in ("a", None, "b"):
+        holds.hold(0.2, owner=owner)
+    holds.trim(1, 0.3)  # one free slot: only the newest hold is kept
+    assert holds.count(0.3) == 1 and holds.barred("a", True, 0.3) == 1 and holds.barred("b", True, 0.3) == 0
 
 
 class _Loop:
@@ -48,16 +70,18 @@ class _Loop:
     `flood_step`, behind them."""
 
     def __init__(self, streams: int, round_trip: int, rounds: int, flood_tokens: int = FLOOD.max_tokens,
-                 stream_tokens: int = STREAM.max_tokens, flood_step: int = 1) -> None:
+                 stream_tokens: int = STREAM.max_tokens, flood_step: int = 1, stream_user: str = "") -> None:
+        # stream_user: the streams' requests share this tenant (one client, as a server's requests with one
+        # `user`), stream s asking stream_tokens + s tokens so that they end in different steps
         config = EngineConfig(max_num_batched_tokens=64, max_num_seqs=4, block_size=4, num_kv_blocks=256,
                               checkpoint_pool_size=1)
         self.blocks = BlockPool(config.num_kv_blocks, config.block_size)
         self.states = StatePool(config.max_num_seqs, config.checkpoint_pool_size)
         self.scheduler = Scheduler(config, self.blocks, self.states, None, vocab_size=1000)
         self.executor = FakeExecutor(config.block_size)
-        self.round_trip, self.rounds = round_trip, rounds
+        self.round_trip, self.rounds, self.stream_user = round_trip, rounds, stream_user
         self.sequences: list[Request] = []
-        self.stream_params = dataclasses.replace(STREAM, max_tokens=stream_tokens)
+        self.stream_tokens = stream_tokens
         self.arrivals: dict[int, list[Request]] = {0: [self._stream(s, 0) for s in range(streams)]}
         flood = dataclasses.replace(FLOOD, max_tokens=flood_tokens)
         self.arrivals.setdefault(flood_step, []).extend(
@@ -73,7 +97,11 @@ class _Loop:
         return request
 
     def _stream(self, stream: int, round_: int) -> Request:
-        return self._request(f"s{stream}r{round_}", f"s{stream}r{round_}", 0, [9, stream, round_], self.stream_params)
+        tokens = self.stream_tokens + (stream if self.stream_user else 0)
+        request = self._request(f"s{stream}r{round_}", f"s{stream}r{round_}", 0, [9, stream, round_],
+                                dataclasses.replace(STREAM, max_tokens=tokens))
+        request.tenant = self.stream_user
+        return request
 
     def run(self) -> None:
         for index in range(400):
@@ -122,6 +150,16 @@ def test_a_returning_stream_takes_its_slot_back_before_a_queued_flood():
     loop = _Loop(streams=2, round_trip=1, rounds=4)
     loop.run()
     assert loop.waits() == [0] * 6, loop.waits()
+    loop.check_outputs()
+
+
+def test_streams_of_one_user_keep_their_slots_while_some_of_them_run():
+    """3 streams under one `user` (one client, ending in different steps, so it stays present) and
+    n=24 of another client on 4 slots: each stream's next request, a step after its last ended, is
+    planned in the step it arrives in: the slot its stream freed was held for its client."""
+    loop = _Loop(streams=3, round_trip=1, rounds=4, stream_user="bystander")
+    loop.run()
+    assert loop.waits() == [0] * 9, loop.waits()
     loop.check_outputs()
 
 
