@@ -148,14 +148,12 @@ class Scheduler:
         if self._live.pop(request.request_id, None) is not None:
             client = client_of(request)
             self._client_live[client] -= 1
-            if not self._client_live[client]:
+            if request.status is RequestStatus.RUNNING:  # its slot is held a moment for its client
+                self.held_slots.hold(now, client)
+            if not self._client_live[client]:  # the client left: others that run nothing may take its holds
                 del self._client_live[client]
                 self._present.discard(client)
                 self.held_slots.release(client)
-                if request.status is RequestStatus.RUNNING:  # its client left: its slot is held a moment
-                    self.held_slots.hold(now)
-            elif request.status is RequestStatus.RUNNING:  # its client still runs others: held for that client
-                self.held_slots.hold(now, owner=client)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:

@@ -28,8 +28,9 @@ STEP_S = 0.05  # the fake clock's step time: a round trip of one step is well in
 
 def test_a_hold_lasts_the_grace_and_ends_when_taken():
     holds = HeldSlots(1.0)
-    holds.hold(10.0)
-    holds.hold(10.5)
+    holds.hold(10.0, "a")
+    holds.hold(10.5, "a")
+    holds.release("a")
     assert holds.count(10.9) == 2
     holds.take("c", False, 10.9)
     assert holds.count(10.9) == 1
@@ -40,24 +41,26 @@ def test_a_hold_lasts_the_grace_and_ends_when_taken():
         HeldSlots(0.0)
 
 
-def test_an_owned_hold_is_its_owners_alone():
-    """A hold owned by present client a: a takes it, nobody else; a hold of a client that left goes to
-    clients that run nothing, not to present ones."""
+def test_a_hold_is_its_owners_and_once_it_left_also_any_idle_clients():
+    """a's hold (a still present) is a's alone; g's (g left) goes to g or to a client that runs nothing,
+    not to another present client."""
     holds = HeldSlots(1.0)
-    holds.hold(0.0, owner="a")
-    holds.hold(0.0)
-    assert holds.barred("a", True, 0.1) == 1  # the one of a client that left
+    holds.hold(0.0, "a")
+    holds.hold(0.0, "g")
+    holds.release("g")
+    assert holds.barred("a", True, 0.1) == 1  # g's
+    assert holds.barred("g", True, 0.1) == 1  # g came back and runs again: a's bars it, its own does not
     assert holds.barred("b", False, 0.1) == 1  # a's
     assert holds.barred("b", True, 0.1) == 2
-    assert holds.left(0.1) == 1  # a client that left: its next request is a round trip away
+    assert holds.left(0.1) == 1
     holds.take("b", True, 0.1)  # a present client given a free slot ends no hold
     assert holds.count(0.1) == 2
+    holds.take("g", True, 0.1)  # its own, though it is present again
+    assert holds.barred("b", False, 0.1) == 1 and holds.count(0.1) == 1
     holds.take("a", True, 0.1)
-    assert holds.barred("b", False, 0.1) == 0 and holds.count(0.1) == 1
-    holds.take("b", False, 0.1)
     assert holds.count(0.1) == 0
-    for owner in ("a", None, "b"):
-        holds.hold(0.2, owner=owner)
+    for owner in ("a", "g", "b"):
+        holds.hold(0.2, owner)
     holds.trim(1, 0.3)  # one free slot: only the newest hold is kept
     assert holds.count(0.3) == 1 and holds.barred("a", True, 0.3) == 1 and holds.barred("b", True, 0.3) == 0
 
@@ -70,16 +73,17 @@ class _Loop:
     `flood_step`, behind them."""
 
     def __init__(self, streams: int, round_trip: int, rounds: int, flood_tokens: int = FLOOD.max_tokens,
-                 stream_tokens: int = STREAM.max_tokens, flood_step: int = 1, stream_user: str = "") -> None:
+                 stream_tokens: int = STREAM.max_tokens, flood_step: int = 1, stream_user: str = "",
+                 stagger: bool = False) -> None:
         # stream_user: the streams' requests share this tenant (one client, as a server's requests with one
-        # `user`), stream s asking stream_tokens + s tokens so that they end in different steps
+        # `user`); stagger: stream s asks stream_tokens + s tokens, so that they end in different steps
         config = EngineConfig(max_num_batched_tokens=64, max_num_seqs=4, block_size=4, num_kv_blocks=256,
                               checkpoint_pool_size=1)
         self.blocks = BlockPool(config.num_kv_blocks, config.block_size)
         self.states = StatePool(config.max_num_seqs, config.checkpoint_pool_size)
         self.scheduler = Scheduler(config, self.blocks, self.states, None, vocab_size=1000)
         self.executor = FakeExecutor(config.block_size)
-        self.round_trip, self.rounds, self.stream_user = round_trip, rounds, stream_user
+        self.round_trip, self.rounds, self.stream_user, self.stagger = round_trip, rounds, stream_user, stagger
         self.sequences: list[Request] = []
         self.stream_tokens = stream_tokens
         self.arrivals: dict[int, list[Request]] = {0: [self._stream(s, 0) for s in range(streams)]}
@@ -97,7 +101,7 @@ class _Loop:
         return request
 
     def _stream(self, stream: int, round_: int) -> Request:
-        tokens = self.stream_tokens + (stream if self.stream_user else 0)
+        tokens = self.stream_tokens + (stream if self.stagger else 0)
         request = self._request(f"s{stream}r{round_}", f"s{stream}r{round_}", 0, [9, stream, round_],
                                 dataclasses.replace(STREAM, max_tokens=tokens))
         request.tenant = self.stream_user
@@ -157,6 +161,16 @@ def test_streams_of_one_user_keep_their_slots_while_some_of_them_run():
     """3 streams under one `user` (one client, ending in different steps, so it stays present) and
     n=24 of another client on 4 slots: each stream's next request, a step after its last ended, is
     planned in the step it arrives in: the slot its stream freed was held for its client."""
+    loop = _Loop(streams=3, round_trip=1, rounds=4, stream_user="bystander", stagger=True)
+    loop.run()
+    assert loop.waits() == [0] * 9, loop.waits()
+    loop.check_outputs()
+
+
+def test_streams_of_one_user_ending_together_all_get_their_slots_back():
+    """3 streams under one `user` end in the same step (the client leaves) and come back together: the
+    first one admitted makes the client present again, and the other two still take the holds their
+    own streams left, before the flood's queue."""
     loop = _Loop(streams=3, round_trip=1, rounds=4, stream_user="bystander")
     loop.run()
     assert loop.waits() == [0] * 9, loop.waits()
@@ -248,8 +262,9 @@ def test_a_client_running_sequences_waits_while_the_free_slots_are_held():
     scheduler.add(runner, 0.0)
     scheduler.commit(scheduler.schedule(0.0))
     runner.output_token_ids.append(5)  # its sampled token: it decodes next
-    scheduler.held_slots.hold(0.0)
-    scheduler.held_slots.hold(0.0)
+    scheduler.held_slots.hold(0.0, "gone")
+    scheduler.held_slots.hold(0.0, "gone")
+    scheduler.held_slots.release("gone")
     more = [Request(f"a#{i}", "a", i, [1, 2], (), FLOOD, 0.0, PrefixHasher([1, 2], 4), None) for i in (1, 2, 3)]
     newcomer = Request("b#0", "b", 0, [3, 4], (), FLOOD, 0.0, PrefixHasher([3, 4], 4), None)
     for request in more:
