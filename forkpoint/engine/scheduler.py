@@ -94,10 +94,10 @@ class Scheduler:
                      if registry is not None and config.auto_checkpoints else None)
         self._live: dict[str, Request] = {}
         self._client_live: Counter[str] = Counter()  # live sequences (waiting or running) per client
-        # clients admitted since they last had no live sequence: they take no held slot
+        # clients admitted since they last had no live sequence: they take only their own held slots
         self._present: set[str] = set()
-        # freed slots held a moment: for clients that run nothing (their client left) or for the client still
-        # present whose sequence freed it (engine/held_slots.py)
+        # freed slots held a moment for the client whose sequence freed them; once it left, also for any
+        # client that runs nothing (engine/held_slots.py)
         self.held_slots = HeldSlots(DECODE_GRACE_S)
         # one client's share of a step's decodes while others have work (engine/decode_share.py; None: off)
         self.decode_turns = DecodeTurns(config.max_decode_share) if config.max_decode_share is not None else None
