@@ -98,6 +98,12 @@ def build_sessions(args: argparse.Namespace, documents_seed: int | None = None) 
             for s in range(args.sessions)]
 
 
+WIRE_EVENTS = {  # httpcore trace events -> request log keys (connect_* only on a new connection)
+    "connection.connect_tcp.started": "connect_at", "connection.connect_tcp.complete": "connected_at",
+    "http11.send_request_headers.started": "write_at", "http11.send_request_body.complete": "written_at",
+}
+
+
 async def one_request(http: httpx.AsyncClient, model: str, messages: list[dict], args: argparse.Namespace) -> dict:
     """One streamed chat request as an OpenAI client sends it (plain httpx and SSE: the device has no
     `openai` package). The record keeps the request's `/tokenize` body (`tokenize_body`): its token ids are
@@ -113,7 +119,13 @@ async def one_request(http: httpx.AsyncClient, model: str, messages: list[dict],
     usage = None
     response_id = None
     reply = []
-    async with http.stream("POST", "/v1/chat/completions", json=request) as response:
+    wire: dict[str, float] = {}
+
+    async def trace(event: str, info: dict) -> None:  # httpcore's trace extension: when this request hit the wire
+        if event in WIRE_EVENTS:
+            wire[WIRE_EVENTS[event]] = time.perf_counter()
+
+    async with http.stream("POST", "/v1/chat/completions", json=request, extensions={"trace": trace}) as response:
         headers = time.perf_counter()  # the server answers with headers once the engine took the prompt
         if response.status_code != 200:
             raise RuntimeError(f"/v1/chat/completions answered {response.status_code}: "
@@ -138,7 +150,7 @@ async def one_request(http: httpx.AsyncClient, model: str, messages: list[dict],
     return {"prompt_tokens": usage["prompt_tokens"], "cached_tokens": details.get("cached_tokens") or 0,
             "miss_reason": details.get("cache_miss_reason"), "ttft_s": (first or end) - begin,
             "headers_s": headers - begin, "latency_s": end - begin, "reply": "".join(reply), "id": response_id,
-            "sent_at": begin, "headers_at": headers, "first_at": first, "end_at": end,
+            "sent_at": begin, "headers_at": headers, "first_at": first, "end_at": end, **wire,
             "tokenize_body": {**body, "messages": list(messages)}}  # the session appends its next turn's messages
 
 
@@ -209,6 +221,17 @@ async def poll_server(url: str, samples: list[ServerSample], stop: asyncio.Event
                 samples.append(server_sample((await http.get("/metrics")).text, time.perf_counter()))
 
 
+async def watch_loop_lag(lags: list[tuple[float, float]], stop: asyncio.Event, interval_s: float = 0.05) -> None:
+    """Append (time, lag) whenever this client's event loop woke more than 20 ms after `interval_s`: a
+    client too busy to send is told apart from a server slow to take the request."""
+    while not stop.is_set():
+        due = time.perf_counter() + interval_s
+        await asyncio.sleep(interval_s)
+        lag = time.perf_counter() - due
+        if lag > 0.02:
+            lags.append((due, lag))
+
+
 def generation_windows(samples: list[tuple[float, float]], width_s: float) -> list[float]:
     """Generation tokens/s in consecutive windows of `width_s` seconds from the first sample, the
     counter read at each window edge by linear interpolation between the samples around it (samples:
@@ -272,6 +295,8 @@ async def run_phase(url: str, model: str, args: argparse.Namespace, nonce: bool,
         samples.append(server_sample((await http.get("/metrics")).text, time.perf_counter()))
         parts_before = await asyncio.to_thread(first_token_parts, url)
         poller = asyncio.create_task(poll_server(url, samples, stop, args.poll_s))
+        lags: list[tuple[float, float]] = []
+        watcher = asyncio.create_task(watch_loop_lag(lags, stop))
         start = time.perf_counter()
         try:
             await asyncio.gather(*(drive(s) for s in sessions))
@@ -279,6 +304,7 @@ async def run_phase(url: str, model: str, args: argparse.Namespace, nonce: bool,
             wall = time.perf_counter() - start
             stop.set()
             await poller
+            await watcher
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:  # after the last token of the phase
         samples.append(server_sample((await http.get("/metrics")).text, time.perf_counter()))
         await tokenize_records(http, records)
@@ -298,7 +324,7 @@ async def run_phase(url: str, model: str, args: argparse.Namespace, nonce: bool,
     return {"ttft_parts_mean_ms": parts, "wall_s": wall, "generated_tokens": last.generated - first.generated,
             "generation_tokens_per_s": (last.generated - first.generated) / (last.time - first.time),
             "evicted_session_latest": evicted_latest, "evicted_session_latest_kv_below_80": evicted_latest_below,
-            "kv_used_fraction_max": max(x.kv_used_fraction for x in samples),
+            "kv_used_fraction_max": max(x.kv_used_fraction for x in samples), "client_loop_lag": lags,
             "generation_windows_tokens_per_s": windows, "window_s": args.window_s,
             "requests": [{k: v for k, v in r.items() if k not in ("ids", "previous", "reply")} for r in records]}
 
@@ -313,10 +339,12 @@ def parts_p50(parts: list[dict[str, float]]) -> dict[str, float]:
 def logged_phase(args: argparse.Namespace, name: str, phase: dict) -> dict:
     """`phase`, its requests' times appended to --request-log (when given) as one JSON line each."""
     if args.request_log is not None:
-        keys = ("id", "session", "turn", "sent_at", "headers_at", "first_at", "end_at")
+        keys = ("id", "session", "turn", "sent_at", "headers_at", "first_at", "end_at", *WIRE_EVENTS.values())
         with open(args.request_log, "a") as log:
             for r in phase["requests"]:
-                log.write(json.dumps({"phase": name, **{k: r[k] for k in keys}}) + "\n")
+                log.write(json.dumps({"phase": name, **{k: r[k] for k in keys if k in r}}) + "\n")
+            for at, lag in phase["client_loop_lag"]:
+                log.write(json.dumps({"phase": name, "client_loop_lag_s": lag, "at": at}) + "\n")
     return phase
 
 

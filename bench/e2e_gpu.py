@@ -98,7 +98,7 @@ from e2e_gpu_shapes import (  # noqa: E402
     with_fp8,
 )
 from host_info import code_version  # noqa: E402
-from host_timeline import decode_host_timeline  # noqa: E402
+from host_timeline import busy_fraction, decode_host_timeline  # noqa: E402
 
 from forkpoint import LLM, SamplingParams  # noqa: E402
 from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig  # noqa: E402
@@ -589,6 +589,102 @@ def kernel_group(name: str) -> str:
     return "elementwise_other"
 
 
+def kernel_report(prof, wall_s: float, enqueue_s: float) -> dict:
+    """One profiled step: wall and enqueue ms, kernel ms by group and in all, launches, the fraction of
+    the step's window in which a kernel ran, the top kernels, and every kernel (name, launches, ms)."""
+    kernels = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0
+               and "cuda" in str(getattr(e, "device_type", "")).lower()]
+    groups: dict[str, float] = {}
+    for e in kernels:
+        groups[kernel_group(e.key)] = groups.get(kernel_group(e.key), 0.0) + e.self_device_time_total / 1e3
+    ranked = sorted(kernels, key=lambda e: -e.self_device_time_total)
+    return {
+        "wall_ms": 1e3 * wall_s, "enqueue_ms": 1e3 * enqueue_s,
+        "gpu_kernel_ms": sum(groups.values()), "kernel_launches": sum(e.count for e in kernels),
+        "gpu_busy_fraction": round(busy_fraction(prof, 1e6 * wall_s), 4),
+        "by_group_ms": groups, "top": [(e.key[:90], e.count, round(e.self_device_time_total / 1e3, 3))
+                                       for e in ranked[:12]],
+        "kernels": [(e.key[:160], e.count, round(e.self_device_time_total / 1e3, 4)) for e in ranked],
+    }
+
+
+def print_kernel_report(name: str, report: dict) -> None:
+    groups = sorted(report["by_group_ms"].items(), key=lambda kv: -kv[1])
+    print(f"profile {name}: wall {report['wall_ms']:.1f} ms, enqueue {report['enqueue_ms']:.1f} ms, kernels "
+          f"{report['gpu_kernel_ms']:.1f} ms in {report['kernel_launches']} launches (GPU busy "
+          f"{100 * report['gpu_busy_fraction']:.0f}%), { {k: round(v, 1) for k, v in groups} }", flush=True)
+
+
+def profile_mixed_step(bench: Bench, args, decodes: int = 31, context: int = 3800, new_tokens: int = 272,
+                       repeats: int = 4) -> dict:
+    """A reused chat turn's step (issue 26): `new_tokens` prompt tokens after a `context`-token checkpoint,
+    beside `decodes` decoding streams. A producer computes the context and its checkpoint first; each of
+    `repeats` consumers then arrives alone beside the streams: the first `repeats - 1` steps are timed
+    (`mixed_*_wall_ms`), the last is profiled; then a decode-only step of the same streams is profiled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine, rng, marker = bench.engine, bench.rng, bench.llm.checkpoint_token_id
+    context_ids = rng.integers(0, args.vocab_limit, context).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def finish(request_id: str, prompt: list[int], sampling: SamplingParams = params) -> None:
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, sampling, stream=False)
+        while engine.sequences(request_id):
+            engine.step()
+
+    finish("mixed-producer", context_ids + [marker] + rng.integers(0, args.vocab_limit, 8).tolist())
+    streams = [f"mixed-stream-{i}" for i in range(decodes)]
+    long_params = SamplingParams(temperature=0.0, max_tokens=512, ignore_eos=True)
+    for request_id in streams:
+        engine.add_request(request_id, {"prompt_token_ids": rng.integers(0, args.vocab_limit, 64).tolist()},
+                           long_params, stream=False)
+    for _ in range(3):
+        engine.step()
+    name = f"mixed_{new_tokens}_after_{context}_beside_{decodes}_decodes"
+    report: dict = {}
+    walls, prefilled = [], []
+    activity = ProfilerActivity.CUDA if engine.device.type == "cuda" else ProfilerActivity.CPU
+    for k in range(repeats):
+        consumer = f"mixed-consumer-{k}"
+        engine.add_request(consumer, {"prompt_token_ids": context_ids + [marker]
+                                      + rng.integers(0, args.vocab_limit, new_tokens).tolist()}, params, stream=False)
+        computed = engine.metrics()["prompt_tokens_computed"]
+        sync(engine.device)
+        if k < repeats - 1:
+            start = time.perf_counter()
+            engine.step()
+            sync(engine.device)
+            walls.append(1e3 * (time.perf_counter() - start))
+        else:
+            with profile(activities=[activity]) as prof:
+                start = time.perf_counter()
+                engine.step()
+                wall = time.perf_counter() - start
+                sync(engine.device)
+            report[name] = kernel_report(prof, wall, bench.timer.last or 0.0)
+            print_kernel_report(name, report[name])
+        prefilled.append(engine.metrics()["prompt_tokens_computed"] - computed)
+        while engine.sequences(consumer):
+            engine.step()
+    report[f"{name}_wall_ms"] = walls
+    report[f"{name}_prompt_tokens_computed"] = prefilled
+    sync(engine.device)
+    with profile(activities=[activity]) as prof:
+        start = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - start
+        sync(engine.device)
+    report[f"decode_{decodes}_beside"] = kernel_report(prof, wall, bench.timer.last or 0.0)
+    print_kernel_report(f"decode_{decodes}_beside", report[f"decode_{decodes}_beside"])
+    print(f"mixed step walls (unprofiled) ms: {[round(w, 1) for w in walls]}; prompt tokens computed: {prefilled}",
+          flush=True)
+    for request_id in streams:
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return report
+
+
 def profile_steps(bench: Bench, args, end: float) -> dict:
     """Kernel time by kind for single steps (torch.profiler): a full plain prefill step (two prompts
     of max_num_batched_tokens / 2), one P+S prompt plain and through a checkpoint (two phases), and
@@ -631,26 +727,15 @@ def profile_steps(bench: Bench, args, end: float) -> dict:
                     engine.step()
                     wall = time.perf_counter() - start
                     sync(engine.device)
-                kernels = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0
-                           and "cuda" in str(getattr(e, "device_type", "")).lower()]
-                groups: dict[str, float] = {}
-                for e in kernels:
-                    groups[kernel_group(e.key)] = groups.get(kernel_group(e.key), 0.0) + e.self_device_time_total / 1e3
-                ranked = sorted(kernels, key=lambda e: -e.self_device_time_total)
-                report[name] = {
-                    "wall_ms": 1e3 * wall, "enqueue_ms": 1e3 * (bench.timer.last or 0.0),
-                    "gpu_kernel_ms": sum(groups.values()), "kernel_launches": sum(e.count for e in kernels),
-                    "by_group_ms": groups, "top": [(e.key[:90], e.count, round(e.self_device_time_total / 1e3, 3))
-                                                   for e in ranked[:12]],
-                    # every kernel of the step (name, launches, ms): where the launches of a step come from
-                    "kernels": [(e.key[:160], e.count, round(e.self_device_time_total / 1e3, 4)) for e in ranked],
-                }
-                print(f"profile {name}: wall {1e3 * wall:.1f} ms, enqueue {report[name]['enqueue_ms']:.1f} ms, kernels "
-                      f"{report[name]['gpu_kernel_ms']:.1f} ms in {report[name]['kernel_launches']} launches, "
-                      f"{ {k: round(v, 1) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])} }", flush=True)
+                report[name] = kernel_report(prof, wall, bench.timer.last or 0.0)
+                print_kernel_report(name, report[name])
             else:
                 engine.step()
     engine.runner.decode_graphs = decode_graphs
+    if time.perf_counter() > end:
+        report.setdefault("left_out", []).append("mixed")
+    else:
+        report.update(profile_mixed_step(bench, args))
     for n in sorted({1, min(64, max(args.decode_n))}):
         if time.perf_counter() > end:
             report.setdefault("left_out", []).append(f"host_decode_{n}")

@@ -57,7 +57,7 @@ def _instrumented(engine, timers: _Timers):
         model_runner.build_forward_batch, PendingSample.result = build, result
 
 
-def _busy_fraction(prof, window_us: float) -> float:
+def busy_fraction(prof, window_us: float) -> float:
     """Union of the kernels' intervals over the profiled window."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                    if "cuda" in str(getattr(e, "device_type", "")).lower() and e.time_range.end > e.time_range.start)
@@ -130,7 +130,7 @@ def decode_host_timeline(engine, prompts: list[list[int]], steps: int = 24, warm
                     engine.step()
                 window = time.perf_counter() - start
             report["profiled_wall_ms_per_step"] = 1e3 * window / steps
-            report["gpu_busy_fraction"] = round(_busy_fraction(prof, 1e6 * window), 4)
+            report["gpu_busy_fraction"] = round(busy_fraction(prof, 1e6 * window), 4)
             runtime = {}
             for e in prof.key_averages():
                 if e.key.startswith("cuda") and e.cpu_time_total > 0:

@@ -43,7 +43,8 @@ def test_agent_sessions_bench(tmp_path):
         with serve(llm, ServerConfig(served_model_name="agents", log_stats=False)) as running:
             res = agent_sessions.main(["--url", running.base_url, "--sessions", "2", "--turns", "3", "--system-words",
                                        "40", "--doc-words", "30", "--tool-words", "15", "--reply-tokens", "3",
-                                       "--server-log", str(log_path), "--out", str(tmp_path)])
+                                       "--server-log", str(log_path), "--out", str(tmp_path),
+                                       "--request-log", str(tmp_path / "requests.jsonl")])
             running.engine_call(lambda engine: engine.check_integrity())
     finally:
         server_logger.removeHandler(handler)
@@ -70,6 +71,13 @@ def test_agent_sessions_bench(tmp_path):
         parts = summary["ttft_parts_mean_ms"]  # the server's time to first token by part, all measured
         assert set(parts) == set(agent_sessions.FIRST_TOKEN_PARTS) and all(ms >= 0 for ms in parts.values())
         assert parts["prefill"] > 0
+    logged = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    requests = [r for r in logged if "id" in r]
+    assert len(requests) == 2 * 2 * 3
+    for r in requests:  # when each request went out on the wire, from httpcore's trace, in order
+        assert r["sent_at"] <= r["write_at"] <= r["written_at"] <= r["headers_at"] <= r["end_at"]
+    opened = [r for r in requests if "connect_at" in r]  # new connections (a turn-0 request may reuse /metrics' one)
+    assert opened and all(r["sent_at"] <= r["connect_at"] <= r["connected_at"] <= r["write_at"] for r in opened)
     saved = json.loads((tmp_path / "agent_sessions.json").read_text())
     assert saved["reuse"]["prompt_tokens"] == res["reuse"]["prompt_tokens"]
     assert (tmp_path / "agent_sessions.png").stat().st_size > 0
