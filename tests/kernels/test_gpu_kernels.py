@@ -464,11 +464,18 @@ def test_paged_attention_autotune_key_is_stable_across_steps():
 
 # ---------------------------------------------------------------- MoE
 
-@pytest.mark.parametrize("t,e,top_k", [(1, 256, 8), (64, 256, 8), (512, 256, 8), (3, 5, 2), (100, 128, 6)])
-def test_one_program_route_sort_equals_torch_sort(monkeypatch, t, e, top_k):
-    # the routes of decode steps (<= MAX_ONE_PROGRAM_ROUTES) are sorted by one Triton program;
-    # larger steps by torch.sort + searchsorted: both must give the same grouping, exactly
+@pytest.mark.parametrize("kernel", ["one_program", "rank"])
+@pytest.mark.parametrize("t,e,top_k", [(1, 256, 8), (64, 256, 8), (303, 256, 8), (512, 256, 8), (3, 5, 2),
+                                       (100, 128, 6), (3001, 256, 8), (777, 64, 8)])
+def test_triton_route_sort_equals_torch_sort(monkeypatch, kernel, t, e, top_k):
+    # small steps' routes are sorted by one Triton program, larger ones by one program per expert (the
+    # rank kernel, RANK_BLOCK_ROUTES at a time: 3001 x 8 routes end in a partial block), the largest by
+    # torch.sort + searchsorted: all must give the same grouping, exactly
     grouped = pytest.importorskip("forkpoint.kernels.moe.grouped")
+    if kernel == "one_program" and t * top_k > 4096:
+        pytest.skip("one program sorts at most 4,096 routes here")
+    monkeypatch.setattr(grouped, "MAX_ONE_PROGRAM_ROUTES", 4096 if kernel == "one_program" else 0)
+    monkeypatch.setattr(grouped, "MAX_RANK_ROUTES", 1 << 20)
     gen = torch.Generator().manual_seed(t * e + top_k)
     ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(t)])
     if t > 1:
@@ -484,6 +491,7 @@ def test_one_program_route_sort_equals_torch_sort(monkeypatch, t, e, top_k):
                                                                       device=t.device))
     one = grouped._sorted_routes(ids, e)
     monkeypatch.setattr(grouped, "MAX_ONE_PROGRAM_ROUTES", 0)
+    monkeypatch.setattr(grouped, "MAX_RANK_ROUTES", 0)
     ref = grouped._sorted_routes(ids, e)
     for name in ("pos", "tokens"):
         assert torch.equal(getattr(one, name), getattr(ref, name)), name

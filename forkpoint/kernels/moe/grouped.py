@@ -9,7 +9,7 @@ steps as two grouped GEMMs (CUTLASS on Hopper), faster once every expert has man
 (bench/moe_kernel.py), which take the counts as cumulative offsets:
 
     routes r = t * k + j (token t, its j-th expert), sorted by expert (order[p] = route at row p):
-    order, pos, offs, hit experts                             one Triton launch up to 4,096 routes
+    order, pos, offs, hit experts                             one Triton launch up to 16,384 routes
     ys    = tiled.expert_mlp(x, ...)           [T*k, Hd]      up to 64 routes per expert, else:
     xs    = x[token of route]                  [T*k, Hd]      rows grouped by expert
     h     = grouped_mm(xs, gate_up^T, offs)    [T*k, 2I]      expert e's rows times gate_up[e]^T
@@ -106,9 +106,15 @@ def _combine_kernel(ys, pos, w, y, shared, gate, residual, Hd, stride_w, stride_
     tl.store(y + t * Hd + cols, acc.to(y.dtype.element_ty), mask=m)
 
 
-# Routes sorted by one program (`_route_sort_kernel`) up to this many; above, torch's sort (a prefill
-# step's 65k routes: its launches do not matter there, a decode step's ~7 per MoE layer do).
-MAX_ONE_PROGRAM_ROUTES = 4096
+# Routes sorted by one program (`_route_sort_kernel`, a bitonic sort: its time grows as R log^2 R on one
+# SM) up to MAX_ONE_PROGRAM_ROUTES; by one program per expert (`_route_rank_kernel`: each counts and
+# ranks its own routes, so its time grows as R) up to MAX_RANK_ROUTES; above, torch's stable sort and
+# searchsorted. H200, E = 256, GPU us per sort (bench/route_sort.py, bench/results/route_sort_h200.json):
+# one program / rank / torch at 512 routes 4.8 / 5.5 / 41.9, at 2,424 (a 303-token step) 84.4 / 13.4 /
+# 51.5, at 16,384 - / 61.2 / 97.1, at 32,768 - / 120.2 / 84.4.
+MAX_ONE_PROGRAM_ROUTES = 512
+MAX_RANK_ROUTES = 16384
+RANK_BLOCK_ROUTES = 1024  # routes a rank program reads at a time
 
 
 @triton.jit
@@ -132,6 +138,39 @@ def _route_sort_kernel(ids, pos, tokens, offs, active, num_active, R, E, K: tl.c
     hit = (counts > 0) & (bins < E)
     tl.store(active + tl.cumsum(hit.to(tl.int32), 0) - 1, bins, mask=hit)
     tl.store(num_active, tl.sum(hit.to(tl.int32), 0))
+
+
+@triton.jit
+def _route_rank_kernel(ids, pos, tokens, offs, active, num_active, R, E, K: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_E: tl.constexpr):
+    """Program e of a grid of E: the outputs of `_route_sort_kernel` for expert e. It counts every
+    expert's routes (a histogram of all R ids, BLOCK_R at a time: the rows before expert e's are those
+    of the experts below it), stores offs[e], lists e in `active` at its rank among the hit experts when
+    it has routes (program 0 stores num_active), and places its own routes at consecutive rows in
+    route order (a running cumulative sum of `ids == e`): a stable sort in R * E / BLOCK_R block
+    steps spread over E programs instead of one program's R log^2 R."""
+    e = tl.program_id(0)
+    bins = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in tl.range(0, R, BLOCK_R):
+        lanes = start + tl.arange(0, BLOCK_R)
+        counts += tl.histogram(tl.load(ids + lanes, mask=lanes < R, other=E).to(tl.int32), BLOCK_E)
+    own = tl.sum(tl.where(bins == e, counts, 0), 0)
+    row = tl.sum(tl.where(bins < e, counts, 0), 0)  # the first row of expert e's routes
+    tl.store(offs + e, (row + own).to(tl.int32))
+    hit = ((counts > 0) & (bins < E)).to(tl.int32)
+    if own > 0:
+        tl.store(active + tl.sum(tl.where(bins < e, hit, 0), 0), e)
+    if e == 0:
+        tl.store(num_active, tl.sum(hit, 0))
+    for start in tl.range(0, R, BLOCK_R):
+        lanes = start + tl.arange(0, BLOCK_R)
+        live = lanes < R
+        mine = (tl.load(ids + lanes, mask=live, other=E).to(tl.int32) == e) & live
+        at = row + tl.cumsum(mine.to(tl.int32), 0) - 1
+        tl.store(tokens + at, (lanes // K).to(tl.int64), mask=mine)
+        tl.store(pos + lanes, at.to(tl.int64), mask=mine)
+        row += tl.sum(mine.to(tl.int32), 0)
 
 
 def _rows(tensor: torch.Tensor | None, shape: tuple[int, int], name: str) -> torch.Tensor | None:
@@ -205,21 +244,25 @@ class SortedRoutes(NamedTuple):
 
 def _sorted_routes(topk_ids, num_experts) -> SortedRoutes:
     """Sorts the routes of topk_ids [T, k] by expert on the device, no host sync: one Triton
-    program up to MAX_ONE_PROGRAM_ROUTES routes (decode steps), else torch's stable sort and
-    searchsorted (the end row of expert e = routes with an id <= e; no bincount, whose CUDA version
-    syncs), where `rows.active` lists every expert. Both give the same order and offsets."""
+    program up to MAX_ONE_PROGRAM_ROUTES routes (small decode steps), one Triton program per expert up
+    to MAX_RANK_ROUTES, else torch's stable sort and searchsorted (the end row of expert e = routes with
+    an id <= e; no bincount, whose CUDA version syncs), where `rows.active` lists every expert. All
+    three give the same order and offsets; the Triton ones list only the hit experts."""
     num_routes, top_k = topk_ids.numel(), topk_ids.shape[1]
     device = topk_ids.device
-    if num_routes <= MAX_ONE_PROGRAM_ROUTES:
+    if num_routes <= MAX_RANK_ROUTES:
         pos = torch.empty(num_routes, dtype=torch.long, device=device)
         tokens = torch.empty_like(pos)
         offs = torch.empty(num_experts, dtype=torch.int32, device=device)
         active = torch.empty_like(offs)
         num_active = torch.empty(1, dtype=torch.int32, device=device)
-        _route_sort_kernel[(1,)](topk_ids.contiguous(), pos, tokens, offs, active, num_active, num_routes,
-                                 num_experts, K=top_k, BLOCK_R=triton.next_power_of_2(num_routes),
-                                 BLOCK_E=triton.next_power_of_2(num_experts + 1),
-                                 num_warps=4 if num_routes <= 1024 else 8)
+        args = (topk_ids.contiguous(), pos, tokens, offs, active, num_active, num_routes, num_experts)
+        bins = triton.next_power_of_2(num_experts + 1)
+        if num_routes <= MAX_ONE_PROGRAM_ROUTES:
+            _route_sort_kernel[(1,)](*args, K=top_k, BLOCK_R=triton.next_power_of_2(num_routes), BLOCK_E=bins,
+                                     num_warps=4 if num_routes <= 1024 else 8)
+        else:
+            _route_rank_kernel[(num_experts,)](*args, K=top_k, BLOCK_R=RANK_BLOCK_ROUTES, BLOCK_E=bins, num_warps=4)
         return SortedRoutes(pos, tokens, tiled.ExpertRows(offs, active, num_active, min(num_experts, num_routes)))
     sorted_ids, order = torch.sort(topk_ids.flatten(), stable=True)
     experts = torch.arange(num_experts, dtype=sorted_ids.dtype, device=device)
