@@ -272,11 +272,18 @@ async def run_phase(url: str, model: str, args: argparse.Namespace, nonce: bool,
     wall time and the server's generation throughput per window (`/metrics`, polled)."""
     sessions = build_sessions(args, documents_seed)
     records: list[dict] = []
-    limits = httpx.Limits(max_connections=2 * args.sessions + 8, max_keepalive_connections=2 * args.sessions + 8)
     samples: list[ServerSample] = []
     stop = asyncio.Event()
-    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         async def drive(session: Session) -> None:
+            # One client per session, as each agent holds its own: one client shared by hundreds of streams
+            # spends its event loop in httpcore 1.0's pool bookkeeping (quadratic in its connections, and
+            # every request arriving in one loop pass is first handed the same idle connection), which held
+            # requests 5-6 s (p50) before they were written at 256 sessions (docs/server.md, session 18).
+            async with httpx.AsyncClient(base_url=url, timeout=3600) as own:
+                await drive_turns(session, own)
+
+        async def drive_turns(session: Session, http: httpx.AsyncClient) -> None:
             previous = None
             tool_time = random.Random(args.seed * 7919 + session.index)  # the same delays in every phase
             for turn in range(args.turns):
