@@ -40,10 +40,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
 import re
+import ssl
 import sys
 import tempfile
 import time
@@ -274,16 +276,17 @@ async def run_phase(url: str, model: str, args: argparse.Namespace, nonce: bool,
     records: list[dict] = []
     samples: list[ServerSample] = []
     stop = asyncio.Event()
-    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-        async def drive(session: Session) -> None:
-            # One client per session, as each agent holds its own: one client shared by hundreds of streams
-            # spends its event loop in httpcore 1.0's pool bookkeeping (quadratic in its connections, and
-            # every request arriving in one loop pass is first handed the same idle connection), which held
-            # requests 5-6 s (p50) before they were written at 256 sessions (docs/server.md, session 18).
-            async with httpx.AsyncClient(base_url=url, timeout=3600) as own:
-                await drive_turns(session, own)
+    # One client per session, as each agent holds its own: one client shared by hundreds of streams spends
+    # its event loop in httpcore 1.0's pool bookkeeping (quadratic in its connections, and every request
+    # arriving in one loop pass is first handed the same idle connection), which held requests 5-6 s (p50)
+    # before they were written at 256 sessions (docs/server.md, session 18). The clients are made before the
+    # phase starts, with one TLS context: each would otherwise load the CA bundle (~25 ms, 6.5 s for 256).
+    tls = ssl.create_default_context()
+    async with contextlib.AsyncExitStack() as clients, httpx.AsyncClient(base_url=url, timeout=60) as http:
+        own = [await clients.enter_async_context(httpx.AsyncClient(base_url=url, timeout=3600, verify=tls))
+               for _ in sessions]
 
-        async def drive_turns(session: Session, http: httpx.AsyncClient) -> None:
+        async def drive(session: Session, http: httpx.AsyncClient) -> None:
             previous = None
             tool_time = random.Random(args.seed * 7919 + session.index)  # the same delays in every phase
             for turn in range(args.turns):
@@ -306,7 +309,7 @@ async def run_phase(url: str, model: str, args: argparse.Namespace, nonce: bool,
         watcher = asyncio.create_task(watch_loop_lag(lags, stop))
         start = time.perf_counter()
         try:
-            await asyncio.gather(*(drive(s) for s in sessions))
+            await asyncio.gather(*(drive(s, c) for s, c in zip(sessions, own)))
         finally:
             wall = time.perf_counter() - start
             stop.set()
