@@ -30,6 +30,8 @@ Usage:
     python bench/hostile.py --cases baseline,prompt_logprobs_4k
     python bench/hostile.py --server-arg=--long-prefill-token-threshold --server-arg=512
     python bench/hostile.py --url http://127.0.0.1:8000 --server-pid 12345
+    python bench/hostile.py --server-arg=--cache-isolation=user --server-arg=--marker-in-user-content=reject \
+        --cases cross_tenant_user,marker_in_tool_description   # the notes' expectations follow these flags
 """
 
 from __future__ import annotations
