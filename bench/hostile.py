@@ -30,6 +30,8 @@ Usage:
     python bench/hostile.py --cases baseline,prompt_logprobs_4k
     python bench/hostile.py --server-arg=--long-prefill-token-threshold --server-arg=512
     python bench/hostile.py --url http://127.0.0.1:8000 --server-pid 12345
+    python bench/hostile.py --server-arg=--cache-isolation=user --server-arg=--marker-in-user-content=reject \
+        --cases cross_tenant_user,marker_in_tool_description   # the notes' expectations follow these flags
 """
 
 from __future__ import annotations
@@ -64,8 +66,13 @@ BYSTANDER_TOKENS = 24
 # the `user` fields (unless --anonymous): the bystander and the cases are two clients to the server
 # (engine/fair_order.py orders a step's admissions by client)
 BYSTANDER_USER, CASE_USER = "bystander", "hostile"
+WARM_S = 3.0  # the bystander streams this long before a case starts
 SETTLE_S = 2.0  # after a case, before the RSS "after" sample
 LOOP_TEMPLATE = "{% for i in range(2000) %}{% for j in range(2000) %}{% endfor %}{% endfor %}{{ messages[0].content }}"
+RANGE_TEMPLATE = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+                  "{{ messages[0].content }}")
+STR_TEMPLATE = "{{ 'a' * 3000000000 }}{{ messages[0].content }}"
+MARKER_METRIC = 'forkpoint_checkpoints_created_by_kind_total{kind="marker"}'
 LIMITS = {"health_ms": 250.0, "rss_kept_mib": 200.0, "gap_ratio": 2.0}
 
 
@@ -233,9 +240,11 @@ async def _post(client: httpx.AsyncClient, path: str, body: bytes, timeout: floa
 
 
 def _error_message(response: httpx.Response) -> str:
+    """`param=<the error's param>: <its message>` (the message cut to 90 characters)."""
     try:
-        return str(response.json().get("error", {}).get("message", ""))[:90]
-    except ValueError:
+        error = response.json().get("error", {})
+        return f"param={error.get('param')}: {str(error.get('message', ''))[:90]}"
+    except (ValueError, AttributeError):
         return response.text[:90]
 
 
@@ -302,9 +311,105 @@ def _huge_text(mib: int) -> str:
     return " ".join(rng.choice(words) for _ in range(mib * (1 << 20) // 6))
 
 
-def build_cases(max_model_len: int, user: str | None) -> list[Case]:
-    """Every case; their requests carry `user` (None: none, every request its own client)."""
+def _body_bytes(size: int, model: str) -> bytes:
+    """A completion request body of exactly `size` bytes (a text prompt of repeated words)."""
+    head, tail = b'{"model": "' + model.encode() + b'", "max_tokens": 1, "prompt": "', b'"}'
+    fill = size - len(head) - len(tail)
+    return head + (b"alpha beta gamma delta " * (fill // 23 + 1))[:fill] + tail
+
+
+def _nonce() -> str:
+    """Makes a case's prompt new to the server (another run on the same server reuses nothing)."""
+    return os.urandom(4).hex()
+
+
+def _server_option(server_args: list[str], flag: str, default: str) -> str:
+    """The value of `flag` among the server's arguments (`--flag value` or `--flag=value`), else `default`."""
+    value = default
+    for i, arg in enumerate(server_args):
+        if arg == flag and i + 1 < len(server_args):
+            value = server_args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _cross_tenant(name: str, what: str, tenant_a: dict, tenant_b: dict, expect_zero: bool | None) -> Case:
+    """Issue 27 item 2, the cached-tokens oracle: tenant A sends a document, tenant B (`tenant_b`: another
+    `user` and/or `cache_salt`) the same one, then A again. The note has B's
+    usage.prompt_tokens_details.cached_tokens (above 0 tells B that someone sent that document) and A's
+    on its repeat (the control: the cache does serve a tenant's own repeat, so B's 0 is not vacuous).
+    expect_zero: B must see 0 (isolated: "LEAK" when not), B's cached tokens are the documented side
+    channel (False: no isolation), or unknown (None)."""
+    async def run(client: httpx.AsyncClient, model: str, payload: object) -> tuple[list[int], str]:
+        statuses, cached, prompt_tokens = [], [], 0
+        for body in payload:
+            response = await _post(client, "/v1/completions", body)
+            statuses.append(response.status_code)
+            if response.status_code >= 400:
+                return statuses, _error_message(response)
+            usage = response.json()["usage"]
+            prompt_tokens = usage["prompt_tokens"]
+            cached.append((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        if expect_zero is None:
+            verdict = "isolation unknown"
+        elif expect_zero:
+            verdict = "isolated: expect B 0" + (" - LEAK" if cached[1] else "")
+        else:
+            verdict = "no isolation: the side channel"
+        return statuses, f"B cached {cached[1]} of {prompt_tokens} tokens, A again {cached[2]}; {verdict}"
+
+    def prepare(model: str) -> list[bytes]:
+        document = (f"Memo {_nonce()}: the quarterly report of Example Corp says revenue grew by twelve percent "
+                    "while costs fell, and the board approved the merger with Sample Holdings.")
+        body = {"model": model, "prompt": document, "max_tokens": 1}
+        return [_json({**body, **tenant}) for tenant in (tenant_a, tenant_b, tenant_a)]
+
+    return Case(name, what, run, prepare)
+
+
+async def _marker_checkpoints(client: httpx.AsyncClient) -> float:
+    """The server's marker checkpoints created so far (/metrics)."""
+    for line in (await client.get("/metrics", timeout=60)).text.splitlines():
+        if line.startswith(MARKER_METRIC):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def _marker(name: str, what: str, body_of: Callable[[str, str], dict], policy: str, user: str | None) -> Case:
+    """Issue 27 item 6: one chat request with the checkpoint marker in a field other than message text
+    (body_of(model, nonce)); the note has the marker checkpoints it created (/metrics) and what the
+    server's marker policy (--marker-in-user-content) expects."""
+    expect = {"allow": "200, a checkpoint where the marker reaches the prompt", "strip": "200, +0",
+              "reject": "400"}.get(policy, "?")
+
+    async def run(client: httpx.AsyncClient, model: str, payload: object) -> tuple[list[int], str]:
+        before = await _marker_checkpoints(client)
+        response = await _post(client, "/v1/chat/completions", payload)
+        made = await _marker_checkpoints(client) - before
+        error = f"{_error_message(response)}; " if response.status_code >= 400 else ""
+        return [response.status_code], f"{error}{made:+.0f} marker checkpoints; policy {policy}: expect {expect}"
+
+    return Case(name, what, run, lambda model: _json({**body_of(model, _nonce()), **_user(user)}))
+
+
+def _weather(nonce: str) -> list[dict]:
+    return [{"role": "user", "content": f"What is the weather in Paris? ({nonce})"}]
+
+
+def _tool(description: str, city: str = "the city") -> dict:
+    return {"type": "function", "function": {"name": "weather", "description": description, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "description": city}}, "required": ["city"]}}}
+
+
+def build_cases(max_model_len: int, user: str | None, server_args: list[str] | None = None) -> list[Case]:
+    """Every case; their requests carry `user` (None: none, every request its own client). server_args:
+    the server's arguments, for what the cross-tenant and marker cases expect (--cache-isolation,
+    --marker-in-user-content; their defaults when not given)."""
     half = max_model_len // 2
+    isolation = _server_option(server_args or [], "--cache-isolation", "none")
+    policy = _server_option(server_args or [], "--marker-in-user-content", "allow")
+    marker = partial(_marker, policy=policy, user=user)
     one, many = partial(_one, user=user), partial(_many, user=user)
     utility = partial(_one, user=None)  # /tokenize and /detokenize take no `user` (vLLM's neither): a 400 otherwise
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "size": {"type": "integer"}},
@@ -319,6 +424,10 @@ def build_cases(max_model_len: int, user: str | None) -> list[Case]:
              lambda m: {"model": m, "prompt": _ids(half, 3), "max_tokens": 1}, True),
         one("huge_body_8mib", "8 MiB text prompt (~1.4M tokens: too long)", "/v1/completions",
              lambda m: {"model": m, "prompt": _huge_text(8), "max_tokens": 1}),
+        one("huge_body_50mb", "50,000,000-byte body (under the default size limit)", "/v1/completions",
+             partial(_body_bytes, 50_000_000)),
+        one("huge_body_50mib", "50 MiB body (over the default size limit)", "/v1/completions",
+             partial(_body_bytes, 50 << 20)),
         utility("tokenize_8mib", "8 MiB text to /tokenize (~1.4M tokens)", "/tokenize",
              lambda m: {"model": m, "prompt": _huge_text(8)}),
         utility("detokenize_1m_ids", "1,000,000 token ids to /detokenize", "/detokenize",
@@ -327,6 +436,8 @@ def build_cases(max_model_len: int, user: str | None) -> list[Case]:
              lambda m: {"model": m, "prompt": "many", "n": 128, "max_tokens": 16, "ignore_eos": True}),
         one("16_prompts_n_128", "16 prompts x n=128 (2,048 sequences)", "/v1/completions",
              lambda m: {"model": m, "prompt": [f"p{i}" for i in range(16)], "n": 128, "max_tokens": 16}),
+        one("64_prompts_n_128", "64 prompts x n=128 (8,192 sequences)", "/v1/completions",
+             lambda m: {"model": m, "prompt": [f"p{i}" for i in range(64)], "n": 128, "max_tokens": 16}),
         one("stop_strings_1e5", "100,000 stop strings", "/v1/completions",
              lambda m: {"model": m, "prompt": "stop", "max_tokens": 8, "stop": [f"s{i}x" for i in range(100_000)]}),
         one("first_json_schema", "first constrained request (json_schema)", "/v1/chat/completions",
@@ -335,8 +446,31 @@ def build_cases(max_model_len: int, user: str | None) -> list[Case]:
         one("request_template", "chat_template_kwargs.chat_template with a 2000x2000 loop", "/v1/chat/completions",
              lambda m: {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
                         "chat_template_kwargs": {"chat_template": LOOP_TEMPLATE}}),
+        one("request_template_range_1e5", "chat_template_kwargs.chat_template, nested range(100000) loops",
+             "/v1/chat/completions",
+             lambda m: {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
+                        "chat_template_kwargs": {"chat_template": RANGE_TEMPLATE}}),
+        one("request_template_str_3e9", "chat_template_kwargs.chat_template, 'a' * 3,000,000,000",
+             "/v1/chat/completions",
+             lambda m: {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
+                        "chat_template_kwargs": {"chat_template": STR_TEMPLATE}}),
         many("marker_flood_80", "80 prompts with distinct checkpoint markers", 80, "/v1/completions",
               lambda m, i: {"model": m, "prompt": f"flood {i} " * 12 + MARKER + " q", "max_tokens": 1}),
+        marker("marker_in_tool_description", "the marker in a tool's description",
+               lambda m, nonce: {"model": m, "max_tokens": 1, "messages": _weather(nonce),
+                                 "tools": [_tool(f"Weather for a city. {MARKER}")]}),
+        marker("marker_in_tool_schema", "the marker in a tool's parameter schema",
+               lambda m, nonce: {"model": m, "max_tokens": 1, "messages": _weather(nonce),
+                                 "tools": [_tool("Weather for a city.", f"the city {MARKER}")]}),
+        marker("marker_in_tool_call_args", "the marker in an assistant tool_calls' arguments",
+               lambda m, nonce: {"model": m, "max_tokens": 1, "tools": [_tool("Weather for a city.")],
+                                 "messages": [*_weather(nonce), {"role": "assistant", "content": None, "tool_calls": [
+                                     {"id": "call_1", "type": "function", "function": {
+                                         "name": "weather", "arguments": json.dumps({"city": f"Paris {MARKER}"})}}]},
+                                     {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]}),
+        marker("marker_in_template_kwargs", "the marker in chat_template_kwargs",
+               lambda m, nonce: {"model": m, "max_tokens": 1, "messages": _weather(nonce),
+                                 "chat_template_kwargs": {"enable_thinking": False, "note": MARKER}}),
         many("burst_64", "64 concurrent 1-token requests", 64, "/v1/completions",
               lambda m, i: {"model": m, "prompt": f"burst {i}", "max_tokens": 1}),
         Case("disconnects_50", "50 streams dropped after the first chunk", _disconnects, lambda model: _user(user)),
@@ -344,6 +478,27 @@ def build_cases(max_model_len: int, user: str | None) -> list[Case]:
              lambda m: b'{"model": "' + m.encode() + b'", "prompt": "a\\ud800b", "max_tokens": 1}'),
         one("deep_json", "a prompt nested 100,000 lists deep", "/v1/completions",
              lambda m: b'{"model": "' + m.encode() + b'", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+        one("cesu8_body", "CESU-8 bytes (a surrogate pair as 6 UTF-8 bytes) in the prompt", "/v1/completions",
+             lambda m: b'{"model": "' + m.encode() + b'", "prompt": "a\xed\xa0\xbd\xed\xb8\x80b", "max_tokens": 1}'),
+        one("lone_surrogate_bad_words", "a lone surrogate in bad_words", "/v1/completions",
+             lambda m: b'{"model": "' + m.encode() + b'", "prompt": "hi", "max_tokens": 1, "bad_words": ["a\\ud800"]}'),
+        utility("lone_surrogate_tokenize", "a lone surrogate in a /tokenize prompt", "/tokenize",
+                lambda m: b'{"model": "' + m.encode() + b'", "prompt": "a\\ud800b"}'),
+        one("template_kwargs_clash", "chat_template_kwargs sets add_generation_prompt and messages",
+             "/v1/chat/completions",
+             lambda m: {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
+                        "chat_template_kwargs": {"add_generation_prompt": False,
+                                                 "messages": [{"role": "user", "content": "other"}]}}),
+        one("bool_token_ids_prompt", "booleans as prompt token ids", "/v1/completions",
+             lambda m: {"model": m, "max_tokens": 1, "prompt": [True, False, 1]}),
+        one("bool_token_ids_allowed", "booleans in allowed_token_ids", "/v1/completions",
+             lambda m: {"model": m, "max_tokens": 1, "prompt": "hi", "allowed_token_ids": [True, False]}),
+        one("unknown_role", "a message with role 'hacker'", "/v1/chat/completions",
+             lambda m: {"model": m, "max_tokens": 1, "messages": [{"role": "hacker", "content": "hi"}]}),
+        _cross_tenant("cross_tenant_user", "tenant B (another user) sends tenant A's document",
+                      {"user": "tenant_a"}, {"user": "tenant_b"}, {"user": True, "none": False}.get(isolation)),
+        _cross_tenant("cross_tenant_salt", "tenant B (another user and cache_salt) sends tenant A's document",
+                      {"user": "tenant_a", "cache_salt": "salt_a"}, {"user": "tenant_b", "cache_salt": "salt_b"}, True),
     ]
 
 
@@ -353,7 +508,7 @@ async def run_case(case: Case, client: httpx.AsyncClient, url: str, model: str, 
     probes, bystander, stop = Probes(client, pid), Bystander(client, model, bystander_user), asyncio.Event()
     health = HealthProcess(url)  # started now: a Python process takes a while to send its first probe
     streams = [asyncio.ensure_future(bystander.stream_forever(i, stop)) for i in range(BYSTANDER_STREAMS)]
-    await asyncio.sleep(3.0)  # the bystander is streaming before the case starts
+    await asyncio.sleep(WARM_S)  # the bystander is streaming before the case starts
     rss_before = rss_mib(pid)
     watchers = [asyncio.ensure_future(probes.health(stop)), asyncio.ensure_future(probes.memory(stop))]
     start, start_monotonic = time.perf_counter(), time.monotonic()
@@ -391,7 +546,7 @@ async def run_all(args: argparse.Namespace, url: str, pid: int | None, code: dic
         info = (await client.get("/v1/models")).json()["data"][0]
         model, max_model_len = info["id"], info["max_model_len"]
         await _post(client, "/v1/completions", _json({"model": model, "prompt": "warm up", "max_tokens": 2}))
-        cases = build_cases(max_model_len, None if args.anonymous else CASE_USER)
+        cases = build_cases(max_model_len, None if args.anonymous else CASE_USER, args.server_arg)
         wanted = set(args.cases.split(",")) if args.cases else {c.name for c in cases}
         unknown = wanted - {c.name for c in cases}
         if unknown:
@@ -480,19 +635,20 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default=None, help="a running server (default: start one on loopback)")
     parser.add_argument("--server-pid", type=int, default=None, help="pid of the --url server, for RSS")
     parser.add_argument("--model", default=None, help="model directory for the started server (default: embedded)")
     parser.add_argument("--server-arg", action="append", default=[],
-                        help="extra argument for the started `forkpoint serve` (repeatable)")
+                        help="extra argument for the started `forkpoint serve` (repeatable); with --url, the "
+                             "arguments that server runs with (the cross-tenant and marker cases' expectations)")
     parser.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     parser.add_argument("--anonymous", action="store_true",
                         help="send no `user` (default: the bystander's requests say 'bystander', the cases' 'hostile')")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="output directory")
     parser.add_argument("--name", default="hostile_cpu", help="output file stem (default: hostile_cpu)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     process = None
     url, pid = args.url, args.server_pid
