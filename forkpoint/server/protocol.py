@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator, model_validator
 
 TokenIds = list[StrictInt]  # strict: a JSON true or 1.0 is not a token id
 # stop strings are matched against every new token's text on the engine thread: bounded in number and
@@ -88,7 +88,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: TokenIds | None = None
     # logits processors (OpenAI: logit_bias, keys are token ids as strings; the rest vLLM's)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, StrictFloat] | None = None  # strict: a JSON true is not a bias
     allowed_token_ids: TokenIds | None = None
     min_tokens: int = Field(0, ge=0)
     bad_words: list[str] | None = None

@@ -37,6 +37,8 @@ CASES = [
      '{"messages": [{"role": "user", "content": "' + LONE + '"}]}', "messages"),
     ("logit_bias id outside the vocabulary", "/v1/completions",
      '{"model": "{model}", "prompt": "x", "logit_bias": {"999999999": 1}}', "logit_bias"),
+    ("logit_bias value a boolean", "/v1/completions",
+     '{"model": "{model}", "prompt": "x", "logit_bias": {"1": true}}', "logit_bias"),
     ("allowed_token_ids outside the vocabulary", "/v1/completions",
      '{"model": "{model}", "prompt": "x", "allowed_token_ids": [999999999]}', "allowed_token_ids"),
     ("seed too large", "/v1/completions", '{"model": "{model}", "prompt": "x", "seed": 100000000000000000000000}',
