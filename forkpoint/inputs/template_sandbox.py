@@ -55,6 +55,7 @@ class TemplateSandbox:
         self._lock = threading.Lock()
         self._child: subprocess.Popen | None = None
         self.num_killed = 0  # children killed at the deadline or lost (memory), for tests and logs
+        self._closed = False  # set by close(): no child is started after it
 
     def render(self, template: str, context: dict[str, Any]) -> str:
         """`template` rendered with `context` (JSON values). Raises ValueError naming the breach or the
@@ -78,6 +79,8 @@ class TemplateSandbox:
                                  "and was stopped") from None
             except (OSError, EOFError, ValueError):
                 self._kill()
+                if self._closed:
+                    raise ValueError("the request's chat template was stopped: the server is shutting down") from None
                 raise ValueError("the request's chat template was stopped: its process crashed or ran out of the "
                                  f"sandbox's memory ({self.limits.max_memory_bytes >> 20} MiB)") from None
         if "error" in reply:
@@ -90,6 +93,12 @@ class TemplateSandbox:
         return None if self._child is None else self._child.pid
 
     def close(self) -> None:
+        """Kill the child at once, even mid-render (that render raises ValueError now, not at its time
+        limit: the server's shutdown waits for no template); later renders raise ValueError."""
+        self._closed = True
+        child = self._child
+        if child is not None:
+            child.kill()  # safe beside a render: it sees end of file and stops waiting
         with self._lock:
             if self._child is not None:
                 self._child.kill()
@@ -97,6 +106,8 @@ class TemplateSandbox:
                 self._child = None
 
     def _started(self) -> subprocess.Popen:
+        if self._closed:
+            raise ValueError("the request's chat template was not run: the server is shutting down")
         if self._child is None or self._child.poll() is not None:
             self._child = subprocess.Popen([sys.executable, "-I", str(CHILD), json.dumps(asdict(self.limits))],
                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)

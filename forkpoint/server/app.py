@@ -14,7 +14,6 @@ POST /tokenize, POST /detokenize, GET /metrics (Prometheus text format).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import time
@@ -44,6 +43,7 @@ from forkpoint.server.gc_pauses import GcPauses
 from forkpoint.server.generation import Admission
 from forkpoint.server.limits import RequestSizeLimit, default_max_request_bytes
 from forkpoint.server.metrics import ServerMetrics
+from forkpoint.server.prompt_threads import PromptThreads
 from forkpoint.server.prompts import PromptBuilder
 from forkpoint.server.protocol import (
     ChatCompletionRequest,
@@ -84,9 +84,9 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
                             endpoints=tuple(GENERATION_ENDPOINTS.values()))
     tokenizer = llm.get_tokenizer()
     takes_images = engine.images.processor is not None
-    # the fast tokenizer is safe to share: encode, decode and template rendering only read it
-    tokenizer_pool = concurrent.futures.ThreadPoolExecutor(max_workers=config.tokenizer_workers,
-                                                           thread_name_prefix="forkpoint-tokenizer")
+    # the fast tokenizer is safe to share: encode, decode and template rendering only read it; daemon threads,
+    # so a prompt still tokenising does not hold the process past the shutdown timeout (prompt_threads.py)
+    tokenizer_pool = PromptThreads(config.tokenizer_workers, "forkpoint-tokenizer")
     prompts = PromptBuilder(
         tokenizer, checkpoint_token=engine.config.checkpoint_token, checkpoint_token_id=llm.checkpoint_token_id,
         max_checkpoints=engine.config.max_checkpoints_per_request, policy=config.marker_policy,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -67,6 +68,36 @@ def test_a_child_that_does_not_answer_is_killed_and_replaced(sandbox):
     assert time.monotonic() - start < 1.0 + 1.5
     assert sandbox.num_killed == killed + 1 and sandbox.child_pid is None
     assert sandbox.render("{{ x }}", {"x": "still serving"}) == "still serving"
+
+
+def test_close_stops_a_render_at_once():
+    """Shutdown does not wait for a template: close() mid-render kills the child, the render raises
+    at once (not at its 5 s limit), and no later render starts a child."""
+    sandbox = TemplateSandbox(TemplateLimits(timeout_s=5.0, max_range=10_000))
+    loop = "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}"
+    outcome: dict = {}
+
+    def render() -> None:
+        try:
+            sandbox.render(loop, {})
+        except ValueError as err:
+            outcome["error"] = str(err)
+        outcome["ended"] = time.monotonic()
+
+    thread = threading.Thread(target=render, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while sandbox.child_pid is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)  # the child is inside the loop
+    closed = time.monotonic()
+    sandbox.close()
+    assert time.monotonic() - closed < 1.0
+    thread.join(5)
+    assert outcome["ended"] - closed < 1.0 and "shutting down" in outcome["error"]
+    with pytest.raises(ValueError, match="shutting down"):
+        sandbox.render("{{ x }}", {"x": "late"})
+    assert sandbox.child_pid is None
 
 
 class _Tokenizer:
