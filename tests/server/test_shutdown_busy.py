@@ -12,7 +12,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from tests.server.conftest import serve_process
 
@@ -39,8 +38,11 @@ def _post_in_thread(url: str, body: dict, result: dict) -> threading.Thread:
     return thread
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_serve_exits_within_the_timeout_while_a_prompt_is_tokenised(stop, tmp_path):
+def test_serve_exits_within_the_timeout_while_a_prompt_is_tokenised(tmp_path):
+    # SIGINT (Ctrl-C): before the fix the process exited 13.3 s after it, joining the busy thread at exit.
+    # SIGTERM exits through uvicorn's re-raised signal before that join; one server start (~20-45 s on
+    # 2 cores) is what this test costs, so only the signal that failed is sent.
+    stop = signal.SIGINT
     args = ["--max-model-len", "32768", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--tokenizer-workers", "2",
             "--log-level", "warning", "--disable-log-stats"]
     with serve_process(args, tmp_path / "serve.log") as running:

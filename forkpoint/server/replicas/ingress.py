@@ -17,7 +17,6 @@ included), and per replica, labelled `replica`:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import time
@@ -36,6 +35,7 @@ from forkpoint.server.config import ServerConfig
 from forkpoint.server.generation import Admission
 from forkpoint.server.limits import default_max_request_bytes
 from forkpoint.server.metrics import ENGINE_COUNTERS, ServerMetrics
+from forkpoint.server.prompt_threads import PromptThreads
 from forkpoint.server.prompts import PromptBuilder
 from forkpoint.server.replicas.cluster import ClusterWorker
 from forkpoint.server.replicas.deployment import ReplicaInfo, ReplicaSnapshot
@@ -92,7 +92,7 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
                             endpoints=tuple(GENERATION_ENDPOINTS.values()))
     up_age_s = max(5.0, 10 * cluster.poll_s)
     metrics.registry.register(ReplicaCollector(cluster, up_age_s))
-    tokenizer_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="forkpoint-tokenizer")
+    tokenizer_thread = PromptThreads(1, "forkpoint-tokenizer")  # daemon threads: no join at exit
     prompts = PromptBuilder(tokenizer, checkpoint_token=info.checkpoint_token,
                             checkpoint_token_id=info.checkpoint_token_id,
                             max_checkpoints=info.max_checkpoints_per_request, policy=config.marker_policy,
