@@ -37,6 +37,7 @@ from forkpoint.engine.holdings import check_holdings
 from forkpoint.engine.memory_retry import MemoryBackoff, is_out_of_memory
 from forkpoint.engine.metrics import checkpoint_metrics, pool_metrics
 from forkpoint.engine.request import Request
+from forkpoint.engine.scheduler import SchedulingFailed
 from forkpoint.engine.step_io import plan_with_sampling, record_prompt_scores
 from forkpoint.engine.step_planning import ScheduledStep
 from forkpoint.inputs.processor import ProcessedPrompt
@@ -211,7 +212,10 @@ class LLMEngine:
         (engine/memory_retry.py)."""
         if self._launched:
             return self._advance()
-        step = self.scheduler.schedule(limits=self._backoff.limits())
+        try:
+            step = self.scheduler.schedule(limits=self._backoff.limits())
+        except SchedulingFailed as failure:  # the scheduler released the half-planned step
+            raise self._scheduling_failed(failure) from failure.cause
         if step.empty:
             if step.finished:
                 return self._collect({r.parent_id: self._groups[r.parent_id] for r in step.finished})
@@ -418,6 +422,26 @@ class LLMEngine:
         logger.error("step failed (%s: %s): ended %d request(s): %s", type(error).__name__, error,
                      len(failed_ids), ", ".join(failed_ids))
         return StepFailed(error, failed_ids, (outputs or []) + self._collect(finished))
+
+    def _scheduling_failed(self, failure: SchedulingFailed) -> Exception:
+        """Planning a step raised: end the prompts of the sequences it had taken (`StepFailed`, with the
+        outputs of those that finished meanwhile), or, when it had taken none, the cause itself (the
+        server's engine thread then ends every request in flight, the offline `LLM` its own)."""
+        ended = list(dict.fromkeys(r.parent_id for r in failure.ended if r.parent_id in self._groups))
+        finished = {r.parent_id: self._groups[r.parent_id] for r in failure.finished
+                    if r.parent_id in self._groups and r.parent_id not in ended}
+        if not ended and not finished:
+            return failure.cause
+        for request_id in ended:
+            group = self._groups.pop(request_id)
+            for sequence in group.sequences:
+                if not sequence.is_finished:
+                    self.scheduler.finish(sequence, "error")
+            self._release(group)
+        self._counters["requests_failed"] += len(ended)
+        logger.error("scheduling failed (%s: %s): ended %d request(s): %s", type(failure.cause).__name__,
+                     failure.cause, len(ended), ", ".join(ended))
+        return StepFailed(failure.cause, ended, self._collect(finished))
 
     def _end_committed(self, step: ScheduledStep) -> list[Request]:
         """End, with reason "error", the sequences of a step that the scheduler has already committed

@@ -67,6 +67,17 @@ from forkpoint.step.plan import KVCopy, Segment, SegmentKind, StepPlan
 logger = logging.getLogger("forkpoint.checkpoints")
 
 
+class SchedulingFailed(RuntimeError):
+    """Planning a step raised (`cause`); `ended`: the sequences it had taken, ended with reason "error"
+    and released; `finished`: those that ended while it was planned. Nothing of the step is left."""
+
+    def __init__(self, cause: Exception, ended: list[Request], finished: list[Request]) -> None:
+        super().__init__(f"scheduling failed ({type(cause).__name__}: {cause}); ended {len(ended)} sequence(s)")
+        self.cause = cause
+        self.ended = ended
+        self.finished = finished
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_pool: BlockPool, state_pool: StatePool,
                  registry: CheckpointRegistry | None, *, vocab_size: int) -> None:
@@ -199,13 +210,34 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self, now: float | None = None, limits: StepLimits | None = None) -> ScheduledStep:
-        """The next step under the token and sequence budgets (and `limits`, when given)."""
+        """The next step under the token and sequence budgets (and `limits`, when given). A raise while
+        planning it ends the sequences the half-planned step took (`SchedulingFailed`)."""
         if self.in_flight:
             raise RuntimeError("a step is still in flight: commit or fail it before scheduling the next")
         now = time.monotonic() if now is None else now
         planning = (StepPlanning() if limits is None
                     else StepPlanning(seq_room=limits.max_seqs, chunk_cap=min(self.chunk_cap, limits.max_chunk),
                                       chunked=limits.chunked))
+        running = set(map(id, self.running))
+        try:
+            return self._plan(planning, now, limits)
+        except Exception as error:
+            raise self._abandon(planning, running, error) from error
+
+    def _abandon(self, planning: StepPlanning, running: set[int], error: Exception) -> SchedulingFailed:
+        """Planning raised: release the half-planned step's pins and end, with reason "error", the
+        sequences it planned or admitted (`running`: ids of those running before; an admitted one may
+        start from a checkpoint whose state never reached its slot). Their slots, blocks and unwritten
+        checkpoints go back as in `fail`."""
+        for checkpoint in planning.consumed:
+            self.registry.unpin(checkpoint)
+        ended = [r for r in dict.fromkeys(planning.requests + [r for r in self.running if id(r) not in running])
+                 if not r.is_finished]
+        for request in ended:
+            self.finish(request, "error")
+        return SchedulingFailed(error, ended, list(planning.finished))
+
+    def _plan(self, planning: StepPlanning, now: float, limits: StepLimits | None) -> ScheduledStep:
         budget = self.config.max_num_batched_tokens
         if limits is not None:
             budget = min(budget, limits.max_tokens)

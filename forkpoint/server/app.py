@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -125,9 +126,15 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
         worker.start()
         stats = (asyncio.create_task(log_stats_forever(snapshot, config.log_stats_interval_s))
                  if config.log_stats else None)
+        # `forkpoint serve` (uvicorn on the main thread) exits when the engine thread ends on its own; an app
+        # embedded in another program's thread (the tests' servers) answers /health 503 and leaves that to it
+        watchdog = (asyncio.create_task(exit_when_engine_ends(worker))
+                    if threading.current_thread() is threading.main_thread() else None)
         try:
             yield
         finally:
+            if watchdog is not None:
+                watchdog.cancel()
             gc_pauses.uninstall()
             if stats is not None:
                 stats.cancel()
@@ -159,6 +166,19 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
                       model_root=str(engine.model_path), max_model_len=engine.max_model_len,
                       served_model_name=config.served_model_name, created=created)
     return app
+
+
+async def exit_when_engine_ends(worker: EngineWorker, poll_s: float = 0.2, grace_s: float = 1.0) -> None:
+    """Wait for the engine thread to end on its own (a failure no later step can run past, such as an
+    unusable runner: worker.py), then, `grace_s` later (the failed requests' errors go out; /health
+    answers 503 meanwhile), end the server process with exit status 1 for its supervisor to restart it.
+    Cancelled when the server shuts down."""
+    while worker.is_alive():
+        await asyncio.sleep(poll_s)
+    logger.critical("the engine thread has ended and the engine cannot serve: exiting with status 1 so that "
+                    "a supervisor restarts the server")
+    await asyncio.sleep(grace_s)
+    raise SystemExit(1)  # out of the event loop and uvicorn.run: the process exits 1
 
 
 def install_request_guards(app: FastAPI, metrics: ServerMetrics, max_request_bytes: int,

@@ -247,3 +247,65 @@ def test_a_fault_in_commit_or_output_work_does_not_wedge_the_engine(model_dir, d
         for request_id, outputs in again.items():
             assert_outputs_equal(outputs, expected[request_id], f"{target}: after the fault at {fault_at}")
         assert_drained(llm)
+
+
+def drive_failing_all_on_raise(engine: LLMEngine, scenario: Scenario) -> tuple[dict[str, list], set[str]]:
+    """`drive`, but a plain exception from `step` (a raise that ended no request: nothing was taken)
+    is answered as the server's engine thread and the offline `LLM` answer it: every unfinished prompt is
+    aborted and counts as failed."""
+    real_step = engine.step
+    aborted: set[str] = set()
+
+    def step():
+        try:
+            return real_step()
+        except StepFailed:
+            raise
+        except RuntimeError as error:
+            assert "injected fault" in str(error)
+            live = {a.request_id for a in scenario.arrivals if engine.sequences(a.request_id)}
+            for request_id in live:
+                engine.abort_request(request_id)
+            aborted.update(live)
+            return []
+
+    engine.step = step
+    try:
+        finished, failed = drive(engine, scenario)
+    finally:
+        del engine.step
+    return finished, failed | aborted
+
+
+# the scheduler's own raise before it plans anything; one in the middle of planning (after earlier
+# sequences took their blocks, slots and checkpoint pins); one in planning the step run ahead (async)
+SCHEDULE_TARGETS = [(False, "schedule"), (True, "schedule"), (False, "_plan_chunk"), (True, "_plan_chunk"),
+                    (False, "_try_admit"), (True, "schedule_ahead")]
+
+
+@pytest.mark.parametrize("async_scheduling, target", SCHEDULE_TARGETS,
+                         ids=[f"{'async' if a else 'sync'}-{t}" for a, t in SCHEDULE_TARGETS])
+def test_a_fault_in_schedule_does_not_wedge_the_engine(model_dir, decodes_beside_prefills, target, async_scheduling):
+    """A raise in `scheduler.schedule` (before it plans, or in the middle of planning a step) or in
+    `schedule_ahead`, at every call of a clean run: the requests it ends fail, the others finish as on a
+    fresh engine, integrity holds after every step (no pin, slot or block of the half-planned step is
+    left), and the engine then serves the same workload with a fresh engine's outputs."""
+    scenario, expected = SCENARIOS[2], decodes_beside_prefills
+    llm = LLM(str(model_dir), **dict(scenario.engine_kwargs, async_scheduling=async_scheduling))
+    fault = FaultyMethod(llm.engine.scheduler, target)
+    drive(llm.engine, scenario)
+    assert fault.calls, f"the clean run never called {target}"
+    for fault_at in range(fault.calls):
+        fault.calls, fault.fault_at = 0, fault_at
+        finished, failed = drive_failing_all_on_raise(llm.engine, scenario)
+        assert fault.calls > fault_at, f"{target}: the fault at call {fault_at} was never reached"
+        assert failed.isdisjoint(finished) and failed | set(finished) == {a.request_id for a in scenario.arrivals}
+        for request_id, outputs in finished.items():
+            assert_outputs_equal(outputs, expected[request_id], f"{target}@{fault_at}:{request_id}")
+        assert_drained(llm)
+        fault.fault_at = None
+        again, none_failed = drive(llm.engine, scenario)
+        assert not none_failed and again.keys() == expected.keys(), f"{target}: after the fault at {fault_at}"
+        for request_id, outputs in again.items():
+            assert_outputs_equal(outputs, expected[request_id], f"{target}: after the fault at {fault_at}")
+        assert_drained(llm)
