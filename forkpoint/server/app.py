@@ -42,6 +42,7 @@ from forkpoint.server.errors import (
 )
 from forkpoint.server.gc_pauses import GcPauses
 from forkpoint.server.generation import Admission
+from forkpoint.server.json_body import OffLoopJSONRoute
 from forkpoint.server.limits import RequestSizeLimit, default_max_request_bytes
 from forkpoint.server.metrics import ServerMetrics
 from forkpoint.server.prompt_threads import PromptThreads
@@ -204,6 +205,7 @@ def install_request_guards(app: FastAPI, metrics: ServerMetrics, max_request_byt
         log_error_response(scope["method"], scope["path"], 413, RequestTooLarge(message).body())
 
     install_error_handlers(app, on_error)
+    app.router.route_class = OffLoopJSONRoute  # routes added after this decode large bodies off the loop
     app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes, on_reject=on_too_large)
     if api_keys:  # added late: outside the size limit, so a request without a valid key gets no further
         app.add_middleware(APIKeyAuth, keys=api_keys)

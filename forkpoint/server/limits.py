@@ -2,18 +2,26 @@
 OpenAI error body before a too-large body is read, and a default that admits any prompt that
 can fit `max_model_len`.
 
-    Content-Length > limit      -> 413 at once; the body is never read
+    Content-Length > limit      -> 413 at once; the app never sees the body
     chunked body past the limit -> 413 as soon as the running count passes it
 
-Either way, the server then reads and discards what the client still sends (at most `limit` more
-bytes, in uvicorn's small chunks: memory stays flat) so that the client, still writing, can read
-the 413 rather than see a reset connection; past that the connection is closed.
+Either way the 413 goes out whole at once, but its end is held back while the server reads and drops
+what the client still sends (nginx's lingering close): a client still writing its body reads the
+413 instead of a connection reset, as it would if the server closed with unread bytes. It drains the
+declared Content-Length (a chunked body: at most `limit` more bytes), for at most
+`LINGER_TIME_S`, and stops when the client sends nothing for `LINGER_IDLE_S`; the pieces are
+uvicorn's small chunks, so memory stays flat. Then the connection is closed.
+
+(The end is held because uvicorn reports a disconnect to every receive once a response is complete
+and closes a `Connection: close` connection at that moment: nothing can be drained after it.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -30,6 +38,10 @@ REQUEST_OVERHEAD_BYTES = 1 << 20
 # data URLs of a few large photographs, for models that take images (their size in bytes has no
 # bound in tokens: the server resizes them)
 IMAGE_ALLOWANCE_BYTES = 64 << 20
+# nginx's lingering_time and lingering_timeout: how long a refused body is drained at most, and how
+# long the drain waits for the client's next piece
+LINGER_TIME_S = 30.0
+LINGER_IDLE_S = 5.0
 
 
 def default_max_request_bytes(tokenizer: PreTrainedTokenizerBase, max_model_len: int, *,
@@ -62,8 +74,7 @@ class RequestSizeLimit:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await self._reject(scope, send, self.message(f"{declared} bytes"))
-            await _discard_body(receive, self.max_bytes)
+            await self._reject(scope, receive, send, self.message(f"{declared} bytes"), declared)
             return
         received = 0
         refused = False
@@ -82,24 +93,44 @@ class RequestSizeLimit:
                     raise RequestTooLarge(text)
             return message
 
-        await self.app(scope, counting_receive, send)
-        if refused:
-            await _discard_body(receive, self.max_bytes)
+        async def lingering_send(message: Message) -> None:
+            # the app's 413 for the body counting_receive refused: close the connection after it, and
+            # drain the body before the response's end
+            if refused and message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            if refused and message["type"] == "http.response.body" and not message.get("more_body", False):
+                await send({**message, "more_body": True})
+                await _discard_body(receive, self.max_bytes)
+                message = {"type": "http.response.body", "body": b""}
+            await send(message)
 
-    async def _reject(self, scope: Scope, send: Send, text: str) -> None:
+        await self.app(scope, counting_receive, lingering_send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, text: str, declared: int) -> None:
+        """Answer 413 for a body that declares `declared` bytes; drain them before closing."""
         self.on_reject(scope, text, True)
         body = json.dumps(RequestTooLarge(text).body()).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        await _discard_body(receive, declared)
+        await send({"type": "http.response.body", "body": b""})
 
 
 async def _discard_body(receive: Receive, limit: int) -> None:
-    """Read and drop the rest of the body, up to `limit` bytes."""
+    """Read and drop the rest of the body: until its end, `limit` bytes, `LINGER_TIME_S` in all, or
+    `LINGER_IDLE_S` without a piece, whichever comes first."""
     drained = 0
-    while drained <= limit:
-        message = await receive()
+    deadline = time.monotonic() + LINGER_TIME_S
+    while drained < limit:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            message = await asyncio.wait_for(receive(), min(left, LINGER_IDLE_S))
+        except TimeoutError:
+            return
         if message["type"] != "http.request":
             return
         drained += len(message.get("body", b""))

@@ -3,6 +3,7 @@ responsive and its memory flat; big admitted prompts are tokenised off the event
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -63,6 +64,27 @@ def test_a_declared_oversized_body_is_refused_unread(spare_llm):
         # under the limit everything works as before
         ok = running.client().completions.create(model=running.model, prompt="small", max_tokens=2)
         assert ok.choices[0].finish_reason == "length"
+
+
+def test_a_client_still_uploading_a_refused_body_reads_the_413(spare_llm):
+    """A body some MiB over the limit, uploaded whole before the client reads (httpx's async client):
+    the server drains the declared length before closing. Closing with the rest unread reset the
+    connection, and the client saw a ReadError instead of the 413."""
+    limit = 1 << 20
+    payload = b'{"model": "forkpoint-test", "prompt": "' + b"a" * (limit + (4 << 20)) + b'"}'
+
+    async def upload(url: str) -> httpx.Response:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await client.post(f"{url}/v1/completions", content=payload,
+                                     headers={"content-type": "application/json"})
+
+    with serve(spare_llm, ServerConfig(served_model_name="forkpoint-test", max_request_bytes=limit)) as running:
+        for _ in range(3):
+            answer = asyncio.run(upload(running.base_url))
+            assert answer.status_code == 413
+            error = answer.json()["error"]
+            assert error["code"] == "request_too_large" and str(len(payload)) in error["message"]
+            assert answer.headers["connection"] == "close"
 
 
 def test_health_answers_while_a_50_mb_request_is_refused_and_memory_stays_flat(server):

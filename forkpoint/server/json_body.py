@@ -1,0 +1,162 @@
+"""Large JSON request bodies decoded off the event loop: `OffLoopJSONRoute`, the routes' `APIRoute` class.
+
+FastAPI decodes a body with `await request.json()` on the event loop. For a 50 MB body that is one
+`json.loads` call of 0.1-1 s, and the C decoder keeps the GIL for all of it, so a thread alone would
+still hold the loop. A body over `LARGE_BODY_BYTES` is decoded in a worker thread, in steps that
+each hold the GIL for about `PIECE_CHARS` characters' work:
+
+    bytes -> text            UTF-8 in pieces (an incremental decoder, "surrogatepass" as json.loads)
+    long string literals     cut out of the text and decoded in pieces cut between escapes
+    the rest (the skeleton)  json.loads, each long literal there a short placeholder; then the
+                             placeholders are replaced by the literals' values
+
+Invariant: the result equals `json.loads(body)`; a body that fails any step is decoded again by
+`json.loads`, which raises its exact error. Limits: a body in another encoding than UTF-8, or with
+more than `MAX_QUOTES` quotes (too many strings for a step per string), is one `json.loads` in the
+thread; a literal with a backslash in every 5 characters has no cut and is decoded whole. Smaller
+bodies keep FastAPI's path: no thread hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import json
+import secrets
+from collections.abc import Callable, Coroutine
+from json.decoder import scanstring
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
+
+# bodies above this are decoded in a thread (~1-10 ms of json.loads below it)
+LARGE_BODY_BYTES = 1 << 20
+# characters decoded per step; the event loop waits at most about one step for the GIL
+PIECE_CHARS = 1 << 20
+# past this many quotes, finding the literals one by one would cost more than it saves
+MAX_QUOTES = 100_000
+_LOW_SURROGATE_ESCAPE = ("\\udc", "\\udd", "\\ude", "\\udf", "\\uDC", "\\uDD", "\\uDE", "\\uDF")
+
+
+class OffLoopJSONRequest(Request):
+    """A Request whose `json()` decodes a body over `LARGE_BODY_BYTES` in a thread (`decode_json`)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            large = len(body) > LARGE_BODY_BYTES
+            self._json = await asyncio.to_thread(decode_json, body) if large else json.loads(body)
+        return self._json
+
+
+class OffLoopJSONRoute(APIRoute):
+    """APIRoute whose handler reads the request as an `OffLoopJSONRequest`."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def off_loop_json_handler(request: Request) -> Response:
+            return await handler(OffLoopJSONRequest(request.scope, request.receive))
+
+        return off_loop_json_handler
+
+
+def decode_json(body: bytes) -> Any:
+    """`json.loads(body)`, in steps of about `PIECE_CHARS` characters (see the module docstring)."""
+    if json.detect_encoding(body) != "utf-8":
+        return json.loads(body)
+    decoder = codecs.getincrementaldecoder("utf-8")("surrogatepass")
+    view = memoryview(body)
+    text = "".join([decoder.decode(view[i:i + PIECE_CHARS]) for i in range(0, len(body), PIECE_CHARS)]
+                   + [decoder.decode(b"", final=True)])
+    try:
+        return _decode_text(text)
+    except (ValueError, RecursionError):
+        return json.loads(text)
+
+
+def _decode_text(text: str) -> Any:
+    spans = _long_literals(text)
+    if not spans:
+        return json.loads(text)
+    nonce = secrets.token_hex(16)
+    values: dict[str, str] = {}
+    skeleton: list[str] = []
+    pos = 0
+    for start, end in spans:
+        placeholder = f"{nonce}:{len(values)}"
+        values[placeholder] = _decode_literal(text, start, end)
+        skeleton += [text[pos:start], '"', placeholder, '"']
+        pos = end
+    skeleton.append(text[pos:])
+    return _put_back(json.loads("".join(skeleton)), values)
+
+
+def _long_literals(text: str) -> list[tuple[int, int]]:
+    """[start, end) of each string literal longer than `PIECE_CHARS`, quotes included; [] when the
+    text has more than `MAX_QUOTES` quotes. A quote outside a literal opens one (valid JSON has no
+    other); an unterminated literal ends the search (json.loads reports it)."""
+    if text.count('"') > MAX_QUOTES:
+        return []
+    spans = []
+    pos = 0
+    while (start := text.find('"', pos)) != -1:
+        end = _closing_quote(text, start + 1)
+        if end is None:
+            break
+        if end - start > PIECE_CHARS:
+            spans.append((start, end + 1))
+        pos = end + 1
+    return spans
+
+
+def _closing_quote(text: str, pos: int) -> int | None:
+    """Index of the first quote at or after `pos` that no backslash escapes, or None."""
+    while (quote := text.find('"', pos)) != -1:
+        first = quote
+        while first > pos and text[first - 1] == "\\":
+            first -= 1
+        if (quote - first) % 2 == 0:
+            return quote
+        pos = quote + 1
+    return None
+
+
+def _decode_literal(text: str, start: int, end: int) -> str:
+    """The value of the literal text[start:end] (quotes included), decoded piece by piece."""
+    parts = []
+    pos, close = start + 1, end - 1
+    while pos < close:
+        cut = _cut(text, pos, close)
+        parts.append(scanstring(text[pos:cut] + '"', 0)[0])
+        pos = cut
+    return "".join(parts)
+
+
+def _cut(text: str, pos: int, close: int) -> int:
+    """Where the piece starting at `pos` ends: at most `PIECE_CHARS` on, where no escape (at most 6
+    characters: \\uXXXX) straddles the cut and no surrogate pair is split; `close` when none is."""
+    cut = pos + PIECE_CHARS
+    if cut >= close:
+        return close
+    while cut > pos:
+        backslash = text.rfind("\\", cut - 5, cut)
+        if backslash != -1:
+            cut = backslash
+        elif text.startswith(_LOW_SURROGATE_ESCAPE, cut):
+            cut -= 1
+        else:
+            return cut
+    return close
+
+
+def _put_back(value: Any, values: dict[str, str]) -> Any:
+    """`value` with every string (key or item) found in `values` replaced by its entry."""
+    if isinstance(value, str):
+        return values.get(value, value)
+    if isinstance(value, list):
+        return [_put_back(item, values) for item in value]
+    if isinstance(value, dict):
+        return {values.get(key, key): _put_back(item, values) for key, item in value.items()}
+    return value
