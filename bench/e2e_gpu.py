@@ -615,14 +615,30 @@ def print_kernel_report(name: str, report: dict) -> None:
           f"{100 * report['gpu_busy_fraction']:.0f}%), { {k: round(v, 1) for k, v in groups} }", flush=True)
 
 
+def profile_one_step(bench: Bench, name: str) -> dict:
+    """One `engine.step()` of `bench`'s engine under torch.profiler, from an idle device: its
+    `kernel_report`, printed as `name`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = bench.engine
+    sync(engine.device)
+    activity = ProfilerActivity.CUDA if engine.device.type == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        start = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - start
+        sync(engine.device)
+    report = kernel_report(prof, wall, bench.timer.last or 0.0)
+    print_kernel_report(name, report)
+    return report
+
+
 def profile_mixed_step(bench: Bench, args, decodes: int = 31, context: int = 3800, new_tokens: int = 272,
                        repeats: int = 4) -> dict:
     """A reused chat turn's step (issue 26): `new_tokens` prompt tokens after a `context`-token checkpoint,
     beside `decodes` decoding streams. A producer computes the context and its checkpoint first; each of
     `repeats` consumers then arrives alone beside the streams: the first `repeats - 1` steps are timed
     (`mixed_*_wall_ms`), the last is profiled; then a decode-only step of the same streams is profiled."""
-    from torch.profiler import ProfilerActivity, profile
-
     engine, rng, marker = bench.engine, bench.rng, bench.llm.checkpoint_token_id
     context_ids = rng.integers(0, args.vocab_limit, context).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -643,7 +659,6 @@ def profile_mixed_step(bench: Bench, args, decodes: int = 31, context: int = 380
     name = f"mixed_{new_tokens}_after_{context}_beside_{decodes}_decodes"
     report: dict = {}
     walls, prefilled = [], []
-    activity = ProfilerActivity.CUDA if engine.device.type == "cuda" else ProfilerActivity.CPU
     for k in range(repeats):
         consumer = f"mixed-consumer-{k}"
         engine.add_request(consumer, {"prompt_token_ids": context_ids + [marker]
@@ -656,26 +671,13 @@ def profile_mixed_step(bench: Bench, args, decodes: int = 31, context: int = 380
             sync(engine.device)
             walls.append(1e3 * (time.perf_counter() - start))
         else:
-            with profile(activities=[activity]) as prof:
-                start = time.perf_counter()
-                engine.step()
-                wall = time.perf_counter() - start
-                sync(engine.device)
-            report[name] = kernel_report(prof, wall, bench.timer.last or 0.0)
-            print_kernel_report(name, report[name])
+            report[name] = profile_one_step(bench, name)
         prefilled.append(engine.metrics()["prompt_tokens_computed"] - computed)
         while engine.sequences(consumer):
             engine.step()
     report[f"{name}_wall_ms"] = walls
     report[f"{name}_prompt_tokens_computed"] = prefilled
-    sync(engine.device)
-    with profile(activities=[activity]) as prof:
-        start = time.perf_counter()
-        engine.step()
-        wall = time.perf_counter() - start
-        sync(engine.device)
-    report[f"decode_{decodes}_beside"] = kernel_report(prof, wall, bench.timer.last or 0.0)
-    print_kernel_report(f"decode_{decodes}_beside", report[f"decode_{decodes}_beside"])
+    report[f"decode_{decodes}_beside"] = profile_one_step(bench, f"decode_{decodes}_beside")
     print(f"mixed step walls (unprofiled) ms: {[round(w, 1) for w in walls]}; prompt tokens computed: {prefilled}",
           flush=True)
     for request_id in streams:
@@ -689,8 +691,6 @@ def profile_steps(bench: Bench, args, end: float) -> dict:
     """Kernel time by kind for single steps (torch.profiler): a full plain prefill step (two prompts
     of max_num_batched_tokens / 2), one P+S prompt plain and through a checkpoint (two phases), and
     decode steps of 16 and of the largest decode N sequences. Cases not started by `end` are left out."""
-    from torch.profiler import ProfilerActivity, profile
-
     engine, rng, marker = bench.engine, bench.rng, bench.llm.checkpoint_token_id
     half, p = args.max_num_batched_tokens // 2, min(args.p)
     cases = {
@@ -720,15 +720,7 @@ def profile_steps(bench: Bench, args, end: float) -> dict:
             decoding = all(engine.sequences(i)[0].num_computed_tokens >= len(prompts[0])
                            for i in ids if engine.sequences(i))
             if (profiled_step == 0 and name not in report) or (profiled_step < 0 and decoding and name not in report):
-                sync(engine.device)
-                activity = ProfilerActivity.CUDA if engine.device.type == "cuda" else ProfilerActivity.CPU
-                with profile(activities=[activity]) as prof:
-                    start = time.perf_counter()
-                    engine.step()
-                    wall = time.perf_counter() - start
-                    sync(engine.device)
-                report[name] = kernel_report(prof, wall, bench.timer.last or 0.0)
-                print_kernel_report(name, report[name])
+                report[name] = profile_one_step(bench, name)
             else:
                 engine.step()
     engine.runner.decode_graphs = decode_graphs
