@@ -157,15 +157,16 @@ class ServeProcess:
 
 
 @contextmanager
-def serve_process(args: Sequence[str], log_path: Path, start_timeout_s: float = 120) -> Iterator[ServeProcess]:
-    """`python -m forkpoint.server.cli serve --port P args...` on a free loopback port, once `/health`
-    answers 200; the test fails with the log if the process exits or does not answer within
-    `start_timeout_s`. A process still running at exit is killed."""
+def serve_process(args: Sequence[str], log_path: Path, start_timeout_s: float = 120,
+                  command: Sequence[str] = ("-m", "forkpoint.server.cli", "serve")) -> Iterator[ServeProcess]:
+    """`python <command> --port P args...` (default `-m forkpoint.server.cli serve`) on a free loopback
+    port, once `/health` answers 200; the test fails with the log if the process exits or does not
+    answer within `start_timeout_s`. A process still running at exit is killed."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with open(log_path, "w+") as log:
-        process = subprocess.Popen([sys.executable, "-m", "forkpoint.server.cli", "serve", "--port", str(port), *args],
+        process = subprocess.Popen([sys.executable, *command, "--port", str(port), *args],
                                    stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         running = ServeProcess(process, f"http://127.0.0.1:{port}", log)
         try:

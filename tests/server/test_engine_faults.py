@@ -5,10 +5,6 @@ request as before; a runner that can no longer step ends the engine thread, /hea
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +13,7 @@ import pytest
 
 from forkpoint.runner.errors import RunnerUnusable
 from forkpoint.server.config import ServerConfig
-from tests.server.conftest import serve
+from tests.server.conftest import serve, serve_process
 
 
 def raise_once_when_armed(monkeypatch, owner, name: str) -> Callable[[], None]:
@@ -94,38 +90,14 @@ sys.exit(main(["serve", *sys.argv[1:]]))
 """
 
 
-def output(log) -> str:
-    log.seek(0)  # the child shares the file's offset
-    return log.read()
-
-
 def test_serve_exits_nonzero_once_the_engine_cannot_serve(tmp_path: Path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    base = f"http://127.0.0.1:{port}"
-    args = ["--port", str(port), "--max-model-len", "2048", "--served-model-name", "faults", "--log-level", "warning"]
-    with open(tmp_path / "serve.log", "w+") as log:
-        process = subprocess.Popen([sys.executable, "-c", UNUSABLE_SERVE, *args], stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert process.poll() is None and time.monotonic() < deadline, output(log)
-                time.sleep(0.3)
-            failed = httpx.post(f"{base}/v1/completions", timeout=60,
-                                json={"model": "faults", "prompt": "hi", "max_tokens": 2})
-            assert failed.status_code == 500 and "rank 1 died" in failed.text, failed.text
-            try:  # 503 until the process is gone
-                assert httpx.get(f"{base}/health", timeout=5).status_code == 503
-            except httpx.TransportError:
-                pass
-            assert process.wait(timeout=60) == 1, output(log)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+    args = ["--max-model-len", "2048", "--served-model-name", "faults", "--log-level", "warning"]
+    with serve_process(args, tmp_path / "serve.log", command=("-c", UNUSABLE_SERVE)) as running:
+        failed = httpx.post(f"{running.base_url}/v1/completions", timeout=60,
+                            json={"model": "faults", "prompt": "hi", "max_tokens": 2})
+        assert failed.status_code == 500 and "rank 1 died" in failed.text, failed.text
+        try:  # 503 until the process is gone
+            assert httpx.get(f"{running.base_url}/health", timeout=5).status_code == 503
+        except httpx.TransportError:
+            pass
+        assert running.process.wait(timeout=60) == 1, running.output()
