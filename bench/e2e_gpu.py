@@ -99,6 +99,7 @@ from e2e_gpu_shapes import (  # noqa: E402
 )
 from host_info import code_version  # noqa: E402
 from host_timeline import busy_fraction, decode_host_timeline  # noqa: E402
+from trace_gaps import idle_report  # noqa: E402
 
 from forkpoint import LLM, SamplingParams  # noqa: E402
 from forkpoint.config import SCAN_CHUNK_TOKENS, EngineConfig  # noqa: E402
@@ -633,12 +634,39 @@ def profile_one_step(bench: Bench, name: str) -> dict:
     return report
 
 
+def trace_one_step(bench: Bench, path: Path) -> dict:
+    """One `engine.step()` under torch.profiler with CPU and CUDA activity and Python stacks (slower host
+    code than unprofiled: read shares, not times), its Chrome trace written gzipped to `path`: the
+    device's idle gaps and the frames the host ran in them (bench/trace_gaps.py)."""
+    import gzip
+
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = bench.engine
+    sync(engine.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with profile(activities=activities, with_stack=True) as prof:
+        engine.step()
+        sync(engine.device)
+    plain = path.with_suffix("")
+    prof.export_chrome_trace(str(plain))
+    with open(plain, "rb") as f:
+        trace = json.load(f)
+    with open(plain, "rb") as f, gzip.open(path, "wb") as out:
+        out.write(f.read())
+    plain.unlink()
+    report = idle_report(trace, min_gap_us=5.0)
+    print(f"idle of the traced step: {json.dumps(report)[:3000]}", flush=True)
+    return report
+
+
 def profile_mixed_step(bench: Bench, args, decodes: int = 31, context: int = 3800, new_tokens: int = 272,
-                       repeats: int = 4) -> dict:
+                       repeats: int = 5) -> dict:
     """A reused chat turn's step (issue 26): `new_tokens` prompt tokens after a `context`-token checkpoint,
     beside `decodes` decoding streams. A producer computes the context and its checkpoint first; each of
-    `repeats` consumers then arrives alone beside the streams: the first `repeats - 1` steps are timed
-    (`mixed_*_wall_ms`), the last is profiled; then a decode-only step of the same streams is profiled."""
+    `repeats` consumers then arrives alone beside the streams: the first `repeats - 2` steps are timed
+    (`mixed_*_wall_ms`), the next is profiled, the last traced with Python stacks (`trace_one_step`: where
+    the GPU idled, `mixed_*_idle`); then a decode-only step of the same streams is profiled."""
     engine, rng, marker = bench.engine, bench.rng, bench.llm.checkpoint_token_id
     context_ids = rng.integers(0, args.vocab_limit, context).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -665,13 +693,15 @@ def profile_mixed_step(bench: Bench, args, decodes: int = 31, context: int = 380
                                       + rng.integers(0, args.vocab_limit, new_tokens).tolist()}, params, stream=False)
         computed = engine.metrics()["prompt_tokens_computed"]
         sync(engine.device)
-        if k < repeats - 1:
+        if k < repeats - 2:
             start = time.perf_counter()
             engine.step()
             sync(engine.device)
             walls.append(1e3 * (time.perf_counter() - start))
-        else:
+        elif k == repeats - 2:
             report[name] = profile_one_step(bench, name)
+        else:
+            report[f"{name}_idle"] = trace_one_step(bench, Path(args.out) / f"{args.name}_{name}.trace.json.gz")
         prefilled.append(engine.metrics()["prompt_tokens_computed"] - computed)
         while engine.sequences(consumer):
             engine.step()
