@@ -371,6 +371,10 @@ class EngineConfig:
     # budget; engine/prefill_budget.py). A step with no decode takes max_num_batched_tokens. None: no
     # cap (vLLM's mixed steps), the default; `forkpoint serve` on the CPU: CPU_SERVE_PREFILL_TOKENS_WITH_DECODES
     max_prefill_tokens_with_decodes: int | None = None
+    # C, the context length at which a prefill token's attention costs what its matrix products do: in a
+    # step that decodes, a long prefill's chunk at context position c takes at most that budget / (1 + c / C)
+    # tokens (engine/prefill_budget.py). None: counted from the model's shape (engine/attention_parity.py)
+    attention_parity_tokens: int | None = None
     # while other clients (engine/fair_order.py's client_of: the `user`, else the prompt) have work, one
     # client decodes at most max(max_decode_share, the largest other client's running sequences)
     # sequences a step; its others skip the step in turn, keeping their state, and it admits no more into a
@@ -484,7 +488,8 @@ class EngineConfig:
             raise ValueError(f"image_min_pixels {self.image_min_pixels} exceeds image_max_pixels "
                              f"{self.image_max_pixels}")
         for name in ("checkpoint_pool_size", "num_kv_blocks", "num_state_slots", "long_prefill_token_threshold",
-                     "max_prefill_tokens_with_decodes", "max_decode_share", "image_min_pixels", "image_max_pixels"):
+                     "max_prefill_tokens_with_decodes", "attention_parity_tokens", "max_decode_share",
+                     "image_min_pixels", "image_max_pixels"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

@@ -32,6 +32,7 @@ from forkpoint.cache.sizing import (
 from forkpoint.cache.state_pool import StatePool
 from forkpoint.config import EngineConfig, ModelConfig
 from forkpoint.distributed.runner import TensorParallelRunner
+from forkpoint.engine.attention_parity import attention_parity
 from forkpoint.engine.output_processor import OutputProcessor
 from forkpoint.engine.scheduler import Scheduler
 from forkpoint.engine.startup import MemoryPlan, StartupTimer
@@ -206,8 +207,9 @@ class EngineBuilder:
                             block_bytes=shapes.block_bytes(config.block_size), host_bytes=host_bytes,
                             on_gpu=self.device.type == "cuda")
         logger.info("%s", memory.summary())
+        parity = config.attention_parity_tokens or attention_parity(self.model_config)
         self.scheduler = Scheduler(config, self.block_pool, self.state_pool, self.registry,
-                                   vocab_size=self.model_config.vocab_size)
+                                   vocab_size=self.model_config.vocab_size, attention_parity=parity)
         self.inputs = InputProcessor(self.tokenizer, self.checkpoint_token_id, self.images, PromptLimits(
             vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len, block_size=config.block_size,
             max_kv_blocks=self.block_pool.num_blocks, max_checkpoints=config.max_checkpoints_per_request))

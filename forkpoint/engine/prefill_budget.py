@@ -28,6 +28,16 @@ step computes, never the results: chunked prefill is exact.
                           <= SHORT_STACK_BUDGETS x B, each counted with SHORT_SEQUENCE_TOKENS (`short_room`);
                           a client's second and later <= SHORT_REPEAT_BUDGETS x B]
     step with no decode: [running prefills and admissions <= max_num_batched_tokens]
+
+A long prefill's token costs more the further into its context it is: its attention reads every
+position before it (on the CPU a 64-token chunk's step went from 1.16x a decode step at 0-2k positions to
+1.39x at 14-16k, bench/mixed_step_cost.py). So in a step that decodes, a long prefill's chunk of t tokens
+from context position c takes t x (1 + c / C) of B (`context_cost`), and takes at most what is left
+divided by that factor (`context_tokens`): B / (1 + c / C) tokens alone, never fewer than one scan chunk
+with checkpoint_exact, else 1 token, so it progresses every step. C, the attention parity: the context
+length at which a token's attention costs what its matrix products do (engine/attention_parity.py,
+counted from the model's shape; `EngineConfig.attention_parity_tokens` overrides it). Short prefills,
+decodes and a step with no decode are not scaled.
 """
 
 from __future__ import annotations
@@ -120,6 +130,24 @@ def is_prefill(request: Request, start: int) -> bool:
     output after preemption (more than the one next token left). A decode (or a speculative verify,
     whose drafts are not in num_tokens) computes exactly the last token past the prompt."""
     return start < len(request.prompt_token_ids) or request.num_tokens - start > 1
+
+
+def context_tokens(room: int, position: int, parity: int | None, scan_chunk: int | None) -> int:
+    """Tokens a long prefill from context position `position` (>= 0) may take of `room` prefill tokens left
+    in a step that decodes: room / (1 + position / parity), rounded down, at least one scan chunk
+    (`scan_chunk`, with checkpoint_exact: its chunks end at scan-chunk boundaries) or else 1 token, never
+    more than `room`. `parity`: C (engine/attention_parity.py); None: `room` (no cost by position)."""
+    if parity is None:
+        return room
+    return min(room, max(scan_chunk or 1, room * parity // (parity + position)))
+
+
+def context_cost(tokens: int, position: int, parity: int | None) -> int:
+    """What `tokens` tokens of a long prefill from context position `position` take of a step's prefill
+    room: tokens x (1 + position / parity), rounded up (`parity` None: `tokens`)."""
+    if parity is None:
+        return tokens
+    return -(-tokens * (parity + position) // parity)
 
 
 @dataclass(frozen=True)

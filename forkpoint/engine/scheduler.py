@@ -49,6 +49,8 @@ from forkpoint.engine.held_slots import HeldSlots
 from forkpoint.engine.prefill_budget import (
     DECODE_GRACE_S,
     SHORT_SEQUENCE_TOKENS,
+    context_cost,
+    context_tokens,
     is_capped_prefill,
     is_prefill,
     prefill_room,
@@ -79,9 +81,14 @@ class SchedulingFailed(RuntimeError):
 
 
 class Scheduler:
+    """`attention_parity`: C, the context length at which a prefill token's attention costs what its
+    matrix products do (engine/attention_parity.py): a long prefill's chunk in a step that decodes
+    shrinks by 1 + position / C (engine/prefill_budget.py); None: chunks the same at every position."""
+
     def __init__(self, config: EngineConfig, block_pool: BlockPool, state_pool: StatePool,
-                 registry: CheckpointRegistry | None, *, vocab_size: int) -> None:
+                 registry: CheckpointRegistry | None, *, vocab_size: int, attention_parity: int | None = None) -> None:
         self.config = config
+        self.attention_parity = attention_parity
         # prompt-logit rows ([rows, vocab] float32 logits) per step, all scored requests together
         self.score_rows = config.prompt_score_rows(vocab_size)
         self.blocks = block_pool
@@ -291,7 +298,7 @@ class Scheduler:
                 if verifying or not is_prefill(request, request.num_computed_tokens):
                     self.last_decode_at = now
                 elif self._capped(request, request.num_computed_tokens):
-                    planning.take_prefill(count)
+                    planning.take_prefill(context_cost(count, request.num_computed_tokens, self.attention_parity))
                 else:
                     planning.take_short(count, client_of(request))
                 self._plan_chunk(planning, request, request.num_computed_tokens, count, None)
@@ -511,13 +518,15 @@ class Scheduler:
         that does not finish the sequence ends at a scan-chunk boundary (0 when none fits), so chunked
         prefill runs the recurrent scans over the same chunks as one pass. A request scoring its prompt
         gets at most the step's prompt-logit rows left (`score_rows`): its logits stay O(chunk x vocab).
-        In a step that decodes, prefill takes at most the step's prefill room left (`StepPlanning.prefill_cap`),
+        In a step that decodes, a long prefill takes at most the step's prefill room left
+        (`StepPlanning.prefill_cap`) over its context factor (engine/prefill_budget.py `context_tokens`),
         and scored rows at most `score_rows_with_decodes` (`StepPlanning.score_cap`)."""
         capped = planning.chunked is None or request.request_id in planning.chunked
         count = min(request.num_tokens - start, budget, (planning.chunk_cap if capped else None) or self.chunk_cap)
         prefill_cap = planning.prefill_cap()
         if prefill_cap is not None and self._capped(request, start, admitting):
-            count = min(count, prefill_cap)
+            count = min(count, context_tokens(prefill_cap, start, self.attention_parity,
+                                              SCAN_CHUNK_TOKENS if self.config.checkpoint_exact else None))
         elif planning.short_left is not None and is_prefill(request, start):
             # a short prefill: the step's short room (and its client's repeat room)
             count = min(count, planning.short_cap(client_of(request)) - SHORT_SEQUENCE_TOKENS)
@@ -630,7 +639,7 @@ class Scheduler:
         if progress.waiting_on is not None:
             self.claims.stop_waiting(request, now)
         if self._capped(request, start, admitting=True):  # a long prefill's chunk counts against the budget
-            planning.take_prefill(count)
+            planning.take_prefill(context_cost(count, start, self.attention_parity))
         else:
             planning.take_short(count, client_of(request))
         self._plan_chunk(planning, request, start, count, source)

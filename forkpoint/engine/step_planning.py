@@ -105,9 +105,12 @@ class StepPlanning:
         """Prefill tokens the next chunk may take (None: no cap below the step's token budget)."""
         return None if self.prefill_left is None else self.prefill_left - self.prefill_held
 
-    def take_prefill(self, count: int) -> None:
+    def take_prefill(self, cost: int) -> None:
+        """A long prefill's chunk is planned: it takes `cost` of the prefill room (its tokens scaled by
+        their context position, engine/prefill_budget.py `context_cost`). The room never goes below 0:
+        a chunk of the floor may cost more than was left."""
         if self.prefill_left is not None:
-            self.prefill_left -= count
+            self.prefill_left = max(0, self.prefill_left - cost)
 
     def short_cap(self, client: str | None = None) -> int | None:
         """Short-room cost the next short prefill (of `client`; None: any) may take (None: no cap): the

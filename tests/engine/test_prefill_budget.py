@@ -108,12 +108,14 @@ STEP_S = 0.05  # a step's time on the fake clock: the grace (1 s) spans 20 steps
 
 class _Run:
     """The engine's loop around the scheduler with FakeExecutor as the model; per step, the prefill
-    tokens it planned, whether it decoded, and each sequence's planned tokens."""
+    tokens it planned, whether it decoded, and each sequence's planned tokens. `attention_parity`: the
+    scheduler's (None: chunks the same at every position)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, attention_parity: int | None = None) -> None:
         self.blocks = BlockPool(config.num_kv_blocks, config.block_size)
         self.states = StatePool(config.max_num_seqs, config.checkpoint_pool_size)
-        self.scheduler = Scheduler(config, self.blocks, self.states, None, vocab_size=1000)
+        self.scheduler = Scheduler(config, self.blocks, self.states, None, vocab_size=1000,
+                                   attention_parity=attention_parity)
         self.executor = FakeExecutor(config.block_size)
         self.requests: list[Request] = []
         self.steps: list[dict] = []  # {"prefill": tokens, "decodes": n, "tokens": {id: n}}
@@ -340,7 +342,9 @@ def test_outputs_equal_steps_without_the_budget(model_dir):
         return sorted(outs, key=lambda out: out.request_id), progress
 
     capped, progress = run(16)
-    assert progress[:3] == [16, 32, 48]  # the long prompt ran in 16-token chunks beside the streams
+    # the long prompt ran in chunks of at most 16 tokens beside the streams (fewer further in: the tiny
+    # model's attention parity is small, tests/engine/test_prefill_budget_context.py)
+    assert progress[0] == 16 and all(0 < b - a <= 16 for a, b in zip(progress[:8], progress[1:9]))
     whole, whole_progress = run(256)
     assert whole_progress[0] == 150
     assert_same_outputs(capped, whole)
