@@ -1,8 +1,10 @@
 """What a long prompt's prefill chunk adds to a step that also decodes: step time against the chunk's
 tokens and its position in the prompt, on this machine, with the embedded default model (or --model).
 
-Per chunk size N (`long_prefill_token_threshold` = N, and a mixed-step prefill budget of N, so every
-step of the long prompt takes exactly N of its tokens): --streams greedy streams (short prompts,
+Per chunk size N (`long_prefill_token_threshold` = N, and a mixed-step prefill budget of N: every step
+of the long prompt takes N of its tokens at position 0, fewer further in, N / (1 + position / C) with C
+the model's attention parity, engine/prefill_budget.py; --attention-parity sets C, a large one keeps N
+tokens a step throughout): --streams greedy streams (short prompts,
 ignore_eos) decode alone for --decode-steps steps, timed (the decode baseline); then a --prompt-tokens
 prompt of random ids arrives and every `engine.step()` is timed until its prefill ends. A row per
 (N, position band): the median step time and its ratio to the decode baseline. The bar of issue 27
@@ -12,6 +14,7 @@ under 2.
 Usage:
     python bench/mixed_step_cost.py                                   # N in 64 128 256 512, 16k prompt
     python bench/mixed_step_cost.py --chunks 128 256 --prompt-tokens 8192
+    python bench/mixed_step_cost.py --chunks 64 32 --attention-parity 1000000000   # N tokens at every position
     python bench/mixed_step_cost.py --model DIR --dummy --chunks 512 1024 2048 4096 --name mixed_step_cost_h200
 Writes bench/results/mixed_step_cost_cpu.json and .png.
 """
@@ -54,7 +57,7 @@ def stop_streams(engine, streams: int) -> None:
 def measure(chunk: int, args: argparse.Namespace) -> dict:
     """Step times of one engine whose long prompt runs in chunks of `chunk` tokens beside the streams."""
     llm = LLM(args.model, long_prefill_token_threshold=chunk, max_prefill_tokens_with_decodes=chunk, seed=0,
-              **({"load_format": "dummy"} if args.dummy else {}))
+              attention_parity_tokens=args.attention_parity, **({"load_format": "dummy"} if args.dummy else {}))
     engine = llm.engine
     start_streams(engine, args.streams)
     decode = []
@@ -77,13 +80,16 @@ def measure(chunk: int, args: argparse.Namespace) -> dict:
 
 
 def bands(run: dict, band: int) -> list[dict]:
-    """The mixed steps of `run` grouped by position band: median seconds and ratio to the decode median."""
+    """The mixed steps of `run` grouped by position band: median seconds, mean prefill tokens a step and the
+    ratio of the median to the decode median."""
     rows = []
     for lo in range(0, max(p for p, _, _ in run["mixed"]) + 1, band):
         times = [s for p, n, s in run["mixed"] if lo <= p < lo + band and n > 0]
         if times:
             median = statistics.median(times)
-            rows.append({"chunk": run["chunk"], "from": lo, "to": lo + band, "steps": len(times), "median_s": median,
+            tokens = statistics.mean(n for p, n, _ in run["mixed"] if lo <= p < lo + band and n > 0)
+            rows.append({"chunk": run["chunk"], "from": lo, "to": lo + band, "steps": len(times), "tokens": tokens,
+                         "median_s": median,
                          "max_s": max(times), "x_decode": median / run["decode_median_s"]})
     return rows
 
@@ -118,19 +124,22 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--decode-steps", type=int, default=20)
     parser.add_argument("--band", type=int, default=4096, help="position band of the table's rows")
+    parser.add_argument("--attention-parity", type=int, default=None,
+                        help="EngineConfig.attention_parity_tokens (default: counted from the model's shape)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--name", default="mixed_step_cost_cpu")
     args = parser.parse_args()
     result = {"code": code_version(), "machine": machine_info(), "model": args.model or "embedded model",
-              "prompt_tokens": args.prompt_tokens,
+              "prompt_tokens": args.prompt_tokens, "attention_parity": args.attention_parity,
               "streams": args.streams, "runs": []}
-    print(f"{'chunk':>6} {'positions':>13} {'steps':>6} {'decode s':>9} {'mixed median s':>15} {'max s':>7} "
-          f"{'x decode':>9}", flush=True)
+    print(f"{'chunk':>6} {'positions':>13} {'steps':>6} {'tokens':>7} {'decode s':>9} {'mixed median s':>15} "
+          f"{'max s':>7} {'x decode':>9}", flush=True)
     for chunk in args.chunks:
         run = measure(chunk, args)
         result["runs"].append(run)
         for row in bands(run, args.band):
-            print(f"{chunk:>6} {row['from']:>6}-{row['to']:<6} {row['steps']:>6} {run['decode_median_s']:>9.3f} "
+            print(f"{chunk:>6} {row['from']:>6}-{row['to']:<6} {row['steps']:>6} {row['tokens']:>7.1f} "
+                  f"{run['decode_median_s']:>9.3f} "
                   f"{row['median_s']:>15.3f} {row['max_s']:>7.3f} {row['x_decode']:>9.2f}", flush=True)
     print(machine_line(result["machine"]))
     print(f"wrote {write_results(result, args.out, args.name, plot)}")
