@@ -98,7 +98,7 @@ from e2e_gpu_shapes import (  # noqa: E402
     with_fp8,
 )
 from host_info import code_version  # noqa: E402
-from host_timeline import busy_fraction, decode_host_timeline  # noqa: E402
+from host_timeline import Timers, busy_fraction, decode_host_timeline, instrumented  # noqa: E402
 from trace_gaps import idle_report  # noqa: E402
 
 from forkpoint import LLM, SamplingParams  # noqa: E402
@@ -665,8 +665,10 @@ def profile_mixed_step(bench: Bench, args, decodes: int = 31, context: int = 380
     """A reused chat turn's step (issue 26): `new_tokens` prompt tokens after a `context`-token checkpoint,
     beside `decodes` decoding streams. A producer computes the context and its checkpoint first; each of
     `repeats` consumers then arrives alone beside the streams: the first `repeats - 2` steps are timed
-    (`mixed_*_wall_ms`), the next is profiled, the last traced with Python stacks (`trace_one_step`: where
-    the GPU idled, `mixed_*_idle`); then a decode-only step of the same streams is profiled."""
+    (`mixed_*_wall_ms`; host time by part per step, `mixed_*_host_parts_ms`: parts nest, `execute` holds
+    `forward`, which holds the piecewise parts), the next is profiled, the last traced with Python stacks
+    (`trace_one_step`: where the GPU idled, `mixed_*_idle`); then a decode-only step of the same streams is
+    profiled, and five more timed by part."""
     engine, rng, marker = bench.engine, bench.rng, bench.llm.checkpoint_token_id
     context_ids = rng.integers(0, args.vocab_limit, context).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -687,6 +689,7 @@ def profile_mixed_step(bench: Bench, args, decodes: int = 31, context: int = 380
     name = f"mixed_{new_tokens}_after_{context}_beside_{decodes}_decodes"
     report: dict = {}
     walls, prefilled = [], []
+    timers = Timers()
     for k in range(repeats):
         consumer = f"mixed-consumer-{k}"
         engine.add_request(consumer, {"prompt_token_ids": context_ids + [marker]
@@ -694,9 +697,10 @@ def profile_mixed_step(bench: Bench, args, decodes: int = 31, context: int = 380
         computed = engine.metrics()["prompt_tokens_computed"]
         sync(engine.device)
         if k < repeats - 2:
-            start = time.perf_counter()
-            engine.step()
-            sync(engine.device)
+            with instrumented(engine, timers, pieces=True):
+                start = time.perf_counter()
+                engine.step()
+                sync(engine.device)
             walls.append(1e3 * (time.perf_counter() - start))
         elif k == repeats - 2:
             report[name] = profile_one_step(bench, name)
@@ -706,10 +710,26 @@ def profile_mixed_step(bench: Bench, args, decodes: int = 31, context: int = 380
         while engine.sequences(consumer):
             engine.step()
     report[f"{name}_wall_ms"] = walls
+    report[f"{name}_host_parts_ms"] = {part: round(1e3 * seconds / len(walls), 3) for part, seconds in
+                                       sorted(timers.seconds.items(), key=lambda kv: -kv[1])}
+    report[f"{name}_host_part_calls"] = {part: calls // len(walls) for part, calls in timers.calls.items()}
     report[f"{name}_prompt_tokens_computed"] = prefilled
     report[f"decode_{decodes}_beside"] = profile_one_step(bench, f"decode_{decodes}_beside")
-    print(f"mixed step walls (unprofiled) ms: {[round(w, 1) for w in walls]}; prompt tokens computed: {prefilled}",
-          flush=True)
+    decode_timers, decode_walls = Timers(), []
+    for _ in range(5):
+        with instrumented(engine, decode_timers):
+            start = time.perf_counter()
+            engine.step()
+            sync(engine.device)
+        decode_walls.append(1e3 * (time.perf_counter() - start))
+    report[f"decode_{decodes}_beside_wall_ms"] = [round(w, 2) for w in decode_walls]
+    report[f"decode_{decodes}_beside_host_parts_ms"] = {
+        part: round(1e3 * seconds / len(decode_walls), 3)
+        for part, seconds in sorted(decode_timers.seconds.items(), key=lambda kv: -kv[1])}
+    print(f"decode steps beside (unprofiled) ms: {report[f'decode_{decodes}_beside_wall_ms']}; host ms per step by "
+          f"part: {report[f'decode_{decodes}_beside_host_parts_ms']}", flush=True)
+    print(f"mixed step walls (unprofiled) ms: {[round(w, 1) for w in walls]}; prompt tokens computed: {prefilled}; "
+          f"host ms per step by part: {report[f'{name}_host_parts_ms']}", flush=True)
     for request_id in streams:
         engine.abort_request(request_id)
     while engine.has_unfinished_requests():

@@ -20,7 +20,7 @@ from forkpoint.runner.sampler import PendingSample
 from forkpoint.sampling_params import SamplingParams
 
 
-class _Timers:
+class Timers:
     """Seconds per named part, summed over the calls made while installed."""
 
     def __init__(self) -> None:
@@ -39,11 +39,17 @@ class _Timers:
 
 
 @contextmanager
-def _instrumented(engine, timers: _Timers):
-    """The engine's step parts timed; everything restored on exit."""
+def instrumented(engine, timers: Timers, pieces: bool = False):
+    """The engine's step parts timed; with `pieces`, also the piecewise forward's eager parts (the
+    embedding, the pieces' replays, the recurrent cores run eagerly and their per-step capture, the
+    other cores). Everything restored on exit."""
     shadowed = [(engine.scheduler, "schedule_ahead"), (engine.scheduler, "schedule"), (engine.scheduler, "commit"),
                 (engine.runner, "execute"), (engine.runner, "forward"),
                 (engine.runner.sampling.sampler, "sample_async"), (engine, "_record")]
+    piecewise = getattr(engine.runner, "piecewise", None)
+    if pieces and piecewise is not None:
+        shadowed += [(piecewise, "_embed"), (piecewise, "_run_piece"), (piecewise, "_recurrent_core"),
+                     (piecewise, "_capture_recurrent_core"), (piecewise.model, "core")]
     for owner, name in shadowed:
         setattr(owner, name, timers.wrap(name, getattr(owner, name)))
     build, result = model_runner.build_forward_batch, PendingSample.result
@@ -112,8 +118,8 @@ def decode_host_timeline(engine, prompts: list[list[int]], steps: int = 24, warm
             engine.add_request(request_id, {"prompt_token_ids": prompt}, params, stream=False)
         while not all(len(engine.sequences(i)[0].output_token_ids) > warm_steps for i in ids):
             engine.step()
-        timers = _Timers()
-        with _instrumented(engine, timers):
+        timers = Timers()
+        with instrumented(engine, timers):
             start = time.perf_counter()
             for _ in range(steps):
                 engine.step()

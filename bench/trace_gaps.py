@@ -5,7 +5,8 @@ CUDA activity, recorded `with_stack=True` so that Python frames appear as "pytho
 
 A GPU *gap* is an interval of at least `min_gap_us` in which no kernel, memcpy or memset runs
 (the union of all device events). The device event that ends a gap was launched by a host runtime call
-(matched by its "correlation" id: `cudaLaunchKernel`, `cudaGraphLaunch`, `cudaMemcpyAsync`, ...). If that
+(matched by its "correlation" id: `cudaLaunchKernel`, `cudaGraphLaunch`, `cudaMemcpyAsync`, Triton's
+`cuLaunchKernelEx`, ...). If that
 launch came after the gap began, the device waited for the host for `launch - gap start` microseconds
 ("host-bound"): the report samples that part of the gap every `sample_us` and charges each sample to the
 innermost Python frame of the project (`frame_prefix`) running on the launching thread, and to its
@@ -55,7 +56,7 @@ def device_gaps(events: Sequence[dict], min_gap_us: float) -> list[Gap]:
                     key=lambda e: float(e["ts"]))
     launches = {}
     for e in events:
-        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
             launches[e["args"]["correlation"]] = (float(e["ts"]), (e.get("pid"), e.get("tid")))
     gaps: list[Gap] = []
     reach = None
