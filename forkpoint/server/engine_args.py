@@ -49,6 +49,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
                             "prompt keeps running streams' token gaps near their step time; a step with no decode "
                             "takes --max-num-batched-tokens; prefills of at most 16 x N tokens run whole (default for "
                             "serve: 64 on the CPU, measured; no cap on CUDA; none for offline commands)")
+    group.add_argument("--attention-parity-tokens", type=int, default=None, metavar="C",
+                       help="the context length at which a prefill token's attention costs what its matrix "
+                            "products do: under --max-prefill-tokens-with-decodes N, a long prompt's chunk at "
+                            "position c takes at most N / (1 + c / C) tokens (default: counted from the model's "
+                            "shape)")
     group.add_argument("--max-decode-share", type=int, default=None, metavar="N",
                        help="while other clients (`user`, else each request) have work, a client decodes at most "
                             "max(N, the largest other client's running sequences) sequences a step, the rest in turn "
@@ -149,6 +154,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         long_prefill_token_threshold=args.long_prefill_token_threshold, prompt_score_bytes=args.prompt_score_bytes,
         max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
+        attention_parity_tokens=args.attention_parity_tokens,
         max_decode_share=args.max_decode_share,
         enable_checkpoints=not args.no_checkpoints, checkpoint_token=args.checkpoint_token,
         max_checkpoints_per_request=args.max_checkpoints_per_request, load_format=args.load_format,

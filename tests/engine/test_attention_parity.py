@@ -4,6 +4,7 @@ context position costs; the engine's scheduler gets it, or `attention_parity_tok
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from forkpoint import LLM
 from forkpoint.config import ModelConfig
 from forkpoint.engine.attention_parity import attention_parity, matmul_params_per_token
+from forkpoint.server.engine_args import add_engine_args, engine_kwargs
 
 
 def test_the_count_is_the_hf_models_linear_weights(tiny_model_factory):
@@ -36,3 +38,10 @@ def test_the_engine_takes_the_count_or_the_override(model_dir):
     derived = LLM(str(model_dir), num_kv_blocks=32).engine.scheduler.attention_parity
     assert derived == attention_parity(ModelConfig.from_hf_dir(model_dir))
     assert LLM(str(model_dir), num_kv_blocks=32, attention_parity_tokens=123).engine.scheduler.attention_parity == 123
+
+
+def test_the_servers_flag():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, positional_model=False)
+    assert engine_kwargs(parser.parse_args([]))["attention_parity_tokens"] is None  # counted from the shape
+    assert engine_kwargs(parser.parse_args(["--attention-parity-tokens", "500"]))["attention_parity_tokens"] == 500
