@@ -8,7 +8,7 @@ import pytest
 from forkpoint.inputs.default_model import ensure_default_model
 from forkpoint.inputs.tokenizer import load_tokenizer
 from forkpoint.outputs import CompletionOutput, Logprob, RequestOutput
-from forkpoint.server.responses import CompletionFormat, Delta
+from forkpoint.server.responses import CompletionFormat, Delta, token_texts
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +76,12 @@ def test_prompt_logprobs_field(tokenizer):
     assert entries[0] is None and len(entries) == len(out.prompt_token_ids)
     token = out.prompt_token_ids[1]
     assert entries[1][str(token)] == {"logprob": -0.5, "rank": 3, "decoded_token": tokenizer.decode([token])}
+
+
+def test_token_texts_are_the_one_by_one_decodes(tokenizer):
+    """One batch through the Rust tokenizer gives each id's `decode([id])`: byte pieces, spaces, special
+    tokens, the last ids of the vocabulary, repeats."""
+    ids = [0, 11, 12, 220, 198, 1000, 151643, len(tokenizer) - 1, 11] + list(range(90000, 90400, 7))
+    ids += tokenizer.encode(" héllo wörld 你好 🙂\n\t  x", add_special_tokens=False)
+    texts = token_texts(tokenizer, ids)
+    assert texts == {t: tokenizer.decode([t]) for t in ids}
