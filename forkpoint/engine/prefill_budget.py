@@ -80,8 +80,11 @@ SHORT_SEQUENCE_TOKENS = 11
 # top-k) costs in prefill tokens of a step that decodes, measured on the CPU with the embedded model: a
 # step of 8 decodes and 64 scored rows took 0.33 s against 0.06 s for the decodes alone (4.3 ms a row),
 # a 64-token chunk of a plain prompt at 0-4k 0.02-0.04 s more (0.3-0.6 ms a token); bench/hostile.py's
-# prompt_logprobs_4k: 5.6x the bystander's gap (docs/server.md)
-SCORE_ROW_TOKENS = 8
+# prompt_logprobs_4k: 5.6x the bystander's gap (docs/server.md). 16, not 8 (session 19): at 8, B = 64 gave the
+# echo_logprobs_8k case 8 rows a step, ~34 ms at 4.3 ms a row (the rows do not grow with the position), over
+# half the streams' decode step, and the bystander's largest gap was 1.8-2.0x its baseline in 3 runs; at 16
+# the scoring takes twice the steps
+SCORE_ROW_TOKENS = 16
 
 
 def score_rows_with_decodes(budget: int, scan_chunk: int | None) -> int:

@@ -44,7 +44,7 @@ def test_a_scored_prompt_beside_decodes_takes_few_rows_a_step():
 
 def test_outputs_and_scores_equal_steps_without_the_budget(model_dir):
     """CPU float32, tiny model: a 60-token scored prompt (prompt_logprobs=3) beside two streams in
-    steps of 2 scored rows (B = 16) gives the prompt logprobs, tokens and logprobs of steps with no
+    steps of B / SCORE_ROW_TOKENS scored rows (B = 16) gives the prompt logprobs, tokens and logprobs of steps with no
     budget."""
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
     scored = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
