@@ -16,10 +16,12 @@ the shared expert, and the router). Left out: embeddings and the LM head (a pref
 for its last token only), norms, convolutions and the recurrent scans (a few percent of the projections).
 
 Checked on the CPU (2 cores, float32, the embedded model: C = 6,684 by this count) with
-bench/mixed_step_cost.py: a 64-token chunk's step over the decode step grows from 1.16x at 0-2k positions
-to 1.39x at 14-16k, a slope that puts C at about 9k if all of the growth is the chunk's attention (the
-reference also gathers the whole context's keys once a step, a part that does not shrink with the chunk):
-the count is the smaller, so it errs on the side of the bystander (docs/server.md, issue 27).
+bench/attention_parity_cpu.py: the attention reference took 0.21 ms + 153 ns x c + 19.8 ns x t x c for t
+queries after c positions (the c term: it gathers the whole context's keys and values once a step, whatever
+t), and a prefill token's other work is 0.155 ms (bench/mixed_step_cost.py, a 64-token chunk's step over the
+decode step at 0-2k positions), so C = 0.155 ms / 19.8 ns = 7,817 there. The count is the smaller: it errs on
+the bystander's side and leaves some room for the gather, which does not shrink with the chunk
+(docs/server.md, issue 27, session 19).
 `EngineConfig.attention_parity_tokens` overrides it.
 """
 
