@@ -38,6 +38,10 @@ skipped and recorded with the reason, and later, cheaper pairs still run):
      (the first is freed: 70 GB of weights again); skipped with a note when EngineConfig has no
      `enforce_eager` field
   5. peer:   Hugging Face transformers on the same weights (e2e_gpu_peer.py), capped by --peer-budget
+  6. stall:  with --stall-p (none by default), after the rows and --profile: one prompt of each length beside
+     --stall-streams (32) decoding streams per prefill budget of a step that decodes in --stall-budgets
+     (none,2048,512): the streams' largest step over their decode step and the prompt's time to first
+     token (bench/long_prompt_stall.py; issue 30's "a long prompt must not stall running decodes")
 
 Per run: requests/s (N / wall time from the first add_request to the last output), TTFT p50/p99 of
 all requests and of the consumers (requests 2..N), prompt tokens computed (metrics delta), computed
@@ -58,6 +62,8 @@ Usage (on the GPU machine; fla-core on the path; bench/run_gpu_e2e.sh is the one
     python bench/e2e_gpu.py --smoke                  # tiny model, every row kind, CPU or GPU, < 60 s
     python bench/e2e_gpu.py --shape nemotron3-nano --name e2e_gpu_h200_nemotron3_nano --peer-layers 7 ...
     python bench/e2e_gpu.py --smoke --shape qwen3-next-80b-a3b-fp8   # tiny FP8 Qwen3-Next, CPU or GPU
+    python bench/e2e_gpu.py --p 624 --n 1 --exact-n "" --auto-n "" --async-n "" --decode-n 32 --seed-n "" \
+        --eager-n "" --no-peer --stall-p 32768,131072 --name e2e_gpu_h200_stall      # the stall rows alone
 """
 
 from __future__ import annotations
@@ -99,6 +105,7 @@ from e2e_gpu_shapes import (  # noqa: E402
 )
 from host_info import code_version  # noqa: E402
 from host_timeline import Timers, busy_fraction, decode_host_timeline, instrumented  # noqa: E402
+from long_prompt_stall import print_row, stall_row  # noqa: E402
 from trace_gaps import idle_report  # noqa: E402
 
 from forkpoint import LLM, SamplingParams  # noqa: E402
@@ -976,6 +983,18 @@ def run_benchmark(args) -> dict:
                 except Exception:  # evidence only: never lose the rows for it
                     results["profile_error"] = traceback.format_exc()[-2000:]
                 save()
+            if args.stall_p:
+                results["stall"] = []
+                for prompt_tokens in args.stall_p:
+                    for budget in args.stall_budgets:
+                        if time.perf_counter() > rows_end:
+                            results["skipped"].append({"group": "stall", "P": prompt_tokens, "budget": budget,
+                                                       "reason": "no time left"})
+                            continue
+                        results["stall"].append(stall_row(bench.engine, prompt_tokens, args.stall_streams, budget,
+                                                          bench.rng, args.vocab_limit))
+                        print_row(results["stall"][-1])
+                        save()
             if args.tiny:
                 bench.engine.check_integrity()
             if eager_specs:
@@ -1047,6 +1066,10 @@ def parse_ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
 
+def parse_budgets(text: str) -> list[int | None]:
+    return [None if part == "none" else int(part) for part in text.split(",") if part]
+
+
 def parse_range(text: str) -> tuple[int, int]:
     lo, hi = (int(v) for v in text.split("-"))
     if not 0 < lo <= hi:
@@ -1091,6 +1114,13 @@ def main() -> None:
     parser.add_argument("--tiny-parity", action="store_true", help="forkpoint vs transformers on a 4-layer model first")
     parser.add_argument("--profile", action="store_true", help="kernel time by kind for a few single steps")
     parser.add_argument("--profile-reserve", type=float, default=15.0, help="seconds the rows leave for --profile")
+    parser.add_argument("--stall-p", type=parse_ints, default=[],
+                        help="after the rows (and --profile): one prompt of each length beside --stall-streams "
+                             "decoding streams, the streams' largest step over their decode step "
+                             "(bench/long_prompt_stall.py), per --stall-budgets")
+    parser.add_argument("--stall-budgets", type=parse_budgets, default=[None, 2048, 512],
+                        help="prefill tokens a step that decodes may take in the --stall-p rows; 'none': no cap")
+    parser.add_argument("--stall-streams", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--checkpoint-pool-size", type=int, default=None,
