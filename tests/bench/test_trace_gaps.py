@@ -1,9 +1,14 @@
 """bench/trace_gaps.py: a step's GPU gaps split into host-bound and device-side parts, and the host-bound
 part charged to the Python frames running while the device waited."""
 
+import os
+import sys
+
 import pytest
 
-from bench.trace_gaps import device_gaps, idle_report
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+
+from trace_gaps import device_gaps, idle_report  # noqa: E402
 
 HOST = {"pid": 1, "tid": 7}
 
