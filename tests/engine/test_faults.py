@@ -237,16 +237,24 @@ def test_a_fault_in_commit_or_output_work_does_not_wedge_the_engine(model_dir, d
         fault.calls, fault.fault_at = 0, fault_at
         finished, failed = drive(llm.engine, scenario)
         assert failed, f"the fault at call {fault_at} of {target} ended no request"
-        assert failed.isdisjoint(finished) and failed | set(finished) == {a.request_id for a in scenario.arrivals}
-        for request_id, outputs in finished.items():
-            assert_outputs_equal(outputs, expected[request_id], f"{target}@{fault_at}:{request_id}")
-        assert_drained(llm)
-        fault.fault_at = None
-        again, none_failed = drive(llm.engine, scenario)
-        assert not none_failed
-        for request_id, outputs in again.items():
-            assert_outputs_equal(outputs, expected[request_id], f"{target}: after the fault at {fault_at}")
-        assert_drained(llm)
+        assert_survived(llm, scenario, expected, fault, finished, failed, f"{target}@{fault_at}")
+
+
+def assert_survived(llm: LLM, scenario: Scenario, expected: dict[str, list], fault: FaultyMethod,
+                    finished: dict[str, list], failed: set[str], label: str) -> None:
+    """After a run of `scenario` with `fault` injected: its failed and finished requests split the arrivals,
+    the finished ones equal a fresh engine's (`expected`), nothing is left held; then, the fault off, a clean
+    run finishes every request with a fresh engine's outputs and leaves nothing held either."""
+    assert failed.isdisjoint(finished) and failed | set(finished) == {a.request_id for a in scenario.arrivals}
+    for request_id, outputs in finished.items():
+        assert_outputs_equal(outputs, expected[request_id], f"{label}:{request_id}")
+    assert_drained(llm)
+    fault.fault_at = None
+    again, none_failed = drive(llm.engine, scenario)
+    assert not none_failed and again.keys() == expected.keys(), f"{label}: the clean run after the fault"
+    for request_id, outputs in again.items():
+        assert_outputs_equal(outputs, expected[request_id], f"{label}: the clean run after the fault")
+    assert_drained(llm)
 
 
 def drive_failing_all_on_raise(engine: LLMEngine, scenario: Scenario) -> tuple[dict[str, list], set[str]]:
@@ -303,13 +311,4 @@ def test_a_fault_in_schedule_does_not_wedge_the_engine(model_dir, decodes_beside
         fault.calls, fault.fault_at = 0, fault_at
         finished, failed = drive_failing_all_on_raise(llm.engine, scenario)
         assert fault.calls > fault_at, f"{target}: the fault at call {fault_at} was never reached"
-        assert failed.isdisjoint(finished) and failed | set(finished) == {a.request_id for a in scenario.arrivals}
-        for request_id, outputs in finished.items():
-            assert_outputs_equal(outputs, expected[request_id], f"{target}@{fault_at}:{request_id}")
-        assert_drained(llm)
-        fault.fault_at = None
-        again, none_failed = drive(llm.engine, scenario)
-        assert not none_failed and again.keys() == expected.keys(), f"{target}: after the fault at {fault_at}"
-        for request_id, outputs in again.items():
-            assert_outputs_equal(outputs, expected[request_id], f"{target}: after the fault at {fault_at}")
-        assert_drained(llm)
+        assert_survived(llm, scenario, expected, fault, finished, failed, f"{target}@{fault_at}")
