@@ -30,6 +30,18 @@ skipped and recorded with the reason, and later, cheaper pairs still run):
   2b. decode_async: the decode rows at N in --async-n with asynchronous scheduling (checkpoints
      on; TPOT set against the decode row's synchronous on run)
   3. seed:   P = --seed-p (624), S drawn uniformly from --seed-s (350-650, seeded), N in --seed-n
+  3b. long:  P in --long-p (32768, 131072), S = --s, N in --long-n (1, 4, 16), max_tokens 1, by N (both P
+     at each N), after rows 1-3 (a short deadline leaves those their numbers) and before --profile,
+     the stall, eager and peer rows
+  3c. long_decode: P in --long-decode-p (32768), S = --s, N in --long-decode-n (1, 16), max_tokens
+     --decode-tokens: TPOT at long context (issue 30's long-context rows; `--long-p ""` and
+     `--long-decode-p ""` turn them off). The long rows get no warm-up of their own: the rows above
+     compiled every kernel they use (prefill steps of the same token buckets, the attention tiles
+     autotuned per step size, not per context length, decode batches up to the largest N); run
+     alone, the warm-up takes theirs. A pair whose prompt plus max_tokens exceeds the engine's
+     max_model_len (or its KV pool) is skipped with that reason, in any row group. Under the JSON's
+     `long`: every planned long pair with its on/off requests/s, ratio, TTFT and TPOT, or why it
+     did not run
   4. eager:  P = --eager-p, S = --s, N in --eager-n, max_tokens 1 and --decode-tokens, executed as
      an `enforce_eager=True` engine would (no CUDA graphs), on the same engine through a runtime
      switch: `set_enforce_eager(bool)` if the engine or its runner has one, else the runner's
@@ -37,7 +49,11 @@ skipped and recorded with the reason, and later, cheaper pairs still run):
      path such an engine takes). Without either, a second engine, built only with --eager-rows
      (the first is freed: 70 GB of weights again); skipped with a note when EngineConfig has no
      `enforce_eager` field
-  5. peer:   Hugging Face transformers on the same weights (e2e_gpu_peer.py), capped by --peer-budget
+  5. peer:   Hugging Face transformers on the same weights (e2e_gpu_peer.py), P in --peer-p (624, 4096,
+     32768) in that order, N in --peer-n, capped by --peer-budget (the 32k rows come last and are the
+     first it cuts: give the peer more than the 60 s default to reach them; a CUDA out-of-memory error
+     at a P is recorded as its rows' error, e2e_gpu_peer.py says when one can occur); the table sets
+     each against forkpoint's main or long row of the same P and N
   6. stall:  with --stall-p (none by default), after the rows and --profile: one prompt of each length beside
      --stall-streams (32) decoding streams per prefill budget of a step that decodes in --stall-budgets
      (none,2048,512): the streams' largest step over their decode step and the prompt's time to first
@@ -55,15 +71,22 @@ Time: --deadline is a hard limit (seconds from process start; an alarm stops wha
 results so far are written); forkpoint rows end by --time-budget (default: deadline - peer budget
 - 5 s), the peer gets --peer-budget after them. A pair's time is predicted from the steps timed so
 far (prefill step = a + b * tokens, decode step = c + d * sequences, least squares; priors from the
-last eager H200 run: 85 ms + 23.5 us/token, decode 96 ms at 16 sequences) times 1.2.
+last eager H200 run: 85 ms + 23.5 us/token, decode 96 ms at 16 sequences) times 1.2; each prompt token
+also pays b * `attention_share` per earlier token it attends to (attention FLOPs over the token's matmul
+FLOPs, from the config: at 131k tokens attention outweighs the matmuls, which a fit of short rows
+cannot see; e2e_gpu_plan.Predictor).
 
 Usage (on the GPU machine; fla-core on the path; bench/run_gpu_e2e.sh is the one-call wrapper):
     python bench/e2e_gpu.py --out bench/results --deadline 400 --profile   # e2e_gpu_h200.{json,png}
-    python bench/e2e_gpu.py --smoke                  # tiny model, every row kind, CPU or GPU, < 60 s
+    python bench/e2e_gpu.py --smoke                  # tiny model, every row kind (long: P 256, 512), < 60 s
+    python bench/e2e_gpu.py --long-p "" --long-decode-p "" --peer-p 624,4096 ...    # without the long rows
     python bench/e2e_gpu.py --shape nemotron3-nano --name e2e_gpu_h200_nemotron3_nano --peer-layers 7 ...
     python bench/e2e_gpu.py --smoke --shape qwen3-next-80b-a3b-fp8   # tiny FP8 Qwen3-Next, CPU or GPU
     python bench/e2e_gpu.py --p 624 --n 1 --exact-n "" --auto-n "" --async-n "" --decode-n 32 --seed-n "" \
-        --eager-n "" --no-peer --stall-p 32768,131072 --name e2e_gpu_h200_stall      # the stall rows alone
+        --eager-n "" --long-p "" --long-decode-p "" --no-peer --stall-p 32768,131072 \
+        --name e2e_gpu_h200_stall                                                      # the stall rows alone
+    python bench/e2e_gpu.py --n "" --decode-n "" --seed-n "" --eager-n "" --peer-p 32768 --peer-n 1,4 \
+        --name e2e_gpu_h200_long --deadline 540 --peer-budget 120          # the long rows and the 32k peer alone
 """
 
 from __future__ import annotations
@@ -83,6 +106,7 @@ import shutil  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import traceback  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -228,6 +252,18 @@ def param_counts(cfg: dict) -> dict:
         "embedding": hidden * vocab,
         "total_matmul": mixers + layers * moe_total + 2 * hidden * vocab,
     }
+
+
+def attention_share(cfg: dict) -> float:
+    """Attention FLOPs a prompt token spends per earlier token (q.k and the weighted sum of v: 4 * heads
+    * head_dim per full-attention layer; GDN and Mamba2 layers read no context), over the matmul FLOPs
+    of the token (2 * `count_params(cfg)["per_token"]`): the time predictor's long-prompt term."""
+    if cfg["model_type"] == "nemotron_h":
+        attention_layers = cfg["hybrid_override_pattern"].count("*")
+    else:
+        attention_layers = cfg["layer_types"].count("full_attention")
+    per_context = 4 * cfg["num_attention_heads"] * cfg["head_dim"] * attention_layers
+    return per_context / (2 * count_params(cfg)["per_token"])
 
 
 # ---------------------------------------------------------------- forkpoint runs
@@ -378,7 +414,7 @@ class Bench:
         self.results, self.save = results, save
         self.per_token = results["params"]["per_token"]
         self.rng = np.random.default_rng(args.seed + (0 if label == "default" else 7))
-        self.predictor = Predictor(args.max_num_batched_tokens)
+        self.predictor = Predictor(args.max_num_batched_tokens, attention_share(results["config"]))
         self.timer = EnqueueTimer(self.engine.runner)
         self.timer.install()
         self.modes = RowModes(self.engine)
@@ -479,9 +515,26 @@ class Bench:
               f"pair {entry['measured_s']:.1f} s (predicted {predicted:.1f} s)", flush=True)
         self.save()
 
-    def run_rows(self, specs: list[RowSpec], end: float) -> None:
-        """Every pair in order, unless predicted to end after `end` (then recorded as skipped)."""
+    def prompt_misfit(self, spec: RowSpec) -> str | None:
+        """Why `spec`'s longest prompt with its max_tokens cannot run on this engine (beyond
+        max_model_len, or more KV blocks than the pool has), or None when it fits."""
+        limits = self.engine.inputs.limits
+        length = spec.p + max(spec.suffix_lengths) + spec.max_tokens
+        if length > limits.max_model_len:
+            return f"P + S + max_tokens = {length} tokens > max_model_len {limits.max_model_len}"
+        blocks = -(-length // limits.block_size)
+        if blocks > limits.max_kv_blocks:
+            return f"P + S + max_tokens = {length} tokens need {blocks} KV blocks, the pool has {limits.max_kv_blocks}"
+        return None
+
+    def run_rows(self, specs: Sequence[RowSpec], end: float) -> None:
+        """Every pair in order, unless its prompt does not fit the engine or it is predicted to end
+        after `end` (then recorded as skipped, with the reason)."""
         for spec in specs:
+            misfit = self.prompt_misfit(spec)
+            if misfit is not None:
+                skip(self.results, spec, misfit)
+                continue
             left = end - time.perf_counter()
             predicted = self.predictor.pair_seconds(spec)
             if predicted > left:
@@ -489,10 +542,11 @@ class Bench:
                 continue
             self.pair(spec, predicted)
 
-    def warm_up(self, specs: list[RowSpec]) -> float:
-        """Untimed: every shape on and off (N <= 4, max_tokens 2), then decode batches halving from
-        the largest N to 1, so the kernels outside the CUDA graphs (captured at engine build) compile
-        and autotune here rather than inside a timed row."""
+    def warm_up(self, specs: Sequence[RowSpec]) -> float:
+        """Untimed: every shape on and off (N <= 4, max_tokens 2; shapes whose prompt does not fit
+        the engine are left to `run_rows` to skip), then decode batches halving from the largest N
+        to 1, so the kernels outside the CUDA graphs (captured at engine build) compile and autotune
+        here rather than inside a timed row."""
         t0 = time.perf_counter()
         by_shape: dict[tuple[str, str], RowSpec] = {}
         for spec in specs:
@@ -501,6 +555,8 @@ class Bench:
                 by_shape[key] = spec
         for spec in by_shape.values():
             warm = dataclasses.replace(spec, suffix_lengths=spec.suffix_lengths[:4], max_tokens=2)
+            if self.prompt_misfit(warm) is not None:
+                continue
             for on in ((True,) if spec.on_only else (True, False)):
                 self.run(warm, on, f"warm-{self.label}-{spec.shape}-{spec.engine}-{on}", record=False)
         self.modes.set(specs[0])
@@ -549,6 +605,33 @@ def slow_steps(results: dict, engine: str = "default", worst: int = 5) -> dict |
     return {"num_steps": len(steps), "over_2x": sum(1 for s in steps if s[0] > 2.0),
             "worst": [{"ratio": round(ratio, 2), "tokens": tokens, "ms": round(1e3 * sec, 1), "shape": shape, "N": n,
                        "ckpt": ckpt} for ratio, tokens, sec, shape, n, ckpt in steps[:worst]]}
+
+
+LONG_GROUPS = ("long", "long_decode")
+
+
+def long_summary(results: dict) -> list[dict]:
+    """The long rows under their own key: every planned long pair in plan order, with its on/off
+    requests/s, ratio and ideal, TTFT p50 and TPOT p50 per mode when it ran, else why it did not
+    (its `skipped` reason, or the run's stop before it)."""
+    key = ("group", "shape", "N", "max_tokens", "engine")
+    pairs = {tuple(sp[k] for k in key): sp for sp in results["speedups"]}
+    reasons = {tuple(sk.get(k) for k in key): sk["reason"] for sk in results["skipped"]}
+    summary = []
+    for planned in (p for p in results["plan"] if p["group"] in LONG_GROUPS):
+        ident = tuple(planned[k] for k in key)
+        entry = {k: planned[k] for k in ("group", "P", "S", "N", "max_tokens")}
+        if ident in pairs:
+            sp = pairs[ident]
+            on, off = results["runs"][sp["on"]], results["runs"][sp["off"]]
+            entry.update(speedup=sp["speedup"], ideal=sp["ideal"])
+            for mode, run in (("on", on), ("off", off)):
+                entry.update({f"{mode}_requests_per_s": run["requests_per_s"],
+                              f"{mode}_ttft_p50_ms": run["ttft_p50_ms"], f"{mode}_tpot_ms": run["tpot_ms"]})
+        else:
+            entry["skipped"] = reasons.get(ident, "not reached: the run stopped before it")
+        summary.append(entry)
+    return summary
 
 
 def skip(results: dict, spec: RowSpec, reason: str) -> None:
@@ -675,7 +758,8 @@ def profile_mixed_step(bench: Bench, args, decodes: int = 31, context: int = 380
     (`mixed_*_wall_ms`; host time by part per step, `mixed_*_host_parts_ms`: parts nest, `execute` holds
     `forward`, which holds the piecewise parts), the next is profiled, the last traced with Python stacks
     (`trace_one_step`: where the GPU idled, `mixed_*_idle`); then a decode-only step of the same streams is
-    profiled, and five more timed by part."""
+    profiled, and five more timed by part. The consumer runs beside the streams only if `decodes` + 1 fits
+    max_num_seqs (else it waits for a stream to finish its 512 tokens): the caller bounds `decodes`."""
     engine, rng, marker = bench.engine, bench.rng, bench.llm.checkpoint_token_id
     context_ids = rng.integers(0, args.vocab_limit, context).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -784,7 +868,7 @@ def profile_steps(bench: Bench, args, end: float) -> dict:
     if time.perf_counter() > end:
         report.setdefault("left_out", []).append("mixed")
     else:
-        report.update(profile_mixed_step(bench, args))
+        report.update(profile_mixed_step(bench, args, decodes=min(31, args.max_num_seqs - 1)))
     for n in sorted({1, min(64, max(args.decode_n))}):
         if time.perf_counter() > end:
             report.setdefault("left_out", []).append(f"host_decode_{n}")
@@ -822,7 +906,7 @@ def tiny_parity(args) -> dict:
 
 
 SMOKE_ARGS = dict(tiny=True, p=[72, 16], s=8, n=[1, 3], exact_n=[3], auto_n=[3], async_n=[3], decode_p=[16],
-                  decode_n=[3],
+                  decode_n=[3], long_p=[256, 512], long_n=[1, 3], long_decode_p=[512], long_decode_n=[3],
                   decode_tokens=3, seed_p=16,
                   seed_s=(4, 12), seed_n=[3], eager_p=16, eager_n=[3], eager_rows=True, peer_p=[16], peer_n=[1, 3],
                   peer_batch=2, profile=True, tiny_parity=True, profile_reserve=2.0, max_num_batched_tokens=96,
@@ -843,7 +927,7 @@ def check_smoke(results: dict) -> None:
     skipped = {tuple(s[k] for k in key) for s in results["skipped"] if s.get("reason")}
     missing = [p for p in results["plan"] if tuple(p[k] for k in key) not in done | skipped]
     assert not missing, f"planned pairs neither run nor skipped: {missing}"
-    groups = {"main", "exact", "auto", "decode", "decode_async", "seed", "eager"}
+    groups = {"main", "exact", "auto", "decode", "decode_async", "seed", "long", "long_decode", "eager"}
     uncovered = sorted(groups - {r["group"] for r in results["runs"]})
     if not results.get("peer", {}).get("runs"):
         uncovered.append("peer")
@@ -883,7 +967,8 @@ def free_engine(bench: Bench) -> None:
         torch.cuda.empty_cache()
 
 
-def run_eager_rows(args, bench: Bench, specs: list[RowSpec], model_dir: Path, end: float, results: dict, save) -> Bench:
+def run_eager_rows(args, bench: Bench, specs: Sequence[RowSpec], model_dir: Path, end: float, results: dict,
+                   save) -> Bench:
     """The eager comparison: a runtime switch, else (with --eager-rows) a second engine. Returns the
     engine in use afterwards (the peer takes its weights)."""
     switch = eager_switch(bench.engine)
@@ -904,7 +989,8 @@ def run_eager_rows(args, bench: Bench, specs: list[RowSpec], model_dir: Path, en
             skip(results, spec, "EngineConfig has no enforce_eager field (no CUDA graphs to compare with)")
         return bench
     build_s = results["engine"]["init_s"] + 20.0
-    cheapest = Predictor(args.max_num_batched_tokens).pair_seconds(min(specs, key=lambda s: s.tokens(False)))
+    cheapest = Predictor(args.max_num_batched_tokens, attention_share(results["config"])).pair_seconds(
+        min(specs, key=lambda s: s.tokens(False)))
     left = end - time.perf_counter()
     if not args.eager_rows or build_s + cheapest > left:
         reason = ("no runtime switch; --eager-rows builds a second engine" if not args.eager_rows else
@@ -934,14 +1020,14 @@ def run_benchmark(args) -> dict:
     deadline = PROCESS_START + args.deadline if args.deadline else None
     time_budget = args.time_budget or (args.deadline - args.peer_budget - FINALIZE_S if args.deadline else 240.0)
     rows_end = PROCESS_START + time_budget
-    specs, eager_specs = plan_rows(args)
+    plan = plan_rows(args)
     results = {
         "model": model_label(args), "shape": args.shape,
         "config": cfg, "params": counts, "machine": machine_info(device), "code": code_version(),
         "command": " ".join(sys.argv), "S": args.s, "runs": [], "speedups": [], "skipped": [],
         "quantization": cfg.get("quantization_config"), "peer_note": args.peer_note,
         "budget": {"deadline_s": args.deadline, "time_budget_s": time_budget, "peer_budget_s": args.peer_budget},
-        "plan": [spec.describe() for spec in specs + eager_specs],
+        "plan": [spec.describe() for spec in plan.in_run_order()],
         "flops_per_token": 2 * counts["per_token"], "peak_flops": PEAK_BF16,
         "compute_floor_tokens_s": {"anchors_6gflop_790tflops": ANCHOR_FLOOR_TOKENS_S,
                                    "per_token_params_790tflops": MEASURED_BF16 / (2 * counts["per_token"]),
@@ -954,8 +1040,8 @@ def run_benchmark(args) -> dict:
     def elapsed() -> float:
         return time.perf_counter() - PROCESS_START
 
-    print(f"params: {counts}; budget: {results['budget']}; {len(specs)} pairs planned + {len(eager_specs)} eager",
-          flush=True)
+    print(f"params: {counts}; budget: {results['budget']}; {len(plan.rows)} pairs planned + {len(plan.long)} long "
+          f"+ {len(plan.eager)} eager", flush=True)
     alarm = Alarm()
     bench = None
     try:
@@ -972,10 +1058,12 @@ def run_benchmark(args) -> dict:
             print(f"engine ready at {elapsed():.0f} s: {results['engine']}", flush=True)
             bench = Bench(llm, "default", args, results, save)
             del llm
-            results["warmup_s"] = bench.warm_up(specs)
+            results["warmup_s"] = bench.warm_up(plan.rows or plan.long)  # long rows alone: warm up on theirs
             print(f"warm-up {results['warmup_s']:.1f} s (at {elapsed():.0f} s)", flush=True)
             probes(bench.llm, bench.rng, results, args.vocab_limit)
-            bench.run_rows(specs, rows_end - (args.profile_reserve if args.profile else 0.0))
+            rows_before_profile = rows_end - (args.profile_reserve if args.profile else 0.0)
+            bench.run_rows(plan.rows, rows_before_profile)
+            bench.run_rows(plan.long, rows_before_profile)
             results["predictor"] = bench.predictor.coefficients()
             if args.profile:
                 try:
@@ -997,8 +1085,8 @@ def run_benchmark(args) -> dict:
                         save()
             if args.tiny:
                 bench.engine.check_integrity()
-            if eager_specs:
-                bench = run_eager_rows(args, bench, eager_specs, model_dir, rows_end, results, save)
+            if plan.eager:
+                bench = run_eager_rows(args, bench, plan.eager, model_dir, rows_end, results, save)
         results["step_fit"] = [fit for fit in (step_fit(results, e) for e in ("default", "enforce_eager")) if fit]
         results["full_steps"] = full_steps(results, args.max_num_batched_tokens)
         results["slow_steps"] = slow_steps(results)
@@ -1041,6 +1129,7 @@ def run_benchmark(args) -> dict:
         print(results["error"], flush=True)
     finally:
         alarm.disarm()
+        results["long"] = long_summary(results)
         results["total_s"] = elapsed()
         if device.type == "cuda":
             results["gpu_mem_peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
@@ -1077,7 +1166,8 @@ def parse_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (module docstring); `main` adds what it derives from the engine's config."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on cuda, float32 on cpu")
@@ -1105,7 +1195,14 @@ def main() -> None:
     parser.add_argument("--eager-n", type=parse_ints, default=[4, 16], help="empty: no eager comparison")
     parser.add_argument("--eager-rows", action="store_true",
                         help="without a runtime switch, build a second engine with enforce_eager=True for them")
-    parser.add_argument("--peer-p", type=parse_ints, default=[624, 4096])
+    parser.add_argument("--long-p", type=parse_ints, default=[32768, 131072],
+                        help="anchors of the long rows, after the others (empty: none)")
+    parser.add_argument("--long-n", type=parse_ints, default=[1, 4, 16], help="N of the long rows")
+    parser.add_argument("--long-decode-p", type=parse_ints, default=[32768],
+                        help="anchors of the TPOT rows at long context, after the long rows (empty: none)")
+    parser.add_argument("--long-decode-n", type=parse_ints, default=[1, 16], help="N of the long TPOT rows")
+    parser.add_argument("--peer-p", type=parse_ints, default=[624, 4096, 32768],
+                        help="the peer's anchors, in this order (its budget cuts the last first)")
     parser.add_argument("--peer-n", type=parse_ints, default=[1, 4, 16])
     parser.add_argument("--peer-batch", type=int, default=4)
     parser.add_argument("--peer-layers", type=int, default=8,
@@ -1140,6 +1237,11 @@ def main() -> None:
     parser.add_argument("--startup-compile-workers", default="0",
                         help="EngineConfig.startup_compile_workers: a count, 'auto' (None: the engine picks, as "
                              "`forkpoint serve`) or 0 (default: none, the engine compiles alone)")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if args.startup_compile_workers != "auto" and not args.startup_compile_workers.isdigit():
         parser.error(f"--startup-compile-workers {args.startup_compile_workers!r}: expected a count >= 0 or 'auto'")

@@ -11,6 +11,15 @@ ANCHORS.md; Nemotron-3-Nano's blocks differ, so its prefix of K = 7, "MEMEM*E", 
 whole model's mix: 3/3/1 Mamba2/MoE/attention against 23/23/6 of 52; the kinds of the timed and
 the whole stack are recorded; the parity probe runs before the cut, on all layers). Used by `e2e_gpu.py`
 (run as a script, so this folder is on `sys.path`).
+
+Bounds: time by the caller's alarm (`--peer-budget`), the same for every P: the rows run P by P in
+`--peer-p` order, so the longest P (32768 by default) comes last and is the first the budget cuts.
+Memory: a forward holds `--peer-batch` whole sequences of P + S tokens (at 32768 + 256 and batch 4,
+132k tokens per forward, 7.6x the 4096 rows'), and transformers' attention keeps no cache between
+them; SDPA's fused kernels need memory linear in the length, but a path that materialises the
+[batch, heads, T, T] scores (the math fallback, or eager attention: 140 GB in bf16 at 32k and batch 4)
+exhausts the GPU. A CUDA out-of-memory error in a P's warm-up or in a row is recorded as that P's
+rows' `error` (the rows after it still run), never raised.
 """
 
 from __future__ import annotations
@@ -154,31 +163,53 @@ def run_peer(args, cfg: dict, model: torch.nn.Module, results: dict, save) -> No
             peer(input_ids=batch, use_cache=False, logits_to_keep=1)
 
     for p in args.peer_p:
-        length = p + args.s
-        t0 = time.perf_counter()
-        for batch_size in sorted({min(n, args.peer_batch) for n in args.peer_n}):  # every timed shape, untimed
-            forward(torch.tensor(rng.integers(0, args.vocab_limit, (batch_size, length)), device=device))
-        _sync(device)
-        results["peer"].setdefault("warmup_s", {})[str(p)] = time.perf_counter() - t0
+        try:
+            results["peer"].setdefault("warmup_s", {})[str(p)] = _warm_up(forward, rng, args, p, device)
+        except torch.cuda.OutOfMemoryError as err:
+            results["peer"]["runs"] += [_out_of_memory(p, n, args.peer_batch, "warm-up", err) for n in args.peer_n]
+            save()
+            continue
         for n in args.peer_n:
-            anchor = rng.integers(0, args.vocab_limit, p)
-            seqs = np.stack([np.concatenate([anchor, rng.integers(0, args.vocab_limit, args.s)]) for _ in range(n)])
-            _sync(device)
-            start = time.perf_counter()
             try:
-                for lo in range(0, n, args.peer_batch):
-                    forward(torch.tensor(seqs[lo: lo + args.peer_batch], device=device))
-                _sync(device)
+                measured = _timed_forwards(forward, rng, args, p, n, device)
             except torch.cuda.OutOfMemoryError as err:
-                error = f"OOM at batch {args.peer_batch}: {err}"[:300]
-                results["peer"]["runs"].append({"P": p, "N": n, "error": error})
-                torch.cuda.empty_cache()
+                results["peer"]["runs"].append(_out_of_memory(p, n, args.peer_batch, "row", err))
+                save()
                 continue
-            measured = time.perf_counter() - start
             wall = measured * scale  # the whole model's estimated wall (the parity probe ran all layers)
+            length = p + args.s
             row = {"P": p, "S": args.s, "N": n, "batch": args.peer_batch, "wall_s": wall, "measured_wall_s": measured,
                    "layers_timed": kept, "requests_per_s": n / wall, "prompt_tokens_per_s": n * length / wall}
             results["peer"]["runs"].append(row)
             print(f"  peer P={p:5d} N={n:3d}: {row['requests_per_s']:8.2f} req/s  "
                   f"{row['prompt_tokens_per_s']:9.0f} tok/s", flush=True)
             save()
+
+
+def _warm_up(forward, rng: np.random.Generator, args, p: int, device: torch.device) -> float:
+    """Untimed forwards of every batch shape the rows at anchor `p` will run; their seconds."""
+    t0 = time.perf_counter()
+    for batch_size in sorted({min(n, args.peer_batch) for n in args.peer_n}):
+        forward(torch.tensor(rng.integers(0, args.vocab_limit, (batch_size, p + args.s)), device=device))
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _timed_forwards(forward, rng: np.random.Generator, args, p: int, n: int, device: torch.device) -> float:
+    """Seconds to score N sequences (one anchor of `p` ids, N suffixes of S) in forwards of `args.peer_batch`."""
+    anchor = rng.integers(0, args.vocab_limit, p)
+    seqs = np.stack([np.concatenate([anchor, rng.integers(0, args.vocab_limit, args.s)]) for _ in range(n)])
+    _sync(device)
+    start = time.perf_counter()
+    for lo in range(0, n, args.peer_batch):
+        forward(torch.tensor(seqs[lo: lo + args.peer_batch], device=device))
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _out_of_memory(p: int, n: int, batch: int, phase: str, err: BaseException) -> dict:
+    """The `error` entry of the row (P, N) after a CUDA out-of-memory error in `phase`; frees the cache."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    print(f"  peer P={p:5d} N={n:3d}: out of memory in the {phase} at batch {batch}", flush=True)
+    return {"P": p, "N": n, "error": f"OOM in the {phase} at batch {batch}: {err}"[:300]}

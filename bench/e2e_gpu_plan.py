@@ -1,9 +1,10 @@
 """Rows, their predicted cost and the hard time limit of `e2e_gpu.py` (no forkpoint, no GPU).
 
 A row is one on/off pair (`RowSpec`); `plan_rows` lists them in the order they run, most important
-first; `Predictor` says how long a pair will take from the steps the engine has timed so far, so
-the driver skips (and records) a pair that would overrun instead of overrunning; `Alarm` stops
-whatever runs when a hard limit passes.
+first (`RowPlan`: the default engine's rows, its long-prompt rows, the eager comparison); `Predictor`
+says how long a pair will take from the steps the engine has timed so far, so the driver skips (and
+records) a pair that would overrun instead of overrunning; `Alarm` stops whatever runs when a hard
+limit passes.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Alarm:
 class RowSpec:
     """One on/off pair: anchor of `p` tokens, one suffix per request (lengths drawn once, seeded)."""
 
-    group: str                       # main | decode | seed | eager
+    group: str                       # main | exact | auto | decode | decode_async | seed | long | long_decode | eager
     p: int
     s_label: str                     # "256" or "350-650"
     suffix_lengths: tuple[int, ...]  # one per request: N = len
@@ -88,6 +89,19 @@ class RowSpec:
             return self.n * self.p + sum(self.suffix_lengths)
         return self.p + sum(self.suffix_lengths) + (self.n - 1) * self.recompute
 
+    def context_tokens(self, on: bool) -> int:
+        """Sum over the prompt tokens the engine computes of the tokens before each (what causal
+        attention reads): a prompt of L tokens computed whole adds L(L-1)/2, a run of R tokens after C
+        cached ones R*C + R(R-1)/2. With checkpoints: the anchor whole, each consumer's recomputed
+        tokens up to P, every suffix after P; without: every prompt whole."""
+        def after(cached: int, run: int) -> int:
+            return run * cached + run * (run - 1) // 2
+
+        if not on:
+            return sum(after(0, self.p + s) for s in self.suffix_lengths)
+        recomputed = (self.n - 1) * after(self.p - self.recompute, self.recompute)
+        return after(0, self.p) + recomputed + sum(after(self.p, s) for s in self.suffix_lengths)
+
     @property
     def ideal(self) -> float:
         return self.tokens(False) / self.tokens(True)
@@ -97,8 +111,31 @@ class RowSpec:
                 "max_tokens": self.max_tokens, "engine": self.engine}
 
 
-def plan_rows(args) -> tuple[list[RowSpec], list[RowSpec]]:
-    """(rows of the default engine in priority order, eager-comparison rows)."""
+@dataclass(frozen=True)
+class RowPlan:
+    """The pairs of one run, each group in the order it runs: `rows` (the default engine, warmed up on
+    their shapes first), then `long` (the same engine: long prompts, run after every `rows` pair so
+    that a short deadline leaves those their numbers), then `eager` (the eager comparison)."""
+
+    rows: tuple[RowSpec, ...]
+    long: tuple[RowSpec, ...]
+    eager: tuple[RowSpec, ...]
+
+    def in_run_order(self) -> tuple[RowSpec, ...]:
+        return self.rows + self.long + self.eager
+
+
+def long_rows(args) -> list[RowSpec]:
+    """Long prompts: scoring (max_tokens 1) at P in `args.long_p` by N in `args.long_n` (both P at each
+    N, as the main rows), then TPOT at P in `args.long_decode_p`, N in `args.long_decode_n`; S = `args.s`."""
+    suffix = str(args.s)
+    rows = [RowSpec("long", p, suffix, (args.s,) * n, 1) for n in args.long_n for p in args.long_p]
+    return rows + [RowSpec("long_decode", p, suffix, (args.s,) * n, args.decode_tokens)
+                   for n in args.long_decode_n for p in args.long_decode_p]
+
+
+def plan_rows(args) -> RowPlan:
+    """Every pair of the run (`RowPlan`), from the command line's lists (an empty list: no rows)."""
     rng = np.random.default_rng(args.seed + 3)
 
     def fixed(n: int) -> tuple[int, ...]:
@@ -118,7 +155,7 @@ def plan_rows(args) -> tuple[list[RowSpec], list[RowSpec]]:
              for n in args.seed_n]
     eager = [RowSpec("eager", args.eager_p, str(args.s), fixed(n), mt, "enforce_eager")
              for mt in (1, args.decode_tokens) for n in args.eager_n]
-    return rows, eager
+    return RowPlan(tuple(rows), tuple(long_rows(args)), tuple(eager))
 
 
 class Predictor:
@@ -127,13 +164,22 @@ class Predictor:
     prefill step = a + b * prompt tokens (at most max_num_batched_tokens per step), decode step =
     c + d * running sequences. Least squares once the engine has timed steps of spread sizes (a
     single size only moves the intercept); until then the priors of the last eager H200 run. The
-    sum is multiplied by `margin`."""
+    sum is multiplied by `margin`.
+
+    Long prompts: a token at position c also reads c earlier keys in every attention layer, which
+    the fit of short rows cannot see (at 131k tokens that attention outweighs the token's matmuls).
+    A run's prefill therefore costs b * (tokens + attention_share * context tokens), context tokens
+    as `RowSpec.context_tokens` counts them; `attention_share`: attention FLOPs per (token, earlier
+    token) over the token's matmul FLOPs, from the model's shapes, so attention is assumed to run at
+    the matmuls' FLOP rate (conservative where its kernels run faster). Decode steps read the cache
+    at memory speed: their context is left out."""
 
     PRIOR_PREFILL = (0.085, 23.5e-6)
     PRIOR_DECODE = (0.093, 0.2e-3)
 
-    def __init__(self, max_batched_tokens: int, margin: float = 1.2) -> None:
+    def __init__(self, max_batched_tokens: int, attention_share: float = 0.0, margin: float = 1.2) -> None:
         self.max_batched_tokens = max_batched_tokens
+        self.attention_share = attention_share
         self.margin = margin
         self.prefill: list[tuple[int, float]] = []
         self.decode: list[tuple[int, float]] = []
@@ -159,14 +205,18 @@ class Predictor:
 
     def coefficients(self) -> dict:
         (a, b), (c, d) = self._fit(self.prefill, self.PRIOR_PREFILL), self._fit(self.decode, self.PRIOR_DECODE)
-        return {"prefill_fixed_s": a, "prefill_s_per_token": b, "decode_fixed_s": c, "decode_s_per_seq": d}
+        return {"prefill_fixed_s": a, "prefill_s_per_token": b, "decode_fixed_s": c, "decode_s_per_seq": d,
+                "attention_share": self.attention_share}
 
-    def run_seconds(self, tokens: int, n: int, max_tokens: int) -> float:
+    def run_seconds(self, tokens: int, context: int, n: int, max_tokens: int) -> float:
+        """One run: `tokens` prompt tokens reading `context` earlier tokens in all, then
+        max_tokens - 1 decode steps of `n` sequences (without the margin)."""
         k = self.coefficients()
         steps = max(1, math.ceil(tokens / self.max_batched_tokens))
-        return (steps * k["prefill_fixed_s"] + tokens * k["prefill_s_per_token"]
+        return (steps * k["prefill_fixed_s"] + (tokens + self.attention_share * context) * k["prefill_s_per_token"]
                 + (max_tokens - 1) * (k["decode_fixed_s"] + n * k["decode_s_per_seq"]))
 
     def pair_seconds(self, spec: RowSpec) -> float:
         modes = (True,) if spec.on_only else (True, False)
-        return self.margin * sum(self.run_seconds(spec.tokens(on), spec.n, spec.max_tokens) for on in modes)
+        return self.margin * sum(self.run_seconds(spec.tokens(on), spec.context_tokens(on), spec.n, spec.max_tokens)
+                                 for on in modes)

@@ -18,12 +18,14 @@ def _ms(value) -> str:
 
 
 def table(results: dict) -> str:
-    """One line per run (on above off), the pair's ratios on the 'on' line; then skipped rows and the peer."""
+    """One line per run (on above off), the pair's ratios on the 'on' line; then skipped rows and the peer,
+    set against forkpoint's scoring rows of its P and N (main, or long for the long anchors)."""
     runs = results["runs"]
     peer = {(r["P"], r["N"]): r for r in results.get("peer", {}).get("runs", []) if "error" not in r}
-    lines = ["| shape | N | max_tokens | engine | ckpt | req/s | TTFT p50 / p99 ms | consumer TTFT p50 / p99 ms | "
-             "prompt tokens computed | computed tok/s | MFU | TPOT p50 ms | on/off | ideal | of ideal |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| row | shape | N | max_tokens | engine | ckpt | req/s | TTFT p50 / p99 ms | "
+             "consumer TTFT p50 / p99 ms | prompt tokens computed | computed tok/s | MFU | TPOT p50 ms | on/off | "
+             "ideal | of ideal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for sp in results["speedups"]:
         for mode in ("on",) if sp["engine"] in ("checkpoint_exact", "auto_checkpoints") else ("on", "off"):
             r = runs[sp[mode]]
@@ -34,7 +36,8 @@ def table(results: dict) -> str:
             if "vs_default_on" in sp:
                 ratio += f" ({sp['vs_default_on']:.3f}x the default on run)"
             lines.append(
-                f"| {r['shape']} | {r['N']} | {r['max_tokens']} | {r['engine']} | {mode} | {r['requests_per_s']:.2f} | "
+                f"| {r['group']} | {r['shape']} | {r['N']} | {r['max_tokens']} | {r['engine']} | {mode} | "
+                f"{r['requests_per_s']:.2f} | "
                 f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {cons} | {r['prompt_tokens_computed']:,} | "
                 f"{r['computed_tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {_ms(r['tpot_ms'])} | {ratio} |")
     if results["skipped"]:
@@ -44,7 +47,7 @@ def table(results: dict) -> str:
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     if peer:
         ours = {(r["P"], r["N"], r["checkpoints"]): r for r in runs
-                if r["max_tokens"] == 1 and r["engine"] == "default" and r["group"] == "main"}
+                if r["max_tokens"] == 1 and r["engine"] == "default" and r["group"] in ("main", "long")}
         lines += ["", "| P | S | N | transformers req/s | transformers tok/s | forkpoint off req/s | "
                       "forkpoint on req/s | off vs transformers | on vs transformers |",
                   "|---|---|---|---|---|---|---|---|---|"]

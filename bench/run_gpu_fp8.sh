@@ -36,7 +36,7 @@ EXIT_S="${EXIT_S:-20}"
 WORKERS="${WORKERS:-auto}"
 BENCH_ARGS="${BENCH_ARGS:---profile --profile-reserve 8}"
 ROWS="${ROWS:---p 4096 --s 256 --n 1,16 --decode-p 624 --decode-n 1,64 --decode-tokens 32}"
-NONE="--exact-n= --auto-n= --async-n= --seed-n= --eager-n= --no-peer --peer-budget 0"
+NONE="--exact-n= --auto-n= --async-n= --seed-n= --eager-n= --long-p= --long-decode-p= --no-peer --peer-budget 0"
 if [ "${TINY:-0}" != 0 ]; then
   ROWS="--tiny --p 72 --s 8 --n 1,3 --decode-p 16 --decode-n 1,3 --decode-tokens 3 --max-num-batched-tokens 96 --max-num-seqs 8"
   BENCH_ARGS="${TINY_BENCH_ARGS:-}"

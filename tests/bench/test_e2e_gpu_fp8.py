@@ -63,8 +63,8 @@ def _dry_run(tmp_path, monkeypatch, shape: str, device: str) -> dict:
     """A tiny run of `shape` on `device` (two main pairs, one decode pair); its result JSON."""
     argv = ["e2e_gpu.py", "--tiny", "--device", device, "--shape", shape, "--out", str(tmp_path),
             "--name", "dry", "--p", "40", "--s", "8", "--n", "1,2", "--decode-p", "16", "--decode-n", "2",
-            "--decode-tokens", "3", "--exact-n=", "--auto-n=", "--async-n=", "--seed-n=", "--eager-n=",
-            "--max-num-batched-tokens", "64", "--max-num-seqs", "4"]
+            "--decode-tokens", "3", "--exact-n=", "--auto-n=", "--async-n=", "--seed-n=", "--eager-n=", "--long-p=",
+            "--long-decode-p=", "--max-num-batched-tokens", "64", "--max-num-seqs", "4"]
     monkeypatch.setattr(sys, "argv", argv)
     monkeypatch.setattr(e2e_gpu.logging, "basicConfig", lambda **kwargs: None)  # no handler left behind
     logger = logging.getLogger("forkpoint")
