@@ -115,6 +115,28 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool, 
                             "step and verifies them in one forward; outputs keep the model's distribution (greedy: "
                             "the same tokens). Needs a Qwen3.5 / Qwen3-Next checkpoint with its mtp.* weights; not "
                             "with --async-scheduling or --tensor-parallel-size > 1 yet (default: off)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.85, metavar="F",
+                       help="CUDA: the share (0 < F <= 1) of the GPU memory free after the weights that the KV "
+                            "blocks, request states and checkpoint states take together, less what the CUDA graphs "
+                            "and activations reserve; vLLM's name, but vLLM counts it of the whole GPU "
+                            "(default: 0.85)")
+    group.add_argument("--quantization", default=None, choices=["fp8"],
+                       help="fp8: block-wise FP8 weights, as Qwen's FP8 releases store them (with --load-format "
+                            "dummy: random FP8 weights from a bf16 config) (default: what the checkpoint's "
+                            "quantization_config says)")
+    group.add_argument("--kv-cache-dtype", default="auto",
+                       help="the KV cache's dtype: auto, the model's dtype, is the only one (FP8 KV caches are "
+                            "not implemented; another value is an error naming it) (default: auto)")
+    group.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", "float32"],
+                       help="vLLM's option for the recurrent (Mamba2 / Gated DeltaNet) states: forkpoint keeps them "
+                            "in float32 always, so auto and float32 are the same and no other dtype is taken")
+    group.add_argument("--enable-prefix-caching", dest="auto_checkpoints", action=argparse.BooleanOptionalAction,
+                       default=argparse.SUPPRESS,
+                       help="vLLM's name for --auto-checkpoints / --no-auto-checkpoints: reuse of shared prefixes "
+                            "without markers (the last of these flags wins)")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted so that vLLM command lines run: forkpoint runs no Python code from a checkpoint "
+                            "(its model classes are its own), so the flag changes nothing")
     group.add_argument("--structured-outputs-config", type=_json_object, default=None, metavar="JSON",
                        help="how JSON schemas read, as vLLM's: '{\"disable_additional_properties\": false}' gives "
                             "strict JSON Schema semantics (extra properties allowed unless the schema forbids "
@@ -165,6 +187,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         checkpoint_restore_rule=args.checkpoint_restore_rule,
         tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
         structured_outputs_config=args.structured_outputs_config, speculative_config=args.speculative_config,
+        gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

@@ -67,6 +67,7 @@ def test_one_to_n_equals_no_checkpoint_run(model_dir, moe_model):
 
 def test_checkpoint_lengths_not_multiple_of_block_and_later_requests_reuse(model_dir):
     llm = make_llm(model_dir, block_size=8)
+    plain = make_llm(model_dir, enable_checkpoints=False, block_size=8)  # reuses nothing: one serves every anchor
     for anchor_len in (1, 7, 8, 9, 23):
         anchor, suffixes = anchor_and_suffixes(anchor_len, [4, 6], seed=anchor_len)
         first = llm.generate(f"{anchor} {MARK} {suffixes[0]}", GREEDY, use_tqdm=False)[0]
@@ -74,7 +75,6 @@ def test_checkpoint_lengths_not_multiple_of_block_and_later_requests_reuse(model
         # a later request without any marker reuses the ready checkpoint: marker or not
         second = llm.generate(f"{anchor} {suffixes[1]}", GREEDY, use_tqdm=False)[0]
         assert second.num_cached_tokens == anchor_len
-        plain = make_llm(model_dir, enable_checkpoints=False, block_size=8)
         assert_same_outputs([second], plain.generate({"prompt_token_ids": second.prompt_token_ids}, GREEDY,
                                                      use_tqdm=False))
     finish_clean(llm)
