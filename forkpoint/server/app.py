@@ -8,7 +8,8 @@ over --max-request-bytes are refused before they are read (`limits.RequestSizeLi
 lifespan logs a start-up summary and a periodic stats line (`stats.py`).
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /tokenize, POST /detokenize, GET /metrics (Prometheus text format).
+POST /v1/responses (with GET and DELETE /v1/responses/{id}), POST /tokenize, POST /detokenize,
+GET /metrics (Prometheus text format).
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ from forkpoint.server.protocol import (
     TokenizeRequest,
 )
 from forkpoint.server.request_params import reject_unencodable_text, template_kwargs
+from forkpoint.server.response_store import ResponseStore
+from forkpoint.server.responses_protocol import ResponsesRequest
+from forkpoint.server.responses_serving import OpenAIResponses
 from forkpoint.server.serving import OpenAIServing
 from forkpoint.server.stats import log_stats_forever, startup_summary
 from forkpoint.server.worker import EngineWorker
@@ -61,9 +65,9 @@ from forkpoint.server.worker import EngineWorker
 logger = logging.getLogger("forkpoint.server")
 
 # paths whose failures count in forkpoint_requests_total, with their endpoint label
-GENERATION_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-ERROR_OUTCOMES = {400: "invalid_request", 413: "invalid_request", 422: "invalid_request", 503: "rejected",
-                  CLIENT_CLOSED_REQUEST: "aborted"}
+GENERATION_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/responses": "responses"}
+ERROR_OUTCOMES = {400: "invalid_request", 404: "invalid_request", 413: "invalid_request", 422: "invalid_request",
+                  503: "rejected", CLIENT_CLOSED_REQUEST: "aborted"}
 
 
 def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = None) -> FastAPI:
@@ -95,6 +99,7 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
         images=engine.images if takes_images else None, executor=tokenizer_pool,
         processor=engine.inputs, turn_boundaries=engine.config.enable_checkpoints and engine.config.auto_checkpoints,
         segments=SegmentEncoder(tokenizer, config.token_cache_bytes) if config.token_cache_bytes > 0 else None,
+        chat_template=config.chat_template,
     )
     max_request_bytes = (config.max_request_bytes if config.max_request_bytes is not None else
                          default_max_request_bytes(tokenizer, engine.max_model_len, takes_images=takes_images))
@@ -107,6 +112,7 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
                             default_max_tokens=engine.generation_defaults.max_new_tokens, template_sandbox=sandbox,
                             cache_isolation=config.cache_isolation)
     created = int(time.time())
+    response_store = ResponseStore(config.responses_store_bytes)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -153,6 +159,7 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
     app.state.tokenizer_pool = tokenizer_pool
     app.state.prompts = prompts
     app.state.max_request_bytes = max_request_bytes
+    app.state.response_store = response_store
 
     install_request_guards(app, metrics, max_request_bytes, config.api_keys)
 
@@ -165,7 +172,7 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
 
     add_openai_routes(app, serving=serving, prompts=prompts, tokenizer=tokenizer, metrics=metrics,
                       model_root=str(engine.model_path), max_model_len=engine.max_model_len,
-                      served_model_name=config.served_model_name, created=created)
+                      served_model_name=config.served_model_name, created=created, response_store=response_store)
     return app
 
 
@@ -223,9 +230,11 @@ def _decode(tokenizer, token_ids: list[int]) -> str:
 
 def add_openai_routes(app: FastAPI, *, serving: OpenAIServing, prompts: PromptBuilder, tokenizer,
                       metrics: ServerMetrics, model_root: str, max_model_len: int, served_model_name: str,
-                      created: int) -> None:
+                      created: int, response_store: ResponseStore) -> None:
     """The OpenAI-compatible routes every front end shares (one engine's app, the replicas' ingress):
-    /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /metrics."""
+    /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (finished ones kept in
+    `response_store`), /tokenize, /detokenize, /metrics."""
+    responses = OpenAIResponses(serving, response_store)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -243,6 +252,22 @@ def add_openai_routes(app: FastAPI, *, serving: OpenAIServing, prompts: PromptBu
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         reject_unencodable_text(body)
         return await serving.chat(body, request)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        reject_unencodable_text(body)
+        return await responses.create(body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request, cache_salt: str | None = None,
+                           user: str | None = None) -> Response:
+        """A stored response, to its tenant (`cache_salt` and `user` as query parameters: the body's rule)."""
+        return responses.retrieve(response_id, cache_salt, user, request)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request, cache_salt: str | None = None,
+                              user: str | None = None) -> Response:
+        return responses.delete(response_id, cache_salt, user, request)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from forkpoint.server.bench_cli import add_bench_args, run_bench
+from forkpoint.server.chat_args import add_chat_args
 from forkpoint.server.config import DEFAULT_MODEL_NAME, MarkerPolicy, ServerConfig, default_tokenizer_workers
 from forkpoint.server.engine_args import add_engine_args, check_engine_kwargs, engine_kwargs, server_engine_kwargs
 
@@ -59,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="MiB of chat prompt pieces (turns) whose token ids the server keeps, so a session's "
                            "next turn tokenises only its new text (same ids); 0 tokenises every prompt whole "
                            f"(default: {ServerConfig.token_cache_bytes / 2**20:g})")
+    http.add_argument("--responses-store-mib", type=float, default=ServerConfig.responses_store_bytes / 2**20,
+                      help="MiB of finished /v1/responses responses kept for previous_response_id and GET "
+                           "/v1/responses/{id}, least recently used dropped first; 0 keeps none (default: "
+                           f"{ServerConfig.responses_store_bytes / 2**20:g})")
     http.add_argument("--marker-in-user-content", default=MarkerPolicy.ALLOW.value,
                       choices=[p.value for p in MarkerPolicy],
                       help="the marker string inside client text (messages, prompts): allow = it checkpoints; "
@@ -74,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--max-request-bytes", type=int, default=None,
                       help="request bodies above this many bytes get 413 before they are read (default: enough "
                            "for any one prompt that fits --max-model-len, written with the worst JSON escaping)")
+    add_chat_args(http)
     http.add_argument("--trust-request-chat-template", action="store_true",
                       help="run chat templates that requests supply (chat_template_kwargs.chat_template) in a "
                            "sandboxed process with time, memory, loop and output limits; without it they get 400")
@@ -154,6 +160,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_waiting_per_user=args.max_waiting_per_user, tokenizer_workers=args.tokenizer_workers,
         api_keys=api_keys(args),
         token_cache_bytes=int(args.token_cache_mib * 2**20),
+        responses_store_bytes=int(args.responses_store_mib * 2**20), chat_template=args.chat_template,
     )
     check_engine_kwargs(server_engine_kwargs(args, replicas=True))
     if args.data_parallel_size != 1 or args.ray_address is not None:

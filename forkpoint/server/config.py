@@ -65,6 +65,10 @@ class ServerConfig:
     cache_isolation: "none" (requests share reuse unless they send different `cache_salt`s), "user"
         (a request without `cache_salt` is salted by its `user` field: tenants share no checkpoint) or
         "api-key" (salted by the API key it presented; needs `api_keys`).
+    responses_store_bytes: bytes of finished /v1/responses responses kept for `previous_response_id` and
+        GET /v1/responses/{id} (`response_store.py`; least recently used dropped first); 0: none are kept.
+    chat_template: vLLM's --chat-template: the Jinja template chat prompts render with instead of the
+        tokenizer's (None: the tokenizer's; a request's own, where trusted, still wins).
     api_keys: vLLM's --api-key: with keys, every route but /health and /metrics needs
         `Authorization: Bearer <one of them>` (401 otherwise), and a request's client (its admission
         places, its checkpoint share) is the key it presented, not its `user` field (server/auth.py).
@@ -85,6 +89,8 @@ class ServerConfig:
     tokenizer_workers: int = field(default_factory=default_tokenizer_workers)
     api_keys: tuple[str, ...] = ()
     token_cache_bytes: int = DEFAULT_CACHE_BYTES
+    responses_store_bytes: int = 64 * 2**20
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -104,6 +110,8 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.responses_store_bytes < 0:
+            raise ValueError(f"responses_store_bytes must be >= 0 (0: no store), got {self.responses_store_bytes}")
         if self.token_cache_bytes < 0:
             raise ValueError(f"token_cache_bytes must be >= 0 (0: no cache), got {self.token_cache_bytes}")
         object.__setattr__(self, "api_keys", tuple(self.api_keys))

@@ -95,8 +95,10 @@ class PromptBuilder:
     checkpoints). max_model_len: without a processor (the replicas' front end), the length a prompt
     text is refused beyond before it is tokenised whole (with one, the processor's). segments: tokenises
     rendered chat prompts turn by turn with a cache of the turns seen (`inputs/segment_tokens.py`: the
-    same ids, a session's next turn pays only for its new text); None: each text tokenised whole. Every
-    method raises `APIError` (400) naming the request field at fault.
+    same ids, a session's next turn pays only for its new text); None: each text tokenised whole.
+    chat_template: a Jinja template that chat prompts render with instead of the tokenizer's (a request's
+    own template, where the server trusts those, still takes precedence). Every method raises `APIError`
+    (400) naming the request field at fault.
     """
 
     def __init__(
@@ -113,8 +115,10 @@ class PromptBuilder:
         turn_boundaries: bool = False,
         max_model_len: int | None = None,
         segments: SegmentEncoder | None = None,
+        chat_template: str | None = None,
     ) -> None:
         self.segments = segments
+        self.chat_template = chat_template  # the server's template (--chat-template); None: the tokenizer's
         self.processor = processor
         self.max_model_len = processor.limits.max_model_len if processor is not None else max_model_len
         self.turn_boundaries = turn_boundaries and checkpoint_token_id is not None
@@ -153,13 +157,15 @@ class PromptBuilder:
     def from_messages(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
                       template_kwargs: dict[str, Any] | None = None, process: bool = True,
                       cache_salt: str | None = None) -> EnginePrompt:
-        """A chat conversation, rendered with the tokenizer's chat template (images decoded in
+        """A chat conversation, rendered with the server's or the tokenizer's chat template (images decoded in
         this thread: handlers on the event loop use `from_messages_async`). `process=False`: ids
         and positions only, not the engine's processing (for /tokenize: no exact length limit, but a
         rendering that cannot fit max_model_len is refused before it is tokenised whole)."""
         conversation = [self._message(i, message) for i, message in enumerate(messages)]
         template_kwargs = {key: self._client_value(value, "tools" if key == "tools" else "chat_template_kwargs")
                            for key, value in (template_kwargs or {}).items()}
+        if self.chat_template is not None:
+            template_kwargs.setdefault("chat_template", self.chat_template)
         token_ids, sources, thinking = self._render(conversation, add_generation_prompt, template_kwargs, cache_salt)
         self._only_placed_markers(messages, token_ids)
         turns, breakpoints, reusable = self._chat_positions(messages, conversation, token_ids,

@@ -3,7 +3,9 @@ to an OpenAI response, whole or streamed as server-sent events.
 
 Both endpoints share one path: build `EnginePrompt`s, check lengths, build `SamplingParams`, start
 a `Generation`, then either collect its final outputs or stream deltas. The two differ only in
-the shape of a choice, which `CompletionFormat` and `ChatFormat` supply.
+the shape of a choice, which `CompletionFormat` and `ChatFormat` supply. /v1/responses
+(responses_serving.py) runs on the chat half of this path: `chat_plan`, `start`, `collect`,
+`stream_deltas`.
 """
 
 from __future__ import annotations
@@ -60,6 +62,26 @@ class _ChoiceCursor:
     finished: bool = False
 
 
+@dataclass(frozen=True)
+class ChatPlan:
+    """What one chat request runs: its prompt, its sampling, and the formatter that reads its output
+    (reasoning, tool calls) into choices. /v1/responses runs the same plan (responses_serving.py)."""
+
+    prompt: EnginePrompt
+    params: SamplingParams
+    fmt: ChatFormat
+
+
+@dataclass(frozen=True)
+class Collected:
+    """A whole (not streamed) generation's end: `last`, the last output of each prompt by prompt
+    index, or `failure`, the answer to send instead (499 when the client left, an engine failure's
+    error): exactly one of them is set."""
+
+    last: dict[int, RequestOutput] | None = None
+    failure: Response | None = None
+
+
 @dataclass
 class _Usage:
     """Token counts of a request, from the last output of each prompt."""
@@ -76,7 +98,7 @@ class _Usage:
                 "prompt_tokens_details": {"cached_tokens": cached, "cache_miss_reason": reason}}
 
 
-class _GenerationStream(StreamingResponse):
+class GenerationStream(StreamingResponse):
     """A streaming response that closes its `Generation` however the response ends, even when the
     client is gone before the body iterator starts (then its own cleanup never runs)."""
 
@@ -133,10 +155,15 @@ class OpenAIServing:
         """The request's cache namespace: its `cache_salt`; with `--cache-isolation user`, the `user`
         field's (a request without one shares the unsalted namespace); with `api-key`, the key's it
         presented: tenants never share reuse."""
-        if body.cache_salt is not None:
-            return body.cache_salt
-        if self.cache_isolation == "user" and body.user:
-            return f"user:{body.user}"
+        return self.salt_of(body.cache_salt, body.user, request)
+
+    def salt_of(self, cache_salt: str | None, user: str | None, request: Request) -> str | None:
+        """`cache_salt`'s rule for a request that carries these two fields (in its body, or in the query
+        of GET /v1/responses/{id})."""
+        if cache_salt is not None:
+            return cache_salt
+        if self.cache_isolation == "user" and user:
+            return f"user:{user}"
         if self.cache_isolation == "api-key":
             return f"api-key:{api_client(request)}"
         return None
@@ -167,6 +194,13 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         received = time.monotonic()
+        plan = await self.chat_plan(body, request)
+        return await self._generate("chat", "messages", "chatcmpl", body, [plan.prompt], plan.params, plan.fmt,
+                                    request, received)
+
+    async def chat_plan(self, body: ChatCompletionRequest, request: Request) -> ChatPlan:
+        """The prompt (rendered in the tokenizer pool), sampling and formatter of a chat request;
+        an `APIError` (400) naming the field at fault."""
         self.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise invalid_request("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -184,8 +218,7 @@ class OpenAIServing:
                                  structured=structured or forced)
         # a constrained output is the answer itself: an open <think> in the prompt does not apply to it
         options = ChatOptions.of(body, thinking=prompt.opens_thinking and params.structured_outputs is None)
-        fmt = ChatFormat(self.prompts.tokenizer, top, options)
-        return await self._generate("chat", "messages", "chatcmpl", body, [prompt], params, fmt, request, received)
+        return ChatPlan(prompt, params, ChatFormat(self.prompts.tokenizer, top, options))
 
     def _max_tokens(self, requested: int | None, prompts: list[EnginePrompt], prompt_param: str,
                     default: int | None) -> int:
@@ -206,31 +239,41 @@ class OpenAIServing:
                 param="max_tokens", code="context_length_exceeded")
         return requested
 
-    async def _generate(self, endpoint: str, prompt_param: str, id_prefix: str, body: SamplingFields,
-                        prompts: list[EnginePrompt], params: SamplingParams, fmt: ResponseFormatter,
-                        request: Request, received: float) -> Response:
-        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    async def start(self, endpoint: str, prompt_param: str, request_id: str, body: SamplingFields,
+                    prompts: list[EnginePrompt], params: SamplingParams, request: Request,
+                    received: float) -> Generation:
+        """A started `Generation` of `prompts` (admitted and handed to the engine thread); the caller
+        closes it however the request ends. Raises `APIError` (503 at capacity, 400 for a prompt the
+        engine refuses)."""
         gen = Generation(self.worker, self.admission, self.metrics, endpoint=endpoint, prompt_param=prompt_param,
                          request_id=request_id, prompts=prompts, params=params, cache_key=body.prompt_cache_key,
                          client=api_client(request) or body.user or "", received=received,
                          arrived=arrival_time(request))
         await gen.start()
+        return gen
+
+    async def _generate(self, endpoint: str, prompt_param: str, id_prefix: str, body: SamplingFields,
+                        prompts: list[EnginePrompt], params: SamplingParams, fmt: ResponseFormatter,
+                        request: Request, received: float) -> Response:
+        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        gen = await self.start(endpoint, prompt_param, request_id, body, prompts, params, request, received)
         header = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         if body.stream:
             events = self._stream(gen, fmt, header, len(prompts), body.include_usage)
-            return _GenerationStream(events, gen.close)
+            return GenerationStream(events, gen.close)
         try:
             return await self._collect(gen, fmt, header, request)
         finally:
             gen.close()
 
-    async def _collect(self, gen: Generation, fmt: ResponseFormatter, header: dict[str, Any],
-                       request: Request) -> Response:
-        usage = _Usage()
+    async def collect(self, gen: Generation, fmt: ResponseFormatter, request: Request) -> Collected:
+        """Wait for every prompt of `gen` to finish (its outputs through `fmt.transform`), or for the
+        client to leave (the caller's `gen.close()` then aborts the prompts)."""
+        last: dict[int, RequestOutput] = {}
 
         async def run() -> None:
             async for index, output in gen.outputs():
-                usage.last[index] = fmt.transform(output)
+                last[index] = fmt.transform(output)
 
         work = asyncio.ensure_future(run())
         watch = asyncio.ensure_future(_until_disconnected(request))
@@ -240,17 +283,26 @@ class OpenAIServing:
             watch.cancel()
         if not work.done():  # the client left: close() aborts the prompts
             work.cancel()
-            return Response(status_code=499)
+            return Collected(failure=Response(status_code=499))
         exc = work.exception()
         # answered here, not raised: the outcome is already counted by the Generation
         if isinstance(exc, ServerShuttingDown):
-            return APIError(str(exc), status=503, type="service_unavailable_error", code="shutting_down").response()
+            return Collected(failure=APIError(str(exc), status=503, type="service_unavailable_error",
+                                              code="shutting_down").response())
         if isinstance(exc, RequestOutOfMemory):
-            return APIError(str(exc), status=400, code="out_of_memory").response()
+            return Collected(failure=APIError(str(exc), status=400, code="out_of_memory").response())
         if isinstance(exc, EngineFailure):
-            return APIError(str(exc), status=500, type="server_error").response()
+            return Collected(failure=APIError(str(exc), status=500, type="server_error").response())
         if exc is not None:
             raise exc
+        return Collected(last=last)
+
+    async def _collect(self, gen: Generation, fmt: ResponseFormatter, header: dict[str, Any],
+                       request: Request) -> Response:
+        collected = await self.collect(gen, fmt, request)
+        if collected.failure is not None:
+            return collected.failure
+        usage = _Usage(collected.last)
         n = gen.params.n
 
         def response() -> JSONResponse:
@@ -269,21 +321,12 @@ class OpenAIServing:
     async def _stream(self, gen: Generation, fmt: ResponseFormatter, header: dict[str, Any], num_prompts: int,
                       include_usage: bool) -> AsyncIterator[str]:
         chunk = {**header, "object": fmt.chunk_object_name}
-        n = gen.params.n
         usage = _Usage()
-        cursors: dict[int, _ChoiceCursor] = {}
         try:
-            for choice in fmt.opening_chunks(num_prompts * n):
+            for choice in fmt.opening_chunks(num_prompts * gen.params.n):
                 yield _sse({**chunk, "choices": [choice]})
-            async for index, raw in gen.outputs():
-                output = fmt.transform(raw)
-                usage.last[index] = output
-                for completion in output.outputs:
-                    key = index * n + completion.index
-                    delta = _delta_of(key, completion, cursors.setdefault(key, _ChoiceCursor()), gen.params.stop)
-                    if delta is not None:
-                        delta.output = output
-                        yield _sse({**chunk, "choices": [fmt.chunk_choice(delta)]})
+            async for delta in stream_deltas(gen, fmt, usage.last):
+                yield _sse({**chunk, "choices": [fmt.chunk_choice(delta)]})
             if include_usage:
                 yield _sse({**chunk, "choices": [], "usage": usage.as_dict()})
         except RequestOutOfMemory as exc:  # the status line is sent: report in-band
@@ -292,6 +335,24 @@ class OpenAIServing:
             yield _sse(error_body(str(exc), "server_error"))
         gen.close()
         yield _sse("[DONE]")
+
+
+async def stream_deltas(gen: Generation, fmt: ResponseFormatter,
+                        last: dict[int, RequestOutput]) -> AsyncIterator[Delta]:
+    """The new output of each choice (index: prompt index x n + completion index) as the engine makes
+    it, the last one of each choice with its finish_reason; `last` keeps each prompt's latest output
+    (through `fmt.transform`) for the usage. Raises what `gen.outputs()` raises."""
+    n = gen.params.n
+    cursors: dict[int, _ChoiceCursor] = {}
+    async for index, raw in gen.outputs():
+        output = fmt.transform(raw)
+        last[index] = output
+        for completion in output.outputs:
+            key = index * n + completion.index
+            delta = _delta_of(key, completion, cursors.setdefault(key, _ChoiceCursor()), gen.params.stop)
+            if delta is not None:
+                delta.output = output
+                yield delta
 
 
 def _delta_of(index: int, completion: CompletionOutput, cursor: _ChoiceCursor, stops: list[str]) -> Delta | None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from forkpoint.server.cli import build_parser, main
+from forkpoint.server.config import ServerConfig
 from forkpoint.server.engine_args import engine_kwargs
+from tests.server.conftest import serve
 
 # vLLM's Qwen3.5 recipe, as its users run it (the model positional, then its flags)
 VLLM_QWEN_COMMAND = ["serve", "Qwen/Qwen3.5-35B-A3B", "--port", "8000", "--tensor-parallel-size", "1",
@@ -54,3 +56,51 @@ def test_values_outside_the_choices_are_usage_errors_that_list_them(flags, capsy
         build_parser().parse_args(["serve", *flags])
     assert exit_info.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+# vLLM's chat switches for Qwen3.5: accepted, as they name the formats forkpoint reads
+VLLM_QWEN_CHAT_FLAGS = ["--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder"]
+CUSTOM_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n[custom] {{ m['content'] }}<|im_end|>\n"
+                   "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_vllm_chat_switches_parse_when_they_name_the_formats_forkpoint_reads():
+    args = build_parser().parse_args(VLLM_QWEN_COMMAND + VLLM_QWEN_CHAT_FLAGS)
+    assert (args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice) == ("qwen3", "qwen3_coder",
+                                                                                           True)
+    assert args.chat_template is None
+
+
+@pytest.mark.parametrize("flags", [["--tool-call-parser", "hermes"], ["--reasoning-parser", "granite"]])
+def test_a_parser_of_another_format_is_refused_listing_the_ones_read(flags, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", *flags])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_chat_template_is_a_file_or_the_template_itself(tmp_path, capsys):
+    path = tmp_path / "template.jinja"
+    path.write_text(CUSTOM_TEMPLATE, encoding="utf-8")
+    assert build_parser().parse_args(["serve", "--chat-template", str(path)]).chat_template == CUSTOM_TEMPLATE
+    assert build_parser().parse_args(["serve", "--chat-template", CUSTOM_TEMPLATE]).chat_template == CUSTOM_TEMPLATE
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--chat-template", str(tmp_path / "missing.jinja")])
+    assert "is neither a file nor a Jinja template" in capsys.readouterr().err
+
+
+def test_the_server_renders_chats_with_its_chat_template(spare_llm):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    rendered = "".join(f"<|im_start|>{m['role']}\n[custom] {m['content']}<|im_end|>\n" for m in messages)
+    rendered += "<|im_start|>assistant\n"
+    with serve(spare_llm, ServerConfig(chat_template=CUSTOM_TEMPLATE)) as running:
+        chat = running.post("/tokenize", json={"messages": messages}).json()["tokens"]
+        text = running.post("/tokenize", json={"prompt": rendered}).json()["tokens"]
+        assert chat == text
+        reply = running.client().chat.completions.create(model=running.model, messages=messages, max_tokens=3,
+                                                         temperature=0.0)
+        assert reply.usage.prompt_tokens == len(text)
+        # a request's own template is a 400 here (not trusted): the server's stands for every request
+        refused = running.post("/v1/chat/completions", json={
+            "model": running.model, "messages": messages, "max_tokens": 1,
+            "chat_template_kwargs": {"chat_template": "{{ messages[0]['content'] }}"}})
+        assert refused.status_code == 400

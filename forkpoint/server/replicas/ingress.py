@@ -39,6 +39,7 @@ from forkpoint.server.prompt_threads import PromptThreads
 from forkpoint.server.prompts import PromptBuilder
 from forkpoint.server.replicas.cluster import ClusterWorker
 from forkpoint.server.replicas.deployment import ReplicaInfo, ReplicaSnapshot
+from forkpoint.server.response_store import ResponseStore
 from forkpoint.server.serving import OpenAIServing
 from forkpoint.server.stats import log_stats_forever
 
@@ -99,7 +100,8 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
                             executor=tokenizer_thread, turn_boundaries=info.turn_boundaries,
                             max_model_len=info.max_model_len,
                             segments=(SegmentEncoder(tokenizer, config.token_cache_bytes)
-                                      if config.token_cache_bytes > 0 else None))
+                                      if config.token_cache_bytes > 0 else None),
+                            chat_template=config.chat_template)
     max_request_bytes = (config.max_request_bytes if config.max_request_bytes is not None else
                          default_max_request_bytes(tokenizer, info.max_model_len, takes_images=False))
     serving = OpenAIServing(model_name=config.served_model_name, max_model_len=info.max_model_len,
@@ -152,5 +154,6 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
 
     add_openai_routes(app, serving=serving, prompts=prompts, tokenizer=tokenizer, metrics=metrics,
                       model_root=info.model_path, max_model_len=info.max_model_len,
-                      served_model_name=config.served_model_name, created=created)
+                      served_model_name=config.served_model_name, created=created,
+                      response_store=ResponseStore(config.responses_store_bytes))
     return app

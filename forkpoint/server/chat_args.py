@@ -1,0 +1,51 @@
+"""`forkpoint serve`'s chat options under vLLM's names: the server's chat template, and the tool-call and
+reasoning parsers a vLLM command line names.
+
+forkpoint always reads tool calls and reasoning out of chat outputs (`tool_parsers.py`: Qwen3.5's XML
+format; `reasoning.py`: `<think>...</think>`), so vLLM's switches for them are accepted when the parser
+they name reads that same format, and refused, naming what forkpoint reads, when it does not: a command
+line never silently gets another format than the one it asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+# vLLM's parser names for the formats forkpoint reads
+TOOL_CALL_PARSERS = ("qwen3_coder", "qwen3_xml")  # <tool_call><function=...><parameter=...>
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # <think>...</think>
+TEMPLATE_SYNTAX = ("{{", "{%")
+
+
+def chat_template_value(text: str) -> str:
+    """--chat-template: the Jinja template in the file at `text`, or `text` itself when it is a template
+    (vLLM takes either). Anything else is an argparse error naming what was looked for."""
+    path = Path(text).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise argparse.ArgumentTypeError(f"cannot read the chat template file {text}: {err}") from None
+    if any(mark in text for mark in TEMPLATE_SYNTAX):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a file nor a Jinja template (a template contains "
+                                     "'{{' or '{%')")
+
+
+def add_chat_args(group: argparse._ArgumentGroup) -> None:
+    """The chat options, on `forkpoint serve`'s server group."""
+    group.add_argument("--chat-template", type=chat_template_value, default=None, metavar="TEMPLATE",
+                       help="a Jinja chat template (a file, or the template text) that chat requests render with "
+                            "instead of the tokenizer's; a request's own template still wins where "
+                            "--trust-request-chat-template allows one (default: the tokenizer's)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="accepted for vLLM command lines: tool_choice 'auto' is always served, tool calls "
+                            "read from Qwen3.5's XML format")
+    group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                       help="accepted for vLLM command lines when it names the format forkpoint reads, Qwen3.5's "
+                            "XML tool calls (vLLM's qwen3_coder and qwen3_xml); another parser is an error")
+    group.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                       help="accepted for vLLM command lines when it names the format forkpoint reads, "
+                            "<think>...</think> (vLLM's qwen3 and deepseek_r1): reasoning is always returned as "
+                            "reasoning_content; another parser is an error")
