@@ -8,8 +8,8 @@ over --max-request-bytes are refused before they are read (`limits.RequestSizeLi
 lifespan logs a start-up summary and a periodic stats line (`stats.py`).
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /v1/responses (with GET and DELETE /v1/responses/{id}), POST /tokenize, POST /detokenize,
-GET /metrics (Prometheus text format).
+POST /v1/responses (with GET and DELETE /v1/responses/{id}), POST /v1/messages (Anthropic's, with
+POST /v1/messages/count_tokens), POST /tokenize, POST /detokenize, GET /metrics (Prometheus text format).
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ from forkpoint.server.gc_pauses import GcPauses
 from forkpoint.server.generation import Admission
 from forkpoint.server.json_body import OffLoopJSONRoute
 from forkpoint.server.limits import RequestSizeLimit, default_max_request_bytes
+from forkpoint.server.messages_errors import error_body_for
+from forkpoint.server.messages_protocol import CountTokensRequest, MessagesRequest
+from forkpoint.server.messages_serving import AnthropicMessages
 from forkpoint.server.metrics import ServerMetrics
 from forkpoint.server.prompt_threads import PromptThreads
 from forkpoint.server.prompts import PromptBuilder
@@ -65,7 +68,8 @@ from forkpoint.server.worker import EngineWorker
 logger = logging.getLogger("forkpoint.server")
 
 # paths whose failures count in forkpoint_requests_total, with their endpoint label
-GENERATION_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/responses": "responses"}
+GENERATION_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/responses": "responses",
+                        "/v1/messages": "messages"}
 ERROR_OUTCOMES = {400: "invalid_request", 404: "invalid_request", 413: "invalid_request", 422: "invalid_request",
                   503: "rejected", CLIENT_CLOSED_REQUEST: "aborted"}
 
@@ -191,8 +195,9 @@ async def exit_when_engine_ends(worker: EngineWorker, poll_s: float = 0.2, grace
 
 def install_request_guards(app: FastAPI, metrics: ServerMetrics, max_request_bytes: int,
                            api_keys: tuple[str, ...] = ()) -> None:
-    """The error handlers (OpenAI-shaped error bodies, each counted under its endpoint's outcome),
-    the request-size limit (413 before the body is read when Content-Length says so) and, with
+    """The error handlers (OpenAI-shaped error bodies, Anthropic-shaped on the /v1/messages routes, each
+    counted under its endpoint's outcome), the request-size limit (413 before the body is read when
+    Content-Length says so) and, with
     `api_keys`, the key check (401 before anything else; server/auth.py) that every front end shares
     (one engine's app, the replicas' ingress)."""
 
@@ -211,9 +216,10 @@ def install_request_guards(app: FastAPI, metrics: ServerMetrics, max_request_byt
             metrics.count(endpoint, "invalid_request")
         log_error_response(scope["method"], scope["path"], 413, RequestTooLarge(message).body())
 
-    install_error_handlers(app, on_error)
+    install_error_handlers(app, on_error, error_body_for)
     app.router.route_class = OffLoopJSONRoute  # routes added after this decode large bodies off the loop
-    app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes, on_reject=on_too_large)
+    app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes, on_reject=on_too_large,
+                       body_for=error_body_for)
     if api_keys:  # added late: outside the size limit, so a request without a valid key gets no further
         app.add_middleware(APIKeyAuth, keys=api_keys)
     app.add_middleware(ArrivalTime)  # added last: the outermost, it stamps the request before any other work
@@ -233,8 +239,10 @@ def add_openai_routes(app: FastAPI, *, serving: OpenAIServing, prompts: PromptBu
                       created: int, response_store: ResponseStore) -> None:
     """The OpenAI-compatible routes every front end shares (one engine's app, the replicas' ingress):
     /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (finished ones kept in
-    `response_store`), /tokenize, /detokenize, /metrics."""
+    `response_store`), Anthropic's /v1/messages and /v1/messages/count_tokens, /tokenize, /detokenize,
+    /metrics."""
     responses = OpenAIResponses(serving, response_store)
+    messages = AnthropicMessages(serving)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -268,6 +276,16 @@ def add_openai_routes(app: FastAPI, *, serving: OpenAIServing, prompts: PromptBu
     async def delete_response(response_id: str, request: Request, cache_salt: str | None = None,
                               user: str | None = None) -> Response:
         return responses.delete(response_id, cache_salt, user, request)
+
+    @app.post("/v1/messages")
+    async def create_message(body: MessagesRequest, request: Request) -> Response:
+        reject_unencodable_text(body)
+        return await messages.create(body, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(body: CountTokensRequest) -> Response:
+        reject_unencodable_text(body)
+        return await messages.count_tokens(body)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

@@ -1,5 +1,7 @@
 """API keys (vLLM's `--api-key`): with keys configured, every HTTP request but the open paths must carry
-`Authorization: Bearer <key>`, else it is answered 401 before the app reads its body.
+`Authorization: Bearer <key>`, else it is answered 401 before the app reads its body. The /v1/messages
+routes also take the key as Anthropic's clients send it, `x-api-key: <key>`, and answer the 401 in
+Anthropic's error shape (messages_errors.py).
 
 The key a request presented names its client: `scope["state"]["api_client"]` = "key<i>" (the key's
 position in the configured tuple, never the key itself, so logs and metrics never show a secret). The
@@ -20,13 +22,14 @@ import json
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from forkpoint.server.errors import error_body
+from forkpoint.server.messages_errors import MESSAGES_PATHS, anthropic_error
 
 # liveness probes and Prometheus scrapers carry no key (vLLM leaves both open too)
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 class APIKeyAuth:
-    """ASGI middleware checking bearer keys (the module docstring). `keys`: at least one, non-empty."""
+    """ASGI middleware checking API keys (the module docstring). `keys`: at least one, non-empty."""
 
     def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
         if not keys or not all(keys):
@@ -39,9 +42,15 @@ class APIKeyAuth:
         if authorization is None:
             return None
         scheme, _, token = authorization.decode("latin-1").strip().partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        if scheme.lower() != "bearer":
             return None
-        digest = hashlib.sha256(token.strip().encode("latin-1")).digest()
+        return self.client_of_key(token.encode("latin-1"))
+
+    def client_of_key(self, key: bytes | None) -> str | None:
+        """The client a raw key (an `x-api-key` header value, a bearer token) names, or None."""
+        if key is None or not key.strip():
+            return None
+        digest = hashlib.sha256(key.strip()).digest()
         found = None
         for known, client in self._digests:  # no early exit: the time is the same for every key
             if hmac.compare_digest(digest, known):
@@ -53,12 +62,17 @@ class APIKeyAuth:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
+        anthropic = scope["path"] in MESSAGES_PATHS
         client = self.client_of(headers.get(b"authorization"))
+        if client is None and anthropic:
+            client = self.client_of_key(headers.get(b"x-api-key"))
         if client is None:
-            missing = b"authorization" not in headers
+            missing = b"authorization" not in headers and not (anthropic and b"x-api-key" in headers)
             message = ("this server requires an API key: send 'Authorization: Bearer <key>' (the OpenAI client's "
-                       "api_key)" if missing else "the API key is not valid for this server")
-            body = json.dumps(error_body(message, "invalid_request_error", code="invalid_api_key")).encode()
+                       "api_key)" + (" or 'x-api-key: <key>' (the Anthropic client's)" if anthropic else "")
+                       if missing else "the API key is not valid for this server")
+            body = json.dumps(anthropic_error(message, 401) if anthropic else
+                              error_body(message, "invalid_request_error", code="invalid_api_key")).encode()
             await send({"type": "http.response.start", "status": 401, "headers": [
                 (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                 (b"www-authenticate", b"Bearer")]})

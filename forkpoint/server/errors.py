@@ -109,13 +109,18 @@ def log_error_response(method: str, path: str, status: int, body: dict) -> None:
                error["type"], param, error["message"])
 
 
-def install_error_handlers(app: FastAPI, on_error: Callable[[Request, int], None]) -> None:
+def install_error_handlers(app: FastAPI, on_error: Callable[[Request, int], None],
+                           body_for: Callable[[str, int, dict], dict] | None = None) -> None:
     """Route every exception type the app can raise to an OpenAI error body; `on_error(request,
-    status)` is told about each one (for the outcome metrics), and each is logged with its reason."""
+    status)` is told about each one (for the outcome metrics), and each is logged with its reason.
+    body_for(path, status, body): the body a path's clients get instead (another API's error shape:
+    messages_errors.py); None: the OpenAI body everywhere."""
 
     def answer(request: Request, status: int, body: dict, headers: dict[str, str] | None = None) -> JSONResponse:
         on_error(request, status)
         log_error_response(request.method, request.url.path, status, body)
+        if body_for is not None:
+            body = body_for(request.url.path, status, body)
         return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(APIError)

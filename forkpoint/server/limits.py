@@ -57,12 +57,16 @@ def default_max_request_bytes(tokenizer: PreTrainedTokenizerBase, max_model_len:
 class RequestSizeLimit:
     """ASGI middleware: bodies over `max_bytes` get 413. `on_reject(scope, message, answered_here)`
     is told of each: answered_here is True when the middleware sent the 413 itself (a declared
-    Content-Length), False when it raised `RequestTooLarge` into the app for its error handler."""
+    Content-Length), False when it raised `RequestTooLarge` into the app for its error handler.
+    body_for(path, status, body): the error body a path's clients get instead of the OpenAI one that
+    the middleware sends itself (as `errors.install_error_handlers` takes it)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[Scope, str, bool], None]) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[Scope, str, bool], None],
+                 body_for: Callable[[str, int, dict], dict] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.on_reject = on_reject
+        self.body_for = body_for
 
     def message(self, size: str) -> str:
         return (f"the request body has {size}, but this server takes at most {self.max_bytes} bytes "
@@ -109,7 +113,8 @@ class RequestSizeLimit:
     async def _reject(self, scope: Scope, receive: Receive, send: Send, text: str, declared: int) -> None:
         """Answer 413 for a body that declares `declared` bytes; drain them before closing."""
         self.on_reject(scope, text, True)
-        body = json.dumps(RequestTooLarge(text).body()).encode()
+        error = RequestTooLarge(text).body()
+        body = json.dumps(self.body_for(scope["path"], 413, error) if self.body_for is not None else error).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})

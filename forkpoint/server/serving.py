@@ -4,8 +4,8 @@ to an OpenAI response, whole or streamed as server-sent events.
 Both endpoints share one path: build `EnginePrompt`s, check lengths, build `SamplingParams`, start
 a `Generation`, then either collect its final outputs or stream deltas. The two differ only in
 the shape of a choice, which `CompletionFormat` and `ChatFormat` supply. /v1/responses
-(responses_serving.py) runs on the chat half of this path: `chat_plan`, `start`, `collect`,
-`stream_deltas`.
+(responses_serving.py) and /v1/messages (messages_serving.py) run on the chat half of this path:
+`chat_plan`, `start`, `collect`, `stream_deltas`.
 """
 
 from __future__ import annotations
@@ -76,10 +76,16 @@ class ChatPlan:
 class Collected:
     """A whole (not streamed) generation's end: `last`, the last output of each prompt by prompt
     index, or `failure`, the answer to send instead (499 when the client left, an engine failure's
-    error): exactly one of them is set."""
+    error): exactly one of them is set. `error`: the `APIError` behind a failure that is one (None for
+    the 499), for endpoints that answer errors in another shape."""
 
     last: dict[int, RequestOutput] | None = None
     failure: Response | None = None
+    error: APIError | None = None
+
+    @classmethod
+    def failed(cls, error: APIError) -> Collected:
+        return cls(failure=error.response(), error=error)
 
 
 @dataclass
@@ -287,12 +293,12 @@ class OpenAIServing:
         exc = work.exception()
         # answered here, not raised: the outcome is already counted by the Generation
         if isinstance(exc, ServerShuttingDown):
-            return Collected(failure=APIError(str(exc), status=503, type="service_unavailable_error",
-                                              code="shutting_down").response())
+            return Collected.failed(APIError(str(exc), status=503, type="service_unavailable_error",
+                                             code="shutting_down"))
         if isinstance(exc, RequestOutOfMemory):
-            return Collected(failure=APIError(str(exc), status=400, code="out_of_memory").response())
+            return Collected.failed(APIError(str(exc), status=400, code="out_of_memory"))
         if isinstance(exc, EngineFailure):
-            return Collected(failure=APIError(str(exc), status=500, type="server_error").response())
+            return Collected.failed(APIError(str(exc), status=500, type="server_error"))
         if exc is not None:
             raise exc
         return Collected(last=last)

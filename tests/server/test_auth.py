@@ -1,6 +1,7 @@
 """API keys (server/auth.py, vLLM's --api-key): 401 without a valid key on every route but /health and
-/metrics, the OpenAI client works with one, and each key is one client for checkpoint shares, so a client
-rotating its `user` field cannot evict another client's checkpoints (it can on a server without keys)."""
+/metrics, the OpenAI client works with one (the /v1/messages routes also take Anthropic's x-api-key), and
+each key is one client for checkpoint shares, so a client rotating its `user` field cannot evict another
+client's checkpoints (it can on a server without keys)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from starlette.testclient import TestClient
 
 from forkpoint.server.auth import APIKeyAuth
 from forkpoint.server.cli import api_keys
@@ -95,3 +97,26 @@ def test_config_and_cli_checks(monkeypatch):
     auth = APIKeyAuth(app=None, keys=KEYS)
     assert auth.client_of(b"Bearer flood-key") == "key1" and auth.client_of(b"bearer  victim-key ") == "key0"
     assert auth.client_of(b"Basic flood-key") is None and auth.client_of(b"Bearer") is None
+    assert auth.client_of_key(b" flood-key ") == "key1" and auth.client_of_key(b"") is None
+    assert auth.client_of_key(None) is None and auth.client_of_key(b"flood") is None
+
+
+def test_x_api_key_is_taken_on_the_messages_routes_only():
+    """Anthropic's clients send `x-api-key`: the /v1/messages routes take it (and answer a 401 in
+    Anthropic's shape); every other route still wants `Authorization: Bearer`."""
+
+    async def echo_client(scope, receive, send):
+        body = scope["state"]["api_client"].encode()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+
+    client = TestClient(APIKeyAuth(echo_client, keys=KEYS))  # no `with`: the app has no lifespan
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        assert client.post(path, headers={"x-api-key": "flood-key"}).text == "key1"
+        assert client.post(path, headers={"Authorization": "Bearer victim-key"}).text == "key0"
+        wrong = client.post(path, headers={"x-api-key": "flood"})
+        assert wrong.status_code == 401 and wrong.json() == {"type": "error", "error": {
+            "type": "authentication_error", "message": "the API key is not valid for this server"}}
+        assert "x-api-key" in client.post(path).json()["error"]["message"]
+    refused = client.post("/v1/chat/completions", headers={"x-api-key": "flood-key"})
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
