@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from forkpoint.server.protocol import CacheControl
+from forkpoint.server.protocol import CacheControl, validated_element
 
 BLOCKS_BY_ROLE = {"user": ("text", "image", "tool_result"),
                   "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
@@ -138,13 +138,7 @@ class Message(BaseModel):
             if kind not in taken:
                 raise ValueError(f"content[{j}] has type {kind!r}, which forkpoint does not take in a {role} "
                                  f"message: {role} blocks are {', '.join(taken)}")
-            try:
-                parsed.append(_BLOCK_MODELS[kind].model_validate(block))
-            except ValidationError as err:
-                first = err.errors()[0]
-                where = ".".join(str(part) for part in first["loc"])
-                detail = first["msg"].removeprefix("Value error, ")
-                raise ValueError(f"content[{j}] ({kind}) {where}: {detail}") from None
+            parsed.append(validated_element(_BLOCK_MODELS[kind], block, f"content[{j}] ({kind})"))
         return {**value, "content": parsed}
 
 

@@ -17,7 +17,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 TokenIds = list[StrictInt]  # strict: a JSON true or 1.0 is not a token id
 # stop strings are matched against every new token's text on the engine thread: bounded in number and
@@ -284,3 +293,15 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: TokenIds
+
+
+def validated_element(model: type[BaseModel], value: Any, label: str) -> BaseModel:
+    """`model.model_validate(value)` for one element of a typed list (an input item, a content block),
+    its first error as a ValueError that names the element (`label`, e.g. "input[2] (message)") and
+    the field inside it, so the request's 400 says where."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise ValueError(f"{label} {where}: {first['msg'].removeprefix('Value error, ')}") from None

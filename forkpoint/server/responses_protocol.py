@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from forkpoint.server.protocol import validated_element
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 PART_TYPES = ("input_text", "output_text")
@@ -114,12 +116,7 @@ def parse_items(items: list[Any], name: str) -> list[InputItem]:
         if kind not in _ITEM_MODELS:
             raise ValueError(f"{name}[{i}] has type {kind!r}, which forkpoint does not take: items are "
                              f"{', '.join(ITEM_TYPES)} (or {{\"role\", \"content\"}} messages)")
-        try:
-            parsed.append(_ITEM_MODELS[kind].model_validate(item))
-        except ValidationError as err:
-            first = err.errors()[0]
-            where = ".".join(str(part) for part in first["loc"])
-            raise ValueError(f"{name}[{i}] ({kind}) {where}: {first['msg'].removeprefix('Value error, ')}") from None
+        parsed.append(validated_element(_ITEM_MODELS[kind], item, f"{name}[{i}] ({kind})"))
     return parsed
 
 
