@@ -131,14 +131,16 @@ def stop_reason(completion: CompletionOutput, calls_tools: bool, stops: Sequence
     return "end_turn", None
 
 
-def usage(output: RequestOutput) -> dict[str, int]:
+def usage(output: RequestOutput) -> dict[str, int | str | None]:
     """Anthropic's usage of a prompt's output: `input_tokens` the prompt tokens not read from a
     checkpoint, `cache_read_input_tokens` those read (the chat path's cached_tokens), so the two add up to
     the prompt; `cache_creation_input_tokens` 0, since the engine output does not say which checkpoints
-    a request wrote (a full pool may decline one)."""
+    a request wrote (a full pool may decline one); `cache_miss_reason`, forkpoint's extension as in
+    chat's usage: why reuse stopped where it did (None: it did not stop short)."""
     cached = output.num_cached_tokens
     return {"input_tokens": len(output.prompt_token_ids) - cached, "output_tokens": len(output.outputs[0].token_ids),
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached,
+            "cache_miss_reason": output.cache_miss_reason}
 
 
 def message(message_id: str, model: str, blocks: list[dict[str, Any]], stop: tuple[str | None, str | None],

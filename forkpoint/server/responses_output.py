@@ -147,8 +147,12 @@ class OutputStream:
         return {"id": item.id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
-def usage(input_tokens: int, cached_tokens: int, output_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
-    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+def usage(input_tokens: int, cached_tokens: int, output_tokens: int, reasoning_tokens: int,
+          cache_miss_reason: str | None) -> dict[str, Any]:
+    """The response's usage; `input_tokens_details.cache_miss_reason` is forkpoint's extension, as in chat's
+    `prompt_tokens_details`: why reuse stopped where it did (None: it did not stop short)."""
+    return {"input_tokens": input_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_miss_reason": cache_miss_reason},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": input_tokens + output_tokens}
 

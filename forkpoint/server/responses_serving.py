@@ -150,7 +150,7 @@ class OpenAIResponses:
         token_ids = output.outputs[0].token_ids
         thought = any(item["type"] == "reasoning" for item in items)
         return usage(len(output.prompt_token_ids), output.num_cached_tokens, len(token_ids),
-                     reasoning_tokens(token_ids, self.think_end_id, thought))
+                     reasoning_tokens(token_ids, self.think_end_id, thought), output.cache_miss_reason)
 
     def _keep(self, echo: ResponseEcho, conversion: ChatConversion, tenant: str, response: dict[str, Any]) -> None:
         """Store a finished response: its conversation (without instructions) then its output, as chat

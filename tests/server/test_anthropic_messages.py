@@ -61,6 +61,8 @@ def test_text_runs_as_the_chat_request_and_max_tokens_stops_it(server):
     usage = message.usage
     assert usage.input_tokens + usage.cache_read_input_tokens == chat.usage.prompt_tokens
     assert usage.cache_read_input_tokens == chat.usage.prompt_tokens_details.cached_tokens
+    # forkpoint's extension, as chat's: why reuse stopped where it did
+    assert usage.model_extra["cache_miss_reason"] == chat.usage.prompt_tokens_details.model_extra["cache_miss_reason"]
     assert usage.output_tokens == 4 and usage.cache_creation_input_tokens == 0
     assert server.metric("forkpoint_requests_total", endpoint="messages", outcome="success") == success + 1
 

@@ -223,6 +223,8 @@ def test_previous_response_id_reuses_the_turn_and_answers_as_a_fresh_computation
                                            extra_body={"cache_salt": uuid.uuid4().hex})
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0
     assert fresh.usage.prompt_tokens == second.usage.input_tokens
+    # why reuse stopped where it did: forkpoint's extension, as in chat's usage
+    assert "cache_miss_reason" in second.usage.input_tokens_details.model_extra
     assert second.output_text == fresh.choices[0].message.content
     # another tenant cannot continue, read or delete alice's responses: they are unknown to it
     with pytest.raises(openai.NotFoundError) as refused:
