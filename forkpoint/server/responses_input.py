@@ -50,12 +50,15 @@ class ChatConversion:
     conversation: list[dict[str, Any]]
 
 
-def items_to_messages(items: Sequence[InputItem] | str) -> list[dict[str, Any]]:
-    """Chat messages (plain JSON, as a client sends them to /v1/chat/completions) of input items, or of
-    a string (one user message)."""
+def items_to_messages(items: Sequence[InputItem] | str,
+                      previous: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """Chat messages (plain JSON, as a client sends them to /v1/chat/completions) of `previous` (a stored
+    conversation, left unmodified) followed by input items, or by a string (one user message). A call
+    right after an assistant message joins it whether that message came in the same input or ended
+    `previous`, so a conversation renders the same whole or continued by `previous_response_id`."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    messages: list[dict[str, Any]] = []
+        return [*previous, {"role": "user", "content": items}]
+    messages: list[dict[str, Any]] = list(previous)
     for item in items:
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
@@ -64,8 +67,8 @@ def items_to_messages(items: Sequence[InputItem] | str) -> list[dict[str, Any]]:
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
+            if last is not None and last["role"] == "assistant":  # a new dict: `previous` stays as stored
+                messages[-1] = {**last, "tool_calls": [*(last.get("tool_calls") or []), call]}
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, FunctionCallOutputItem):
@@ -77,7 +80,7 @@ def items_to_messages(items: Sequence[InputItem] | str) -> list[dict[str, Any]]:
 def to_chat(body: ResponsesRequest, previous: Sequence[dict[str, Any]] = ()) -> ChatConversion:
     """The chat request of `body` after `previous` (a stored conversation); a 400 naming the field
     when the chat request refuses what it became (a conversation without a message, say)."""
-    conversation = [*previous, *items_to_messages(body.input)]
+    conversation = items_to_messages(body.input, previous)
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     fields: dict[str, Any] = {
         "model": body.model, "messages": system + conversation, "max_completion_tokens": body.max_output_tokens,

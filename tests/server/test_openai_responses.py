@@ -108,6 +108,11 @@ def test_calls_join_the_assistant_turn_before_them_and_reasoning_is_dropped():
     assert items_to_messages(items) == [{"role": "assistant", "content": "Checking.", "tool_calls": calls},
                                         {"role": "tool", "tool_call_id": "a", "content": "20"},
                                         {"role": "tool", "tool_call_id": "b", "content": "68"}]
+    # the same items split over previous_response_id: the calls join the stored reply, which stays as stored
+    stored = [{"role": "user", "content": "Convert 20 C."}, {"role": "assistant", "content": "Checking."}]
+    continued = items_to_messages(items[2:], previous=stored)
+    assert continued == [stored[0], *items_to_messages(items)]
+    assert stored[1] == {"role": "assistant", "content": "Checking."}
 
 
 def test_stream_events_in_order_and_final_response_equal_to_the_whole_one(server):
