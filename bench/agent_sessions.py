@@ -1,9 +1,9 @@
 """Agent sessions through the HTTP server, as an agent framework drives it (issue 26's workload).
 
-S sessions run concurrently, T turns each, through `/v1/chat/completions` (streaming, the requests an
-OpenAI client sends, over httpx: the device has no `openai` package): a shared system prompt, a
-per-session document, then per turn the assistant's reply sent back as text (with a tool call) and a
-tool result. Phase A is the workload as is; phase B runs the same
+S sessions run concurrently, T turns each, through `/v1/chat/completions` (or `--api`'s endpoint; streaming,
+the requests an OpenAI or Anthropic client sends, over httpx: the device has no `openai` package): a shared
+system prompt, a per-session document, then per turn the assistant's reply sent back as text (with a tool
+call) and a tool result. Phase A is the workload as is; phase B runs the same
 shapes on the same server with a unique nonce opening every request, so nothing can be reused.
 
 Per turn (over sessions): prompt tokens, cached tokens (`usage.prompt_tokens_details.cached_tokens`),
@@ -20,6 +20,22 @@ throughput (`forkpoint_generation_tokens_total`, read every --poll-s) over the p
 window (10 s; the worst window is issue 32's measure). Each phase's table is printed, and the JSON so far
 written, as soon as the phase ends; JSON + PNG under --out (bench/results/) at the end.
 
+`--api` picks the endpoint; the conversation is the same, streamed, and so are the records:
+  chat               `/v1/chat/completions` (the default).
+  responses          `/v1/responses` as a store-less client (Codex) sends it: `store: false`, the system
+                     prompt as `instructions`, the whole conversation as `input` items (per earlier turn the
+                     reply as an assistant `output_text` message, the call as a `function_call` item, its
+                     result as a `function_call_output` item), `reasoning.effort` "none" for thinking off.
+  responses-chained  the same with `store: true`; a turn after the first sends `previous_response_id`, the
+                     instructions and only the call and its result: the call joins the stored reply's assistant
+                     message (responses_input.py), so the server renders the prompt `responses` sends whole.
+  messages           `/v1/messages` (Anthropic): `system`, assistant turns as [text, tool_use] blocks, results as
+                     a user message's tool_result block, `thinking: {"type": "disabled"}` for thinking off.
+Responses and Messages have no `ignore_eos` / `min_tokens`: their replies may end before --reply-tokens (an
+end-of-sequence token), so turns may differ in length from chat's. The `/tokenize` body is the chat messages the
+server renders for the API's request (`rendered_messages`); each turn's row counts the requests whose `/tokenize`
+count differs from the reported prompt tokens (`tokenize_mismatches`, 0 when the shared column is right).
+
 `--restart` (started servers only): the server runs with `--checkpoint-dir` (a scratch directory);
 after phase A it is stopped and started again on the same directory, and phase R sends the first
 turn of new sessions (same system prompt, new documents): its cached tokens show what the restarted
@@ -31,6 +47,7 @@ Usage:
     python bench/agent_sessions.py --shape qwen3.5-35b-a3b --sessions 32 --turns 6 --system-words 1400 \\
         --doc-words 800 --tool-words 160 --reply-tokens 64 --server-arg=--device=cuda   # H200, dummy weights
     python bench/agent_sessions.py --url http://127.0.0.1:8000      # a server already running
+    python bench/agent_sessions.py --api messages                   # the same sessions through /v1/messages
     python bench/agent_sessions.py --restart                        # + the first turn after a restart
     python bench/agent_sessions.py --tool-seconds 1.0               # tools that take ~1 s: sessions drift apart
     python bench/agent_sessions.py --server-log-level debug --server-log /tmp/server.log   # + TTFT by part per turn
@@ -50,7 +67,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -104,60 +121,233 @@ WIRE_EVENTS = {  # httpcore trace events -> request log keys (connect_* only on 
     "connection.connect_tcp.started": "connect_at", "connection.connect_tcp.complete": "connected_at",
     "http11.send_request_headers.started": "write_at", "http11.send_request_body.complete": "written_at",
 }
+API_PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "responses-chained": "/v1/responses",
+             "messages": "/v1/messages"}
+RESPONSES_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]  # the Responses API's flat shape
+ANTHROPIC_TOOLS = [{"name": tool["function"]["name"], "description": tool["function"]["description"],
+                    "input_schema": tool["function"]["parameters"]} for tool in TOOLS]
 
 
-async def one_request(http: httpx.AsyncClient, model: str, messages: list[dict], args: argparse.Namespace) -> dict:
-    """One streamed chat request as an OpenAI client sends it (plain httpx and SSE: the device has no
-    `openai` package). The record keeps the request's `/tokenize` body (`tokenize_body`): its token ids are
+def template_kwargs(args: argparse.Namespace) -> dict:
+    """The chat_template_kwargs of --thinking (empty for unset: the template's default)."""
+    return {} if args.thinking == "unset" else {"enable_thinking": args.thinking == "on"}
+
+
+def chat_body(messages: list[dict], args: argparse.Namespace) -> dict:
+    """The /v1/chat/completions body (without `model`); ignore_eos and min_tokens make every reply
+    --reply-tokens long."""
+    return {"messages": messages, "tools": TOOLS, "chat_template_kwargs": template_kwargs(args),
+            "max_tokens": args.reply_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True, "min_tokens": args.reply_tokens}
+
+
+def responses_items(messages: list[dict]) -> list[dict]:
+    """The Responses input items of chat messages (no system message), as a store-less client (Codex)
+    sends a conversation: a user message item, per assistant message its text as an output_text message
+    item and its calls as function_call items, per tool message a function_call_output item."""
+    items = []
+    for message in messages:
+        if message["role"] == "user":
+            items.append({"type": "message", "role": "user",
+                          "content": [{"type": "input_text", "text": message["content"]}]})
+        elif message["role"] == "assistant":
+            items.append({"type": "message", "role": "assistant",
+                          "content": [{"type": "output_text", "text": message["content"]}]})
+            items += [{"type": "function_call", "call_id": call["id"], "name": call["function"]["name"],
+                       "arguments": call["function"]["arguments"]} for call in message["tool_calls"]]
+        else:
+            items.append({"type": "function_call_output", "call_id": message["tool_call_id"],
+                          "output": message["content"]})
+    return items
+
+
+def responses_body(messages: list[dict], args: argparse.Namespace, store: bool) -> dict:
+    """The /v1/responses body (without `model`) of the whole conversation: the system message as
+    `instructions`, the rest as input items. Thinking on is effort "medium" (any effort but none and
+    minimal turns it on, responses_input.py)."""
+    thinking = {} if args.thinking == "unset" else {"reasoning": {"effort": "medium" if args.thinking == "on"
+                                                                 else "none"}}
+    return {"instructions": messages[0]["content"], "input": responses_items(messages[1:]), "tools": RESPONSES_TOOLS,
+            "max_output_tokens": args.reply_tokens, "temperature": 0.0, "stream": True, "store": store, **thinking}
+
+
+def chained_body(messages: list[dict], args: argparse.Namespace, previous_id: str) -> dict:
+    """The /v1/responses body of a turn after the first with `previous_response_id`: the instructions
+    (a stored response does not carry them over) and only the turn's new items, the fabricated call and
+    its result (`Session.add_turn`'s two messages; the reply is the stored response's output)."""
+    new = [item for item in responses_items(messages[-2:]) if item["type"] != "message"]
+    return {**responses_body(messages, args, store=True), "input": new, "previous_response_id": previous_id}
+
+
+def anthropic_messages(messages: list[dict]) -> list[dict]:
+    """The Messages API's messages of chat messages (no system message): a user message as it is, an
+    assistant message as blocks [text (left out when empty: Anthropic refuses empty text blocks), tool_use
+    per call], a tool message as a user message with one tool_result block."""
+    result = []
+    for message in messages:
+        if message["role"] == "user":
+            result.append(message)
+        elif message["role"] == "assistant":
+            text = [{"type": "text", "text": message["content"]}] if message["content"] else []
+            calls = [{"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                      "input": json.loads(call["function"]["arguments"])} for call in message["tool_calls"]]
+            result.append({"role": "assistant", "content": text + calls})
+        else:
+            result.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": message["tool_call_id"],
+                                                        "content": message["content"]}]})
+    return result
+
+
+def messages_body(messages: list[dict], args: argparse.Namespace) -> dict:
+    """The /v1/messages body (without `model`): the system message as `system`, the rest as Anthropic
+    messages; thinking on is type "adaptive" (the template's switch on, no budget to give)."""
+    thinking = {} if args.thinking == "unset" else {"thinking": {"type": "adaptive" if args.thinking == "on"
+                                                                 else "disabled"}}
+    return {"system": messages[0]["content"], "messages": anthropic_messages(messages[1:]), "tools": ANTHROPIC_TOOLS,
+            "max_tokens": args.reply_tokens, "temperature": 0.0, "stream": True, **thinking}
+
+
+def request_body(messages: list[dict], args: argparse.Namespace, previous_id: str | None) -> dict:
+    """The body (without `model`) of --api's request for the chat `messages`; `previous_id`: the
+    previous turn's response id (responses-chained after the first turn)."""
+    if args.api == "chat":
+        return chat_body(messages, args)
+    if args.api == "messages":
+        return messages_body(messages, args)
+    if previous_id is not None:
+        return chained_body(messages, args, previous_id)
+    return responses_body(messages, args, store=args.api == "responses-chained")
+
+
+def rendered_messages(api: str, messages: list[dict]) -> list[dict]:
+    """The chat messages the server renders for --api's request of the chat `messages` (a new list), for
+    `/tokenize`: messages_input.py makes an assistant's text a list of text parts (None without text);
+    the Responses modes render the chat messages themselves (with previous_response_id too: the call sent
+    after a stored reply joins it, responses_input.py)."""
+    if api == "messages":
+        return [{**m, "content": [{"type": "text", "text": m["content"]}] if m["content"] else None}
+                if m["role"] == "assistant" else m for m in messages]
+    return list(messages)
+
+
+@dataclass(frozen=True)
+class PromptUsage:
+    """A response's prompt side: its tokens, those read from checkpoints, why reuse stopped short (None: it did not)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    miss_reason: str | None
+
+
+@dataclass
+class StreamReading:
+    """What a response's stream said so far: its id, when the first text or thought came, the reply
+    text, and the usage (set by the event that carries it)."""
+
+    response_id: str | None = None
+    first_at: float | None = None
+    usage: PromptUsage | None = None
+    reply: list[str] = field(default_factory=list)
+
+    def add(self, piece: str, reply: bool) -> None:
+        """A streamed text (`reply`) or thought piece."""
+        if piece and self.first_at is None:
+            self.first_at = time.perf_counter()
+        if reply:
+            self.reply.append(piece)
+
+
+def read_chat_event(chunk: dict, reading: StreamReading) -> None:
+    """`reading` after one chat.completion.chunk."""
+    if "error" in chunk:
+        raise RuntimeError(f"the stream failed: {chunk['error']}")
+    reading.response_id = chunk.get("id", reading.response_id)
+    for choice in chunk["choices"]:
+        delta = choice.get("delta", {})
+        reading.add(delta.get("reasoning_content") or "", reply=False)
+        reading.add(delta.get("content") or "", reply=True)
+    if chunk.get("usage"):
+        details = chunk["usage"].get("prompt_tokens_details") or {}
+        reading.usage = PromptUsage(chunk["usage"]["prompt_tokens"], details.get("cached_tokens") or 0,
+                                    details.get("cache_miss_reason"))
+
+
+def read_responses_event(event: dict, reading: StreamReading) -> None:
+    """`reading` after one Responses stream event (the delta events' text, the final event's usage)."""
+    kind = event["type"]
+    if kind in ("error", "response.failed"):
+        raise RuntimeError(f"the stream failed: {event}")
+    if kind == "response.created":
+        reading.response_id = event["response"]["id"]
+    elif kind in ("response.output_text.delta", "response.reasoning_text.delta"):
+        reading.add(event["delta"], reply=kind == "response.output_text.delta")
+    elif kind in ("response.completed", "response.incomplete"):  # incomplete: max_output_tokens ended it
+        usage = event["response"]["usage"]
+        details = usage["input_tokens_details"]
+        reading.usage = PromptUsage(usage["input_tokens"], details["cached_tokens"], details.get("cache_miss_reason"))
+
+
+def read_messages_event(event: dict, reading: StreamReading) -> None:
+    """`reading` after one Messages stream event; Anthropic's usage counts the cached tokens apart: the
+    prompt is input_tokens + cache_read_input_tokens."""
+    kind = event["type"]
+    if kind == "error":
+        raise RuntimeError(f"the stream failed: {event}")
+    if kind == "message_start":
+        reading.response_id = event["message"]["id"]
+    elif kind == "content_block_delta" and event["delta"]["type"] in ("text_delta", "thinking_delta"):
+        delta = event["delta"]
+        reading.add(delta.get("text") or delta.get("thinking") or "", reply=delta["type"] == "text_delta")
+    elif kind == "message_delta":
+        usage = event["usage"]
+        reading.usage = PromptUsage(usage["input_tokens"] + usage["cache_read_input_tokens"],
+                                    usage["cache_read_input_tokens"], usage.get("cache_miss_reason"))
+
+
+READERS = {"chat": read_chat_event, "responses": read_responses_event, "responses-chained": read_responses_event,
+           "messages": read_messages_event}
+
+
+async def one_request(http: httpx.AsyncClient, model: str, messages: list[dict], args: argparse.Namespace,
+                      previous_id: str | None = None) -> dict:
+    """One streamed request of --api (the chat `messages` in that API's shape, `request_body`) as an
+    OpenAI or Anthropic client sends it (plain httpx and SSE: the device has no `openai` package). The
+    record keeps the `/tokenize` body of the prompt the server renders (`tokenize_body`): its token ids are
     asked after the phase (`tokenize_records`), not here: an agent framework sends no `/tokenize`, and at
     256 sessions in lock-step 256 of them between turns competed with the next turn's requests (asked
     before the request, it would also warm the server's token cache, inputs/segment_tokens.py)."""
-    kwargs = {} if args.thinking == "unset" else {"enable_thinking": args.thinking == "on"}
-    body = {"messages": messages, "tools": TOOLS, "chat_template_kwargs": kwargs}
-    request = {**body, "model": model, "max_tokens": args.reply_tokens, "temperature": 0.0, "stream": True,
-               "stream_options": {"include_usage": True}, "ignore_eos": True, "min_tokens": args.reply_tokens}
+    path = API_PATHS[args.api]
+    request = {**request_body(messages, args, previous_id), "model": model}
     begin = time.perf_counter()
-    first = None
-    usage = None
-    response_id = None
-    reply = []
+    reading = StreamReading()
     wire: dict[str, float] = {}
 
     async def trace(event: str, info: dict) -> None:  # httpcore's trace extension: when this request hit the wire
         if event in WIRE_EVENTS:
             wire[WIRE_EVENTS[event]] = time.perf_counter()
 
-    async with http.stream("POST", "/v1/chat/completions", json=request, extensions={"trace": trace}) as response:
+    async with http.stream("POST", path, json=request, extensions={"trace": trace}) as response:
         headers = time.perf_counter()  # the server answers with headers once the engine took the prompt
         if response.status_code != 200:
-            raise RuntimeError(f"/v1/chat/completions answered {response.status_code}: "
-                               f"{(await response.aread()).decode()[:500]}")
+            raise RuntimeError(f"{path} answered {response.status_code}: {(await response.aread()).decode()[:500]}")
         async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            response_id = chunk.get("id", response_id)
-            if "error" in chunk:
-                raise RuntimeError(f"the stream failed: {chunk['error']}")
-            for choice in chunk["choices"]:
-                delta = choice.get("delta", {})
-                piece = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-                if piece and first is None:
-                    first = time.perf_counter()
-                reply.append(delta.get("content") or "")
-            if chunk.get("usage"):
-                usage = chunk["usage"]
+            if line.startswith("data: ") and line != "data: [DONE]":
+                READERS[args.api](json.loads(line[len("data: "):]), reading)
     end = time.perf_counter()
-    details = usage.get("prompt_tokens_details") or {}
-    return {"prompt_tokens": usage["prompt_tokens"], "cached_tokens": details.get("cached_tokens") or 0,
-            "miss_reason": details.get("cache_miss_reason"), "ttft_s": (first or end) - begin,
-            "headers_s": headers - begin, "latency_s": end - begin, "reply": "".join(reply), "id": response_id,
-            "sent_at": begin, "headers_at": headers, "first_at": first, "end_at": end, **wire,
-            "tokenize_body": {**body, "messages": list(messages)}}  # the session appends its next turn's messages
+    if reading.usage is None:
+        raise RuntimeError(f"{path}'s stream ended without usage")
+    return {"prompt_tokens": reading.usage.prompt_tokens, "cached_tokens": reading.usage.cached_tokens,
+            "miss_reason": reading.usage.miss_reason, "ttft_s": (reading.first_at or end) - begin,
+            "headers_s": headers - begin, "latency_s": end - begin, "reply": "".join(reading.reply),
+            "id": reading.response_id, "sent_at": begin, "headers_at": headers, "first_at": reading.first_at,
+            "end_at": end, **wire,
+            "tokenize_body": {"messages": rendered_messages(args.api, messages), "tools": TOOLS,
+                              "chat_template_kwargs": template_kwargs(args)}}
 
 
 async def tokenize_records(http: httpx.AsyncClient, records: list[dict], concurrency: int = 16) -> None:
-    """Each record's prompt token ids (`ids`), from `/tokenize` with its request's body, after the phase."""
+    """Each record's prompt token ids (`ids`) and their count (`tokenized_tokens`), from `/tokenize` with its
+    request's body, after the phase."""
     gate = asyncio.Semaphore(concurrency)
 
     async def one(record: dict) -> None:
@@ -165,6 +355,7 @@ async def tokenize_records(http: httpx.AsyncClient, records: list[dict], concurr
             response = await http.post("/tokenize", json=record.pop("tokenize_body"))
         response.raise_for_status()
         record["ids"] = response.json()["tokens"]
+        record["tokenized_tokens"] = len(record["ids"])
 
     await asyncio.gather(*(one(r) for r in records))
 
@@ -296,7 +487,8 @@ async def run_phase(url: str, model: str, args: argparse.Namespace, nonce: bool,
                 if nonce:  # a unique first token run: nothing of this request was ever computed
                     first = messages[0]
                     messages = [{**first, "content": f"[{uuid.uuid4().hex}] " + first["content"]}, *messages[1:]]
-                record = await one_request(http, model, messages, args)
+                chained = args.api == "responses-chained" and previous is not None
+                record = await one_request(http, model, messages, args, previous["id"] if chained else None)
                 record.update(session=session.index, turn=turn, previous=previous)
                 records.append(record)
                 previous = record
@@ -368,6 +560,7 @@ def summarise(phase: dict, turns: int) -> dict:
             key = r["miss_reason"] or "none"
             reasons[key] = reasons.get(key, 0) + 1
         rows.append({"turn": turn, "prompt_tokens": sum(r["prompt_tokens"] for r in rs) / len(rs),
+                     "tokenize_mismatches": sum(r["tokenized_tokens"] != r["prompt_tokens"] for r in rs),
                      "cached_tokens": sum(r["cached_tokens"] for r in rs) / len(rs),
                      "shared_tokens": sum(r["shared_tokens"] for r in rs) / len(rs),
                      "cached_of_shared": sum(r["cached_tokens"] for r in rs) / max(shared, 1),
@@ -493,6 +686,10 @@ def table(name: str, summary: dict) -> str:
                      f"{row['cached_tokens']:>8.0f} {100 * row['cached_of_shared']:>12.1f}% "
                      f"{row['ttft_p50_ms']:>7.0f}ms {row['ttft_p90_ms']:>7.0f}ms  "
                      + ", ".join(f"{k} {v}" for k, v in sorted(row["miss_reasons"].items())))
+    mismatched = [row["turn"] for row in summary["turns"] if row["tokenize_mismatches"]]
+    if mismatched:
+        lines.append(f"/tokenize counted other than the server's prompt tokens at turns {mismatched}: the shared "
+                     "column is not the rendered prompt's")
     for row in summary["turns"]:
         parts = row["ttft_parts_p50_ms"]
         if parts:
@@ -540,7 +737,7 @@ def plot(res: dict, path: str) -> None:
     windows.set_ylim(bottom=0)
     windows.legend()
     fig.suptitle(f"agent sessions: {res['config']['sessions']} sessions x {res['config']['turns']} turns, "
-                 f"{res['config']['shape']}")
+                 f"{res['config']['shape']}, --api {res['config']['api']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -568,8 +765,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--doc-words", type=int, default=150, help="per-session document length in words")
     parser.add_argument("--tool-words", type=int, default=60, help="tool result length in words")
     parser.add_argument("--reply-tokens", type=int, default=16, help="tokens per assistant reply")
+    parser.add_argument("--api", default="chat", choices=list(API_PATHS),
+                        help="the endpoint the sessions speak (default: chat; see the module docstring)")
     parser.add_argument("--thinking", default="off", choices=["off", "on", "unset"],
-                        help="chat_template_kwargs enable_thinking (default: off)")
+                        help="chat_template_kwargs enable_thinking, or the API's switch (default: off)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tool-seconds", type=float, default=0.0,
                         help="mean seconds a tool runs before its result is sent (exponential, seeded per session, "
@@ -599,7 +798,7 @@ def main(argv: list[str] | None = None) -> dict:
     def phase_done(key: str, title: str, summary: dict) -> dict:
         """Print the phase's table at once and write the JSON so far: a run stopped later keeps it."""
         res[key] = summary
-        print(table(title, summary), flush=True)
+        print(table(f"{title}, --api {args.api}", summary), flush=True)
         os.makedirs(args.out, exist_ok=True)
         Path(args.out, f"{args.name}.json").write_text(json.dumps(res, indent=1))
         return summary

@@ -83,6 +83,28 @@ def test_agent_sessions_bench(tmp_path):
     assert (tmp_path / "agent_sessions.png").stat().st_size > 0
 
 
+def test_agent_sessions_bench_through_the_agent_apis(tmp_path):
+    """--api responses, responses-chained and messages on one server (a seed each: no mode reads another's
+    prompts): every turn after the first caches what it shares with the previous one but for the assistant
+    header, the nonce phase caches nothing, and `/tokenize` of the chat messages the bench says the server
+    renders counts the server's prompt tokens at every turn (so the shared column is the rendered prompt's)."""
+    llm = LLM(**{**TEST_LLM_KWARGS, "auto_checkpoints": True})
+    with serve(llm, ServerConfig(served_model_name="agents", log_stats=False)) as running:
+        for seed, api in enumerate(("responses", "responses-chained", "messages"), start=1):
+            res = agent_sessions.main(["--url", running.base_url, "--api", api, "--seed", str(seed), "--sessions",
+                                       "2", "--turns", "3", "--system-words", "40", "--doc-words", "30",
+                                       "--tool-words", "15", "--reply-tokens", "3", "--out", str(tmp_path),
+                                       "--name", api])
+            assert res["config"]["api"] == api and (tmp_path / f"{api}.png").stat().st_size > 0
+            for phase in ("reuse", "no_reuse"):
+                assert [row["tokenize_mismatches"] for row in res[phase]["turns"]] == [0, 0, 0], api
+            for row in res["reuse"]["turns"][1:]:
+                assert row["cached_tokens"] >= row["shared_tokens"] - 4, api
+                assert set(row["miss_reasons"]) <= {"none", "template_divergence"}, api
+            assert all(row["cached_tokens"] == 0 for row in res["no_reuse"]["turns"]), api
+        running.engine_call(lambda engine: engine.check_integrity())
+
+
 def test_agent_sessions_bench_after_a_restart(tmp_path):
     """--restart: the server started again on the same --checkpoint-dir computes, for the first turn of
     new sessions, only what they do not share with each other's (and the first server's) system prompt."""
