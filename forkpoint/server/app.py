@@ -19,7 +19,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -111,7 +111,8 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
     # long as a request body), only when the operator trusts them
     sandbox = (TemplateSandbox(TemplateLimits(max_output_chars=max_request_bytes))
                if config.trust_request_chat_template else None)
-    serving = OpenAIServing(model_name=config.served_model_name, max_model_len=engine.max_model_len,
+    serving = OpenAIServing(model_name=config.served_model_name, model_aliases=config.served_model_aliases,
+                            max_model_len=engine.max_model_len,
                             prompts=prompts, worker=worker, admission=admission, metrics=metrics,
                             default_max_tokens=engine.generation_defaults.max_new_tokens, template_sandbox=sandbox,
                             cache_isolation=config.cache_isolation)
@@ -176,7 +177,8 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
 
     add_openai_routes(app, serving=serving, prompts=prompts, tokenizer=tokenizer, metrics=metrics,
                       model_root=str(engine.model_path), max_model_len=engine.max_model_len,
-                      served_model_name=config.served_model_name, created=created, response_store=response_store)
+                      served_model_names=config.served_model_names, created=created,
+                      response_store=response_store)
     return app
 
 
@@ -235,8 +237,8 @@ def _decode(tokenizer, token_ids: list[int]) -> str:
 
 
 def add_openai_routes(app: FastAPI, *, serving: OpenAIServing, prompts: PromptBuilder, tokenizer,
-                      metrics: ServerMetrics, model_root: str, max_model_len: int, served_model_name: str,
-                      created: int, response_store: ResponseStore) -> None:
+                      metrics: ServerMetrics, model_root: str, max_model_len: int,
+                      served_model_names: Sequence[str], created: int, response_store: ResponseStore) -> None:
     """The OpenAI-compatible routes every front end shares (one engine's app, the replicas' ingress):
     /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (finished ones kept in
     `response_store`), Anthropic's /v1/messages and /v1/messages/count_tokens, /tokenize, /detokenize,
@@ -247,9 +249,9 @@ def add_openai_routes(app: FastAPI, *, serving: OpenAIServing, prompts: PromptBu
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{
-            "id": served_model_name, "object": "model", "created": created, "owned_by": "forkpoint",
+            "id": name, "object": "model", "created": created, "owned_by": "forkpoint",
             "root": model_root, "max_model_len": max_model_len,
-        }]}
+        } for name in served_model_names]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

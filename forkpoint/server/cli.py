@@ -41,9 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     http = serve.add_argument_group("server")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     http.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    http.add_argument("--served-model-name", default=None,
-                      help="model id in the API (default: the Hub name as given, the model directory's name, or "
-                           f"{DEFAULT_MODEL_NAME})")
+    http.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                      help="model id in the API; with several (vLLM's rule), requests may name any of them and "
+                           "responses carry the first (default: the Hub name as given, the model directory's name, "
+                           f"or {DEFAULT_MODEL_NAME})")
     http.add_argument("--max-waiting-requests", type=int, default=ServerConfig.max_waiting_requests,
                       help="prompts allowed to wait for their first token; beyond it requests get 503 with "
                            f"Retry-After (default: {ServerConfig.max_waiting_requests})")
@@ -152,7 +153,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServerConfig(
-        served_model_name=args.served_model_name or _model_name(args.model),
+        served_model_name=args.served_model_name[0] if args.served_model_name else _model_name(args.model),
+        served_model_aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
         max_waiting_requests=args.max_waiting_requests, marker_policy=MarkerPolicy(args.marker_in_user_content),
         shutdown_timeout_s=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
         log_stats=not args.disable_log_stats, trust_request_chat_template=args.trust_request_chat_template,

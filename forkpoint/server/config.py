@@ -39,6 +39,9 @@ class ServerConfig:
     """Knobs of the OpenAI-compatible server.
 
     served_model_name: the model id that /v1/models lists and requests must name.
+    served_model_aliases: other ids requests may name (vLLM's --served-model-name with several names, e.g.
+        the model names an agent client sends); /v1/models lists them after it, responses carry
+        served_model_name.
     max_waiting_requests: engine requests admitted but without a first token yet (queued,
         deferred behind a checkpoint, or prefilling) above which new requests get 503.
     retry_after_s: the Retry-After header of a 503.
@@ -91,10 +94,11 @@ class ServerConfig:
     token_cache_bytes: int = DEFAULT_CACHE_BYTES
     responses_store_bytes: int = 64 * 2**20
     chat_template: str | None = None
+    served_model_aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.served_model_name:
-            raise ValueError("served_model_name must be a non-empty string")
+        if not self.served_model_name or not all(self.served_model_aliases):
+            raise ValueError("served_model_name and served_model_aliases must be non-empty strings")
         if self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if self.retry_after_s < 0:
@@ -121,4 +125,10 @@ class ServerConfig:
             raise ValueError(f"cache_isolation must be 'none', 'user' or 'api-key', got {self.cache_isolation!r}")
         if self.cache_isolation == "api-key" and not self.api_keys:
             raise ValueError("cache_isolation 'api-key' needs api_keys (--api-key): without keys requests name no key")
+        object.__setattr__(self, "served_model_aliases", tuple(self.served_model_aliases))
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every id requests may name: served_model_name first, then its aliases."""
+        return (self.served_model_name, *self.served_model_aliases)
 

@@ -141,11 +141,13 @@ class OpenAIServing:
 
     def __init__(self, *, model_name: str, max_model_len: int, prompts: PromptBuilder, worker: EngineWorker,
                  admission: Admission, metrics: ServerMetrics, default_max_tokens: int | None = None,
-                 template_sandbox: TemplateSandbox | None = None, cache_isolation: str = "none") -> None:
+                 template_sandbox: TemplateSandbox | None = None, cache_isolation: str = "none",
+                 model_aliases: tuple[str, ...] = ()) -> None:
         self.cache_isolation = cache_isolation  # "user" / "api-key": requests without cache_salt are salted by it
         self.template_sandbox = template_sandbox  # runs request-supplied chat templates (None: they are a 400)
         self.default_max_tokens = default_max_tokens  # the model's generation_config.json max_new_tokens
-        self.model_name = model_name
+        self.model_name = model_name  # responses carry it
+        self.model_names = frozenset((model_name, *model_aliases))  # what requests may name
         self.max_model_len = max_model_len
         self.prompts = prompts
         self.worker = worker
@@ -153,8 +155,9 @@ class OpenAIServing:
         self.metrics = metrics
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise invalid_request(f"model {model!r} does not exist: this server serves {self.model_name!r}",
+        if model is not None and model not in self.model_names:
+            served = " or ".join(repr(name) for name in sorted(self.model_names))
+            raise invalid_request(f"model {model!r} does not exist: this server serves {served}",
                                   param="model", code="model_not_found")
 
     def cache_salt(self, body: CompletionRequest | ChatCompletionRequest, request: Request) -> str | None:

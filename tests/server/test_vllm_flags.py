@@ -104,3 +104,20 @@ def test_the_server_renders_chats_with_its_chat_template(spare_llm):
             "model": running.model, "messages": messages, "max_tokens": 1,
             "chat_template_kwargs": {"chat_template": "{{ messages[0]['content'] }}"}})
         assert refused.status_code == 400
+
+
+def test_several_served_model_names_are_aliases_and_responses_carry_the_first(spare_llm):
+    args = build_parser().parse_args(["serve", "--served-model-name", "qwen-local", "claude-sonnet-4-5"])
+    assert args.served_model_name == ["qwen-local", "claude-sonnet-4-5"]
+    config = ServerConfig(served_model_name="qwen-local", served_model_aliases=("claude-sonnet-4-5",))
+    with serve(spare_llm, config) as running:
+        assert [m.id for m in running.client().models.list().data] == ["qwen-local", "claude-sonnet-4-5"]
+        reply = running.client().chat.completions.create(model="claude-sonnet-4-5", max_tokens=2,
+                                                         messages=[{"role": "user", "content": "hi"}])
+        assert reply.model == "qwen-local"
+        refused = running.post("/v1/chat/completions", json={"model": "gpt-4o", "max_tokens": 1,
+                                                             "messages": [{"role": "user", "content": "hi"}]})
+        assert refused.status_code == 400
+        assert "'claude-sonnet-4-5' or 'qwen-local'" in refused.json()["error"]["message"]
+    with pytest.raises(ValueError, match="non-empty strings"):
+        ServerConfig(served_model_name="qwen-local", served_model_aliases=("",))

@@ -104,7 +104,8 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
                             chat_template=config.chat_template)
     max_request_bytes = (config.max_request_bytes if config.max_request_bytes is not None else
                          default_max_request_bytes(tokenizer, info.max_model_len, takes_images=False))
-    serving = OpenAIServing(model_name=config.served_model_name, max_model_len=info.max_model_len,
+    serving = OpenAIServing(model_name=config.served_model_name, model_aliases=config.served_model_aliases,
+                            max_model_len=info.max_model_len,
                             prompts=prompts, worker=cluster, admission=admission, metrics=metrics,
                             default_max_tokens=info.default_max_tokens, cache_isolation=config.cache_isolation)
     created = int(time.time())
@@ -154,6 +155,6 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
 
     add_openai_routes(app, serving=serving, prompts=prompts, tokenizer=tokenizer, metrics=metrics,
                       model_root=info.model_path, max_model_len=info.max_model_len,
-                      served_model_name=config.served_model_name, created=created,
+                      served_model_names=config.served_model_names, created=created,
                       response_store=ResponseStore(config.responses_store_bytes))
     return app
