@@ -25,6 +25,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Scope
 
 from forkpoint.inputs.markers import validate_token_ids
@@ -33,7 +34,7 @@ from forkpoint.inputs.template_sandbox import TemplateLimits, TemplateSandbox
 from forkpoint.llm import LLM
 from forkpoint.server.arrival import ArrivalTime
 from forkpoint.server.auth import APIKeyAuth
-from forkpoint.server.config import ServerConfig
+from forkpoint.server.config import CorsPolicy, ServerConfig
 from forkpoint.server.errors import (
     CLIENT_CLOSED_REQUEST,
     RequestTooLarge,
@@ -166,7 +167,7 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
     app.state.max_request_bytes = max_request_bytes
     app.state.response_store = response_store
 
-    install_request_guards(app, metrics, max_request_bytes, config.api_keys)
+    install_request_guards(app, metrics, max_request_bytes, config.api_keys, config.cors)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -196,12 +197,12 @@ async def exit_when_engine_ends(worker: EngineWorker, poll_s: float = 0.2, grace
 
 
 def install_request_guards(app: FastAPI, metrics: ServerMetrics, max_request_bytes: int,
-                           api_keys: tuple[str, ...] = ()) -> None:
+                           api_keys: tuple[str, ...] = (), cors: CorsPolicy | None = None) -> None:
     """The error handlers (OpenAI-shaped error bodies, Anthropic-shaped on the /v1/messages routes, each
     counted under its endpoint's outcome), the request-size limit (413 before the body is read when
-    Content-Length says so) and, with
-    `api_keys`, the key check (401 before anything else; server/auth.py) that every front end shares
-    (one engine's app, the replicas' ingress)."""
+    Content-Length says so), with `api_keys` the key check (401 before anything else; server/auth.py),
+    and with `cors` origins the cross-origin headers (outside the key check: a browser's preflight
+    carries no key), that every front end shares (one engine's app, the replicas' ingress)."""
 
     def on_error(request: Request, status: int) -> None:
         endpoint = GENERATION_ENDPOINTS.get(request.url.path)
@@ -224,6 +225,9 @@ def install_request_guards(app: FastAPI, metrics: ServerMetrics, max_request_byt
                        body_for=error_body_for)
     if api_keys:  # added late: outside the size limit, so a request without a valid key gets no further
         app.add_middleware(APIKeyAuth, keys=api_keys)
+    if cors is not None and cors.origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors.origins), allow_methods=list(cors.methods),
+                           allow_headers=list(cors.headers), allow_credentials=cors.credentials)
     app.add_middleware(ArrivalTime)  # added last: the outermost, it stamps the request before any other work
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import sys
@@ -21,7 +22,13 @@ from pathlib import Path
 
 from forkpoint.server.bench_cli import add_bench_args, run_bench
 from forkpoint.server.chat_args import add_chat_args
-from forkpoint.server.config import DEFAULT_MODEL_NAME, MarkerPolicy, ServerConfig, default_tokenizer_workers
+from forkpoint.server.config import (
+    DEFAULT_MODEL_NAME,
+    CorsPolicy,
+    MarkerPolicy,
+    ServerConfig,
+    default_tokenizer_workers,
+)
 from forkpoint.server.engine_args import add_engine_args, check_engine_kwargs, engine_kwargs, server_engine_kwargs
 
 # An idle kept-alive connection's life on the server (seconds): longer than a client's own (httpx, and so the openai
@@ -88,6 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="'user': a request without cache_salt is salted by its user field, so tenants share no "
                            "checkpoint or KV block and cached_tokens reveals nothing across them; 'api-key': by the "
                            "API key it presented (needs --api-key) (default: none)")
+    http.add_argument("--allowed-origins", type=_json_strings, default=["*"], metavar="JSON",
+                      help="browser origins that may call the API (CORS), a JSON list as vLLM's; '[]': none "
+                           "(default: [\"*\"])")
+    http.add_argument("--allowed-methods", type=_json_strings, default=["*"], metavar="JSON",
+                      help="HTTP methods a cross-origin request may use, a JSON list (default: [\"*\"])")
+    http.add_argument("--allowed-headers", type=_json_strings, default=["*"], metavar="JSON",
+                      help="headers a cross-origin request may send, a JSON list (default: [\"*\"])")
+    http.add_argument("--allow-credentials", action="store_true",
+                      help="let cross-origin requests carry credentials (cookies, authorization) (default: off)")
     http.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                       help="require 'Authorization: Bearer <KEY>' (any of the keys given) on every route but /health "
                            "and /metrics, else 401; each key is a client for admission and checkpoint shares "
@@ -155,6 +171,8 @@ def run_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         served_model_name=args.served_model_name[0] if args.served_model_name else _model_name(args.model),
         served_model_aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
+        cors=CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
+                        args.allow_credentials),
         max_waiting_requests=args.max_waiting_requests, marker_policy=MarkerPolicy(args.marker_in_user_content),
         shutdown_timeout_s=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
         log_stats=not args.disable_log_stats, trust_request_chat_template=args.trust_request_chat_template,
@@ -205,6 +223,17 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"speculative: mean acceptance length {metrics['spec_mean_acceptance_length']:.2f}, "
               f"{metrics['spec_accepted_tokens']} of {metrics['spec_draft_tokens']} draft tokens accepted")
     return 0
+
+
+def _json_strings(text: str) -> list[str]:
+    """A JSON list of strings (vLLM's --allowed-origins form), as an argparse type."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON ({err}): pass a list such as '[\"https://example.com\"]'") from None
+    if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of non-empty strings, got {text}")
+    return value
 
 
 def _model_name(model: str | None) -> str:

@@ -28,6 +28,25 @@ class MarkerPolicy(enum.StrEnum):
     REJECT = "reject"
 
 
+@dataclass(frozen=True)
+class CorsPolicy:
+    """Cross-origin requests (vLLM's --allowed-origins, --allowed-methods, --allowed-headers,
+    --allow-credentials, with vLLM's defaults): which browser origins may call the API, with which
+    methods and headers. No origins: no CORS headers at all (browsers then refuse cross-origin calls)."""
+
+    origins: tuple[str, ...] = ("*",)
+    methods: tuple[str, ...] = ("*",)
+    headers: tuple[str, ...] = ("*",)
+    credentials: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("origins", "methods", "headers"):
+            values = tuple(getattr(self, name))
+            if not all(isinstance(value, str) and value for value in values):
+                raise ValueError(f"CORS {name} must be non-empty strings, got {list(values)}")
+            object.__setattr__(self, name, values)
+
+
 def default_tokenizer_workers() -> int:
     """Prompt-building threads for this machine: its CPU count, at least 2 (one huge prompt never
     holds up every other request) and at most 8."""
@@ -70,6 +89,7 @@ class ServerConfig:
         "api-key" (salted by the API key it presented; needs `api_keys`).
     responses_store_bytes: bytes of finished /v1/responses responses kept for `previous_response_id` and
         GET /v1/responses/{id} (`response_store.py`; least recently used dropped first); 0: none are kept.
+    cors: the cross-origin policy (`CorsPolicy`; vLLM's default: any origin, method and header).
     chat_template: vLLM's --chat-template: the Jinja template chat prompts render with instead of the
         tokenizer's (None: the tokenizer's; a request's own, where trusted, still wins).
     api_keys: vLLM's --api-key: with keys, every route but /health and /metrics needs
@@ -95,6 +115,7 @@ class ServerConfig:
     responses_store_bytes: int = 64 * 2**20
     chat_template: str | None = None
     served_model_aliases: tuple[str, ...] = ()
+    cors: CorsPolicy = field(default_factory=CorsPolicy)
 
     def __post_init__(self) -> None:
         if not self.served_model_name or not all(self.served_model_aliases):

@@ -3,10 +3,11 @@ mapped to what it means here or, where forkpoint cannot do what it asks, refused
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from forkpoint.server.cli import build_parser, main
-from forkpoint.server.config import ServerConfig
+from forkpoint.server.config import CorsPolicy, ServerConfig
 from forkpoint.server.engine_args import engine_kwargs
 from tests.server.conftest import serve
 
@@ -121,3 +122,29 @@ def test_several_served_model_names_are_aliases_and_responses_carry_the_first(sp
         assert "'claude-sonnet-4-5' or 'qwen-local'" in refused.json()["error"]["message"]
     with pytest.raises(ValueError, match="non-empty strings"):
         ServerConfig(served_model_name="qwen-local", served_model_aliases=("",))
+
+
+PREFLIGHT = {"Origin": "http://chat.example", "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization, content-type"}
+
+
+def test_browsers_may_call_the_api_across_origins_as_vllm_allows_by_default(spare_llm):
+    args = build_parser().parse_args(["serve", "--allowed-origins", '["http://chat.example"]', "--allow-credentials"])
+    assert (args.allowed_origins, args.allowed_methods, args.allow_credentials) == (["http://chat.example"], ["*"],
+                                                                                    True)
+    with serve(spare_llm, ServerConfig(api_keys=("sk-test",))) as running:
+        # the preflight carries no key: answered before the key check
+        preflight = httpx.options(f"{running.base_url}/v1/chat/completions", headers=PREFLIGHT)
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
+        # a request without the key is refused, with the headers that let the page read why
+        refused = httpx.post(f"{running.base_url}/v1/chat/completions", headers={"Origin": "http://chat.example"},
+                             json={"model": running.model, "messages": [{"role": "user", "content": "hi"}]})
+        assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
+        listed = httpx.get(f"{running.base_url}/v1/models", headers={"Origin": "http://chat.example",
+                                                                      "Authorization": "Bearer sk-test"})
+        assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == "*"
+    with serve(spare_llm, ServerConfig(cors=CorsPolicy(origins=()))) as running:
+        listed = httpx.get(f"{running.base_url}/v1/models", headers={"Origin": "http://chat.example"})
+        assert listed.status_code == 200 and "access-control-allow-origin" not in listed.headers
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--allowed-origins", "*"])
