@@ -30,6 +30,7 @@ from forkpoint.server.config import (
     default_tokenizer_workers,
 )
 from forkpoint.server.engine_args import add_engine_args, check_engine_kwargs, engine_kwargs, server_engine_kwargs
+from forkpoint.server.http_args import add_http_args, uvicorn_options
 
 # An idle kept-alive connection's life on the server (seconds): longer than a client's own (httpx, and so the openai
 # client, keep one 5 s; uvicorn's and vLLM's default is 5 s too, which races them: bench/agent_sessions.py at 256
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="request bodies above this many bytes get 413 before they are read (default: enough "
                            "for any one prompt that fits --max-model-len, written with the worst JSON escaping)")
     add_chat_args(http)
+    add_http_args(http)
     http.add_argument("--trust-request-chat-template", action="store_true",
                       help="run chat templates that requests supply (chat_template_kwargs.chat_template) in a "
                            "sandboxed process with time, memory, loop and output limits; without it they get 400")
@@ -183,16 +185,16 @@ def run_serve(args: argparse.Namespace) -> int:
         responses_store_bytes=int(args.responses_store_mib * 2**20), chat_template=args.chat_template,
     )
     check_engine_kwargs(server_engine_kwargs(args, replicas=True))
+    http = uvicorn_options(args)  # before anything loads: a TLS key without its certificate is refused here
     if args.data_parallel_size != 1 or args.ray_address is not None:
         from forkpoint.server.replicas.launch import serve_replicas
 
-        return serve_replicas(args, config, server_engine_kwargs(args, replicas=True))
+        return serve_replicas(args, config, server_engine_kwargs(args, replicas=True), http)
     start = time.perf_counter()
     llm = LLM(**server_engine_kwargs(args))
     app = build_app(llm, config, load_time_s=time.perf_counter() - start)
     freeze_startup_heap()
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=args.timeout_keep_alive)
+    uvicorn.run(app, **http)
     return 0
 
 

@@ -148,3 +148,26 @@ def test_browsers_may_call_the_api_across_origins_as_vllm_allows_by_default(spar
         assert listed.status_code == 200 and "access-control-allow-origin" not in listed.headers
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--allowed-origins", "*"])
+
+
+def test_transport_flags_reach_uvicorn(monkeypatch, tmp_path, capsys):
+    """vLLM's uvicorn, TLS and proxy flags become uvicorn's arguments; a key without its certificate is
+    refused before anything loads."""
+    import uvicorn
+
+    import forkpoint
+    import forkpoint.server.app
+
+    seen = {}
+    monkeypatch.setattr(forkpoint, "LLM", lambda **kwargs: object())
+    monkeypatch.setattr(forkpoint.server.app, "build_app", lambda llm, config, load_time_s: object())
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.update(kwargs))
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    assert main(["serve", "--port", "1", "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
+                 "--disable-log-requests", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
+                 "--root-path", "/llm"]) == 0
+    assert (seen["port"], seen["log_level"], seen["access_log"], seen["root_path"]) == (1, "warning", False, "/llm")
+    assert (seen["ssl_keyfile"], seen["ssl_certfile"], seen["ssl_ca_certs"]) == (str(key), str(cert), None)
+    seen.clear()
+    assert main(["serve", "--port", "1", "--ssl-keyfile", str(key)]) == 2
+    assert "--ssl-keyfile and --ssl-certfile go together" in capsys.readouterr().err and not seen

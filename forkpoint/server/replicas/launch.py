@@ -142,16 +142,17 @@ def serve_app_running(name: str) -> bool:
         return False
 
 
-def serve_replicas(args: argparse.Namespace, config: ServerConfig, engine_kwargs: dict[str, Any]) -> int:
-    """`forkpoint serve --data-parallel-size N [--ray-address ADDR]`: the replicas, then uvicorn."""
+def serve_replicas(args: argparse.Namespace, config: ServerConfig, engine_kwargs: dict[str, Any],
+                   http: dict[str, Any]) -> int:
+    """`forkpoint serve --data-parallel-size N [--ray-address ADDR]`: the replicas, then uvicorn with the
+    keyword arguments `http` (server/http_args.py `uvicorn_options`)."""
     import uvicorn
 
     options = ReplicaOptions(num_replicas=args.data_parallel_size)
     init = {"include_dashboard": False, "logging_level": logging.WARNING, "log_to_driver": False}
     with ReplicaCluster(engine_kwargs, options, ray_address=args.ray_address, ray_init_kwargs=init) as cluster:
         logger.info("%d replicas ready (%s)", options.num_replicas, "a GPU each" if cluster.options.num_gpus else "CPU")
-        uvicorn.run(cluster.app(config), host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=args.timeout_keep_alive)
+        uvicorn.run(cluster.app(config), **http)
     return 0
 
 
