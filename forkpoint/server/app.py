@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Scope
 
+from forkpoint import __version__ as forkpoint_version
 from forkpoint.inputs.markers import validate_token_ids
 from forkpoint.inputs.segment_tokens import SegmentEncoder
 from forkpoint.inputs.template_sandbox import TemplateLimits, TemplateSandbox
@@ -176,6 +177,8 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "engine not running"}, status_code=503)
 
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # vLLM's (SageMaker's) name for the probe
+
     add_openai_routes(app, serving=serving, prompts=prompts, tokenizer=tokenizer, metrics=metrics,
                       model_root=str(engine.model_path), max_model_len=engine.max_model_len,
                       served_model_names=config.served_model_names, created=created,
@@ -244,11 +247,15 @@ def add_openai_routes(app: FastAPI, *, serving: OpenAIServing, prompts: PromptBu
                       metrics: ServerMetrics, model_root: str, max_model_len: int,
                       served_model_names: Sequence[str], created: int, response_store: ResponseStore) -> None:
     """The OpenAI-compatible routes every front end shares (one engine's app, the replicas' ingress):
-    /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (finished ones kept in
+    /version, /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (finished ones kept in
     `response_store`), Anthropic's /v1/messages and /v1/messages/count_tokens, /tokenize, /detokenize,
     /metrics."""
     responses = OpenAIResponses(serving, response_store)
     messages = AnthropicMessages(serving)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": forkpoint_version}
 
     @app.get("/v1/models")
     async def models() -> dict:

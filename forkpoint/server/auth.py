@@ -24,8 +24,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from forkpoint.server.errors import error_body
 from forkpoint.server.messages_errors import MESSAGES_PATHS, anthropic_error
 
-# liveness probes and Prometheus scrapers carry no key (vLLM leaves both open too)
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# liveness probes, Prometheus scrapers and version checks carry no key (vLLM leaves them open too)
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 
 
 class APIKeyAuth:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+import forkpoint
 from forkpoint.server.cli import build_parser, main
 from forkpoint.server.config import CorsPolicy, ServerConfig
 from forkpoint.server.engine_args import engine_kwargs
@@ -143,6 +144,10 @@ def test_browsers_may_call_the_api_across_origins_as_vllm_allows_by_default(spar
         listed = httpx.get(f"{running.base_url}/v1/models", headers={"Origin": "http://chat.example",
                                                                       "Authorization": "Bearer sk-test"})
         assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == "*"
+        # vLLM's open probes: /ping (GET and POST, as /health) and /version, without a key
+        assert httpx.get(f"{running.base_url}/ping").json() == {"status": "ok"}
+        assert httpx.post(f"{running.base_url}/ping").status_code == 200
+        assert httpx.get(f"{running.base_url}/version").json() == {"version": forkpoint.__version__}
     with serve(spare_llm, ServerConfig(cors=CorsPolicy(origins=()))) as running:
         listed = httpx.get(f"{running.base_url}/v1/models", headers={"Origin": "http://chat.example"})
         assert listed.status_code == 200 and "access-control-allow-origin" not in listed.headers

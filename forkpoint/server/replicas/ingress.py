@@ -153,6 +153,8 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
             return JSONResponse({"status": "ok", "replicas": live})
         return JSONResponse({"status": "no replica running", "replicas": 0}, status_code=503)
 
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # vLLM's (SageMaker's) name for the probe
+
     add_openai_routes(app, serving=serving, prompts=prompts, tokenizer=tokenizer, metrics=metrics,
                       model_root=info.model_path, max_model_len=info.max_model_len,
                       served_model_names=config.served_model_names, created=created,
