@@ -25,6 +25,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Scope
 
@@ -74,6 +75,9 @@ GENERATION_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions"
                         "/v1/messages": "messages"}
 ERROR_OUTCOMES = {400: "invalid_request", 404: "invalid_request", 413: "invalid_request", 422: "invalid_request",
                   503: "rejected", CLIENT_CLOSED_REQUEST: "aborted"}
+# bodies above this have their strings checked for lone surrogates off the event loop (below it, at most a
+# few thousand strings: a few milliseconds inline, where a thread hop would queue behind prompt renders)
+OFF_LOOP_CHECK_BYTES = 64 << 10
 
 
 def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = None) -> FastAPI:
@@ -253,6 +257,15 @@ def add_openai_routes(app: FastAPI, *, serving: OpenAIServing, prompts: PromptBu
     responses = OpenAIResponses(serving, response_store)
     messages = AnthropicMessages(serving)
 
+    async def reject_unencodable(body: BaseModel, request: Request) -> None:
+        """`reject_unencodable_text(body)`: inline for a small body, in the tokenizer pool for one over
+        OFF_LOOP_CHECK_BYTES, whose walk over tens of thousands of strings (pure Python) would hold the
+        event loop for hundreds of milliseconds; in a thread it yields the GIL every switch interval."""
+        if len(await request.body()) > OFF_LOOP_CHECK_BYTES:
+            await prompts.run(reject_unencodable_text, body)
+        else:
+            reject_unencodable_text(body)
+
     @app.get("/version")
     async def version() -> dict:
         return {"version": forkpoint_version}
@@ -266,17 +279,17 @@ def add_openai_routes(app: FastAPI, *, serving: OpenAIServing, prompts: PromptBu
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        reject_unencodable_text(body)
+        await reject_unencodable(body, request)
         return await serving.completions(body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        reject_unencodable_text(body)
+        await reject_unencodable(body, request)
         return await serving.chat(body, request)
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
-        reject_unencodable_text(body)
+        await reject_unencodable(body, request)
         return await responses.create(body, request)
 
     @app.get("/v1/responses/{response_id}")
@@ -292,16 +305,16 @@ def add_openai_routes(app: FastAPI, *, serving: OpenAIServing, prompts: PromptBu
 
     @app.post("/v1/messages")
     async def create_message(body: MessagesRequest, request: Request) -> Response:
-        reject_unencodable_text(body)
+        await reject_unencodable(body, request)
         return await messages.create(body, request)
 
     @app.post("/v1/messages/count_tokens")
-    async def count_message_tokens(body: CountTokensRequest) -> Response:
-        reject_unencodable_text(body)
+    async def count_message_tokens(body: CountTokensRequest, request: Request) -> Response:
+        await reject_unencodable(body, request)
         return await messages.count_tokens(body)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict:
         """Token ids as the engine will see them (markers removed) and the checkpoint positions
         the markers and flags stand for: send both back as a token-id prompt for the same effect.
         Built in the tokenizer pool; a text that cannot fit max_model_len is a 400
@@ -309,7 +322,7 @@ def add_openai_routes(app: FastAPI, *, serving: OpenAIServing, prompts: PromptBu
         (prompt_length.py), where counting all of a body-limit text would hold a pool thread for
         tens of seconds."""
         serving.check_model(body.model)
-        reject_unencodable_text(body)
+        await reject_unencodable(body, request)
         if body.prompt is not None:
             prompt = await prompts.run(prompts.from_text, body.prompt, process=False)
         else:

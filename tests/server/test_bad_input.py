@@ -24,6 +24,12 @@ CASES = [
     ("lone surrogate in a content part", "/v1/chat/completions",
      '{"model": "{model}", "messages": [{"role": "user", "content": [{"type": "text", "text": "' + LONE + '"}]}]}',
      "messages"),
+    # a body over OFF_LOOP_CHECK_BYTES (64 KiB) is checked in the tokenizer pool: the same 400
+    ("lone surrogate after 8,000 content parts", "/v1/chat/completions",
+     '{"model": "{model}", "messages": [{"role": "user", "content": ['
+     + '{"type": "text", "text": "x"}, ' * 8000 + '{"type": "text", "text": "' + LONE + '"}]}]}', "messages"),
+    ("lone surrogate in a 64 KiB /v1/responses input", "/v1/responses",
+     '{"model": "{model}", "input": "' + "x" * 70000 + LONE + '"}', "input"),
     ("lone surrogate in bad_words", "/v1/completions",
      '{"model": "{model}", "prompt": "x", "bad_words": ["' + LONE + '"]}', "bad_words"),
     ("lone surrogate in stop", "/v1/completions", '{"model": "{model}", "prompt": "x", "stop": ["' + LONE + '"]}',
