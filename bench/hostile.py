@@ -397,6 +397,9 @@ def _weather(nonce: str) -> list[dict]:
     return [{"role": "user", "content": f"What is the weather in Paris? ({nonce})"}]
 
 
+_TEXT_PART = {"type": "text", "text": "x"}  # a chat content part and an Anthropic text block alike
+
+
 def _tool(description: str, city: str = "the city") -> dict:
     return {"type": "function", "function": {"name": "weather", "description": description, "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "description": city}}, "required": ["city"]}}}
@@ -495,6 +498,18 @@ def build_cases(max_model_len: int, user: str | None, server_args: list[str] | N
              lambda m: {"model": m, "max_tokens": 1, "prompt": "hi", "allowed_token_ids": [True, False]}),
         one("unknown_role", "a message with role 'hacker'", "/v1/chat/completions",
              lambda m: {"model": m, "max_tokens": 1, "messages": [{"role": "hacker", "content": "hi"}]}),
+        one("chat_20k_messages", "20,000 one-word messages (0.77 MB)", "/v1/chat/completions",
+             lambda m: {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": f"w{i}"}
+                                                                  for i in range(20_000)]}),
+        one("chat_50k_parts", "one message of 50,000 one-letter text parts (1.55 MB)", "/v1/chat/completions",
+             lambda m: {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": [_TEXT_PART] * 50_000}]}),
+        one("responses_50k_parts", "/v1/responses: one input message of 50,000 text parts", "/v1/responses",
+             lambda m: {"model": m, "max_output_tokens": 1, "input": [
+                 {"role": "user", "content": [{"type": "input_text", "text": "x"}] * 50_000}]}),
+        # Anthropic's body has no `user` (metadata.user_id): sent without one
+        partial(_one, user=None)("messages_50k_blocks", "/v1/messages: one message of 50,000 text blocks",
+                                 "/v1/messages", lambda m: {"model": m, "max_tokens": 1, "messages": [
+                                     {"role": "user", "content": [_TEXT_PART] * 50_000}]}),
         _cross_tenant("cross_tenant_user", "tenant B (another user) sends tenant A's document",
                       {"user": "tenant_a"}, {"user": "tenant_b"}, {"user": True, "none": False}.get(isolation)),
         _cross_tenant("cross_tenant_salt", "tenant B (another user and cache_salt) sends tenant A's document",

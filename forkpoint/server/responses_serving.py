@@ -51,6 +51,10 @@ from forkpoint.server.responses_protocol import ResponsesRequest, parse_items
 from forkpoint.server.serving import ChatPlan, GenerationStream, OpenAIServing, api_client, stream_deltas
 from forkpoint.server.worker import EngineFailure, RequestOutOfMemory, ServerShuttingDown
 
+# the chat request's fields a refusal may name, as the response request's fields they came from
+RESPONSES_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+                    "max_tokens": "max_output_tokens", "response_format": "text", "chat_template_kwargs": "reasoning"}
+
 
 def not_found(response_id: str, param: str) -> APIError:
     return APIError(f"no stored response with id {response_id!r} (unknown, deleted, dropped from the store, stored "
@@ -85,11 +89,15 @@ class OpenAIResponses:
                 raise not_found(body.previous_response_id, "previous_response_id")
             previous = entry.messages
         conversion = to_chat(body, previous)
-        plan = await self.serving.chat_plan(conversion.chat, request)
         echo = ResponseEcho(body, new_id("resp"), self.serving.model_name, int(time.time()),
                             stored=body.store and self.store.enabled)
-        gen = await self.serving.start("responses", "input", echo.response_id, conversion.chat, [plan.prompt],
-                                       plan.params, request, received)
+        try:
+            plan = await self.serving.chat_plan(conversion.chat, request)
+            gen = await self.serving.start("responses", "input", echo.response_id, conversion.chat, [plan.prompt],
+                                           plan.params, request, received)
+        except APIError as err:  # it names the chat request's field: name the response request's
+            err.param = RESPONSES_PARAMS.get(err.param, err.param)
+            raise
         if body.stream:
             return GenerationStream(self._stream(gen, plan, echo, conversion, tenant), gen.close)
         try:
