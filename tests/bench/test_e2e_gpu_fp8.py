@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import re
 import sys
@@ -22,6 +21,8 @@ sys.path.insert(0, str(BENCH))
 import e2e_gpu  # noqa: E402
 import e2e_gpu_compare  # noqa: E402
 from e2e_gpu_shapes import qwen3_next_80b_config  # noqa: E402
+
+from tests.bench.e2e_gpu_runs import run_e2e_gpu  # noqa: E402
 
 
 def _config(shape: str, tiny: bool) -> dict:
@@ -61,19 +62,10 @@ def test_qwen3_next_80b_numbers_are_transformers_qwen3next_defaults():
 
 def _dry_run(tmp_path, monkeypatch, shape: str, device: str) -> dict:
     """A tiny run of `shape` on `device` (two main pairs, one decode pair); its result JSON."""
-    argv = ["e2e_gpu.py", "--tiny", "--device", device, "--shape", shape, "--out", str(tmp_path),
-            "--name", "dry", "--p", "40", "--s", "8", "--n", "1,2", "--decode-p", "16", "--decode-n", "2",
-            "--decode-tokens", "3", "--exact-n=", "--auto-n=", "--async-n=", "--seed-n=", "--eager-n=", "--long-p=",
-            "--long-decode-p=", "--max-num-batched-tokens", "64", "--max-num-seqs", "4"]
-    monkeypatch.setattr(sys, "argv", argv)
-    monkeypatch.setattr(e2e_gpu.logging, "basicConfig", lambda **kwargs: None)  # no handler left behind
-    logger = logging.getLogger("forkpoint")
-    level = logger.level
-    try:
-        e2e_gpu.main()
-    finally:
-        logger.setLevel(level)
-    return json.loads((tmp_path / "dry.json").read_text())
+    return run_e2e_gpu(monkeypatch, tmp_path, "dry", "--tiny", "--device", device, "--shape", shape, "--p", "40",
+                       "--s", "8", "--n", "1,2", "--decode-p", "16", "--decode-n", "2", "--decode-tokens", "3",
+                       "--exact-n=", "--auto-n=", "--async-n=", "--seed-n=", "--eager-n=", "--long-p=",
+                       "--long-decode-p=", "--max-num-batched-tokens", "64", "--max-num-seqs", "4")
 
 
 def _check_dry_run(results: dict) -> None:

@@ -5,8 +5,6 @@ and lists both under the JSON's `long`; the transformers peer records an out-of-
 
 from __future__ import annotations
 
-import json
-import logging
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,6 +18,8 @@ sys.path.insert(0, str(BENCH))
 import e2e_gpu  # noqa: E402
 import e2e_gpu_peer  # noqa: E402
 from e2e_gpu_plan import Predictor, RowSpec, plan_rows  # noqa: E402
+
+from tests.bench.e2e_gpu_runs import run_e2e_gpu  # noqa: E402
 
 
 def _plan(*argv: str):
@@ -64,19 +64,11 @@ def test_the_predictor_charges_long_prompts_their_attention():
 def _tiny_run(tmp_path, monkeypatch, capsys) -> tuple[dict, str]:
     """A tiny CPU run: one main pair, then long rows at P = 200 and 40,000 (beyond the tiny model's
     max_model_len of 32,768) by N = 1, 2, and a long TPOT pair at P = 200; its JSON and output."""
-    argv = ["e2e_gpu.py", "--tiny", "--device", "cpu", "--out", str(tmp_path), "--name", "long", "--p", "40",
-            "--s", "8", "--n", "1", "--decode-n=", "--exact-n=", "--auto-n=", "--async-n=", "--seed-n=", "--eager-n=",
-            "--long-p", "200,40000", "--long-n", "1,2", "--long-decode-p", "200", "--long-decode-n", "2",
-            "--decode-tokens", "3", "--no-peer", "--max-num-batched-tokens", "64", "--max-num-seqs", "4"]
-    monkeypatch.setattr(sys, "argv", argv)
-    monkeypatch.setattr(e2e_gpu.logging, "basicConfig", lambda **kwargs: None)  # no handler left behind
-    logger = logging.getLogger("forkpoint")
-    level = logger.level
-    try:
-        e2e_gpu.main()
-    finally:
-        logger.setLevel(level)
-    return json.loads((tmp_path / "long.json").read_text()), capsys.readouterr().out
+    results = run_e2e_gpu(monkeypatch, tmp_path, "long", "--tiny", "--device", "cpu", "--p", "40", "--s", "8",
+                          "--n", "1", "--decode-n=", "--exact-n=", "--auto-n=", "--async-n=", "--seed-n=", "--eager-n=",
+                          "--long-p", "200,40000", "--long-n", "1,2", "--long-decode-p", "200", "--long-decode-n", "2",
+                          "--decode-tokens", "3", "--no-peer", "--max-num-batched-tokens", "64", "--max-num-seqs", "4")
+    return results, capsys.readouterr().out
 
 
 def test_tiny_run_produces_the_long_rows_and_skips_a_prompt_beyond_max_model_len(tmp_path, monkeypatch, capsys):
