@@ -503,6 +503,16 @@ def build_cases(max_model_len: int, user: str | None, server_args: list[str] | N
                                                                   for i in range(20_000)]}),
         one("chat_50k_parts", "one message of 50,000 one-letter text parts (1.55 MB)", "/v1/chat/completions",
              lambda m: {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": [_TEXT_PART] * 50_000}]}),
+        one("chat_500k_parts", "one message of 500,000 one-letter text parts (15.5 MB)", "/v1/chat/completions",
+             lambda m: {"model": m, "max_tokens": 1,
+                        "messages": [{"role": "user", "content": [_TEXT_PART] * 500_000}]}),
+        one("chat_200k_messages", "200,000 one-word messages (8 MB)", "/v1/chat/completions",
+             lambda m: {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": f"w{i}"}
+                                                                  for i in range(200_000)]}),
+        one("chat_8k_messages", "8,000 one-word messages (under --max-request-objects' 8,192: validated, "
+            "rendered, tokenised)", "/v1/chat/completions",
+             lambda m: {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": f"w{i}"}
+                                                                  for i in range(8_000)]}),
         one("responses_50k_parts", "/v1/responses: one input message of 50,000 text parts", "/v1/responses",
              lambda m: {"model": m, "max_output_tokens": 1, "input": [
                  {"role": "user", "content": [{"type": "input_text", "text": "x"}] * 50_000}]}),

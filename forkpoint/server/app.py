@@ -46,7 +46,7 @@ from forkpoint.server.errors import (
 )
 from forkpoint.server.gc_pauses import GcPauses
 from forkpoint.server.generation import Admission
-from forkpoint.server.json_body import OffLoopJSONRoute
+from forkpoint.server.json_body import off_loop_json_route
 from forkpoint.server.limits import RequestSizeLimit, default_max_request_bytes
 from forkpoint.server.messages_errors import error_body_for
 from forkpoint.server.messages_protocol import CountTokensRequest, MessagesRequest
@@ -60,7 +60,7 @@ from forkpoint.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from forkpoint.server.request_params import reject_unencodable_text, template_kwargs
+from forkpoint.server.request_params import may_hold_surrogate, reject_unencodable_text, template_kwargs
 from forkpoint.server.response_store import ResponseStore
 from forkpoint.server.responses_protocol import ResponsesRequest
 from forkpoint.server.responses_serving import OpenAIResponses
@@ -172,7 +172,7 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
     app.state.max_request_bytes = max_request_bytes
     app.state.response_store = response_store
 
-    install_request_guards(app, metrics, max_request_bytes, config.api_keys, config.cors)
+    install_request_guards(app, metrics, max_request_bytes, config.max_request_objects, config.api_keys, config.cors)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -203,11 +203,12 @@ async def exit_when_engine_ends(worker: EngineWorker, poll_s: float = 0.2, grace
     raise SystemExit(1)  # out of the event loop and uvicorn.run: the process exits 1
 
 
-def install_request_guards(app: FastAPI, metrics: ServerMetrics, max_request_bytes: int,
+def install_request_guards(app: FastAPI, metrics: ServerMetrics, max_request_bytes: int, max_request_objects: int,
                            api_keys: tuple[str, ...] = (), cors: CorsPolicy | None = None) -> None:
     """The error handlers (OpenAI-shaped error bodies, Anthropic-shaped on the /v1/messages routes, each
     counted under its endpoint's outcome), the request-size limit (413 before the body is read when
-    Content-Length says so), with `api_keys` the key check (401 before anything else; server/auth.py),
+    Content-Length says so), the JSON-object limit of the routes added after this (400 while the body is
+    decoded, server/json_body.py), with `api_keys` the key check (401 before anything else; server/auth.py),
     and with `cors` origins the cross-origin headers (outside the key check: a browser's preflight
     carries no key), that every front end shares (one engine's app, the replicas' ingress)."""
 
@@ -227,7 +228,7 @@ def install_request_guards(app: FastAPI, metrics: ServerMetrics, max_request_byt
         log_error_response(scope["method"], scope["path"], 413, RequestTooLarge(message).body())
 
     install_error_handlers(app, on_error, error_body_for)
-    app.router.route_class = OffLoopJSONRoute  # routes added after this decode large bodies off the loop
+    app.router.route_class = off_loop_json_route(max_request_objects)  # routes added after this use it
     app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes, on_reject=on_too_large,
                        body_for=error_body_for)
     if api_keys:  # added late: outside the size limit, so a request without a valid key gets no further
@@ -258,10 +259,14 @@ def add_openai_routes(app: FastAPI, *, serving: OpenAIServing, prompts: PromptBu
     messages = AnthropicMessages(serving)
 
     async def reject_unencodable(body: BaseModel, request: Request) -> None:
-        """`reject_unencodable_text(body)`: inline for a small body, in the tokenizer pool for one over
-        OFF_LOOP_CHECK_BYTES, whose walk over tens of thousands of strings (pure Python) would hold the
-        event loop for hundreds of milliseconds; in a thread it yields the GIL every switch interval."""
-        if len(await request.body()) > OFF_LOOP_CHECK_BYTES:
+        """`reject_unencodable_text(body)` unless the raw body cannot hold a surrogate: inline for a
+        small body, in the tokenizer pool for one over OFF_LOOP_CHECK_BYTES, whose walk over tens of
+        thousands of strings (pure Python) would hold the event loop for hundreds of milliseconds; in a
+        thread it yields the GIL every switch interval."""
+        raw = await request.body()
+        if not may_hold_surrogate(raw):
+            return
+        if len(raw) > OFF_LOOP_CHECK_BYTES:
             await prompts.run(reject_unencodable_text, body)
         else:
             reject_unencodable_text(body)

@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--max-request-bytes", type=int, default=None,
                       help="request bodies above this many bytes get 413 before they are read (default: enough "
                            "for any one prompt that fits --max-model-len, written with the worst JSON escaping)")
+    http.add_argument("--max-request-objects", type=int, default=ServerConfig.max_request_objects,
+                      help="JSON objects a request body may hold (messages, content parts, tools and each object of "
+                           "their schemas count one each); a body with more gets 400 before its fields are validated, "
+                           "which for tens of thousands of objects holds the event loop and starves other requests "
+                           "(default: %(default)s)")
     add_chat_args(http)
     add_http_args(http)
     http.add_argument("--trust-request-chat-template", action="store_true",
@@ -177,6 +182,7 @@ def run_serve(args: argparse.Namespace) -> int:
                         args.allow_credentials),
         max_waiting_requests=args.max_waiting_requests, marker_policy=MarkerPolicy(args.marker_in_user_content),
         shutdown_timeout_s=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
+        max_request_objects=args.max_request_objects,
         log_stats=not args.disable_log_stats, trust_request_chat_template=args.trust_request_chat_template,
         cache_isolation=args.cache_isolation, max_num_seqs_per_request=args.max_num_seqs_per_request,
         max_waiting_per_user=args.max_waiting_per_user, tokenizer_workers=args.tokenizer_workers,

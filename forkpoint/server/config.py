@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from forkpoint.inputs.segment_tokens import DEFAULT_CACHE_BYTES
 
 DEFAULT_MODEL_NAME = "forkpoint-default"
+# JSON objects a request body may hold (--max-request-objects; server/json_body.py says why)
+DEFAULT_MAX_REQUEST_OBJECTS = 8192
 
 
 class MarkerPolicy(enum.StrEnum):
@@ -70,6 +72,9 @@ class ServerConfig:
     max_request_bytes: request bodies above this get 413 before they are read (vLLM's
         --max-request-bytes); None: enough for any one prompt that fits max_model_len
         (`limits.default_max_request_bytes`).
+    max_request_objects: JSON objects a request body may hold (messages, content parts, tools and
+        every object of their schemas count one each); a body with more is a 400 found while it is
+        decoded, before FastAPI builds a model per object on the event loop (server/json_body.py).
     log_stats / log_stats_interval_s: log a stats line (throughput, queues, pools, checkpoint
         reuse) every interval while the engine is busy.
     trust_request_chat_template: run a chat template that a request supplies
@@ -103,6 +108,7 @@ class ServerConfig:
     marker_policy: MarkerPolicy = MarkerPolicy.ALLOW
     shutdown_timeout_s: float = 10.0
     max_request_bytes: int | None = None
+    max_request_objects: int = DEFAULT_MAX_REQUEST_OBJECTS
     log_stats: bool = True
     log_stats_interval_s: float = 10.0
     trust_request_chat_template: bool = False
@@ -128,6 +134,8 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
         if self.max_request_bytes is not None and self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.max_request_objects < 1:
+            raise ValueError(f"max_request_objects must be >= 1, got {self.max_request_objects}")
         if self.log_stats_interval_s <= 0:
             raise ValueError(f"log_stats_interval_s must be > 0, got {self.log_stats_interval_s}")
         object.__setattr__(self, "marker_policy", MarkerPolicy(self.marker_policy))

@@ -52,14 +52,35 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-class RequestTooLarge(StarletteHTTPException):
+class BodyRefused(StarletteHTTPException):
+    """A request body refused while it is read, before its fields are validated: answered `status`
+    with an ``invalid_request_error`` body whose code is `code`. (An HTTPException, so FastAPI passes
+    it on from its body reading instead of answering its own 400.)"""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(status, detail=message)
+        self.code = code
+
+    def body(self) -> dict:
+        return error_body(str(self.detail), "invalid_request_error", code=self.code)
+
+
+class RequestTooLarge(BodyRefused):
     """The request body is over --max-request-bytes (raised while it is read; answered 413)."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(413, detail=message)
+        super().__init__(413, message, "request_too_large")
 
-    def body(self) -> dict:
-        return error_body(str(self.detail), "invalid_request_error", code="request_too_large")
+
+class TooManyObjects(BodyRefused):
+    """The request body holds more JSON objects than --max-request-objects (found while it is
+    decoded, before any field is validated; answered 400)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(400, f"the request body holds more than {limit} JSON objects (messages, content parts, "
+                              "tools and their schemas count one each), the most this server takes "
+                              "(--max-request-objects): send fewer, or start the server with a larger "
+                              "--max-request-objects", "too_many_objects")
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
@@ -137,7 +158,7 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[Request, int], None
         if isinstance(exc.__cause__, ClientDisconnect):  # FastAPI's 400 for a body the client stopped sending
             message = "the client closed the connection while sending the request body"
             return answer(request, CLIENT_CLOSED_REQUEST, error_body(message, "client_closed_request"))
-        if isinstance(exc, RequestTooLarge):
+        if isinstance(exc, BodyRefused):
             body = exc.body()
         else:
             kind = "invalid_request_error" if exc.status_code < 500 else "server_error"

@@ -15,6 +15,14 @@ Invariant: the result equals `json.loads(body)`; a body that fails any step is d
 more than `MAX_QUOTES` quotes (too many strings for a step per string), is one `json.loads` in the
 thread; a literal with a backslash in every 5 characters has no cut and is decoded whole. Smaller
 bodies keep FastAPI's path: no thread hop.
+
+The number of JSON objects in a body is capped (`--max-request-objects`): FastAPI's validation then
+builds a pydantic model per object on the event loop, and the prompt builder walks them, all under
+the GIL (500,000 one-letter content parts, 15 MB: 1.2 s of validation on the loop, the engine thread
+starved for 3.9 s, 440 MB kept). Every object opens with a `{`, so a body with at most the limit's
+count of `{` bytes is within it; one with more (braces inside strings count too) is decoded in the
+thread with a hook that counts objects as the decoder closes them and stops it at the first one past
+the limit (`TooManyObjects`, a 400): the refusal costs the decoding of about the limit's objects.
 """
 
 from __future__ import annotations
@@ -29,6 +37,9 @@ from typing import Any
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
+from starlette.types import Receive, Scope
+
+from forkpoint.server.errors import TooManyObjects
 
 # bodies above this are decoded in a thread (~1-10 ms of json.loads below it)
 LARGE_BODY_BYTES = 1 << 20
@@ -40,46 +51,78 @@ _LOW_SURROGATE_ESCAPE = ("\\udc", "\\udd", "\\ude", "\\udf", "\\uDC", "\\uDD", "
 
 
 class OffLoopJSONRequest(Request):
-    """A Request whose `json()` decodes a body over `LARGE_BODY_BYTES` in a thread (`decode_json`)."""
+    """A Request whose `json()` decodes a body over `LARGE_BODY_BYTES` in a thread (`decode_json`),
+    and refuses one of more than `max_objects` JSON objects (`TooManyObjects`) while decoding it."""
+
+    def __init__(self, scope: Scope, receive: Receive, max_objects: int) -> None:
+        super().__init__(scope, receive)
+        self.max_objects = max_objects
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             body = await self.body()
-            large = len(body) > LARGE_BODY_BYTES
-            self._json = await asyncio.to_thread(decode_json, body) if large else json.loads(body)
+            counted = body.count(b"{") > self.max_objects  # otherwise within the limit: each object has one
+            if len(body) > LARGE_BODY_BYTES or counted:
+                max_objects = self.max_objects if counted else None
+                self._json = await asyncio.to_thread(decode_json, body, max_objects)
+            else:
+                self._json = json.loads(body)
         return self._json
 
 
-class OffLoopJSONRoute(APIRoute):
-    """APIRoute whose handler reads the request as an `OffLoopJSONRequest`."""
+def off_loop_json_route(max_objects: int) -> type[APIRoute]:
+    """The APIRoute class whose handlers read requests as `OffLoopJSONRequest`s with `max_objects`."""
+    if max_objects < 1:
+        raise ValueError(f"max_objects must be >= 1, got {max_objects}")
 
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
+    class OffLoopJSONRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
 
-        async def off_loop_json_handler(request: Request) -> Response:
-            return await handler(OffLoopJSONRequest(request.scope, request.receive))
+            async def off_loop_json_handler(request: Request) -> Response:
+                return await handler(OffLoopJSONRequest(request.scope, request.receive, max_objects))
 
-        return off_loop_json_handler
+            return off_loop_json_handler
+
+    return OffLoopJSONRoute
 
 
-def decode_json(body: bytes) -> Any:
-    """`json.loads(body)`, in steps of about `PIECE_CHARS` characters (see the module docstring)."""
+def decode_json(body: bytes, max_objects: int | None = None) -> Any:
+    """`json.loads(body)`, in steps of about `PIECE_CHARS` characters (see the module docstring);
+    with `max_objects`, `TooManyObjects` as soon as the decoder has closed more objects than that."""
     if json.detect_encoding(body) != "utf-8":
-        return json.loads(body)
+        return json.loads(body, object_hook=_object_counter(max_objects))
     decoder = codecs.getincrementaldecoder("utf-8")("surrogatepass")
     view = memoryview(body)
     text = "".join([decoder.decode(view[i:i + PIECE_CHARS]) for i in range(0, len(body), PIECE_CHARS)]
                    + [decoder.decode(b"", final=True)])
     try:
-        return _decode_text(text)
+        return _decode_text(text, max_objects)
     except (ValueError, RecursionError):
-        return json.loads(text)
+        return json.loads(text, object_hook=_object_counter(max_objects))
 
 
-def _decode_text(text: str) -> Any:
+def _object_counter(max_objects: int | None) -> Callable[[dict], dict] | None:
+    """A `json.loads` object_hook that counts the objects it is given and raises `TooManyObjects`
+    at the first past `max_objects`; None (no hook) without a limit."""
+    if max_objects is None:
+        return None
+    count = 0
+
+    def count_object(value: dict) -> dict:
+        nonlocal count
+        count += 1
+        if count > max_objects:
+            raise TooManyObjects(max_objects)
+        return value
+
+    return count_object
+
+
+def _decode_text(text: str, max_objects: int | None) -> Any:
     spans = _long_literals(text)
     if not spans:
-        return json.loads(text)
+        return json.loads(text, object_hook=_object_counter(max_objects))
     nonce = secrets.token_hex(16)
     values: dict[str, str] = {}
     skeleton: list[str] = []
@@ -90,7 +133,7 @@ def _decode_text(text: str) -> Any:
         skeleton += [text[pos:start], '"', placeholder, '"']
         pos = end
     skeleton.append(text[pos:])
-    return _put_back(json.loads("".join(skeleton)), values)
+    return _put_back(json.loads("".join(skeleton), object_hook=_object_counter(max_objects)), values)
 
 
 def _long_literals(text: str) -> list[tuple[int, int]]:

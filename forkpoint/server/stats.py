@@ -64,7 +64,8 @@ def startup_summary(llm: LLM, config: ServerConfig, max_request_bytes: int, load
     variants = kernel_variants(engine.device.type == "cuda")
     lines.append("kernels: " + ", ".join(f"{op} {variant}" for op, variant in variants.items()))
     lines.append(http_summary())
-    lines.append(f"requests: at most {max_request_bytes:,} bytes (--max-request-bytes), "
+    lines.append(f"requests: at most {max_request_bytes:,} bytes (--max-request-bytes) and "
+                 f"{config.max_request_objects:,} JSON objects (--max-request-objects), "
                  f"{config.max_waiting_requests} prompts waiting (--max-waiting-requests); stats every "
                  + (f"{config.log_stats_interval_s:g} s" if config.log_stats else "- (--disable-log-stats)"))
     return lines

@@ -1,5 +1,6 @@
 """Large JSON bodies are decoded off the event loop, in steps short enough for the loop to run between
-them, and the result is json.loads's (values and errors)."""
+them, and the result is json.loads's (values and errors); a body of more JSON objects than the limit
+is refused while it is decoded, before any model is built."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import threading
 import pytest
 
 import forkpoint.server.json_body as json_body
+from forkpoint.server.errors import TooManyObjects
 from forkpoint.server.json_body import decode_json
 
 ALPHABET = ["a", " ", '"', "\\", "\n", "\t", "/", "é", "日", "😀", "\ud800"]
@@ -71,9 +73,9 @@ def test_a_long_literal_is_decoded_in_pieces(monkeypatch):
 def test_a_large_body_is_decoded_off_the_event_loop_and_a_small_one_on_it(server, monkeypatch):
     threads: list[int] = []
 
-    def recording_decode(body: bytes):
+    def recording_decode(body: bytes, max_objects: int | None = None):
         threads.append(threading.get_ident())
-        return decode_json(body)
+        return decode_json(body, max_objects)
 
     monkeypatch.setattr(json_body, "decode_json", recording_decode)
     big = {"model": server.model, "prompt": "alpha beta " * 200_000, "max_tokens": 1}  # 2.2 MB: too long a prompt
@@ -82,3 +84,59 @@ def test_a_large_body_is_decoded_off_the_event_loop_and_a_small_one_on_it(server
     assert len(threads) == 1 and threads[0] != server.thread.ident
     small = server.post("/v1/completions", json={"model": server.model, "prompt": "small", "max_tokens": 1})
     assert small.status_code == 200 and len(threads) == 1
+
+
+def count_objects(value) -> int:
+    if isinstance(value, dict):
+        return 1 + sum(count_objects(item) for item in value.values())
+    if isinstance(value, list):
+        return sum(count_objects(item) for item in value)
+    return 0
+
+
+@pytest.mark.parametrize("piece_chars", [16, 1 << 20])
+def test_decode_json_refuses_one_object_past_the_limit_and_no_fewer(monkeypatch, piece_chars):
+    """Random bodies (literals cut into pieces or not, UTF-8 and UTF-16): at a limit of exactly their
+    object count the value is json.loads's; one less raises TooManyObjects."""
+    monkeypatch.setattr(json_body, "PIECE_CHARS", piece_chars)
+    rng = random.Random(1)
+    checked = 0
+    for _ in range(600):
+        value = {"messages": [random_value(rng) for _ in range(rng.randint(1, 4))]}
+        objects = count_objects(value)
+        for encoding in ("utf-8", "utf-16"):
+            body = json.dumps(value, ensure_ascii=False).encode(encoding, "surrogatepass")
+            assert json.dumps(decode_json(body, objects)) == json.dumps(json.loads(body)), body
+            with pytest.raises(TooManyObjects) as refused:
+                decode_json(body, objects - 1)
+            assert refused.value.status_code == 400 and refused.value.body()["error"]["code"] == "too_many_objects"
+            checked += objects > 1
+    assert checked > 300
+
+
+def test_a_body_past_the_object_limit_is_refused_before_validation(server, monkeypatch):
+    """8,200 content parts (the default limit is 8,192 objects): 400 too_many_objects, from the
+    decode (no model is built), on the OpenAI and the Anthropic routes in their own error shapes."""
+    validated: list[str] = []
+    from forkpoint.server import protocol
+
+    original = protocol.ChatCompletionRequest.model_validate
+    monkeypatch.setattr(protocol.ChatCompletionRequest, "model_validate",
+                        classmethod(lambda cls, *a, **k: validated.append("chat") or original(*a, **k)))
+    parts = [{"type": "text", "text": "a"}] * 8_200
+    chat = server.post("/v1/chat/completions", json={"model": server.model, "max_tokens": 1,
+                                                      "messages": [{"role": "user", "content": parts}]})
+    assert chat.status_code == 400, chat.text
+    assert chat.json()["error"]["code"] == "too_many_objects" and "--max-request-objects" in chat.text
+    anthropic = server.post("/v1/messages", json={"model": server.model, "max_tokens": 1,
+                                                  "messages": [{"role": "user", "content": parts}]})
+    assert anthropic.status_code == 400 and anthropic.json()["type"] == "error"
+    assert anthropic.json()["error"]["type"] == "invalid_request_error" and "8192 JSON objects" in anthropic.text
+    assert validated == []
+
+
+def test_braces_inside_strings_are_no_objects(server):
+    """A body of 20,000 '{' characters in a string (past the limit in bytes, one object in JSON) gets
+    past the decode: /tokenize counts its tokens."""
+    answer = server.post("/tokenize", json={"model": server.model, "prompt": "{" * 20_000})
+    assert answer.status_code == 200 and answer.json()["count"] > 8192, answer.text

@@ -143,7 +143,7 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
     app.state.metrics = metrics
     app.state.config = config
 
-    install_request_guards(app, metrics, max_request_bytes, config.api_keys, config.cors)
+    install_request_guards(app, metrics, max_request_bytes, config.max_request_objects, config.api_keys, config.cors)
 
     @app.get("/health")
     async def health() -> JSONResponse:
