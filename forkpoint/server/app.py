@@ -36,7 +36,7 @@ from forkpoint.inputs.template_sandbox import TemplateLimits, TemplateSandbox
 from forkpoint.llm import LLM
 from forkpoint.server.arrival import ArrivalTime
 from forkpoint.server.auth import APIKeyAuth
-from forkpoint.server.config import CorsPolicy, ServerConfig
+from forkpoint.server.config import CorsPolicy, ServerConfig, default_max_request_values
 from forkpoint.server.errors import (
     CLIENT_CLOSED_REQUEST,
     RequestTooLarge,
@@ -46,7 +46,7 @@ from forkpoint.server.errors import (
 )
 from forkpoint.server.gc_pauses import GcPauses
 from forkpoint.server.generation import Admission
-from forkpoint.server.json_body import off_loop_json_route
+from forkpoint.server.json_body import BodyLimits, off_loop_json_route
 from forkpoint.server.limits import RequestSizeLimit, default_max_request_bytes
 from forkpoint.server.messages_errors import error_body_for
 from forkpoint.server.messages_protocol import CountTokensRequest, MessagesRequest
@@ -113,6 +113,7 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
     )
     max_request_bytes = (config.max_request_bytes if config.max_request_bytes is not None else
                          default_max_request_bytes(tokenizer, engine.max_model_len, takes_images=takes_images))
+    limits = body_limits(config, engine.max_model_len)
     # request-supplied chat templates run in a child process with limits (the rendered prompt may be as
     # long as a request body), only when the operator trusts them
     sandbox = (TemplateSandbox(TemplateLimits(max_output_chars=max_request_bytes))
@@ -127,7 +128,7 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        for line in startup_summary(llm, config, max_request_bytes, load_time_s):
+        for line in startup_summary(llm, config, max_request_bytes, limits, load_time_s):
             logger.info("%s", line)
         # structured outputs' vocabulary view, built here and not on the first constrained request (which
         # held the engine thread and the GIL for seconds: every stream and /health stalled)
@@ -172,7 +173,7 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
     app.state.max_request_bytes = max_request_bytes
     app.state.response_store = response_store
 
-    install_request_guards(app, metrics, max_request_bytes, config.max_request_objects, config.api_keys, config.cors)
+    install_request_guards(app, metrics, max_request_bytes, limits, config.api_keys, config.cors)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -203,13 +204,20 @@ async def exit_when_engine_ends(worker: EngineWorker, poll_s: float = 0.2, grace
     raise SystemExit(1)  # out of the event loop and uvicorn.run: the process exits 1
 
 
-def install_request_guards(app: FastAPI, metrics: ServerMetrics, max_request_bytes: int, max_request_objects: int,
+def body_limits(config: ServerConfig, max_model_len: int) -> BodyLimits:
+    """The JSON object and value limits of request bodies (--max-request-objects, --max-request-values)."""
+    values = (config.max_request_values if config.max_request_values is not None
+              else default_max_request_values(max_model_len))
+    return BodyLimits(config.max_request_objects, values)
+
+
+def install_request_guards(app: FastAPI, metrics: ServerMetrics, max_request_bytes: int, body_limits: BodyLimits,
                            api_keys: tuple[str, ...] = (), cors: CorsPolicy | None = None) -> None:
     """The error handlers (OpenAI-shaped error bodies, Anthropic-shaped on the /v1/messages routes, each
     counted under its endpoint's outcome), the request-size limit (413 before the body is read when
-    Content-Length says so), the JSON-object limit of the routes added after this (400 while the body is
-    decoded, server/json_body.py), with `api_keys` the key check (401 before anything else; server/auth.py),
-    and with `cors` origins the cross-origin headers (outside the key check: a browser's preflight
+    Content-Length says so), the JSON object and value limits of the routes added after this (400 before
+    the body is validated, server/json_body.py), with `api_keys` the key check (401 before anything else;
+    server/auth.py), and with `cors` origins the cross-origin headers (outside the key check: a browser's preflight
     carries no key), that every front end shares (one engine's app, the replicas' ingress)."""
 
     def on_error(request: Request, status: int) -> None:
@@ -228,7 +236,7 @@ def install_request_guards(app: FastAPI, metrics: ServerMetrics, max_request_byt
         log_error_response(scope["method"], scope["path"], 413, RequestTooLarge(message).body())
 
     install_error_handlers(app, on_error, error_body_for)
-    app.router.route_class = off_loop_json_route(max_request_objects)  # routes added after this use it
+    app.router.route_class = off_loop_json_route(body_limits)  # routes added after this use it
     app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes, on_reject=on_too_large,
                        body_for=error_body_for)
     if api_keys:  # added late: outside the size limit, so a request without a valid key gets no further

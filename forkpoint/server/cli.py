@@ -24,6 +24,7 @@ from forkpoint.server.bench_cli import add_bench_args, run_bench
 from forkpoint.server.chat_args import add_chat_args
 from forkpoint.server.config import (
     DEFAULT_MODEL_NAME,
+    MIN_DEFAULT_REQUEST_VALUES,
     CorsPolicy,
     MarkerPolicy,
     ServerConfig,
@@ -93,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "their schemas count one each); a body with more gets 400 before its fields are validated, "
                            "which for tens of thousands of objects holds the event loop and starves other requests "
                            "(default: %(default)s)")
+    http.add_argument("--max-request-values", type=int, default=None,
+                      help="JSON values a request body may hold (token ids, strings, numbers: every array element "
+                           "and field counts one); a body with more gets 400 before it is validated (default: "
+                           f"{MIN_DEFAULT_REQUEST_VALUES:,}, or two token-id prompts of --max-model-len tokens if "
+                           "more)")
     add_chat_args(http)
     add_http_args(http)
     http.add_argument("--trust-request-chat-template", action="store_true",
@@ -182,7 +188,7 @@ def run_serve(args: argparse.Namespace) -> int:
                         args.allow_credentials),
         max_waiting_requests=args.max_waiting_requests, marker_policy=MarkerPolicy(args.marker_in_user_content),
         shutdown_timeout_s=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
-        max_request_objects=args.max_request_objects,
+        max_request_objects=args.max_request_objects, max_request_values=args.max_request_values,
         log_stats=not args.disable_log_stats, trust_request_chat_template=args.trust_request_chat_template,
         cache_isolation=args.cache_isolation, max_num_seqs_per_request=args.max_num_seqs_per_request,
         max_waiting_per_user=args.max_waiting_per_user, tokenizer_workers=args.tokenizer_workers,

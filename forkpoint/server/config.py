@@ -13,6 +13,14 @@ from forkpoint.inputs.segment_tokens import DEFAULT_CACHE_BYTES
 DEFAULT_MODEL_NAME = "forkpoint-default"
 # JSON objects a request body may hold (--max-request-objects; server/json_body.py says why)
 DEFAULT_MAX_REQUEST_OBJECTS = 8192
+# the fewest JSON values --max-request-values defaults to (~0.1 s of decoding and validation)
+MIN_DEFAULT_REQUEST_VALUES = 1 << 20
+
+
+def default_max_request_values(max_model_len: int) -> int:
+    """--max-request-values when not given: 2^20, or two token-id prompts of `max_model_len` tokens if
+    more."""
+    return max(MIN_DEFAULT_REQUEST_VALUES, 2 * max_model_len)
 
 
 class MarkerPolicy(enum.StrEnum):
@@ -75,6 +83,10 @@ class ServerConfig:
     max_request_objects: JSON objects a request body may hold (messages, content parts, tools and
         every object of their schemas count one each); a body with more is a 400 found while it is
         decoded, before FastAPI builds a model per object on the event loop (server/json_body.py).
+    max_request_values: JSON values (array elements and members' values: token ids, strings,
+        numbers, objects) a request body may hold; more is a 400 found from its bytes or while it is
+        decoded. None: `default_max_request_values(max_model_len)`, room for a few token-id prompts of
+        max_model_len tokens.
     log_stats / log_stats_interval_s: log a stats line (throughput, queues, pools, checkpoint
         reuse) every interval while the engine is busy.
     trust_request_chat_template: run a chat template that a request supplies
@@ -109,6 +121,7 @@ class ServerConfig:
     shutdown_timeout_s: float = 10.0
     max_request_bytes: int | None = None
     max_request_objects: int = DEFAULT_MAX_REQUEST_OBJECTS
+    max_request_values: int | None = None
     log_stats: bool = True
     log_stats_interval_s: float = 10.0
     trust_request_chat_template: bool = False
@@ -136,6 +149,8 @@ class ServerConfig:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.max_request_objects < 1:
             raise ValueError(f"max_request_objects must be >= 1, got {self.max_request_objects}")
+        if self.max_request_values is not None and self.max_request_values < 1:
+            raise ValueError(f"max_request_values must be >= 1, got {self.max_request_values}")
         if self.log_stats_interval_s <= 0:
             raise ValueError(f"log_stats_interval_s must be > 0, got {self.log_stats_interval_s}")
         object.__setattr__(self, "marker_policy", MarkerPolicy(self.marker_policy))

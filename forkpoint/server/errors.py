@@ -72,6 +72,17 @@ class RequestTooLarge(BodyRefused):
         super().__init__(413, message, "request_too_large")
 
 
+class TooManyValues(BodyRefused):
+    """The request body holds more JSON values (array elements and members' values) than
+    --max-request-values (found from its bytes or while it is decoded; answered 400)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(400, f"the request body holds more than {limit} JSON values (token ids, strings and every "
+                              "other array element or field count one each), the most this server takes "
+                              "(--max-request-values): send fewer, or start the server with a larger "
+                              "--max-request-values", "too_many_values")
+
+
 class TooManyObjects(BodyRefused):
     """The request body holds more JSON objects than --max-request-objects (found while it is
     decoded, before any field is validated; answered 400)."""

@@ -16,13 +16,18 @@ more than `MAX_QUOTES` quotes (too many strings for a step per string), is one `
 thread; a literal with a backslash in every 5 characters has no cut and is decoded whole. Smaller
 bodies keep FastAPI's path: no thread hop.
 
-The number of JSON objects in a body is capped (`--max-request-objects`): FastAPI's validation then
-builds a pydantic model per object on the event loop, and the prompt builder walks them, all under
-the GIL (500,000 one-letter content parts, 15 MB: 1.2 s of validation on the loop, the engine thread
-starved for 3.9 s, 440 MB kept). Every object opens with a `{`, so a body with at most the limit's
-count of `{` bytes is within it; one with more (braces inside strings count too) is decoded in the
-thread with a hook that counts objects as the decoder closes them and stops it at the first one past
-the limit (`TooManyObjects`, a 400): the refusal costs the decoding of about the limit's objects.
+Two counts are capped, both before FastAPI's validation builds a model or a list per value on the
+event loop, all under the GIL (500,000 one-letter content parts, 15 MB: 1.2 s of validation on the
+loop, the engine thread starved for 3.9 s, 440 MB kept; 8,000,000 token ids, 24 MB: 0.8 s):
+
+    objects (`--max-request-objects`)  every object opens with a `{`, so a body with at most the
+        limit's count of `{` bytes is within it; one with more (braces inside strings count too) is
+        decoded with a hook that counts objects as the decoder closes them and stops it at the first
+        one past the limit (`TooManyObjects`): the refusal costs the decoding of about the limit's objects
+    values (`--max-request-values`)    bounds from the body's bytes (json_counts.py) decide most bodies
+        undecoded; the rest are decoded and counted (`TooManyValues`)
+
+Bodies that may be past a limit are checked in the thread too.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import codecs
 import json
 import secrets
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from json.decoder import scanstring
 from typing import Any
 
@@ -39,7 +45,8 @@ from fastapi import Request, Response
 from fastapi.routing import APIRoute
 from starlette.types import Receive, Scope
 
-from forkpoint.server.errors import TooManyObjects
+from forkpoint.server.errors import TooManyObjects, TooManyValues
+from forkpoint.server.json_counts import closing_quote, values_beyond, values_lower_bound, values_upper_bound
 
 # bodies above this are decoded in a thread (~1-10 ms of json.loads below it)
 LARGE_BODY_BYTES = 1 << 20
@@ -50,41 +57,69 @@ MAX_QUOTES = 100_000
 _LOW_SURROGATE_ESCAPE = ("\\udc", "\\udd", "\\ude", "\\udf", "\\uDC", "\\uDD", "\\uDE", "\\uDF")
 
 
+@dataclass(frozen=True)
+class BodyLimits:
+    """The most JSON objects and values a request body may hold (both >= 1)."""
+
+    max_objects: int
+    max_values: int
+
+    def __post_init__(self) -> None:
+        if self.max_objects < 1 or self.max_values < 1:
+            raise ValueError(f"max_objects and max_values must be >= 1, got {self.max_objects}, {self.max_values}")
+
+
 class OffLoopJSONRequest(Request):
     """A Request whose `json()` decodes a body over `LARGE_BODY_BYTES` in a thread (`decode_json`),
-    and refuses one of more than `max_objects` JSON objects (`TooManyObjects`) while decoding it."""
+    and refuses one past `limits` (`TooManyObjects`, `TooManyValues`) before or while decoding it."""
 
-    def __init__(self, scope: Scope, receive: Receive, max_objects: int) -> None:
+    def __init__(self, scope: Scope, receive: Receive, limits: BodyLimits) -> None:
         super().__init__(scope, receive)
-        self.max_objects = max_objects
+        self.limits = limits
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             body = await self.body()
-            counted = body.count(b"{") > self.max_objects  # otherwise within the limit: each object has one
-            if len(body) > LARGE_BODY_BYTES or counted:
-                max_objects = self.max_objects if counted else None
-                self._json = await asyncio.to_thread(decode_json, body, max_objects)
+            large = len(body) > LARGE_BODY_BYTES
+            if large or not _within_limits_surely(body, self.limits):
+                self._json = await asyncio.to_thread(decode_within, body, self.limits)
             else:
                 self._json = json.loads(body)
         return self._json
 
 
-def off_loop_json_route(max_objects: int) -> type[APIRoute]:
-    """The APIRoute class whose handlers read requests as `OffLoopJSONRequest`s with `max_objects`."""
-    if max_objects < 1:
-        raise ValueError(f"max_objects must be >= 1, got {max_objects}")
+def off_loop_json_route(limits: BodyLimits) -> type[APIRoute]:
+    """The APIRoute class whose handlers read requests as `OffLoopJSONRequest`s with `limits`."""
 
     class OffLoopJSONRoute(APIRoute):
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
             handler = super().get_route_handler()
 
             async def off_loop_json_handler(request: Request) -> Response:
-                return await handler(OffLoopJSONRequest(request.scope, request.receive, max_objects))
+                return await handler(OffLoopJSONRequest(request.scope, request.receive, limits))
 
             return off_loop_json_handler
 
     return OffLoopJSONRoute
+
+
+def _within_limits_surely(body: bytes, limits: BodyLimits) -> bool:
+    """Whether `body` is within `limits` by its byte counts alone (each object has a `{`; the values'
+    upper bound)."""
+    return body.count(b"{") <= limits.max_objects and values_upper_bound(body) <= limits.max_values
+
+
+def decode_within(body: bytes, limits: BodyLimits) -> Any:
+    """`decode_json(body)`, or `TooManyValues` / `TooManyObjects` for a body past `limits`: from its
+    bytes when they prove it (json_counts.py), else while or after decoding it."""
+    many_values = values_upper_bound(body) > limits.max_values
+    if many_values and values_lower_bound(body) > limits.max_values:
+        raise TooManyValues(limits.max_values)
+    many_objects = body.count(b"{") > limits.max_objects
+    value = decode_json(body, limits.max_objects if many_objects else None)
+    if many_values and values_beyond(value, limits.max_values):
+        raise TooManyValues(limits.max_values)
+    return value
 
 
 def decode_json(body: bytes, max_objects: int | None = None) -> Any:
@@ -145,25 +180,13 @@ def _long_literals(text: str) -> list[tuple[int, int]]:
     spans = []
     pos = 0
     while (start := text.find('"', pos)) != -1:
-        end = _closing_quote(text, start + 1)
+        end = closing_quote(text, start + 1)
         if end is None:
             break
         if end - start > PIECE_CHARS:
             spans.append((start, end + 1))
         pos = end + 1
     return spans
-
-
-def _closing_quote(text: str, pos: int) -> int | None:
-    """Index of the first quote at or after `pos` that no backslash escapes, or None."""
-    while (quote := text.find('"', pos)) != -1:
-        first = quote
-        while first > pos and text[first - 1] == "\\":
-            first -= 1
-        if (quote - first) % 2 == 0:
-            return quote
-        pos = quote + 1
-    return None
 
 
 def _decode_literal(text: str, start: int, end: int) -> str:

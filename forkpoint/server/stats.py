@@ -24,6 +24,7 @@ from forkpoint.kernels import kernel_variants
 from forkpoint.llm import LLM
 from forkpoint.server.config import ServerConfig
 from forkpoint.server.gc_pauses import GENERATIONS
+from forkpoint.server.json_body import BodyLimits
 from forkpoint.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger("forkpoint.server")
@@ -33,7 +34,8 @@ ACTIVITY_KEYS = ("prompt_tokens_total", "prompt_tokens_computed", "generation_to
                  "requests_aborted")
 
 
-def startup_summary(llm: LLM, config: ServerConfig, max_request_bytes: int, load_time_s: float | None) -> list[str]:
+def startup_summary(llm: LLM, config: ServerConfig, max_request_bytes: int, body_limits: BodyLimits,
+                    load_time_s: float | None) -> list[str]:
     """The lines the server logs once at start-up."""
     engine = llm.engine
     cfg = engine.config
@@ -64,8 +66,9 @@ def startup_summary(llm: LLM, config: ServerConfig, max_request_bytes: int, load
     variants = kernel_variants(engine.device.type == "cuda")
     lines.append("kernels: " + ", ".join(f"{op} {variant}" for op, variant in variants.items()))
     lines.append(http_summary())
-    lines.append(f"requests: at most {max_request_bytes:,} bytes (--max-request-bytes) and "
-                 f"{config.max_request_objects:,} JSON objects (--max-request-objects), "
+    lines.append(f"requests: at most {max_request_bytes:,} bytes (--max-request-bytes), "
+                 f"{body_limits.max_objects:,} JSON objects (--max-request-objects) and {body_limits.max_values:,} "
+                 "values (--max-request-values), "
                  f"{config.max_waiting_requests} prompts waiting (--max-waiting-requests); stats every "
                  + (f"{config.log_stats_interval_s:g} s" if config.log_stats else "- (--disable-log-stats)"))
     return lines

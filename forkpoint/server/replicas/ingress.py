@@ -30,7 +30,7 @@ from prometheus_client.registry import Collector
 from transformers import PreTrainedTokenizerBase
 
 from forkpoint.inputs.segment_tokens import SegmentEncoder
-from forkpoint.server.app import GENERATION_ENDPOINTS, add_openai_routes, install_request_guards
+from forkpoint.server.app import GENERATION_ENDPOINTS, add_openai_routes, body_limits, install_request_guards
 from forkpoint.server.config import ServerConfig
 from forkpoint.server.generation import Admission
 from forkpoint.server.limits import default_max_request_bytes
@@ -143,7 +143,8 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
     app.state.metrics = metrics
     app.state.config = config
 
-    install_request_guards(app, metrics, max_request_bytes, config.max_request_objects, config.api_keys, config.cors)
+    install_request_guards(app, metrics, max_request_bytes, body_limits(config, info.max_model_len), config.api_keys,
+                           config.cors)
 
     @app.get("/health")
     async def health() -> JSONResponse:
