@@ -13,12 +13,12 @@ from forkpoint.inputs.segment_tokens import DEFAULT_CACHE_BYTES
 DEFAULT_MODEL_NAME = "forkpoint-default"
 # JSON objects a request body may hold (--max-request-objects; server/json_body.py says why)
 DEFAULT_MAX_REQUEST_OBJECTS = 8192
-# the fewest JSON values --max-request-values defaults to (~0.1 s of decoding and validation)
-MIN_DEFAULT_REQUEST_VALUES = 1 << 20
+# the fewest JSON values --max-request-values defaults to (~0.05 s of decoding and validation)
+MIN_DEFAULT_REQUEST_VALUES = 1 << 19
 
 
 def default_max_request_values(max_model_len: int) -> int:
-    """--max-request-values when not given: 2^20, or two token-id prompts of `max_model_len` tokens if
+    """--max-request-values when not given: 2^19, or two token-id prompts of `max_model_len` tokens if
     more."""
     return max(MIN_DEFAULT_REQUEST_VALUES, 2 * max_model_len)
 

@@ -143,21 +143,21 @@ def test_braces_inside_strings_are_no_objects(server):
 
 
 def test_a_body_past_the_value_limit_is_refused_from_its_bytes(server, monkeypatch):
-    """1,100,000 token ids (the test server's limit: 2^20 values) are a 400 too_many_values without
+    """600,000 token ids (the test server's limit: 2^19 values) are a 400 too_many_values without
     being decoded; the same count of one-letter stop strings too."""
     decoded: list[int] = []
     monkeypatch.setattr(json_body, "decode_json", lambda body, max_objects=None: decoded.append(len(body)))
-    ids = server.post("/v1/completions", json={"model": server.model, "prompt": [7] * 1_100_000, "max_tokens": 1})
+    ids = server.post("/v1/completions", json={"model": server.model, "prompt": [7] * 600_000, "max_tokens": 1})
     assert ids.status_code == 400 and ids.json()["error"]["code"] == "too_many_values", ids.text
     assert "--max-request-values" in ids.text
-    stops = server.post("/v1/chat/completions", json={"model": server.model, "max_tokens": 1, "stop": ["a"] * 1_100_000,
+    stops = server.post("/v1/chat/completions", json={"model": server.model, "max_tokens": 1, "stop": ["a"] * 600_000,
                                                        "messages": [{"role": "user", "content": "hi"}]})
     assert stops.status_code == 400 and stops.json()["error"]["code"] == "too_many_values", stops.text
     assert decoded == []
 
 
 def test_commas_inside_strings_are_no_values(server):
-    """A prompt of 1,200,000 commas (past the value limit in bytes, one value in JSON) is decoded and
+    """A prompt of 600,000 commas (past the value limit in bytes, one value in JSON) is decoded and
     counted, and gets as far as the length check."""
-    answer = server.post("/v1/completions", json={"model": server.model, "prompt": "," * 1_200_000, "max_tokens": 1})
+    answer = server.post("/v1/completions", json={"model": server.model, "prompt": "," * 600_000, "max_tokens": 1})
     assert answer.status_code == 400 and answer.json()["error"]["code"] == "context_length_exceeded", answer.text
