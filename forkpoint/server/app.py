@@ -36,7 +36,12 @@ from forkpoint.inputs.template_sandbox import TemplateLimits, TemplateSandbox
 from forkpoint.llm import LLM
 from forkpoint.server.arrival import ArrivalTime
 from forkpoint.server.auth import APIKeyAuth
-from forkpoint.server.config import CorsPolicy, ServerConfig, default_max_request_values
+from forkpoint.server.config import (
+    CorsPolicy,
+    ServerConfig,
+    default_max_request_objects,
+    default_max_request_values,
+)
 from forkpoint.server.errors import (
     CLIENT_CLOSED_REQUEST,
     RequestTooLarge,
@@ -206,9 +211,11 @@ async def exit_when_engine_ends(worker: EngineWorker, poll_s: float = 0.2, grace
 
 def body_limits(config: ServerConfig, max_model_len: int) -> BodyLimits:
     """The JSON object and value limits of request bodies (--max-request-objects, --max-request-values)."""
+    objects = (config.max_request_objects if config.max_request_objects is not None
+               else default_max_request_objects(max_model_len))
     values = (config.max_request_values if config.max_request_values is not None
               else default_max_request_values(max_model_len))
-    return BodyLimits(config.max_request_objects, values)
+    return BodyLimits(objects, values)
 
 
 def install_request_guards(app: FastAPI, metrics: ServerMetrics, max_request_bytes: int, body_limits: BodyLimits,

@@ -24,7 +24,9 @@ from forkpoint.server.bench_cli import add_bench_args, run_bench
 from forkpoint.server.chat_args import add_chat_args
 from forkpoint.server.config import (
     DEFAULT_MODEL_NAME,
+    MIN_DEFAULT_REQUEST_OBJECTS,
     MIN_DEFAULT_REQUEST_VALUES,
+    TOKENS_PER_DEFAULT_OBJECT,
     CorsPolicy,
     MarkerPolicy,
     ServerConfig,
@@ -89,11 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--max-request-bytes", type=int, default=None,
                       help="request bodies above this many bytes get 413 before they are read (default: enough "
                            "for any one prompt that fits --max-model-len, written with the worst JSON escaping)")
-    http.add_argument("--max-request-objects", type=int, default=ServerConfig.max_request_objects,
+    http.add_argument("--max-request-objects", type=int, default=None,
                       help="JSON objects a request body may hold (messages, content parts, tools and each object of "
                            "their schemas count one each); a body with more gets 400 before its fields are validated, "
                            "which for tens of thousands of objects holds the event loop and starves other requests "
-                           "(default: %(default)s)")
+                           f"(default: {MIN_DEFAULT_REQUEST_OBJECTS:,}, or one per {TOKENS_PER_DEFAULT_OBJECT} tokens "
+                           "of --max-model-len if more)")
     http.add_argument("--max-request-values", type=int, default=None,
                       help="JSON values a request body may hold (token ids, strings, numbers: every array element "
                            "and field counts one); a body with more gets 400 before it is validated (default: "

@@ -11,10 +11,19 @@ from dataclasses import dataclass, field
 from forkpoint.inputs.segment_tokens import DEFAULT_CACHE_BYTES
 
 DEFAULT_MODEL_NAME = "forkpoint-default"
-# JSON objects a request body may hold (--max-request-objects; server/json_body.py says why)
-DEFAULT_MAX_REQUEST_OBJECTS = 8192
+# the fewest JSON objects --max-request-objects defaults to (server/json_body.py says why a limit)
+MIN_DEFAULT_REQUEST_OBJECTS = 8192
+# context tokens per JSON object in the default past that: a long agent conversation's messages and
+# content blocks carry tens of tokens each, so it fits long before it has this many objects
+TOKENS_PER_DEFAULT_OBJECT = 16
 # the fewest JSON values --max-request-values defaults to (~0.05 s of decoding and validation)
 MIN_DEFAULT_REQUEST_VALUES = 1 << 19
+
+
+def default_max_request_objects(max_model_len: int) -> int:
+    """--max-request-objects when not given: 8,192, or one per 16 tokens of `max_model_len` if more
+    (16,384 at 262,144 tokens)."""
+    return max(MIN_DEFAULT_REQUEST_OBJECTS, max_model_len // TOKENS_PER_DEFAULT_OBJECT)
 
 
 def default_max_request_values(max_model_len: int) -> int:
@@ -83,6 +92,7 @@ class ServerConfig:
     max_request_objects: JSON objects a request body may hold (messages, content parts, tools and
         every object of their schemas count one each); a body with more is a 400 found while it is
         decoded, before FastAPI builds a model per object on the event loop (server/json_body.py).
+        None: `default_max_request_objects(max_model_len)`.
     max_request_values: JSON values (array elements and members' values: token ids, strings,
         numbers, objects) a request body may hold; more is a 400 found from its bytes or while it is
         decoded. None: `default_max_request_values(max_model_len)`, room for a few token-id prompts of
@@ -120,7 +130,7 @@ class ServerConfig:
     marker_policy: MarkerPolicy = MarkerPolicy.ALLOW
     shutdown_timeout_s: float = 10.0
     max_request_bytes: int | None = None
-    max_request_objects: int = DEFAULT_MAX_REQUEST_OBJECTS
+    max_request_objects: int | None = None
     max_request_values: int | None = None
     log_stats: bool = True
     log_stats_interval_s: float = 10.0
@@ -147,7 +157,7 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
         if self.max_request_bytes is not None and self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
-        if self.max_request_objects < 1:
+        if self.max_request_objects is not None and self.max_request_objects < 1:
             raise ValueError(f"max_request_objects must be >= 1, got {self.max_request_objects}")
         if self.max_request_values is not None and self.max_request_values < 1:
             raise ValueError(f"max_request_values must be >= 1, got {self.max_request_values}")
