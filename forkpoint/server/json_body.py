@@ -10,11 +10,11 @@ each hold the GIL for about `PIECE_CHARS` characters' work:
     the rest (the skeleton)  json.loads, each long literal there a short placeholder; then the
                              placeholders are replaced by the literals' values
 
-Invariant: the result equals `json.loads(body)`; a body that fails any step is decoded again by
-`json.loads`, which raises its exact error. Limits: a body in another encoding than UTF-8, or with
-more than `MAX_QUOTES` quotes (too many strings for a step per string), is one `json.loads` in the
-thread; a literal with a backslash in every 5 characters has no cut and is decoded whole. Smaller
-bodies keep FastAPI's path: no thread hop.
+Invariant: the result equals `json.loads(body)` (NaN and Infinity, which JSON has not, refused); a body
+that fails any step is decoded again by `json.loads`, which raises its exact error. Limits: a body in
+another encoding than UTF-8, or with more than `MAX_QUOTES` quotes (too many strings for a step per
+string), is one `json.loads` in the thread; a literal with a backslash in every 5 characters has no cut
+and is decoded whole. Smaller bodies keep FastAPI's path: no thread hop.
 
 Two counts are capped, both before FastAPI's validation builds a model or a list per value on the
 event loop, all under the GIL (500,000 one-letter content parts, 15 MB: 1.2 s of validation on the
@@ -36,6 +36,7 @@ import asyncio
 import codecs
 import json
 import secrets
+import sys
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from json.decoder import scanstring
@@ -45,7 +46,7 @@ from fastapi import Request, Response
 from fastapi.routing import APIRoute
 from starlette.types import Receive, Scope
 
-from forkpoint.server.errors import TooManyObjects, TooManyValues
+from forkpoint.server.errors import BodyRefused, TooManyObjects, TooManyValues
 from forkpoint.server.json_counts import closing_quote, values_beyond, values_lower_bound, values_upper_bound
 
 # bodies above this are decoded in a thread (~1-10 ms of json.loads below it)
@@ -81,10 +82,19 @@ class OffLoopJSONRequest(Request):
         if not hasattr(self, "_json"):
             body = await self.body()
             large = len(body) > LARGE_BODY_BYTES
-            if large or not _within_limits_surely(body, self.limits):
-                self._json = await asyncio.to_thread(decode_within, body, self.limits)
-            else:
-                self._json = json.loads(body)
+            try:
+                if large or not _within_limits_surely(body, self.limits):
+                    self._json = await asyncio.to_thread(decode_within, body, self.limits)
+                else:
+                    self._json = json.loads(body, parse_constant=_refuse_constant)
+            except json.JSONDecodeError:
+                raise  # FastAPI answers it with the position of the error
+            except RecursionError:
+                raise BodyRefused(400, "the request body nests arrays and objects deeper than this server decodes "
+                                       f"(about {sys.getrecursionlimit()} levels)", "too_deep") from None
+            except ValueError:  # the decoder's only other ValueError: int()'s digit limit
+                raise BodyRefused(400, f"the request body has an integer of more than {sys.get_int_max_str_digits()} "
+                                       "digits", "number_too_long") from None
         return self._json
 
 
@@ -126,7 +136,7 @@ def decode_json(body: bytes, max_objects: int | None = None) -> Any:
     """`json.loads(body)`, in steps of about `PIECE_CHARS` characters (see the module docstring);
     with `max_objects`, `TooManyObjects` as soon as the decoder has closed more objects than that."""
     if json.detect_encoding(body) != "utf-8":
-        return json.loads(body, object_hook=_object_counter(max_objects))
+        return _loads(body, max_objects)
     decoder = codecs.getincrementaldecoder("utf-8")("surrogatepass")
     view = memoryview(body)
     text = "".join([decoder.decode(view[i:i + PIECE_CHARS]) for i in range(0, len(body), PIECE_CHARS)]
@@ -134,7 +144,19 @@ def decode_json(body: bytes, max_objects: int | None = None) -> Any:
     try:
         return _decode_text(text, max_objects)
     except (ValueError, RecursionError):
-        return json.loads(text, object_hook=_object_counter(max_objects))
+        return _loads(text, max_objects)
+
+
+def _loads(text: str | bytes, max_objects: int | None) -> Any:
+    """json.loads with the object counter (`_object_counter`) and NaN / Infinity refused."""
+    return json.loads(text, object_hook=_object_counter(max_objects), parse_constant=_refuse_constant)
+
+
+def _refuse_constant(name: str) -> float:
+    """json.loads' parse_constant: NaN, Infinity and -Infinity, which Python's decoder takes and JSON
+    (RFC 8259) does not, are refused."""
+    raise BodyRefused(400, f"the request body has {name}, which is not JSON (it has no NaN or Infinity): send a "
+                           "finite number", "not_json")
 
 
 def _object_counter(max_objects: int | None) -> Callable[[dict], dict] | None:
@@ -157,7 +179,7 @@ def _object_counter(max_objects: int | None) -> Callable[[dict], dict] | None:
 def _decode_text(text: str, max_objects: int | None) -> Any:
     spans = _long_literals(text)
     if not spans:
-        return json.loads(text, object_hook=_object_counter(max_objects))
+        return _loads(text, max_objects)
     nonce = secrets.token_hex(16)
     values: dict[str, str] = {}
     skeleton: list[str] = []
@@ -168,7 +190,7 @@ def _decode_text(text: str, max_objects: int | None) -> Any:
         skeleton += [text[pos:start], '"', placeholder, '"']
         pos = end
     skeleton.append(text[pos:])
-    return _put_back(json.loads("".join(skeleton), object_hook=_object_counter(max_objects)), values)
+    return _put_back(_loads("".join(skeleton), max_objects), values)
 
 
 def _long_literals(text: str) -> list[tuple[int, int]]:

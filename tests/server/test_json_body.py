@@ -161,3 +161,19 @@ def test_commas_inside_strings_are_no_values(server):
     counted, and gets as far as the length check."""
     answer = server.post("/v1/completions", json={"model": server.model, "prompt": "," * 600_000, "max_tokens": 1})
     assert answer.status_code == 400 and answer.json()["error"]["code"] == "context_length_exceeded", answer.text
+
+
+@pytest.mark.parametrize(("name", "body", "code"), [
+    ("arrays 100,000 deep", b'{"model": "M", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "too_deep"),
+    ("objects 5,000 deep", b'{"model": "M", "prompt": "x", "x": ' + b'{"a": ' * 5_000 + b"1" + b"}" * 5_001,
+     "too_deep"),
+    ("an integer of 5,000 digits", b'{"model": "M", "prompt": "x", "seed": ' + b"1" * 5_000 + b"}", "number_too_long"),
+    ("NaN", b'{"model": "M", "prompt": "x", "temperature": NaN}', "not_json"),
+    ("-Infinity in a body decoded in the thread",
+     b'{"model": "M", "prompt": "' + b"x " * 600_000 + b'", "temperature": -Infinity}', "not_json"),
+])
+def test_a_body_json_cannot_hold_gets_a_clear_400(server, name, body, code):
+    answer = server.post("/v1/completions", content=body.replace(b'"M"', f'"{server.model}"'.encode()),
+                         headers={"content-type": "application/json"})
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == code, (name, answer.text)
+    assert "error parsing the body" not in answer.text
