@@ -65,7 +65,7 @@ from forkpoint.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from forkpoint.server.request_params import may_hold_surrogate, reject_unencodable_text, template_kwargs
+from forkpoint.server.request_params import reject_unencodable_text, template_kwargs
 from forkpoint.server.response_store import ResponseStore
 from forkpoint.server.responses_protocol import ResponsesRequest
 from forkpoint.server.responses_serving import OpenAIResponses
@@ -274,14 +274,11 @@ def add_openai_routes(app: FastAPI, *, serving: OpenAIServing, prompts: PromptBu
     messages = AnthropicMessages(serving)
 
     async def reject_unencodable(body: BaseModel, request: Request) -> None:
-        """`reject_unencodable_text(body)` unless the raw body cannot hold a surrogate: inline for a
-        small body, in the tokenizer pool for one over OFF_LOOP_CHECK_BYTES, whose walk over tens of
-        thousands of strings (pure Python) would hold the event loop for hundreds of milliseconds; in a
-        thread it yields the GIL every switch interval."""
-        raw = await request.body()
-        if not may_hold_surrogate(raw):
-            return
-        if len(raw) > OFF_LOOP_CHECK_BYTES:
+        """`reject_unencodable_text(body)`: inline for a small body, in the tokenizer pool for one over
+        OFF_LOOP_CHECK_BYTES, whose walk over thousands of strings (pure Python) would hold the event
+        loop for tens of milliseconds; in a thread it yields the GIL every switch interval. (The body
+        limits bound the walk: at most --max-request-objects models and --max-request-values strings.)"""
+        if len(await request.body()) > OFF_LOOP_CHECK_BYTES:
             await prompts.run(reject_unencodable_text, body)
         else:
             reject_unencodable_text(body)

@@ -8,7 +8,6 @@ Every conflict or unusable value is an `APIError` (400) naming the field.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from typing import Any
 
@@ -33,16 +32,6 @@ RENDER_ARGUMENTS = frozenset({
     "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
     "tokenizer_kwargs", "images"})
 _SURROGATE = re.compile("[\ud800-\udfff]")
-# where a UTF-8 JSON body can carry a surrogate: a \uD800-\uDFFF escape, or one written as UTF-8 bytes
-_RAW_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
-
-
-def may_hold_surrogate(body: bytes) -> bool:
-    """False when the JSON `body` cannot decode to any lone surrogate, so `reject_unencodable_text`
-    of its value has nothing to find: a UTF-8 body with no surrogate escape and no surrogate bytes
-    (its walk over tens of thousands of strings costs ~0.1 s of GIL; this scan ~1 ms a MB). True
-    otherwise, pairs included (a client that escapes every non-ASCII character sends emoji as pairs)."""
-    return json.detect_encoding(body) != "utf-8" or _RAW_SURROGATE.search(body) is not None
 
 
 def reject_unencodable_text(body: BaseModel) -> None:

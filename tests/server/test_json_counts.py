@@ -79,3 +79,16 @@ def test_closing_quote_skips_escaped_quotes_in_text_and_bytes(text):
         expected = len(text) - 1
     for given in (text, text.encode()):
         assert closing_quote(given, 0) == expected
+
+
+def test_count_bytes_in_windows_equals_bytes_count(monkeypatch):
+    """Windows of 7 bytes: one- and two-byte patterns across every cut, over whole bodies and ranges."""
+    monkeypatch.setattr(json_counts, "WINDOW_BYTES", 7)
+    rng = random.Random(2)
+    for _ in range(300):
+        body = bytes(rng.choice(b'ab\\",') for _ in range(rng.randint(0, 60)))
+        start = rng.randint(0, len(body))
+        end = rng.randint(start, len(body) + 3)
+        for pattern in (b",", b'\\"', b"ab"):
+            assert json_counts.count_bytes(body, pattern) == body.count(pattern)
+            assert json_counts.count_bytes(body, pattern, start, end) == body.count(pattern, start, end)
