@@ -515,9 +515,9 @@ def build_cases(max_model_len: int, user: str | None, server_args: list[str] | N
                                                                   for i in range(8_000)]}),
         one("completions_8m_ids", "a prompt of 8,000,000 token ids (24 MB)", "/v1/completions",
              lambda m: {"model": m, "max_tokens": 1, "prompt": [1] * 8_000_000}),
-        one("completions_500k_ids", "a prompt of 500,000 token ids (1.5 MB; under --max-request-values' default "
-            "2^19: decoded and validated)", "/v1/completions",
-             lambda m: {"model": m, "max_tokens": 1, "prompt": [1] * 500_000}),
+        one("completions_250k_ids", "a prompt of 250,000 token ids (0.75 MB; under --max-request-values' default "
+            "2^18: decoded and validated)", "/v1/completions",
+             lambda m: {"model": m, "max_tokens": 1, "prompt": [1] * 250_000}),
         one("chat_4m_stop_ids", "4,000,000 stop_token_ids (12 MB)", "/v1/chat/completions",
              lambda m: {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
                         "stop_token_ids": [1] * 4_000_000}),

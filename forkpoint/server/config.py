@@ -16,8 +16,8 @@ MIN_DEFAULT_REQUEST_OBJECTS = 8192
 # context tokens per JSON object in the default past that: a long agent conversation's messages and
 # content blocks carry tens of tokens each, so it fits long before it has this many objects
 TOKENS_PER_DEFAULT_OBJECT = 16
-# the fewest JSON values --max-request-values defaults to (~0.05 s of decoding and validation)
-MIN_DEFAULT_REQUEST_VALUES = 1 << 19
+# the fewest JSON values --max-request-values defaults to (~0.03 s of decoding and validation)
+MIN_DEFAULT_REQUEST_VALUES = 1 << 18
 
 
 def default_max_request_objects(max_model_len: int) -> int:
@@ -27,7 +27,7 @@ def default_max_request_objects(max_model_len: int) -> int:
 
 
 def default_max_request_values(max_model_len: int) -> int:
-    """--max-request-values when not given: 2^19, or two token-id prompts of `max_model_len` tokens if
+    """--max-request-values when not given: 2^18, or two token-id prompts of `max_model_len` tokens if
     more."""
     return max(MIN_DEFAULT_REQUEST_VALUES, 2 * max_model_len)
 

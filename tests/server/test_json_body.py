@@ -143,7 +143,7 @@ def test_braces_inside_strings_are_no_objects(server):
 
 
 def test_a_body_past_the_value_limit_is_refused_from_its_bytes(server, monkeypatch):
-    """600,000 token ids (the test server's limit: 2^19 values) are a 400 too_many_values without
+    """600,000 token ids (the test server's limit: 2^18 values) are a 400 too_many_values without
     being decoded; the same count of one-letter stop strings too."""
     decoded: list[int] = []
     monkeypatch.setattr(json_body, "decode_json", lambda body, max_objects=None: decoded.append(len(body)))
