@@ -29,20 +29,30 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
+
 # past this many quotes, finding the strings' spans one by one costs more than decoding the body
 MAX_SPAN_QUOTES = 100_000
-# bytes counted per call: `bytes.count` keeps the GIL for its whole range (~0.5 ms a MiB), so a thread
-# counting a 50 MB body in one call would hold the event loop ~25 ms a pattern
-WINDOW_BYTES = 1 << 20
+# bytes compared per numpy call (the temporary arrays' size)
+WINDOW_BYTES = 1 << 22
 
 
 def count_bytes(body: bytes, pattern: bytes, start: int = 0, end: int | None = None) -> int:
-    """`body.count(pattern, start, end)` for a `pattern` that cannot overlap itself, in calls of at most
+    """`body.count(pattern, start, end)` for a one- or two-byte `pattern` that cannot overlap itself,
+    by numpy comparisons that run without the GIL (`bytes.count` keeps it: ~0.6 ms a MiB, 30 ms a
+    pattern for a 50 MB body, all of it time the engine thread cannot step), in windows of at most
     `WINDOW_BYTES` (an occurrence is counted in the window it starts in)."""
+    if not 1 <= len(pattern) <= 2:
+        raise ValueError(f"count_bytes counts one- or two-byte patterns, got {pattern!r}")
     end = len(body) if end is None else min(end, len(body))
-    extra = len(pattern) - 1
-    return sum(body.count(pattern, pos, min(pos + WINDOW_BYTES + extra, end))
-               for pos in range(start, end, WINDOW_BYTES))
+    count = 0
+    for pos in range(start, end, WINDOW_BYTES):
+        window = np.frombuffer(body, dtype=np.uint8, count=min(WINDOW_BYTES + 1, end - pos), offset=pos)
+        if len(pattern) == 1:
+            count += int(np.count_nonzero(window[:WINDOW_BYTES] == pattern[0]))
+        else:
+            count += int(np.count_nonzero((window[:-1] == pattern[0]) & (window[1:] == pattern[1])))
+    return count
 
 
 def values_upper_bound(body: bytes) -> int:
