@@ -96,6 +96,9 @@ class OffLoopJSONRequest(Request):
                     self._json = json.loads(body, parse_constant=_refuse_constant)
             except json.JSONDecodeError:
                 raise  # FastAPI answers it with the position of the error
+            except UnicodeDecodeError as error:  # a ValueError too
+                raise BodyRefused(400, f"the request body is not JSON text in UTF-8, UTF-16 or UTF-32: {error}",
+                                  "not_json") from None
             except RecursionError:
                 raise BodyRefused(400, "the request body nests arrays and objects deeper than this server decodes "
                                        f"(about {sys.getrecursionlimit()} levels)", "too_deep") from None

@@ -169,6 +169,7 @@ def test_commas_inside_strings_are_no_values(server):
      "too_deep"),
     ("an integer of 5,000 digits", b'{"model": "M", "prompt": "x", "seed": ' + b"1" * 5_000 + b"}", "number_too_long"),
     ("NaN", b'{"model": "M", "prompt": "x", "temperature": NaN}', "not_json"),
+    ("a byte that is no UTF-8", b'{"model": "M", "prompt": "x\xff"}', "not_json"),
     ("-Infinity in a body decoded in the thread",
      b'{"model": "M", "prompt": "' + b"x " * 600_000 + b'", "temperature": -Infinity}', "not_json"),
 ])
