@@ -397,7 +397,15 @@ def _weather(nonce: str) -> list[dict]:
     return [{"role": "user", "content": f"What is the weather in Paris? ({nonce})"}]
 
 
-_TEXT_PART = {"type": "text", "text": "x"}  # a chat content part and an Anthropic text block alike
+_TEXT_PART = {"type": "text", "text": "x"}
+
+
+def _nested_schema(depth: int) -> dict:
+    """A JSON schema of `depth` objects, each the only property of the one around it."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth - 1):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema  # a chat content part and an Anthropic text block alike
 
 
 def _tool(description: str, city: str = "the city") -> dict:
@@ -481,6 +489,14 @@ def build_cases(max_model_len: int, user: str | None, server_args: list[str] | N
              lambda m: b'{"model": "' + m.encode() + b'", "prompt": "a\\ud800b", "max_tokens": 1}'),
         one("deep_json", "a prompt nested 100,000 lists deep", "/v1/completions",
              lambda m: b'{"model": "' + m.encode() + b'", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+        one("json_schema_400_deep", "a response_format json_schema 400 objects deep (a 500 before session 21)",
+             "/v1/chat/completions",
+             lambda m: {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
+                        "response_format": {"type": "json_schema",
+                                            "json_schema": {"name": "x", "schema": _nested_schema(400)}}}),
+        one("grammar_500_deep", "a GBNF grammar of 500 nested groups (a 500 before session 21)", "/v1/chat/completions",
+             lambda m: {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
+                        "structured_outputs": {"grammar": "root ::= " + "(" * 500 + '"a"' + ")" * 500}}),
         one("cesu8_body", "CESU-8 bytes (a surrogate pair as 6 UTF-8 bytes) in the prompt", "/v1/completions",
              lambda m: b'{"model": "' + m.encode() + b'", "prompt": "a\xed\xa0\xbd\xed\xb8\x80b", "max_tokens": 1}'),
         one("lone_surrogate_bad_words", "a lone surrogate in bad_words", "/v1/completions",

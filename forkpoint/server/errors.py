@@ -72,6 +72,14 @@ class RequestTooLarge(BodyRefused):
         super().__init__(413, message, "request_too_large")
 
 
+class TooDeep(BodyRefused):
+    """The request body nests arrays and objects deeper than the server takes (answered 400)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(400, f"the request body nests arrays and objects deeper than {limit} levels, the most "
+                              "this server takes", "too_deep")
+
+
 class TooManyValues(BodyRefused):
     """The request body holds more JSON values (array elements and members' values) than
     --max-request-values (found from its bytes or while it is decoded; answered 400)."""

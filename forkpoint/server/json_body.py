@@ -47,10 +47,11 @@ from fastapi import Request, Response
 from fastapi.routing import APIRoute
 from starlette.types import Receive, Scope
 
-from forkpoint.server.errors import BodyRefused, TooManyObjects, TooManyValues
+from forkpoint.server.errors import BodyRefused, TooDeep, TooManyObjects, TooManyValues
 from forkpoint.server.json_counts import (
     closing_quote,
     count_bytes,
+    depth_beyond,
     values_beyond,
     values_lower_bound,
     values_upper_bound,
@@ -62,6 +63,10 @@ LARGE_BODY_BYTES = 1 << 20
 PIECE_CHARS = 1 << 20
 # past this many quotes, finding the literals one by one would cost more than it saves
 MAX_QUOTES = 100_000
+# arrays and objects nested deeper are refused (`too_deep`): the server's walks over a request
+# (the lone-surrogate check, a schema's rewrite for structured outputs) recurse a few Python frames a
+# level under the interpreter's 1,000-frame limit; schemas and conversations nest a few tens deep
+MAX_JSON_DEPTH = 128
 _LOW_SURROGATE_ESCAPE = ("\\udc", "\\udd", "\\ude", "\\udf", "\\uDC", "\\uDD", "\\uDE", "\\uDF")
 
 
@@ -94,14 +99,15 @@ class OffLoopJSONRequest(Request):
                     self._json = await asyncio.to_thread(decode_within, body, self.limits)
                 else:
                     self._json = json.loads(body, parse_constant=_refuse_constant)
+                    if count_bytes(body, b"{") + count_bytes(body, b"[") > MAX_JSON_DEPTH:
+                        _refuse_deep(self._json)
             except json.JSONDecodeError:
                 raise  # FastAPI answers it with the position of the error
             except UnicodeDecodeError as error:  # a ValueError too
                 raise BodyRefused(400, f"the request body is not JSON text in UTF-8, UTF-16 or UTF-32: {error}",
                                   "not_json") from None
-            except RecursionError:
-                raise BodyRefused(400, "the request body nests arrays and objects deeper than this server decodes "
-                                       f"(about {sys.getrecursionlimit()} levels)", "too_deep") from None
+            except RecursionError:  # deeper than the decoder goes
+                raise TooDeep(MAX_JSON_DEPTH) from None
             except ValueError:  # the decoder's only other ValueError: int()'s digit limit
                 raise BodyRefused(400, f"the request body has an integer of more than {sys.get_int_max_str_digits()} "
                                        "digits", "number_too_long") from None
@@ -140,7 +146,14 @@ def decode_within(body: bytes, limits: BodyLimits) -> Any:
     value = decode_json(body, limits.max_objects)
     if values_beyond(value, limits.max_values):
         raise TooManyValues(limits.max_values)
+    _refuse_deep(value)
     return value
+
+
+def _refuse_deep(value: Any) -> None:
+    """`TooDeep` for a decoded body nested deeper than `MAX_JSON_DEPTH`."""
+    if depth_beyond(value, MAX_JSON_DEPTH):
+        raise TooDeep(MAX_JSON_DEPTH)
 
 
 def decode_json(body: bytes, max_objects: int | None = None) -> Any:

@@ -86,6 +86,19 @@ def values_beyond(value: Any, limit: int) -> bool:
     return False
 
 
+def depth_beyond(value: Any, limit: int) -> bool:
+    """Whether the decoded JSON `value` nests arrays and objects more than `limit` deep (a scalar root is
+    depth 0, `[]` and `{}` depth 1); stops at the first container past it."""
+    containers = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while containers:
+        container, depth = containers.pop()
+        if depth > limit:
+            return True
+        children = container.values() if isinstance(container, dict) else container
+        containers.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
 def _commas_outside_strings(body: bytes) -> int:
     """Commas in `body` outside its string literals (a quote opens a literal, the next quote that no
     backslash escapes closes it); an unterminated literal runs to the end."""

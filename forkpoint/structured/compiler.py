@@ -82,7 +82,11 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         tokenizer = self._llguidance_tokenizer()
-        grammar = _grammar_text(spec, self.options)
+        try:
+            grammar = _grammar_text(spec, self.options)
+        except RecursionError:  # the schema rewrite and the GBNF converter recurse per level, in Python
+            raise ValueError(f"structured_outputs.{spec.kind} nests too deeply to convert (a few hundred levels "
+                             "at most)") from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if is_error:
             raise ValueError(f"structured_outputs.{spec.kind} does not compile: {messages[0] if messages else '?'}")

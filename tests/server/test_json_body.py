@@ -178,3 +178,34 @@ def test_a_body_json_cannot_hold_gets_a_clear_400(server, name, body, code):
                          headers={"content-type": "application/json"})
     assert answer.status_code == 400 and answer.json()["error"]["code"] == code, (name, answer.text)
     assert "error parsing the body" not in answer.text
+
+
+def test_a_body_nested_past_the_depth_limit_is_refused_and_one_within_it_served(server):
+    """A json_schema 129 objects deep (past MAX_JSON_DEPTH) is a 400 too_deep, from a small body and from one
+    decoded in the thread; 30 deep is served (it was a 500 at 400 deep: the lone-surrogate walk recursed)."""
+    def schema(depth):
+        value = {"type": "string"}
+        for _ in range(depth - 1):
+            value = {"type": "object", "properties": {"a": value}, "required": ["a"]}
+        return value
+
+    def ask(depth, padding=""):
+        return server.post("/v1/chat/completions", json={
+            "model": server.model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi" + padding}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema(depth)}}})
+
+    # the schema object at depth d sits 3 + 2 (d - 1) levels deep: body, response_format, json_schema
+    too_deep = (json_body.MAX_JSON_DEPTH - 3) // 2 + 2
+    for answer in (ask(too_deep), ask(too_deep, " x" * 600_000)):
+        assert answer.status_code == 400 and answer.json()["error"]["code"] == "too_deep", answer.text
+    within = ask(too_deep - 1)
+    assert within.json().get("error", {}).get("code") != "too_deep", within.text
+    assert ask(30).status_code == 200
+
+
+def test_a_grammar_too_deep_to_convert_is_a_400(server):
+    grammar = "root ::= " + "(" * 500 + '"a"' + ")" * 500
+    answer = server.post("/v1/chat/completions", json={"model": server.model, "max_tokens": 2,
+                                                       "messages": [{"role": "user", "content": "hi"}],
+                                                       "structured_outputs": {"grammar": grammar}})
+    assert answer.status_code == 400 and "nests too deeply" in answer.text, answer.text
