@@ -497,6 +497,10 @@ def build_cases(max_model_len: int, user: str | None, server_args: list[str] | N
         one("grammar_500_deep", "a GBNF grammar of 500 nested groups (a 500 before session 21)", "/v1/chat/completions",
              lambda m: {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
                         "structured_outputs": {"grammar": "root ::= " + "(" * 500 + '"a"' + ")" * 500}}),
+        one("choice_100k", "structured_outputs.choice of 100,000 strings (held the engine thread 32 s before "
+            "session 21)", "/v1/chat/completions",
+             lambda m: {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
+                        "structured_outputs": {"choice": [f"c{i}" for i in range(100_000)]}}),
         one("cesu8_body", "CESU-8 bytes (a surrogate pair as 6 UTF-8 bytes) in the prompt", "/v1/completions",
              lambda m: b'{"model": "' + m.encode() + b'", "prompt": "a\xed\xa0\xbd\xed\xb8\x80b", "max_tokens": 1}'),
         one("lone_surrogate_bad_words", "a lone surrogate in bad_words", "/v1/completions",

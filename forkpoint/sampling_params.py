@@ -8,6 +8,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+# alternatives a `choice` constraint may list: each is one of a grammar compiled on the engine thread when
+# the request is added (llguidance on the CPU: 20,000 took 0.5 s, 100,000 32 s before it failed)
+MAX_CHOICES = 4096
+
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
@@ -49,6 +53,9 @@ class StructuredOutputsParams:
                     or not all(isinstance(c, str) and c for c in choice)):
                 raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
                                  f"got {choice!r}")
+            if len(choice) > MAX_CHOICES:
+                raise ValueError(f"structured_outputs.choice has {len(choice)} strings; at most {MAX_CHOICES} are "
+                                 "taken (a json_schema or a grammar can constrain more)")
             object.__setattr__(self, "choice", list(choice))
 
     @property

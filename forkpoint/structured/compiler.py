@@ -89,10 +89,12 @@ class GrammarCompiler:
                              "at most)") from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if is_error:
-            raise ValueError(f"structured_outputs.{spec.kind} does not compile: {messages[0] if messages else '?'}")
+            raise ValueError(f"structured_outputs.{spec.kind} does not compile: "
+                             f"{_without_backtrace(messages[0]) if messages else '?'}")
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"structured_outputs.{spec.kind} does not compile: {matcher.get_error()}")
+            error = _without_backtrace(matcher.get_error())
+            raise ValueError(f"structured_outputs.{spec.kind} does not compile: {error}")
         return matcher
 
     def _llguidance_tokenizer(self) -> llguidance.LLTokenizer:
@@ -104,6 +106,12 @@ class GrammarCompiler:
                                                              eos_token=self.eos_token_ids)
             self._executor = llguidance.LLExecutor(self._num_threads)
         return self._lltokenizer
+
+
+def _without_backtrace(message: str) -> str:
+    """llguidance's error without the Rust backtrace it appends to a panic's message (its internals are
+    nothing a client can act on)."""
+    return message.split("\n<backtrace>", 1)[0].strip()
 
 
 def _grammar_text(spec: StructuredOutputsParams, options: StructuredOutputsConfig) -> str:

@@ -209,3 +209,12 @@ def test_a_grammar_too_deep_to_convert_is_a_400(server):
                                                        "messages": [{"role": "user", "content": "hi"}],
                                                        "structured_outputs": {"grammar": grammar}})
     assert answer.status_code == 400 and "nests too deeply" in answer.text, answer.text
+
+
+def test_a_choice_list_past_the_limit_is_a_400_before_any_compile(server):
+    """5,000 choices: a 400 naming structured_outputs.choice at once (100,000 once held the engine thread 32 s
+    compiling, then failed with a Rust backtrace in the message)."""
+    answer = server.post("/v1/chat/completions", json={
+        "model": server.model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+        "structured_outputs": {"choice": [f"c{i}" for i in range(5_000)]}})
+    assert answer.status_code == 400 and "at most 4096 are taken" in answer.text, answer.text

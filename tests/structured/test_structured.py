@@ -47,6 +47,9 @@ def test_params_need_exactly_one_constraint():
         StructuredOutputsParams(regex="a", choice=["a"])
     with pytest.raises(ValueError, match="choice"):
         StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match="choice has 4097 strings; at most 4096"):
+        StructuredOutputsParams(choice=[f"c{i}" for i in range(4097)])
+    assert len(StructuredOutputsParams(choice=[f"c{i}" for i in range(4096)]).choice) == 4096
     with pytest.raises(ValueError, match="json"):
         StructuredOutputsParams(json="{not json")
 
@@ -143,3 +146,11 @@ def test_processors_offline(llm):
     assert yes not in llm.generate("Hello", banned, use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate("Hello", SamplingParams(allowed_token_ids=[10**7]), use_tqdm=False)
+
+
+def test_a_panic_message_loses_its_rust_backtrace():
+    from forkpoint.structured.compiler import _without_backtrace
+
+    panic = "panic: assertion failed: grammar.symbols.len() < 65525\n<backtrace>\n   0: <unknown>\n   1: <unknown>"
+    assert _without_backtrace(panic) == "panic: assertion failed: grammar.symbols.len() < 65525"
+    assert _without_backtrace("lexer too big\nline 2") == "lexer too big\nline 2"
