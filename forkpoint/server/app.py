@@ -3,9 +3,11 @@
 One process, one engine thread (`EngineWorker`, started and stopped with the app's lifespan);
 handlers run on the event loop and never touch the engine directly. Tokenisation and prompt
 building run in a pool of `--tokenizer-workers` threads (the fast tokenizer is only read, and its
-Rust encode releases the GIL), so one huge prompt holds up no other request's prompt; request bodies
-over --max-request-bytes are refused before they are read (`limits.RequestSizeLimit`), and the
-lifespan logs a start-up summary and a periodic stats line (`stats.py`).
+Rust encode releases the GIL), so one huge prompt holds up no other request's prompt; a request's
+structured-output constraint is compiled in threads of its own (`grammar_threads.py`) before the request
+reaches the engine thread, which then only copies the compiled grammar; request bodies over
+--max-request-bytes are refused before they are read (`limits.RequestSizeLimit`), and the lifespan logs
+a start-up summary and a periodic stats line (`stats.py`).
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
 POST /v1/responses (with GET and DELETE /v1/responses/{id}), POST /v1/messages (Anthropic's, with
@@ -51,6 +53,7 @@ from forkpoint.server.errors import (
 )
 from forkpoint.server.gc_pauses import GcPauses
 from forkpoint.server.generation import Admission
+from forkpoint.server.grammar_threads import GrammarThreads
 from forkpoint.server.json_body import BodyLimits, off_loop_json_route
 from forkpoint.server.limits import RequestSizeLimit, default_max_request_bytes
 from forkpoint.server.messages_errors import error_body_for
@@ -123,11 +126,13 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
     # long as a request body), only when the operator trusts them
     sandbox = (TemplateSandbox(TemplateLimits(max_output_chars=max_request_bytes))
                if config.trust_request_chat_template else None)
+    # structured-output constraints compile here, not on the engine thread, which only copies them
+    grammars = GrammarThreads(engine.grammars)
     serving = OpenAIServing(model_name=config.served_model_name, model_aliases=config.served_model_aliases,
                             max_model_len=engine.max_model_len,
                             prompts=prompts, worker=worker, admission=admission, metrics=metrics,
                             default_max_tokens=engine.generation_defaults.max_new_tokens, template_sandbox=sandbox,
-                            cache_isolation=config.cache_isolation)
+                            cache_isolation=config.cache_isolation, grammars=grammars)
     created = int(time.time())
     response_store = ResponseStore(config.responses_store_bytes)
 
@@ -166,6 +171,7 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
                     await stats
             await asyncio.to_thread(worker.shutdown, config.shutdown_timeout_s)
             tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+            grammars.shutdown()
             if sandbox is not None:
                 sandbox.close()
 

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from forkpoint.outputs import RequestOutput
 from forkpoint.sampling_params import SamplingParams
 from forkpoint.server.errors import APIError, invalid_request, overloaded
+from forkpoint.server.grammar_threads import GrammarThreads
 from forkpoint.server.metrics import ServerMetrics
 from forkpoint.server.prompts import EnginePrompt
 from forkpoint.server.request_params import rejected_param
@@ -103,18 +104,22 @@ class Generation:
     endpoint: label of the request in the outcome metric; prompt_param: the request field
     named in a 400 when the engine rejects a prompt. received: when the HTTP request reached its
     handler (`time.monotonic()`; default: now); arrived: when it reached the application
-    (`server/arrival.py`; default: received), the start of its time to first token.
+    (`server/arrival.py`; default: received), the start of its time to first token. grammars: where
+    a structured-output constraint is compiled before the prompts go to the engine thread (None: the
+    engine compiles it, as replicas' engines in their own processes do).
     """
 
     def __init__(self, worker: EngineWorker, admission: Admission, metrics: ServerMetrics, *,
                  endpoint: str, prompt_param: str, request_id: str, prompts: Sequence[EnginePrompt],
                  params: SamplingParams, cache_key: str | None = None, client: str = "",
-                 received: float | None = None, arrived: float | None = None) -> None:
+                 received: float | None = None, arrived: float | None = None,
+                 grammars: GrammarThreads | None = None) -> None:
         self._cache_key = cache_key  # prompt_cache_key: replicas route the group together
         self._client = client  # the request's `user` ("" without one): its admission places are its client's
         self._endpoint = endpoint
         self._prompt_param = prompt_param
         self._worker = worker
+        self._grammars = grammars
         self._admission = admission
         self._metrics = metrics
         self._ids = [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -136,17 +141,23 @@ class Generation:
         return self._params
 
     async def start(self) -> None:
-        """Admit and submit every prompt. Raises `APIError`: 503 when the server is at capacity or
-        shutting down, 400 when the engine rejects a prompt (nothing is left running then, and
-        `close()` has nothing to do: the error handler counts the outcome)."""
+        """Admit, compile the request's constraint (off the engine thread, in `grammars`) and submit
+        every prompt. Raises `APIError`: 503 when the server is at capacity or shutting down, 400 when
+        the constraint does not compile or the engine rejects a prompt (nothing is left running then,
+        and `close()` has nothing to do: the error handler counts the outcome). Cancelled before the
+        prompts were handed over, it gives their places back and leaves nothing."""
         self._admission.admit(len(self._ids), self._params.n, self._client)
         for rid in self._ids:
             self._state[rid] = "waiting"
         self._sink = OutputSink(asyncio.get_running_loop())
         requests = [NewRequest(rid, p.engine_input(), self._params, self._cache_key, p.turn_positions,
                                p.turn_end_reusable, tenant=self._client) for rid, p in zip(self._ids, self._prompts)]
-        self._submitted = time.monotonic()
+        handed_over = False
         try:
+            if self._grammars is not None and self._params.structured_outputs is not None:
+                await self._grammars.compile(self._params.structured_outputs)
+            self._submitted = time.monotonic()
+            handed_over = True
             await self._worker.add_many(requests, self._sink)
             self._added = time.monotonic()
             self._started = True
@@ -156,9 +167,12 @@ class Generation:
         except ServerShuttingDown as err:
             self._release_all()
             raise APIError(str(err), status=503, type="service_unavailable_error", code="shutting_down") from None
-        except BaseException:  # cancelled while adding: the add may still land, so abort it
-            self._started = True
-            self.close()
+        except BaseException:
+            if handed_over:  # cancelled while adding: the add may still land, so abort it
+                self._started = True
+                self.close()
+            else:  # cancelled while its grammar compiled: nothing reached the engine thread
+                self._release_all()
             raise
 
     def close(self) -> None:
@@ -206,7 +220,7 @@ class Generation:
     def _first_token_breakdown(self, output: RequestOutput, now: float) -> None:
         """Where the time to `output`'s first token went, into the latency histograms and a debug log
         line: request (the HTTP body read, parsed and validated before the handler), prompt (rendered,
-        tokenised, admitted), hand-off (queued for the engine thread, which
+        tokenised, admitted, its grammar compiled), hand-off (queued for the engine thread, which
         takes new prompts between steps), queue (until a step first schedules it, behind how many
         steps), prefill (to its first sampled token, in how many steps: 1 when the step that first
         schedules it samples it), delivery (the engine's output work and the hop to the event loop).

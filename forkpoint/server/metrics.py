@@ -67,7 +67,7 @@ FIRST_TOKEN_PARTS = {
     "request": "From the HTTP request reaching the application (its headers parsed) to its handler: the body "
                "read, parsed and validated, per request.",
     "prompt": "From the request reaching its handler to its prompts being handed to the engine thread (chat "
-              "template rendered, tokenised, admitted), per request.",
+              "template rendered, tokenised, admitted, a structured-output grammar compiled), per request.",
     "handoff": "From the prompts handed to the engine thread to the engine taking them (between two steps), "
                "per prompt.",
     "queue": "From the engine taking a prompt to a step first scheduling it, per prompt.",

@@ -29,6 +29,7 @@ from forkpoint.server.arrival import arrival_time
 from forkpoint.server.chat_format import ChatFormat, ChatOptions
 from forkpoint.server.errors import APIError, error_body, invalid_request
 from forkpoint.server.generation import Admission, Generation
+from forkpoint.server.grammar_threads import GrammarThreads
 from forkpoint.server.metrics import ServerMetrics
 from forkpoint.server.prompts import EnginePrompt, PromptBuilder
 from forkpoint.server.protocol import (
@@ -142,7 +143,7 @@ class OpenAIServing:
     def __init__(self, *, model_name: str, max_model_len: int, prompts: PromptBuilder, worker: EngineWorker,
                  admission: Admission, metrics: ServerMetrics, default_max_tokens: int | None = None,
                  template_sandbox: TemplateSandbox | None = None, cache_isolation: str = "none",
-                 model_aliases: tuple[str, ...] = ()) -> None:
+                 model_aliases: tuple[str, ...] = (), grammars: GrammarThreads | None = None) -> None:
         self.cache_isolation = cache_isolation  # "user" / "api-key": requests without cache_salt are salted by it
         self.template_sandbox = template_sandbox  # runs request-supplied chat templates (None: they are a 400)
         self.default_max_tokens = default_max_tokens  # the model's generation_config.json max_new_tokens
@@ -153,6 +154,7 @@ class OpenAIServing:
         self.worker = worker
         self.admission = admission
         self.metrics = metrics
+        self.grammars = grammars  # compiles constraints off the engine thread (None: the engine compiles them)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
@@ -251,13 +253,13 @@ class OpenAIServing:
     async def start(self, endpoint: str, prompt_param: str, request_id: str, body: SamplingFields,
                     prompts: list[EnginePrompt], params: SamplingParams, request: Request,
                     received: float) -> Generation:
-        """A started `Generation` of `prompts` (admitted and handed to the engine thread); the caller
-        closes it however the request ends. Raises `APIError` (503 at capacity, 400 for a prompt the
-        engine refuses)."""
+        """A started `Generation` of `prompts` (admitted, its constraint compiled, handed to the engine
+        thread); the caller closes it however the request ends. Raises `APIError` (503 at capacity, 400
+        for a constraint that does not compile or a prompt the engine refuses)."""
         gen = Generation(self.worker, self.admission, self.metrics, endpoint=endpoint, prompt_param=prompt_param,
                          request_id=request_id, prompts=prompts, params=params, cache_key=body.prompt_cache_key,
                          client=api_client(request) or body.user or "", received=received,
-                         arrived=arrival_time(request))
+                         arrived=arrival_time(request), grammars=self.grammars)
         await gen.start()
         return gen
 

@@ -5,14 +5,21 @@ tokenizer; about 6 s and ~450 MB for the 248k-token Qwen3.5 vocabulary on 2 core
 `prepare()` (the server calls it at start-up, so no request stalls the engine thread on it), else on
 the first constrained request. Each distinct constraint is compiled once (validated and
 parsed into an initial `LLMatcher`) and kept in an LRU cache; each sequence gets a deep copy.
+
+Two threads may use one compiler: the server compiles a request's constraint in a thread of its own
+(`ensure_compiled`) before the engine thread's `matcher` only copies it from the cache. llguidance
+releases the GIL while it compiles (a 4,096-string `choice` takes ~70 ms on 2 cores, a big JSON schema
+can take seconds), so the other threads run meanwhile.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 import llguidance
 import llguidance.hf
@@ -31,7 +38,13 @@ class GrammarCompiler:
     """tokenizer: the engine's HF tokenizer (fast); vocab_size: the model's logits width (ids
     past the tokenizer's vocabulary are never allowed); eos_token_ids: the ids that end a sequence
     (allowed once a grammar is complete); options: how JSON schemas read (`StructuredOutputsConfig`:
-    by default no properties beyond those listed unless the schema allows them, compact JSON)."""
+    by default no properties beyond those listed unless the schema allows them, compact JSON).
+
+    Thread safety: `_lock` guards the cache, the in-flight compiles and the counters, and is never held
+    while llguidance compiles; `_build_lock` guards the one-time build of the llguidance tokenizer.
+    Invariants: a key is in `_compiling` only while one thread compiles it (removed when that ends,
+    also on an error), so concurrent requests for one new constraint compile it once; `num_compiled`
+    counts the compiles that succeeded."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: Iterable[int], *,
                  options: StructuredOutputsConfig | None = None, cache_size: int = DEFAULT_CACHE_SIZE,
@@ -44,7 +57,10 @@ class GrammarCompiler:
         self._num_threads = num_threads
         self._lltokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
+        self._lock = threading.Lock()
+        self._build_lock = threading.Lock()
         self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._compiling: dict[tuple[str, str], Future[llguidance.LLMatcher]] = {}
         self._live: weakref.WeakSet[GrammarMatcher] = weakref.WeakSet()
         self.num_compiled = 0  # cache misses (compilations), for tests and metrics
 
@@ -53,22 +69,57 @@ class GrammarCompiler:
         """Matchers still referenced somewhere (0 once every constrained request has left)."""
         return len(self._live)
 
+    @property
+    def num_compiling(self) -> int:
+        """Constraints some thread is compiling now (a compile that ended, failed or not, is not counted)."""
+        with self._lock:
+            return len(self._compiling)
+
     def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
-        """A fresh matcher for one sequence. Raises ValueError naming the problem when the schema,
-        regex, choice or grammar does not compile."""
+        """A fresh matcher for one sequence: a copy of the cached grammar, compiled here on a miss
+        (waiting for it instead when another thread is compiling it). Raises ValueError naming the
+        problem when the schema, regex, choice or grammar does not compile."""
+        initial = self._initial(spec)
+        matcher = GrammarMatcher(initial.deep_copy(), self._executor, self.eos_token_ids)
+        with self._lock:
+            self._live.add(matcher)
+        return matcher
+
+    def ensure_compiled(self, spec: StructuredOutputsParams) -> None:
+        """Compile `spec` into the cache unless it is there, so that a later `matcher(spec)` only copies
+        it (the server calls this off the engine thread). Raises the ValueError `matcher` would."""
+        self._initial(spec)
+
+    def _initial(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """The cached initial matcher of `spec`: from the cache, from another thread's compile of the same
+        constraint, or compiled here."""
         key = spec.cache_key()
-        initial = self._compiled.get(key)
-        if initial is None:
+        with self._lock:
+            initial = self._compiled.get(key)
+            if initial is not None:
+                self._compiled.move_to_end(key)
+                return initial
+            pending = self._compiling.get(key)
+            owner = pending is None
+            if owner:
+                pending = self._compiling[key] = Future()
+        if not owner:
+            return pending.result()  # the compiling thread's matcher, or its ValueError
+        try:
             initial = self._compile(spec)
+        except BaseException as exc:
+            with self._lock:
+                del self._compiling[key]
+            pending.set_exception(exc)
+            raise
+        with self._lock:
+            del self._compiling[key]
             self._compiled[key] = initial
             self.num_compiled += 1
             while len(self._compiled) > self._cache_size:
                 self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(key)
-        matcher = GrammarMatcher(initial.deep_copy(), self._executor, self.eos_token_ids)
-        self._live.add(matcher)
-        return matcher
+        pending.set_result(initial)
+        return initial
 
     @property
     def prepared(self) -> bool:
@@ -76,8 +127,9 @@ class GrammarCompiler:
         return self._lltokenizer is not None
 
     def prepare(self) -> None:
-        """Build the llguidance tokenizer now (idempotent; call it before the engine thread runs, since
-        building is not locked). Raises ValueError for a tokenizer that structured outputs cannot use."""
+        """Build the llguidance tokenizer now (idempotent; the server calls it before serving, since the
+        first compile would build it otherwise). Raises ValueError for a tokenizer that structured outputs
+        cannot use."""
         self._llguidance_tokenizer()
 
     def _compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
@@ -98,14 +150,15 @@ class GrammarCompiler:
         return matcher
 
     def _llguidance_tokenizer(self) -> llguidance.LLTokenizer:
-        if self._lltokenizer is None:
-            if not isinstance(self._tokenizer, PreTrainedTokenizerFast):
-                raise ValueError("structured outputs need a fast (tokenizer.json) tokenizer; this model's "
-                                 f"tokenizer is a {type(self._tokenizer).__name__}")
-            self._lltokenizer = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self.vocab_size,
-                                                             eos_token=self.eos_token_ids)
-            self._executor = llguidance.LLExecutor(self._num_threads)
-        return self._lltokenizer
+        with self._build_lock:  # two first compiles build it once
+            if self._lltokenizer is None:
+                if not isinstance(self._tokenizer, PreTrainedTokenizerFast):
+                    raise ValueError("structured outputs need a fast (tokenizer.json) tokenizer; this model's "
+                                     f"tokenizer is a {type(self._tokenizer).__name__}")
+                self._executor = llguidance.LLExecutor(self._num_threads)
+                self._lltokenizer = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self.vocab_size,
+                                                                 eos_token=self.eos_token_ids)
+            return self._lltokenizer
 
 
 def _without_backtrace(message: str) -> str:

@@ -1,5 +1,6 @@
 """Admission (server/generation.py): places counted in sequences (prompts x n), per request and
-per client (the request's `user`), all given back; a request's time to first token by part."""
+per client (the request's `user`), all given back; a request's time to first token by part; a
+constrained request's grammar compiled before its prompts go to the engine thread."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import time
 import pytest
 
 from forkpoint.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from forkpoint.sampling_params import SamplingParams
+from forkpoint.sampling_params import SamplingParams, StructuredOutputsParams
 from forkpoint.server.errors import APIError
 from forkpoint.server.generation import Admission, Generation
 from forkpoint.server.metrics import ServerMetrics
 from forkpoint.server.prompts import EnginePrompt
+from forkpoint.server.worker import ServerShuttingDown
 
 
 def test_n_takes_n_places_and_gives_them_back():
@@ -109,3 +111,84 @@ def test_first_token_parts_log_the_steps_to_the_first_token(caplog):
     with caplog.at_level(logging.DEBUG, logger="forkpoint.server"):
         _first_token_parts(lambda now: (now, now + 0.005, now + 0.015))
     assert "queue 5.0 (2 steps), prefill 10.0 (1 steps), delivery" in caplog.text
+
+
+class _RecordingWorker:
+    """An engine thread that takes every prompt and records what it was given."""
+
+    def __init__(self) -> None:
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+
+    async def add_many(self, requests, sink) -> None:
+        self.added += [r.request_id for r in requests]
+
+    def abort(self, request_ids) -> None:
+        self.aborted += list(request_ids)
+
+
+class _Grammars:
+    """`compile` raises `error`, or (without one) waits until it is cancelled."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self.compiling: list[StructuredOutputsParams] = []
+
+    async def compile(self, spec: StructuredOutputsParams) -> None:
+        self.compiling.append(spec)
+        if self.error is not None:
+            raise self.error
+        await asyncio.Event().wait()
+
+
+CONSTRAINED = SamplingParams(max_tokens=1, n=2, structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+
+
+def _constrained_generation(worker, admission: Admission, grammars: _Grammars) -> Generation:
+    return Generation(worker, admission, ServerMetrics(dict, lambda: 0, lambda: 0, endpoints=("chat",)),
+                      endpoint="chat", prompt_param="messages", request_id="g", prompts=[EnginePrompt([1, 2], ())],
+                      params=CONSTRAINED, client="u", grammars=grammars)
+
+
+@pytest.mark.parametrize("error,status,param", [
+    (ValueError("structured_outputs.regex does not compile: nope"), 400, "messages"),
+    (ServerShuttingDown("the server is shutting down"), 503, None)])
+def test_a_constraint_that_cannot_compile_is_refused_before_the_engine(error, status, param):
+    """The engine's answers (a 400 naming the prompt field, as the engine thread's rejection named it; a 503
+    shutting down), with the places given back and nothing handed to the engine thread."""
+    admission, worker, grammars = Admission(4, 1), _RecordingWorker(), _Grammars(error)
+    gen = _constrained_generation(worker, admission, grammars)
+    with pytest.raises(APIError) as info:
+        asyncio.run(gen.start())
+    assert (info.value.status, info.value.param) == (status, param) and str(error) in info.value.message
+    assert grammars.compiling == [CONSTRAINED.structured_outputs]
+    assert (admission.waiting, admission.waiting_by_client, worker.added) == (0, {}, [])
+
+
+def test_a_request_cancelled_while_its_grammar_compiles_leaves_nothing():
+    """A request whose wait for its grammar is cancelled gives its places back and never reaches the engine."""
+    admission, worker, grammars = Admission(4, 1), _RecordingWorker(), _Grammars()
+    gen = _constrained_generation(worker, admission, grammars)
+
+    async def run() -> None:
+        start = asyncio.ensure_future(gen.start())
+        while not grammars.compiling:
+            await asyncio.sleep(0)
+        assert admission.waiting == 2  # n=2: two places while it compiles
+        start.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        gen.close()
+
+    asyncio.run(run())
+    assert (admission.waiting, admission.running, admission.waiting_by_client) == (0, 0, {})
+    assert worker.added == [] and worker.aborted == []
+
+
+def test_a_request_without_a_constraint_is_not_held_for_grammars():
+    admission, worker, grammars = Admission(4, 1), _RecordingWorker(), _Grammars()
+    gen = Generation(worker, admission, ServerMetrics(dict, lambda: 0, lambda: 0, endpoints=("chat",)),
+                     endpoint="chat", prompt_param="messages", request_id="p", prompts=[EnginePrompt([1, 2], ())],
+                     params=SamplingParams(max_tokens=1), grammars=grammars)
+    asyncio.run(gen.start())
+    assert grammars.compiling == [] and worker.added == ["p-0"]

@@ -7,6 +7,8 @@ import dataclasses
 import gc
 import json
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -77,6 +79,67 @@ def test_compiled_grammars_are_cached(llm):
     assert first.accept(tokenizer.encode("alpha", add_special_tokens=False)[0])
     assert second.allowed_token_ids(compiler.vocab_size) == allowed  # copies do not share state
     del first, second
+
+
+def test_two_threads_compile_one_new_constraint_once(llm, monkeypatch):
+    """Both threads get the grammar; the one that finds it being compiled waits for that compile (slowed
+    here to 0.3 s so that the two overlap; llguidance, like the sleep, releases the GIL)."""
+    compiler = llm.engine.grammars
+    real_compile = compiler._compile
+    calls: list[StructuredOutputsParams] = []
+
+    def slow_compile(spec):
+        calls.append(spec)
+        time.sleep(0.3)
+        return real_compile(spec)
+
+    monkeypatch.setattr(compiler, "_compile", slow_compile)
+    spec = StructuredOutputsParams(choice=[f"twin{i}" for i in range(512)])
+    before = compiler.num_compiled
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def compile_it() -> None:
+        barrier.wait()
+        try:
+            compiler.ensure_compiled(spec)
+        except BaseException as exc:  # reported below, not lost in the thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=compile_it) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not errors and len(calls) == 1
+    assert compiler.num_compiled == before + 1 and compiler.num_compiling == 0
+
+
+def test_an_ahead_compile_raises_the_matchers_error_and_leaves_nothing_in_flight(llm):
+    compiler = llm.engine.grammars
+    before = compiler.num_compiled
+    for bad in (StructuredOutputsParams(regex="[still unclosed"), StructuredOutputsParams(grammar="start: nowhere")):
+        with pytest.raises(ValueError, match=f"structured_outputs.{bad.kind} does not compile"):
+            compiler.ensure_compiled(bad)
+        assert compiler.num_compiling == 0
+        with pytest.raises(ValueError, match="does not compile"):  # a later call compiles (and fails) again
+            compiler.matcher(bad)
+        assert compiler.num_compiling == 0
+    assert compiler.num_compiled == before
+
+
+def test_a_matcher_after_an_ahead_compile_is_a_cache_hit(llm):
+    compiler = llm.engine.grammars
+    spec = StructuredOutputsParams(regex="[0-9]{3}-ahead")
+    compiler.ensure_compiled(spec)
+    compiled = compiler.num_compiled
+    compiler.ensure_compiled(spec)
+    matcher = compiler.matcher(StructuredOutputsParams(regex="[0-9]{3}-ahead"))
+    assert compiler.num_compiled == compiled
+    tokenizer = llm.get_tokenizer()
+    allowed = {tokenizer.decode([i]) for i in matcher.allowed_token_ids(compiler.vocab_size)}
+    assert allowed and all(text.isdigit() for text in allowed)
+    del matcher
 
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 3},
