@@ -213,26 +213,40 @@ PREFILL_CONFIGS = tuple(
     for m in (64, 128) for n in (32, 64) for w in (4, 8) for s in (1, 2, 3)
 )
 _REGS_PER_THREAD = 128       # fp32 accumulator registers a thread may hold (of 255)
-_SMEM_BYTES = 160 * 1024     # estimated shared memory per program (H100/H200: 227 KB max)
+# Shared memory a tile may plan for: the device's per-block limit less this margin, which the estimate in
+# `_fits` leaves out (Triton's barriers and layout-conversion scratch). On an H200 (227 KB) that admits the
+# 192 KB of BLOCK_M=128, BLOCK_N=64 with 2 pipeline stages at head dim 256, which the old fixed 160 KB
+# pruned: 13-16% faster on long prefills than the 1 stage the autotuner had to take, with bit-identical
+# outputs (stages change when K/V tiles load, not the arithmetic; docs/kernels_h200.md, session 22).
+_SMEM_MARGIN_BYTES = 16 * 1024
 
 
-def _fits(config: triton.Config, g: int, block_d: int, elem_bytes: int = 2) -> bool:
+def _smem_budget(device: torch.device | None) -> int:
+    """Shared memory bytes a prefill tile may plan for on `device` (None: the current CUDA device)."""
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin - _SMEM_MARGIN_BYTES
+
+
+def _fits(config: triton.Config, g: int, block_d: int, smem_budget: int, elem_bytes: int = 2) -> bool:
     """Whether a prefill tile is plausible: BLOCK_M covers a whole GQA group, the fp32 accumulator
     [BLOCK_M, BLOCK_D] leaves registers to spare, and the pipelined K/V tiles plus q fit in
-    shared memory (an over-estimate: Triton may keep q in registers)."""
+    `smem_budget` bytes of shared memory (what Triton asks for them: 327,680 B for 128x128 with 2
+    stages at head dim 256, as its out-of-resources error said; it may keep q in registers)."""
     m, n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
     if m < _next_pow2(g):
         return False
     if m * block_d > _REGS_PER_THREAD * 32 * config.num_warps:
         return False
     smem = (max(1, config.num_stages) * 2 * n * block_d + m * block_d) * elem_bytes
-    return smem <= _SMEM_BYTES
+    return smem <= smem_budget
 
 
 def _prune_prefill(configs, named_args, **kwargs):
     g, block_d = kwargs["G"], kwargs["BLOCK_D"]
-    elem = named_args["Kc"].element_size() if "Kc" in named_args else 2
-    kept = [c for c in configs if _fits(c, g, block_d, elem)]
+    kc = named_args.get("Kc")
+    elem = kc.element_size() if kc is not None else 2
+    budget = _smem_budget(kc.device if kc is not None else None)
+    kept = [c for c in configs if _fits(c, g, block_d, budget, elem)]
     if kept:
         return kept
     # a group wider than every tile: one tile of the whole group
