@@ -159,6 +159,9 @@ class EngineReplica:
         problem otherwise), then its cumulative outputs, one list per engine step, until it finishes.
         Cancelling the call aborts the prompt. `route` is the router's decision, counted here."""
         self._routes[route] += 1
+        spec = request.params.structured_outputs
+        if spec is not None:  # compiled here, not on the engine thread, as one server does (server/grammar_threads.py)
+            await asyncio.to_thread(self._llm.engine.grammars.ensure_compiled, spec)
         sink = OutputSink(asyncio.get_running_loop())
         await self._worker.add_many([request], sink)
         finished = False

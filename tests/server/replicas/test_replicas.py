@@ -169,6 +169,20 @@ def test_the_ingress_refuses_a_text_that_cannot_fit_before_tokenising_it_all(aff
     assert error["code"] == "context_length_exceeded" and "the first part of its text alone has" in error["message"]
 
 
+def test_a_constraint_that_cannot_compile_is_a_400_and_the_replica_keeps_serving(affine):
+    """A replica compiles a request's constraint before its engine takes the request (off the engine thread);
+    one that cannot compile (this tiny model's tokenizer is no byte-level one llguidance can read) comes back
+    as one server's 400, nothing is left running, and the replica serves the next request."""
+    (bad,) = completions(affine.url, [words(1, 2, 3)], max_tokens=2, logprobs=None,
+                         structured_outputs={"choice": ["alpha", "beta"]})
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["type"] == "invalid_request_error"
+    (after,) = completions(affine.url, [words(4, 5, 6)], max_tokens=2)
+    assert after.status_code == 200, after.text
+    totals = affine.totals()
+    assert totals.get("num_running", 0) + totals.get("num_waiting", 0) == 0
+
+
 def test_prompt_cache_key_routes_a_group_together(affine):
     """OpenAI's prompt_cache_key through HTTP: prompts of one group that share no checkpoint follow the group's
     replica ("cache_key" decisions), while a prompt without the key is routed by load alone ("unkeyed")."""
