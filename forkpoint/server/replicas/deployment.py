@@ -159,13 +159,13 @@ class EngineReplica:
         problem otherwise), then its cumulative outputs, one list per engine step, until it finishes.
         Cancelling the call aborts the prompt. `route` is the router's decision, counted here."""
         self._routes[route] += 1
-        spec = request.params.structured_outputs
-        if spec is not None:  # compiled here, not on the engine thread, as one server does (server/grammar_threads.py)
-            await asyncio.to_thread(self._llm.engine.grammars.ensure_compiled, spec)
-        sink = OutputSink(asyncio.get_running_loop())
-        await self._worker.add_many([request], sink)
         finished = False
-        try:
+        try:  # every way out publishes the route counted (and aborts what did not finish; unknown ids are ignored)
+            spec = request.params.structured_outputs
+            if spec is not None:  # compiled here, not on the engine thread, as one server does (grammar_threads.py)
+                await asyncio.to_thread(self._llm.engine.grammars.ensure_compiled, spec)
+            sink = OutputSink(asyncio.get_running_loop())
+            await self._worker.add_many([request], sink)
             yield []
             while not finished:
                 item = await sink.queue.get()

@@ -173,12 +173,18 @@ def test_a_constraint_that_cannot_compile_is_a_400_and_the_replica_keeps_serving
     """A replica compiles a request's constraint before its engine takes the request (off the engine thread);
     one that cannot compile (this tiny model's tokenizer is no byte-level one llguidance can read) comes back
     as one server's 400, nothing is left running, and the replica serves the next request."""
+    routed_before = sum(sum(s.routes.values()) for s in affine.worker.snapshots())
     (bad,) = completions(affine.url, [words(1, 2, 3)], max_tokens=2, logprobs=None,
                          structured_outputs={"choice": ["alpha", "beta"]})
     assert bad.status_code == 400, bad.text
     assert bad.json()["error"]["type"] == "invalid_request_error"
     (after,) = completions(affine.url, [words(4, 5, 6)], max_tokens=2)
     assert after.status_code == 200, after.text
+    # both routes are published (the refused request's too), so later tests' route counts start from them
+    deadline = time.monotonic() + 10
+    while sum(sum(s.routes.values()) for s in affine.worker.snapshots()) < routed_before + 2:
+        assert time.monotonic() < deadline, "the replicas did not publish the two requests' routes"
+        time.sleep(0.05)
     totals = affine.totals()
     assert totals.get("num_running", 0) + totals.get("num_waiting", 0) == 0
 
