@@ -14,7 +14,9 @@ With --long (issue 30: long prompts), three more: (h) one causal 32,768-token pr
 8,192-token chunk of a 32,768- and of a 131,072-token prompt (chunked prefill: 8,192 queries over the whole
 context). The reference is not run there (its float32 scores would not fit): the error column is against
 the first SDPA backend that runs, and every SDPA backend (flash, cuDNN, memory-efficient; GQA or K/V
-repeated) is timed on its own, so the table says which of them a long-context path should call.
+repeated) is timed on its own, so the table says which of them a long-context path should call; rows over a
+cached prefix also time the two cuDNN calls such a chunk could be split into (`split_cudnn`: the prefix with no
+mask, the own span causal, both with GQA; their log-sum-exp merge not included).
 
 For each: the kernel's median time (triton.testing.do_bench, L2 flushed before each run), TFLOP/s
 (causal FLOPs counted exactly: 4 * Dh * HQ per visible (query, key) pair), GB/s of the fewest bytes
@@ -184,6 +186,24 @@ def sdpa_variants(q, k, v, q_len, kv_len):
     return out
 
 
+def split_cudnn(q, k, v, q_len, kv_len):
+    """Timing only: the two cuDNN calls a chunk that continues a cached prefix could be computed with, its
+    queries over the prefix with no mask and over their own span causal (where cuDNN takes GQA and is fastest);
+    their merge by log-sum-exp, one elementwise pass over the output, is not included."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    prefix = kv_len - q_len
+    k_pre, v_pre = k[:, :, :prefix].contiguous(), v[:, :, :prefix].contiguous()
+    k_own, v_own = k[:, :, prefix:].contiguous(), v[:, :, prefix:].contiguous()
+
+    def fn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            over_prefix = F.scaled_dot_product_attention(q, k_pre, v_pre, scale=DH ** -0.5, enable_gqa=True)
+            own = F.scaled_dot_product_attention(q, k_own, v_own, is_causal=True, scale=DH ** -0.5, enable_gqa=True)
+        return over_prefix, own
+    return fn
+
+
 def peer(st, timer, every: bool):
     """SDPA over dense copies: (label, ms, o packed like the kernel's) of the first variant that runs, or
     (errors, None, None); with `every`, also {label: ms or the error} of every variant (the bool-mask
@@ -209,6 +229,12 @@ def peer(st, timer, every: bool):
             first = (label, ms, o.transpose(1, 2).reshape(-1, HQ, DH))
         if not every:
             break
+    if every and q_len < kv_len:
+        label = "cudnn split: prefix no mask + own span causal, enable_gqa (two calls, merge not timed)"
+        try:
+            timed[label] = timer(split_cudnn(q, k, v, q_len, kv_len))
+        except Exception as e:  # noqa: BLE001 - cuDNN may not take these shapes
+            timed[label] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
     return (first or ("; ".join(errors), None, None)), timed
 
 
