@@ -105,21 +105,24 @@ class Generation:
     named in a 400 when the engine rejects a prompt. received: when the HTTP request reached its
     handler (`time.monotonic()`; default: now); arrived: when it reached the application
     (`server/arrival.py`; default: received), the start of its time to first token. grammars: where
-    a structured-output constraint is compiled before the prompts go to the engine thread (None: the
-    engine compiles it, as replicas' engines in their own processes do).
+    a structured-output constraint is compiled before the prompts go to the engine thread (None: behind
+    the replicas' ingress, each replica compiles it, server/replicas/deployment.py); constraint_param:
+    the request field that carried the constraint, named by the 400 when it does not compile (None: the
+    prompt field).
     """
 
     def __init__(self, worker: EngineWorker, admission: Admission, metrics: ServerMetrics, *,
                  endpoint: str, prompt_param: str, request_id: str, prompts: Sequence[EnginePrompt],
                  params: SamplingParams, cache_key: str | None = None, client: str = "",
                  received: float | None = None, arrived: float | None = None,
-                 grammars: GrammarThreads | None = None) -> None:
+                 grammars: GrammarThreads | None = None, constraint_param: str | None = None) -> None:
         self._cache_key = cache_key  # prompt_cache_key: replicas route the group together
         self._client = client  # the request's `user` ("" without one): its admission places are its client's
         self._endpoint = endpoint
         self._prompt_param = prompt_param
         self._worker = worker
         self._grammars = grammars
+        self._constraint_param = constraint_param
         self._admission = admission
         self._metrics = metrics
         self._ids = [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -163,7 +166,10 @@ class Generation:
             self._started = True
         except ValueError as err:
             self._release_all()
-            raise invalid_request(str(err), param=rejected_param(err, self._prompt_param)) from None
+            # before the hand-over only the constraint's compile raises: name the field that carried it
+            param = (self._constraint_param if not handed_over and self._constraint_param is not None
+                     else rejected_param(err, self._prompt_param))
+            raise invalid_request(str(err), param=param) from None
         except ServerShuttingDown as err:
             self._release_all()
             raise APIError(str(err), status=503, type="service_unavailable_error", code="shutting_down") from None

@@ -115,6 +115,30 @@ def sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: int | No
 
 def structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:
     """The request's structured-output constraint, from whichever one field carries it."""
+    given = _constraint_fields(body)
+    if not given:
+        return None
+    if len(given) > 1:
+        names = ", ".join(name for name, _ in given)
+        raise invalid_request(f"give at most one structured-output constraint, got {names}", param=given[1][0])
+    name, fields = given[0]
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as err:
+        raise invalid_request(f"{name}: {err}", param=name) from None
+
+
+def constraint_param(body: SamplingFields) -> str | None:
+    """The request field whose constraint the output follows (named by a 400 when it does not compile):
+    tool_choice when it forces a tool call, else the structured-output field given; None without one."""
+    if isinstance(body, ChatCompletionRequest) and forces_tool_call(body):
+        return "tool_choice"
+    given = _constraint_fields(body)
+    return given[0][0] if given else None
+
+
+def _constraint_fields(body: SamplingFields) -> list[tuple[str, dict[str, Any]]]:
+    """(field name, StructuredOutputsParams keyword arguments) of every structured-output field given."""
     given: list[tuple[str, dict[str, Any]]] = []
     if body.response_format is not None and body.response_format.type != "text":
         fmt = body.response_format
@@ -128,24 +152,20 @@ def structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:
                       ("guided_grammar", "grammar")):
         if getattr(body, name) is not None:
             given.append((name, {key: getattr(body, name)}))
-    if not given:
-        return None
-    if len(given) > 1:
-        names = ", ".join(name for name, _ in given)
-        raise invalid_request(f"give at most one structured-output constraint, got {names}", param=given[1][0])
-    name, fields = given[0]
-    try:
-        return StructuredOutputsParams(**fields)
-    except ValueError as err:
-        raise invalid_request(f"{name}: {err}", param=name) from None
+    return given
+
+
+def forces_tool_call(body: ChatCompletionRequest) -> bool:
+    """Whether tool_choice ("required" or a named function, with tools given) constrains the output."""
+    return body.tools is not None and body.tool_choice is not None and body.tool_choice not in ("none", "auto")
 
 
 def tool_constraint(body: ChatCompletionRequest) -> StructuredOutputsParams | None:
     """The JSON that tool_choice "required" or a named function forces (vLLM's way): for a named
     function, its arguments object; for "required", a list of {"name", "parameters"} calls."""
-    choice = body.tool_choice
-    if body.tools is None or choice is None or choice in ("none", "auto"):
+    if not forces_tool_call(body):
         return None
+    choice = body.tool_choice
     functions = {t.function.name: t.function for t in body.tools}
     if isinstance(choice, NamedToolChoice):
         return StructuredOutputsParams(json=_parameters_schema(functions[choice.function.name].parameters))

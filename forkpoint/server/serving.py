@@ -38,6 +38,7 @@ from forkpoint.server.protocol import (
     SamplingFields,
 )
 from forkpoint.server.request_params import (
+    constraint_param,
     sampling_params,
     structured_outputs,
     template_kwargs,
@@ -255,11 +256,13 @@ class OpenAIServing:
                     received: float) -> Generation:
         """A started `Generation` of `prompts` (admitted, its constraint compiled, handed to the engine
         thread); the caller closes it however the request ends. Raises `APIError` (503 at capacity, 400
-        for a constraint that does not compile or a prompt the engine refuses)."""
+        for a constraint that does not compile, naming the field of `body` that carried it, or for a
+        prompt the engine refuses)."""
         gen = Generation(self.worker, self.admission, self.metrics, endpoint=endpoint, prompt_param=prompt_param,
                          request_id=request_id, prompts=prompts, params=params, cache_key=body.prompt_cache_key,
                          client=api_client(request) or body.user or "", received=received,
-                         arrived=arrival_time(request), grammars=self.grammars)
+                         arrived=arrival_time(request), grammars=self.grammars,
+                         constraint_param=constraint_param(body))
         await gen.start()
         return gen
 

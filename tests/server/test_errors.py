@@ -71,7 +71,7 @@ CASES = [
      {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ("structured_outputs unknown field", "/v1/completions",
      {"prompt": "x", "structured_outputs": {"structural_tag": "a"}}, "structured_outputs"),
-    ("invalid regex", "/v1/completions", {"prompt": "x", "guided_regex": "[a-"}, "prompt"),
+    ("invalid regex", "/v1/completions", {"prompt": "x", "guided_regex": "[a-"}, "guided_regex"),
     ("json_schema without schema", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}, "response_format"),
     ("tool_choice without tools", "/v1/chat/completions",

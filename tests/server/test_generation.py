@@ -144,20 +144,22 @@ class _Grammars:
 CONSTRAINED = SamplingParams(max_tokens=1, n=2, structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
 
 
-def _constrained_generation(worker, admission: Admission, grammars: _Grammars) -> Generation:
+def _constrained_generation(worker, admission: Admission, grammars: _Grammars,
+                            constraint_param: str | None = None) -> Generation:
     return Generation(worker, admission, ServerMetrics(dict, lambda: 0, lambda: 0, endpoints=("chat",)),
                       endpoint="chat", prompt_param="messages", request_id="g", prompts=[EnginePrompt([1, 2], ())],
-                      params=CONSTRAINED, client="u", grammars=grammars)
+                      params=CONSTRAINED, client="u", grammars=grammars, constraint_param=constraint_param)
 
 
-@pytest.mark.parametrize("error,status,param", [
-    (ValueError("structured_outputs.regex does not compile: nope"), 400, "messages"),
-    (ServerShuttingDown("the server is shutting down"), 503, None)])
-def test_a_constraint_that_cannot_compile_is_refused_before_the_engine(error, status, param):
-    """The engine's answers (a 400 naming the prompt field, as the engine thread's rejection named it; a 503
-    shutting down), with the places given back and nothing handed to the engine thread."""
+@pytest.mark.parametrize("error,constraint_param,status,param", [
+    (ValueError("structured_outputs.regex does not compile: nope"), "response_format", 400, "response_format"),
+    (ValueError("structured_outputs.regex does not compile: nope"), None, 400, "messages"),
+    (ServerShuttingDown("the server is shutting down"), "response_format", 503, None)])
+def test_a_constraint_that_cannot_compile_is_refused_before_the_engine(error, constraint_param, status, param):
+    """A 400 naming the field that carried the constraint (the prompt field when none is known), a 503 shutting
+    down, with the places given back and nothing handed to the engine thread."""
     admission, worker, grammars = Admission(4, 1), _RecordingWorker(), _Grammars(error)
-    gen = _constrained_generation(worker, admission, grammars)
+    gen = _constrained_generation(worker, admission, grammars, constraint_param)
     with pytest.raises(APIError) as info:
         asyncio.run(gen.start())
     assert (info.value.status, info.value.param) == (status, param) and str(error) in info.value.message

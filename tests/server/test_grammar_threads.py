@@ -14,26 +14,27 @@ from forkpoint.sampling_params import StructuredOutputsParams
 from forkpoint.server.grammar_threads import GrammarThreads
 from forkpoint.server.worker import ServerShuttingDown
 
-# the 400 bodies of the engine-thread compile (the code before grammar_threads.py), as they were
+# the 400 bodies of the engine-thread compile (the code before grammar_threads.py), as they were, but for `param`:
+# the field that carried the constraint (it was the prompt's)
 BAD_CONSTRAINTS = [
     ("/v1/completions", "completions", {"prompt": "x", "max_tokens": 2, "guided_regex": "[a-"}, {
         "message": 'structured_outputs.regex does not compile: at 1(8): invalid regex "[a-" (in regex): regex parse '
                    "error:\n    [a-\n    ^\nerror: unclosed character class\n   1 | start: /[a-/\n              ^",
-        "type": "invalid_request_error", "param": "prompt", "code": None}),
+        "type": "invalid_request_error", "param": "guided_regex", "code": None}),
     ("/v1/chat/completions", "chat", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
                                       "structured_outputs": {"grammar": "start: missing_rule"}}, {
         "message": 'structured_outputs.grammar does not compile: at 1(8): unknown name: "missing_rule"\n'
                    "   1 | start: missing_rule\n              ^",
-        "type": "invalid_request_error", "param": "messages", "code": None}),
+        "type": "invalid_request_error", "param": "structured_outputs", "code": None}),
     ("/v1/responses", "responses", {"input": "x", "max_output_tokens": 2, "text": {
         "format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, {
         "message": "structured_outputs.json does not compile: Invalid type: nonsense",
-        "type": "invalid_request_error", "param": "input", "code": None}),
+        "type": "invalid_request_error", "param": "text", "code": None}),
 ]
 
 
 @pytest.mark.parametrize("path,endpoint,body,error", BAD_CONSTRAINTS, ids=["regex", "grammar", "json_schema"])
-def test_a_constraint_that_does_not_compile_is_the_same_400(server, path, endpoint, body, error):
+def test_a_constraint_that_does_not_compile_is_a_400_naming_its_field(server, path, endpoint, body, error):
     invalid = server.metric("forkpoint_requests_total", endpoint=endpoint, outcome="invalid_request")
     answer = server.post(path, json={"model": server.model, **body})
     assert answer.status_code == 400 and answer.json() == {"error": error}, answer.text
