@@ -85,6 +85,18 @@ class _PromptGroup:
     checkpoint_positions: list[int]
     sequences: list[Request]
     stream: bool = True  # report every step's progress, not only the finished output
+    # without stream: also report the step that samples the first token (once), then only the finished output
+    report_first_token: bool = False
+
+    def reports(self) -> bool:
+        """Whether the step that just progressed this prompt reports it (the engine calls this once per
+        step that touched it; a first-token report is made once)."""
+        if self.stream or all(s.is_finished for s in self.sequences):
+            return True
+        if self.report_first_token and any(s.output_token_ids for s in self.sequences):
+            self.report_first_token = False
+            return True
+        return False
 
 
 class LLMEngine:
@@ -119,12 +131,17 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
-                    stream: bool = True, tenant: str = "") -> None:
+                    stream: bool = True, report_first_token: bool = False, tenant: str = "") -> None:
         """Validate and queue one prompt. Raises ValueError naming the problem; nothing is left behind.
 
         With `stream=False`, `step()` reports this prompt only once it has finished (no per-step
-        detokenisation: the offline API's mode). `tenant`: the client it comes from (the server's
-        `user`); the checkpoints it registers count against that client's fair share of the pool."""
+        detokenisation: the offline API's mode); with `report_first_token` as well, also once in the step
+        that samples its first token (the server's requests that do not stream: its admission and
+        time-to-first-token metrics read that output). Each report is a cumulative `RequestOutput`, whose
+        token ids and text are copied whole, so a prompt reported every step costs host time in
+        proportion to its output so far (bench/output_path_cost.py). `tenant`: the client it comes from
+        (the server's `user`); the checkpoints it registers count against that client's fair share of
+        the pool."""
         params = sampling_params or self.default_sampling_params()
         if params.max_tokens is None and self.generation_defaults.max_new_tokens is not None:
             params = dataclasses.replace(params, max_tokens=self.generation_defaults.max_new_tokens)
@@ -159,7 +176,8 @@ class LLMEngine:
                 turn_end_reusable=processed.turn_end_reusable,
                 tenant=tenant,
             ))
-        self._groups[request_id] = _PromptGroup(request_id, processed.text, token_ids, positions, sequences, stream)
+        self._groups[request_id] = _PromptGroup(request_id, processed.text, token_ids, positions, sequences, stream,
+                                                report_first_token and not stream)
         for sequence in sequences:
             self.scheduler.add(sequence, now)
             self._counters["prompt_tokens_total"] += len(token_ids)
@@ -456,7 +474,7 @@ class LLMEngine:
         outputs = []
         for group in touched.values():
             finished = all(s.is_finished for s in group.sequences)
-            if finished or group.stream:
+            if group.reports():
                 outputs.append(self._make_output(group))
             if finished:
                 del self._groups[group.request_id]

@@ -108,14 +108,16 @@ class Generation:
     a structured-output constraint is compiled before the prompts go to the engine thread (None: behind
     the replicas' ingress, each replica compiles it, server/replicas/deployment.py); constraint_param:
     the request field that carried the constraint, named by the 400 when it does not compile (None: the
-    prompt field).
+    prompt field). stream: the response streams, so every step's output is wanted; otherwise the engine
+    reports each prompt only at its first token and when it finishes.
     """
 
     def __init__(self, worker: EngineWorker, admission: Admission, metrics: ServerMetrics, *,
                  endpoint: str, prompt_param: str, request_id: str, prompts: Sequence[EnginePrompt],
                  params: SamplingParams, cache_key: str | None = None, client: str = "",
                  received: float | None = None, arrived: float | None = None,
-                 grammars: GrammarThreads | None = None, constraint_param: str | None = None) -> None:
+                 grammars: GrammarThreads | None = None, constraint_param: str | None = None,
+                 stream: bool = True) -> None:
         self._cache_key = cache_key  # prompt_cache_key: replicas route the group together
         self._client = client  # the request's `user` ("" without one): its admission places are its client's
         self._endpoint = endpoint
@@ -129,6 +131,7 @@ class Generation:
         self._index = {rid: i for i, rid in enumerate(self._ids)}
         self._prompts = prompts
         self._params = params
+        self._stream = stream
         self._received = time.monotonic() if received is None else received  # the handler's start
         self._arrival = self._received if arrived is None else min(arrived, self._received)
         self._submitted = self._received  # when the prompts were handed to the engine thread
@@ -154,7 +157,8 @@ class Generation:
             self._state[rid] = "waiting"
         self._sink = OutputSink(asyncio.get_running_loop())
         requests = [NewRequest(rid, p.engine_input(), self._params, self._cache_key, p.turn_positions,
-                               p.turn_end_reusable, tenant=self._client) for rid, p in zip(self._ids, self._prompts)]
+                               p.turn_end_reusable, tenant=self._client, stream=self._stream)
+                    for rid, p in zip(self._ids, self._prompts)]
         handed_over = False
         try:
             if self._grammars is not None and self._params.structured_outputs is not None:
@@ -195,7 +199,8 @@ class Generation:
         self._metrics.count(self._endpoint, self._outcome)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Yield (prompt index, cumulative output) until every prompt has finished.
+        """Yield (prompt index, cumulative output) until every prompt has finished: every step's with
+        `stream`, else the output of its first token and its finished one.
 
         Raises `EngineFailure` or `ServerShuttingDown` when the engine thread ends the request.
         """

@@ -49,7 +49,7 @@ class AnthropicMessages:
         plan = await self.serving.chat_plan(chat, request)
         message_id = new_id("msg")
         gen = await self.serving.start("messages", "messages", message_id, chat, [plan.prompt], plan.params,
-                                       request, received)
+                                       request, received, stream=body.stream)
         if body.stream:
             return GenerationStream(self._stream(gen, plan, message_id), gen.close)
         try:

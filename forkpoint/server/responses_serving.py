@@ -94,7 +94,7 @@ class OpenAIResponses:
         try:
             plan = await self.serving.chat_plan(conversion.chat, request)
             gen = await self.serving.start("responses", "input", echo.response_id, conversion.chat, [plan.prompt],
-                                           plan.params, request, received)
+                                           plan.params, request, received, stream=body.stream)
         except APIError as err:  # it names the chat request's field: name the response request's
             err.param = RESPONSES_PARAMS.get(err.param, err.param)
             raise

@@ -253,16 +253,17 @@ class OpenAIServing:
 
     async def start(self, endpoint: str, prompt_param: str, request_id: str, body: SamplingFields,
                     prompts: list[EnginePrompt], params: SamplingParams, request: Request,
-                    received: float) -> Generation:
+                    received: float, *, stream: bool) -> Generation:
         """A started `Generation` of `prompts` (admitted, its constraint compiled, handed to the engine
-        thread); the caller closes it however the request ends. Raises `APIError` (503 at capacity, 400
-        for a constraint that does not compile, naming the field of `body` that carried it, or for a
-        prompt the engine refuses)."""
+        thread); the caller closes it however the request ends. `stream`: the response streams (every
+        step's output); otherwise only each prompt's first-token and finished outputs come. Raises
+        `APIError` (503 at capacity, 400 for a constraint that does not compile, naming the field of
+        `body` that carried it, or for a prompt the engine refuses)."""
         gen = Generation(self.worker, self.admission, self.metrics, endpoint=endpoint, prompt_param=prompt_param,
                          request_id=request_id, prompts=prompts, params=params, cache_key=body.prompt_cache_key,
                          client=api_client(request) or body.user or "", received=received,
                          arrived=arrival_time(request), grammars=self.grammars,
-                         constraint_param=constraint_param(body))
+                         constraint_param=constraint_param(body), stream=stream)
         await gen.start()
         return gen
 
@@ -270,7 +271,8 @@ class OpenAIServing:
                         prompts: list[EnginePrompt], params: SamplingParams, fmt: ResponseFormatter,
                         request: Request, received: float) -> Response:
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        gen = await self.start(endpoint, prompt_param, request_id, body, prompts, params, request, received)
+        gen = await self.start(endpoint, prompt_param, request_id, body, prompts, params, request, received,
+                               stream=body.stream)
         header = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         if body.stream:
             events = self._stream(gen, fmt, header, len(prompts), body.include_usage)

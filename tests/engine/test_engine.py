@@ -127,3 +127,28 @@ def test_repetition_penalty_changes_greedy_output_of_repeating_model(llm):
     repeats = len(plain) - len(set(plain))
     assert repeats > 0, "precondition: the tiny random model repeats itself without penalties"
     assert len(penalised) - len(set(penalised)) < repeats
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_each_prompt_is_reported_as_often_as_its_caller_reads(llm, n):
+    """stream: one cumulative output per step; without: only the finished one; with report_first_token: the
+    first token's and the finished one (the server's responses that do not stream), all ending equal."""
+    engine = llm.engine
+    prompt = prompts(1, seed=21)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, n=n)
+    modes = {"every": dict(stream=True), "final": dict(stream=False),
+             "first": dict(stream=False, report_first_token=True)}
+    for name, mode in modes.items():
+        engine.add_request(name, prompt, params, **mode)
+    reports: dict[str, list] = {name: [] for name in modes}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            reports[output.request_id].append(output)
+    # every step that samples a token reports the streamed prompt (its siblings sample together)
+    assert [len(reports[name]) for name in modes] == [7, 1, 2]
+    first = reports["first"][0]
+    assert not first.finished and 1 <= max(len(c.token_ids) for c in first.outputs) < 7
+    finals = [reports[name][-1] for name in modes]
+    assert all(o.finished for o in finals)
+    assert len({tuple((c.text, tuple(c.token_ids)) for c in o.outputs) for o in finals}) == 1
+    engine.check_integrity()

@@ -194,3 +194,36 @@ def test_a_request_without_a_constraint_is_not_held_for_grammars():
                      params=SamplingParams(max_tokens=1), grammars=grammars)
     asyncio.run(gen.start())
     assert grammars.compiling == [] and worker.added == ["p-0"]
+
+
+def test_a_response_that_does_not_stream_is_built_twice_not_every_step(server):
+    """The engine builds a cumulative output (every token id and the whole text, copied) for a prompt that
+    streams each step; for one that does not, only at its first token (admission, time to first token) and
+    when it finishes, with the same text."""
+    built: list[str] = []
+
+    def spy(engine) -> None:
+        make = engine._make_output
+
+        def recording(group):
+            built.append(group.request_id)
+            return make(group)
+
+        engine._make_output = recording
+
+    def unspy(engine) -> None:
+        del engine._make_output
+
+    client = server.client()
+    fields = dict(model=server.model, messages=[{"role": "user", "content": "count the rivers"}], max_tokens=9,
+                  temperature=0.0, extra_body={"ignore_eos": True})
+    server.engine_call(spy)
+    try:
+        whole = client.chat.completions.create(**fields)
+        chunks = list(client.chat.completions.create(stream=True, **fields))
+    finally:
+        server.engine_call(unspy)
+    assert built.count(f"{whole.id}-0") == 2 and whole.usage.completion_tokens == 9
+    assert built.count(f"{chunks[0].id}-0") == 9  # one per sampled token
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    server.engine_call(lambda engine: engine.check_integrity())
