@@ -20,6 +20,16 @@ The windows are decoded by the Rust tokenizer itself when the tokenizer's `decod
 up) is exactly that call (a `TokenizersBackend` that overrides neither `decode` nor `_decode`): the
 Python wrapper around it cost about half of each token's work (256 streams: 1.76 against 0.85 ms of
 every decode step on a 2-core CPU, measured side by side by bench/output_path_cost.py).
+
+`spaces_between_special_tokens`, as vLLM does it (vllm/v1/engine/detokenizer.py): the Rust
+tokenizer's decode has no such option, and transformers 5's `decode` does not take it either; the text
+is whatever the decoder puts between tokens (Qwen's byte-level decoder: nothing; a word-level one
+without a decoder: a space). vLLM's detokenizer for fast tokenizers (`FastIncrementalDetokenizer`)
+does the same when the flag is True, and when it is False with special tokens kept, gives an added
+token that follows another added token as its bare content, without what the decoder put before it:
+"w1 <|im_end|><|im_start|> w2" where the decoder makes "w1 <|im_end|> <|im_start|> w2". Tokenizers
+without a Rust backend get the flag in their `decode` call (vLLM's slow path puts spaces around added
+tokens itself; transformers 5's Python tokenizers ignore the flag).
 """
 
 from __future__ import annotations
@@ -34,17 +44,23 @@ REPLACEMENT = "\ufffd"
 
 class IncrementalDetokenizer:
     """Text of one sequence's generated tokens, equal to ``tokenizer.decode(ids,
-    skip_special_tokens=...)`` of all of them (without cleaning up tokenisation spaces, as vLLM).
+    skip_special_tokens=...)`` of all of them (without cleaning up tokenisation spaces, as vLLM), but
+    for vLLM's rule for `spaces_between_special_tokens=False` (module docstring).
 
     Each `add` decodes two windows of a few tokens. A window only grows past the tokens just added
     while its text ends in an incomplete character or the new tokens decode to nothing (special
     tokens that are skipped).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._decode_ids = window_decoder(tokenizer, skip_special_tokens)
+        self._decode_ids = window_decoder(tokenizer, skip_special_tokens, spaces_between_special_tokens)
+        # added token id -> its content, when an added token after another one is its bare content
+        self._bare_added = ({} if skip_special_tokens or spaces_between_special_tokens
+                            or not isinstance(tokenizer, TokenizersBackend) else added_token_texts(tokenizer))
+        self._last_added = False  # the last token added is an added token (only with _bare_added)
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -71,6 +87,21 @@ class IncrementalDetokenizer:
         if not token_ids:
             return ""
         before = self.text
+        start = 0
+        if self._bare_added:
+            for i, token in enumerate(token_ids):
+                content = self._bare_added.get(token)
+                if content is not None and self._last_added:
+                    self._extend(token_ids[start:i])
+                    self._append_bare(token, content)
+                    start = i + 1
+                self._last_added = content is not None
+        self._extend(token_ids[start:])
+        return self.text[len(before):]
+
+    def _extend(self, token_ids: Sequence[int]) -> None:
+        if not token_ids:
+            return
         self._ids.extend(token_ids)
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         full = self._decode(self._ids[self._prefix_offset:])
@@ -81,19 +112,35 @@ class IncrementalDetokenizer:
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         else:
             self._pending = new_text
-        return self.text[len(before):]
+
+    def _append_bare(self, token_id: int, content: str) -> None:
+        """Append an added token whose text is `content` as it is; the next window starts before it, so
+        the tokens after it decode in its context."""
+        self._ids.append(token_id)
+        self._committed += self._pending + content
+        self._pending = ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._decode_ids(ids) if ids else ""
 
 
-def window_decoder(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> Callable[[Sequence[int]], str]:
-    """`ids -> tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`, through
-    the Rust tokenizer directly when that is all the tokenizer's decode does (see the module docstring)."""
+def added_token_texts(tokenizer: TokenizersBackend) -> dict[int, str]:
+    """Added token id -> its content (special or not), from the Rust tokenizer, as vLLM reads them."""
+    added = tokenizer.backend_tokenizer.get_added_tokens_decoder()
+    return {token_id: token.content for token_id, token in added.items()}
+
+
+def window_decoder(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool,
+                   spaces_between_special_tokens: bool = True) -> Callable[[Sequence[int]], str]:
+    """`ids -> tokenizer.decode(ids, skip_special_tokens=..., spaces_between_special_tokens=...,
+    clean_up_tokenization_spaces=False)`, through the Rust tokenizer directly when that is all the
+    tokenizer's decode does (see the module docstring; the Rust decode has no spaces option)."""
     cls = type(tokenizer)
     if (isinstance(tokenizer, TokenizersBackend) and cls._decode is TokenizersBackend._decode
             and cls.decode is PreTrainedTokenizerBase.decode):
         backend = tokenizer.backend_tokenizer
         return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)  # lists and tuples alike
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                        spaces_between_special_tokens=spaces_between_special_tokens,
                                         clean_up_tokenization_spaces=False)

@@ -118,3 +118,87 @@ def test_windows_decode_through_the_rust_tokenizer_exactly_as_decode(qwen, piece
                                                                                      skip_special_tokens=True).upper()
     finally:
         tokenizer.__class__ = original
+
+
+def vllm_fast_text(tokenizer, ids: list[int]) -> str:
+    """vLLM's fast-tokenizer text with special tokens kept and spaces_between_special_tokens=False, by full
+    decodes: each token adds what it adds to the decode of the tokens before it, except an added token right
+    after another added token, which adds its bare content."""
+    added = {i: token.content for i, token in tokenizer.added_tokens_decoder.items()}
+    text = ""
+    for n, token in enumerate(ids):
+        if token in added and n and ids[n - 1] in added:
+            text += added[token]
+        else:
+            before = tokenizer.decode(ids[:n], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            text += tokenizer.decode(ids[: n + 1], skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)[len(before):]
+    return text
+
+
+def streamed(tokenizer, ids: list[int], chunks: list[int], **kwargs) -> tuple[str, IncrementalDetokenizer]:
+    detok, done, text = IncrementalDetokenizer(tokenizer, **kwargs), 0, ""
+    for size in chunks:
+        text += detok.add(ids[done:done + size])
+        done += size
+    text += detok.add(ids[done:])
+    return text, detok
+
+
+def test_spaces_between_special_tokens_as_vllm_fast_path(tiny_model_factory):
+    """A word-level decoder puts a space between every two tokens; with special tokens kept and
+    spaces_between_special_tokens=False, an added token after another added token comes without it (vLLM's
+    FastIncrementalDetokenizer), in any chunking; with True, or with special tokens skipped, the text is the
+    full decode."""
+    from forkpoint.inputs.tokenizer import load_tokenizer
+
+    directory, _ = tiny_model_factory("qwen3_5_moe_text")
+    tokenizer = load_tokenizer(directory, checkpoint_token="<|mamba_checkpoint|>").tokenizer
+    words = tokenizer.encode("w1 w2 w3", add_special_tokens=False)
+    specials = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_start|>")]
+    ids = [words[0], specials[0], specials[1], words[1], specials[1], specials[1], specials[0], words[2]]
+    expected = "w1 <|im_end|><|im_start|> w2 <|im_start|><|im_start|><|im_end|> w3"
+    assert vllm_fast_text(tokenizer, ids) == expected
+    rng = random.Random(5)
+    for chunks in ([1] * len(ids), [2, 3, 1], [len(ids)], [3, 4]):
+        text, detok = streamed(tokenizer, ids, chunks, skip_special_tokens=False, spaces_between_special_tokens=False)
+        assert text == detok.final_text == expected, chunks
+        text, _ = streamed(tokenizer, ids, chunks, skip_special_tokens=False)
+        assert text == tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        text, _ = streamed(tokenizer, ids, chunks, spaces_between_special_tokens=False)  # skipped: no effect
+        assert text == "w1 w2 w3"
+    for _ in range(30):
+        ids = [rng.choice(words + specials) for _ in range(rng.randrange(1, 20))]
+        chunks = [rng.randrange(1, 4) for _ in range(10)]
+        text, detok = streamed(tokenizer, ids, chunks, skip_special_tokens=False, spaces_between_special_tokens=False)
+        assert text == detok.final_text == vllm_fast_text(tokenizer, ids), ids
+
+
+def test_spaces_between_special_tokens_change_nothing_for_a_byte_level_decoder(qwen, pieces):
+    """Qwen's byte-level decoder puts nothing between tokens: the text is the full decode either way."""
+    rng = random.Random(8)
+    pool = pieces["text"] + pieces["partial"] + pieces["special"] * 8
+    for _ in range(20):
+        ids = [rng.choice(pool) for _ in range(rng.randrange(1, 30))]
+        text, detok = streamed(qwen.tokenizer, ids, [rng.randrange(1, 4) for _ in range(12)],
+                               skip_special_tokens=False, spaces_between_special_tokens=False)
+        assert detok.final_text == qwen.tokenizer.decode(ids, skip_special_tokens=False,
+                                                         clean_up_tokenization_spaces=False), ids
+        assert text == detok.text
+
+
+def test_a_python_tokenizer_gets_the_spaces_flag_in_its_decode(qwen):
+    """Without a Rust backend, the windows go through the tokenizer's own decode, which is told the flag."""
+    seen = []
+
+    class Python:
+        def decode(self, window, **kwargs):
+            seen.append(kwargs["spaces_between_special_tokens"])
+            return qwen.tokenizer.decode(window, **kwargs)
+
+    ids = qwen.tokenizer.encode("hello there", add_special_tokens=False)
+    for flag in (False, True):
+        detok = IncrementalDetokenizer(Python(), skip_special_tokens=False, spaces_between_special_tokens=flag)
+        detok.add(ids)
+        assert detok.text == "hello there" and set(seen) == {flag}
+        seen.clear()
