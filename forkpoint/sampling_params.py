@@ -90,6 +90,12 @@ class SamplingParams:
     `stop_token_ids` (and ignores stop strings) until that many tokens are out; `structured_outputs`
     constrains the text to a schema, regex, choice or grammar (forkpoint/structured/). Token ids
     are checked against the vocabulary when the request is added.
+
+    The text, as vLLM makes it (engine/output_processor.py): `skip_special_tokens` leaves special
+    tokens out of it; `spaces_between_special_tokens` False (with special tokens kept) joins two
+    added tokens in a row without what the decoder puts between them; `include_stop_str_in_output`
+    keeps a matched stop string (the text is cut right after it, not right before it) and the text of
+    the EOS or `stop_token_ids` token that ended the sequence, which is otherwise left out.
     """
 
     n: int = 1
@@ -112,6 +118,9 @@ class SamplingParams:
     min_tokens: int = 0
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -139,6 +148,9 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
                                                  or not 0 <= self.prompt_logprobs <= 20):
             raise ValueError(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._validate_processors()
         stop = self.stop
         if isinstance(stop, str):

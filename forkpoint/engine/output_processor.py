@@ -8,6 +8,19 @@ text plus the longest stop string's length minus one before it).
 State per sequence lives here, keyed by the sequence's request id: created by its first token,
 dropped when its prompt's finished output is built (`make_output`) or when it is aborted
 (`free`). `check_integrity` tells leaks.
+
+The text follows vLLM's (vllm/v1/engine/detokenizer.py, `BaseIncrementalDetokenizer.update`, and
+`check_stop_strings`), per request (`SamplingParams`):
+
+- `skip_special_tokens` / `spaces_between_special_tokens` go to the sequence's detokenizer
+  (inputs/detokenizer.py says what the second one does for a fast tokenizer).
+- A sequence that ends on an EOS token (not ignored) or one of `stop_token_ids` leaves that token's
+  text out, even when special tokens are kept; with `include_stop_str_in_output` its text is in (an
+  EOS is then seen only with `skip_special_tokens=False`: skipped, a special token has no text).
+  vLLM's `update(new_token_ids, stop_terminated)` decodes all but the last token in that case.
+- A stop string cuts the text right before it, or with `include_stop_str_in_output` right after it.
+  The earliest match wins (vLLM takes the first of `stop` that matches; they differ only when two
+  match in one step).
 """
 
 from __future__ import annotations
@@ -27,13 +40,14 @@ class _SequenceText:
     owner: Request  # a reused request id starts over
     detokenizer: IncrementalDetokenizer
     searched: int = 0  # text[:searched] holds no stop string (nor the start of one that is complete)
-    stop_at: int | None = None  # the text is cut here: a stop string starts at this index
+    stop_at: int | None = None  # the text is cut here: where a stop string starts (or ends, when it is kept)
     max_stop_len: int = 0
     stops: list[str] = field(default_factory=list)
+    held_out: int = 0  # trailing output tokens not in the text: 1 once a stop token ended the sequence
 
 
 class OutputProcessor:
-    """tokenizer: decodes the outputs (special tokens skipped); eos_token_ids: ids that end a
+    """tokenizer: decodes the outputs (as each request's params say); eos_token_ids: ids that end a
     sequence unless ``ignore_eos``; max_model_len: prompt plus output never exceeds it."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: Collection[int], max_model_len: int) -> None:
@@ -60,6 +74,10 @@ class OutputProcessor:
         if len(request.output_token_ids) < params.min_tokens:  # vLLM: no stop id or string counts before it
             return "length" if request.num_tokens >= self.max_model_len else None
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            if not params.include_stop_str_in_output:
+                self._state(request, hold_out_last=True)
+            elif params.stop:
+                self._stop_string_found(request)  # vLLM: the kept token's text may hold a stop string
             return "stop"
         if params.stop and self._stop_string_found(request):
             return "stop"
@@ -127,28 +145,35 @@ class OutputProcessor:
 
     # ---------------------------------------------------------------------------------------------
 
-    def _state(self, request: Request) -> _SequenceText:
-        """The sequence's text state, caught up with its output tokens."""
+    def _state(self, request: Request, *, hold_out_last: bool = False) -> _SequenceText:
+        """The sequence's text state, caught up with its output tokens (all but the last from the
+        call with `hold_out_last` on: the stop token that ended the sequence)."""
         state = self._texts.get(request.request_id)
         if state is None or state.owner is not request:
-            stops = list(request.params.stop)
-            state = _SequenceText(request, IncrementalDetokenizer(self.tokenizer), stops=stops,
-                                  max_stop_len=max((len(s) for s in stops), default=0))
+            params = request.params
+            stops = list(params.stop)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                                 spaces_between_special_tokens=params.spaces_between_special_tokens)
+            state = _SequenceText(request, detokenizer, stops=stops, max_stop_len=max(map(len, stops), default=0))
             self._texts[request.request_id] = state
-        seen = state.detokenizer.num_tokens
-        if seen < len(request.output_token_ids):
-            state.detokenizer.add(request.output_token_ids[seen:])
+        if hold_out_last:
+            state.held_out = 1
+        seen, end = state.detokenizer.num_tokens, len(request.output_token_ids) - state.held_out
+        if seen < end:
+            state.detokenizer.add(request.output_token_ids[seen:end])
         return state
 
     def _stop_string_found(self, request: Request) -> bool:
         state = self._state(request)
         text = state.detokenizer.text
         start = max(0, state.searched - state.max_stop_len + 1)
-        hits = [index for index in (text.find(stop, start) for stop in state.stops) if index >= 0]
+        hits = [(index, stop) for index, stop in ((text.find(stop, start), stop) for stop in state.stops)
+                if index >= 0]
         state.searched = len(text)
         if not hits:
             return False
-        state.stop_at = min(hits)
+        index, stop = min(hits, key=lambda hit: hit[0])
+        state.stop_at = index + len(stop) if request.params.include_stop_str_in_output else index
         return True
 
     def _text(self, sequence: Request) -> str:

@@ -3,6 +3,8 @@ text grows to the full decode, and per-sequence state ends with its sequence."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -109,3 +111,77 @@ def test_request_metrics_say_when_a_prompt_was_queued_scheduled_and_sampled(llm)
     assert final["timing-8"].metrics.queued_steps == steps_before
     assert final["timing-0"].metrics.queued_steps == 0
     llm.engine.check_integrity()
+
+
+def stream_texts(llm: LLM, request_id: str, request_prompt: dict, params: SamplingParams) -> list[str]:
+    """The text of every output of one streamed request (one sequence), step by step."""
+    engine = llm.engine
+    engine.add_request(request_id, request_prompt, params)
+    texts = []
+    while engine.has_unfinished_requests():
+        texts.extend(output.outputs[0].text for output in engine.step() if output.request_id == request_id)
+    return texts
+
+
+def generated(llm: LLM, request_prompt: dict, **kwargs):
+    params = SamplingParams(**{"temperature": 0.0, **kwargs})
+    out = llm.generate(request_prompt, params, use_tqdm=False)[0].outputs[0]
+    texts = stream_texts(llm, f"stream-{len(str(kwargs))}-{out.token_ids[:2]}", request_prompt, params)
+    assert texts[-1] == out.text, (texts, out.text)
+    if not params.stop or params.include_stop_str_in_output:  # else the last output cuts a tail the server held back
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), texts
+    return out
+
+
+def test_include_stop_str_in_output_cuts_right_after_the_stop_string(llm):
+    """The stop string stays in the text; the tokens are those of the run that cuts before it."""
+    for seed in range(2):
+        text = generated(llm, prompt(seed), max_tokens=24, ignore_eos=True).text
+        for stops in ([text[5:9]], [text[17:30]], [text[30:34], text[12:15]]):
+            cut = generated(llm, prompt(seed), max_tokens=24, ignore_eos=True, stop=stops)
+            kept = generated(llm, prompt(seed), max_tokens=24, ignore_eos=True, stop=stops,
+                             include_stop_str_in_output=True)
+            start, stop = min((text.find(s), s) for s in stops)
+            assert cut.text == text[:start] and kept.text == text[:start + len(stop)], stops
+            assert kept.token_ids == cut.token_ids and kept.finish_reason == cut.finish_reason == "stop"
+    llm.engine.output_processor.check_integrity(set())
+
+
+def test_special_tokens_kept_and_joined(llm):
+    """skip_special_tokens=False keeps them (the word-level decoder puts a space before each token);
+    spaces_between_special_tokens=False joins two in a row."""
+    tokenizer = llm.get_tokenizer()
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    mixed = dict(temperature=1.0, seed=1, max_tokens=16, ignore_eos=True, allowed_token_ids=[start, 30, 31],
+                 logit_bias={start: 4.0})
+    plain = generated(llm, prompt(4), **mixed)
+    ids = plain.token_ids
+    assert start in ids and any(a == b == start for a, b in zip(ids, ids[1:]))
+    assert plain.text == decode(llm, ids) and "<|im_start|>" not in plain.text
+    kept = generated(llm, prompt(4), **mixed, skip_special_tokens=False)
+    assert kept.text == tokenizer.decode(ids, skip_special_tokens=False) and "<|im_start|> <|im_start|>" in kept.text
+    joined = generated(llm, prompt(4), **mixed, skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert joined.text == re.sub(r"(?<=<\|im_start\|>) (?=<\|im_start\|>)", "", kept.text)
+    assert joined.token_ids == ids and "<|im_start|><|im_start|>" in joined.text
+
+
+def test_the_stop_token_text_is_left_out_unless_stop_strings_are_kept(llm):
+    """vLLM: the EOS or stop_token_ids token that ended the sequence adds no text, special or not, unless
+    include_stop_str_in_output (then a special EOS shows only with skip_special_tokens=False)."""
+    tokenizer = llm.get_tokenizer()
+    eos = dict(max_tokens=8, min_tokens=3, logit_bias={tokenizer.eos_token_id: 30.0})
+    ends = generated(llm, prompt(5), **eos)
+    ids = ends.token_ids
+    assert ids[-1] == tokenizer.eos_token_id and len(ids) == 4 and ends.finish_reason == "stop"
+    words = decode(llm, ids[:3])
+    assert ends.text == generated(llm, prompt(5), **eos, skip_special_tokens=False).text == words
+    assert generated(llm, prompt(5), **eos, include_stop_str_in_output=True).text == words
+    assert generated(llm, prompt(5), **eos, skip_special_tokens=False,
+                     include_stop_str_in_output=True).text == words + " <|im_end|>"
+    greedy = generated(llm, prompt(6), max_tokens=8, ignore_eos=True).token_ids
+    by_token = dict(max_tokens=8, ignore_eos=True, stop_token_ids=[greedy[3]])
+    stopped = generated(llm, prompt(6), **by_token)
+    assert stopped.token_ids == greedy[:greedy.index(greedy[3]) + 1]
+    assert stopped.text == decode(llm, stopped.token_ids[:-1])
+    assert generated(llm, prompt(6), **by_token, include_stop_str_in_output=True).text == decode(llm, stopped.token_ids)
+    llm.engine.output_processor.check_integrity(set())
