@@ -10,7 +10,8 @@ forkpoint extensions (pass them with the openai client's ``extra_body``):
 - vLLM's extras: sampling (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
   ``stop_token_ids``, ``min_tokens``, ``allowed_token_ids``, ``bad_words``, ``prompt_logprobs``),
   structured outputs (``structured_outputs``, and the older ``guided_json``, ``guided_regex``,
-  ``guided_choice``, ``guided_grammar``), ``chat_template_kwargs``.
+  ``guided_choice``, ``guided_grammar``), the output text (``skip_special_tokens``,
+  ``spaces_between_special_tokens``, ``include_stop_str_in_output``), ``chat_template_kwargs``.
 """
 
 from __future__ import annotations
@@ -102,6 +103,10 @@ class SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0)
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    # the output text (vLLM's; SamplingParams says what they do)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     # structured outputs: at most one of these
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None

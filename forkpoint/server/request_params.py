@@ -107,7 +107,9 @@ def sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: int | No
             ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             logit_bias={int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None,
             allowed_token_ids=body.allowed_token_ids, min_tokens=body.min_tokens, bad_words=body.bad_words,
-            structured_outputs=structured)
+            structured_outputs=structured, skip_special_tokens=body.skip_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output)
     except ValueError as err:  # SamplingParams names the field first: "stop must be ..."
         field_name = str(err).split(" ", 1)[0]
         raise invalid_request(str(err), param=field_name if field_name in SAMPLING_FIELDS else None) from None

@@ -359,13 +359,15 @@ async def stream_deltas(gen: Generation, fmt: ResponseFormatter,
     it, the last one of each choice with its finish_reason; `last` keeps each prompt's latest output
     (through `fmt.transform`) for the usage. Raises what `gen.outputs()` raises."""
     n = gen.params.n
+    # a kept stop string is not rewritten when it completes (the text is cut after it): nothing to hold back
+    stops = [] if gen.params.include_stop_str_in_output else gen.params.stop
     cursors: dict[int, _ChoiceCursor] = {}
     async for index, raw in gen.outputs():
         output = fmt.transform(raw)
         last[index] = output
         for completion in output.outputs:
             key = index * n + completion.index
-            delta = _delta_of(key, completion, cursors.setdefault(key, _ChoiceCursor()), gen.params.stop)
+            delta = _delta_of(key, completion, cursors.setdefault(key, _ChoiceCursor()), stops)
             if delta is not None:
                 delta.output = output
                 yield delta
@@ -376,7 +378,8 @@ def _delta_of(index: int, completion: CompletionOutput, cursor: _ChoiceCursor, s
     send yet. Until the choice finishes, two tails of the cumulative text are held back because
     the engine may still rewrite them: replacement characters (a multi-byte character whose
     remaining bytes are in the next token) and the start of a stop string (the engine cuts the
-    text where a stop string begins once it is complete)."""
+    text where a stop string begins once it is complete; `stops` is empty when the request keeps
+    them, as vLLM holds nothing back then)."""
     text = completion.text
     finish = completion.finish_reason if not cursor.finished else None
     end = len(text)
