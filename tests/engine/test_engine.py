@@ -144,8 +144,11 @@ def test_each_prompt_is_reported_as_often_as_its_caller_reads(llm, n):
     while engine.has_unfinished_requests():
         for output in engine.step():
             reports[output.request_id].append(output)
-    # every step that samples a token reports the streamed prompt (its siblings sample together)
-    assert [len(reports[name]) for name in modes] == [7, 1, 2]
+    # every step that samples a token for the streamed prompt reports it: 7 steps for one sequence; n > 1
+    # siblings wait for the prompt's checkpoint unless it exists already, so they may sample in other steps
+    sampled = [sum(len(c.token_ids) for c in o.outputs) for o in reports["every"]]
+    assert sampled == sorted(set(sampled)) and sampled[-1] == 7 * n and len(sampled) >= 7
+    assert [len(reports[name]) for name in ("final", "first")] == [1, 2]
     first = reports["first"][0]
     assert not first.finished and 1 <= max(len(c.token_ids) for c in first.outputs) < 7
     finals = [reports[name][-1] for name in modes]
