@@ -7,12 +7,14 @@ default, inputs/detokenizer.py `window_decoder`) against through `tokenizer.deco
 before session 16); and `make_output` for N streams with P-token prompts, once per --outputs-so-far
 O: after each stream has generated O tokens already. Each measurement decodes --steps tokens for every
 stream, --reps times, alternating the two decoders so both see the same load; the table gives the median
-microseconds per token and milliseconds per step of N streams.
+microseconds per token and milliseconds per step of N streams. Beside each `make_output` row, the same
+with `make_delta_output` (only what is new: a streamed response's outputs).
 
 `make_output` builds a cumulative `RequestOutput` (every token id copied, the whole text), so its cost per
 step grows with O: a prompt reported every step (a streamed response) costs host time in proportion to
 its output so far, quadratic over a long generation. The engine reports a prompt whose response does not
-stream only at its first token and when it finishes (engine/engine.py `add_request`).
+stream only at its first token and when it finishes, and a streamed one as deltas until its finished
+output (engine/engine.py `add_request`).
 The outputs built in a step are kept until the next step's are (as the server holds each prompt's latest
 until the event loop has read it), so their memory is not simply reused.
 
@@ -70,11 +72,12 @@ def time_detokenizers(tokenizer, ids: list[int], streams: int, steps: int, throu
 
 
 def time_outputs(tokenizer, ids: list[int], streams: int, steps: int, prompt_tokens: int,
-                 outputs_so_far: int = 0) -> float:
+                 outputs_so_far: int = 0, deltas: bool = False) -> float:
     """Seconds of `make_output` for `streams` requests with `prompt_tokens`-token prompts that have
     generated `outputs_so_far` tokens already, one token appended to each per step (the engine's per-step
-    output work, detokenisation included). Three untimed steps first: the detokenizers catch up with the
-    tokens appended before (a first window over all of them)."""
+    output work, detokenisation included); `deltas`: `make_delta_output` instead (only what is new, a
+    streamed response's outputs). Three untimed steps first: the detokenizers catch up with the tokens
+    appended before (a first window over all of them)."""
     processor = OutputProcessor(tokenizer, eos_token_ids=(), max_model_len=1 << 30)
     params = SamplingParams(max_tokens=outputs_so_far + steps + 4, ignore_eos=True)
     prompt = [ids[i % len(ids)] for i in range(prompt_tokens)]
@@ -84,11 +87,13 @@ def time_outputs(tokenizer, ids: list[int], streams: int, steps: int, prompt_tok
         for position in range(outputs_so_far):
             processor.append_token(r, ids[position % len(ids)], None, 0.0)
 
+    make = processor.make_delta_output if deltas else processor.make_output
+
     def step(position: int, kept: list) -> list:
         built = []
         for r in requests:
             processor.append_token(r, ids[position % len(ids)], None, 0.0)
-            built.append(processor.make_output(r.request_id, None, prompt, [], [r]))
+            built.append(make(r.request_id, None, prompt, [], [r]))
         return built  # held until the next step's are built, as the server holds each prompt's latest
 
     kept: list = []
@@ -118,14 +123,16 @@ def main() -> None:
     rng = random.Random(0)
     needed = max(args.outputs_so_far) + args.steps + 3
     ids = tokenizer(" ".join(rng.choice(WORDS) for _ in range(4 * needed)))["input_ids"][:needed]
-    outputs_key = {so_far: "make_output" if so_far == 0 else f"make_output_after_{so_far}"
-                   for so_far in args.outputs_so_far}
+    outputs_key = {(so_far, deltas): ("make_delta_output" if deltas else "make_output")
+                   + ("" if so_far == 0 else f"_after_{so_far}")
+                   for so_far in args.outputs_so_far for deltas in (False, True)}
     runs = {"rust": [], "wrapper": [], **{key: [] for key in outputs_key.values()}}
     for _ in range(args.reps):
         runs["rust"].append(time_detokenizers(tokenizer, ids, args.streams, args.steps, detokenizer.window_decoder))
         runs["wrapper"].append(time_detokenizers(tokenizer, ids, args.streams, args.steps, wrapper_decoder))
-        for so_far, key in outputs_key.items():
-            runs[key].append(time_outputs(tokenizer, ids, args.streams, args.steps, args.prompt_tokens, so_far))
+        for (so_far, deltas), key in outputs_key.items():
+            runs[key].append(time_outputs(tokenizer, ids, args.streams, args.steps, args.prompt_tokens, so_far,
+                                          deltas))
     tokens = args.streams * args.steps
     rows = {name: {"us_per_token": 1e6 * statistics.median(seconds) / tokens,
                    "ms_per_step": 1e3 * statistics.median(seconds) / args.steps} for name, seconds in runs.items()}
@@ -135,8 +142,8 @@ def main() -> None:
     print(f"{'what':<48} {'us/token':>9} {'ms/step':>8}")
     labels = {"rust": "detokenize, windows through the Rust tokenizer",
               "wrapper": "detokenize, through tokenizer.decode",
-              **{key: f"make_output ({args.prompt_tokens}-token prompts, {so_far} out)"
-                 for so_far, key in outputs_key.items()}}
+              **{key: f"{'make_delta_output' if deltas else 'make_output'} ({so_far} out)"
+                 for (so_far, deltas), key in outputs_key.items()}}
     for name, row in rows.items():
         print(f"{labels[name]:<48} {row['us_per_token']:>9.2f} {row['ms_per_step']:>8.2f}")
 

@@ -87,6 +87,8 @@ class _PromptGroup:
     stream: bool = True  # report every step's progress, not only the finished output
     # without stream: also report the step that samples the first token (once), then only the finished output
     report_first_token: bool = False
+    # with stream: each report before the finished one carries only what is new (make_delta_output)
+    deltas: bool = False
 
     def reports(self) -> bool:
         """Whether the step that just progressed this prompt reports it (the engine calls this once per
@@ -131,15 +133,19 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None, *,
-                    stream: bool = True, report_first_token: bool = False, tenant: str = "") -> None:
+                    stream: bool = True, deltas: bool = False, report_first_token: bool = False,
+                    tenant: str = "") -> None:
         """Validate and queue one prompt. Raises ValueError naming the problem; nothing is left behind.
 
         With `stream=False`, `step()` reports this prompt only once it has finished (no per-step
         detokenisation: the offline API's mode); with `report_first_token` as well, also once in the step
         that samples its first token (the server's requests that do not stream: its admission and
-        time-to-first-token metrics read that output). Each report is a cumulative `RequestOutput`, whose
-        token ids and text are copied whole, so a prompt reported every step costs host time in
-        proportion to its output so far (bench/output_path_cost.py). `tenant`: the client it comes from
+        time-to-first-token metrics read that output). A cumulative `RequestOutput` copies every token id
+        so far, so a prompt reported every step costs host time in proportion to its output so far
+        (bench/output_path_cost.py); with `stream` and `deltas`, each report before the finished one
+        carries only what is new since the previous one (vLLM's `RequestOutputKind.DELTA`; its text held
+        back where it may still change, `OutputProcessor.make_delta_output`), and the finished one is
+        cumulative, as always (the server's streamed responses). `tenant`: the client it comes from
         (the server's `user`); the checkpoints it registers count against that client's fair share of
         the pool."""
         params = sampling_params or self.default_sampling_params()
@@ -177,7 +183,7 @@ class LLMEngine:
                 tenant=tenant,
             ))
         self._groups[request_id] = _PromptGroup(request_id, processed.text, token_ids, positions, sequences, stream,
-                                                report_first_token and not stream)
+                                                report_first_token and not stream, deltas and stream)
         for sequence in sequences:
             self.scheduler.add(sequence, now)
             self._counters["prompt_tokens_total"] += len(token_ids)
@@ -497,8 +503,11 @@ class LLMEngine:
             self.scheduler.finish(request, reason, keep_turn_end=True, now=now)
 
     def _make_output(self, group: _PromptGroup) -> RequestOutput:
-        return self.output_processor.make_output(group.request_id, group.prompt, group.prompt_token_ids,
-                                                 group.checkpoint_positions, group.sequences)
+        make = self.output_processor.make_output
+        if group.deltas and not all(s.is_finished for s in group.sequences):
+            make = self.output_processor.make_delta_output
+        return make(group.request_id, group.prompt, group.prompt_token_ids, group.checkpoint_positions,
+                    group.sequences)
 
     # ------------------------------------------------------------------ introspection
     def metrics(self) -> dict[str, int | float]:

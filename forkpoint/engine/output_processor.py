@@ -31,8 +31,11 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from forkpoint.engine.request import Request
-from forkpoint.inputs.detokenizer import IncrementalDetokenizer
+from forkpoint.inputs.detokenizer import REPLACEMENT, IncrementalDetokenizer
 from forkpoint.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+
+# stop strings longer than this in all are held back whole by a delta output, not checked exactly (`stop_prefix_len`)
+EXACT_STOP_CHARS = 2048
 
 
 @dataclass
@@ -44,6 +47,8 @@ class _SequenceText:
     max_stop_len: int = 0
     stops: list[str] = field(default_factory=list)
     held_out: int = 0  # trailing output tokens not in the text: 1 once a stop token ended the sequence
+    sent_tokens: int = 0  # delta reports (`make_delta_output`): output tokens reported so far
+    sent_chars: int = 0  # and characters of the text reported so far
 
 
 class OutputProcessor:
@@ -102,36 +107,56 @@ class OutputProcessor:
         which scores the prompt for all); once all have finished, their text state is dropped (this
         is their last output)."""
         finished = all(s.is_finished for s in sequences)
-        completions = []
-        for sequence in sequences:
-            completions.append(CompletionOutput(
-                index=sequence.index,
-                text=self._text(sequence),
-                token_ids=list(sequence.output_token_ids),
-                finish_reason=sequence.finish_reason,
-                logprobs=list(sequence.output_logprobs) if sequence.params.logprobs is not None else None,
-            ))
+        completions = [CompletionOutput(
+            index=sequence.index,
+            text=self._text(sequence),
+            token_ids=list(sequence.output_token_ids),
+            finish_reason=sequence.finish_reason,
+            logprobs=list(sequence.output_logprobs) if sequence.params.logprobs is not None else None,
+        ) for sequence in sequences]
         if finished:
             for sequence in sequences:
                 self._texts.pop(sequence.request_id, None)
-        prompt_logprobs = None
-        first = sequences[0]
-        if first.params.prompt_logprobs is not None:
-            entries = first.prompt_logprobs
-            prompt_logprobs = [None] + [entries.get(t) for t in range(1, len(prompt_token_ids))]
-        return RequestOutput(
-            prompt_logprobs=prompt_logprobs,
-            request_id=request_id,
-            prompt=prompt,
-            prompt_token_ids=prompt_token_ids,  # the prompt's one list: not copied per step (256 streams of
-            # 3,700-token prompts copied ~1M ids a step: 0.8 s of a 30-s GIL profile of the 256-session run)
-            outputs=completions,
-            num_cached_tokens=max(s.num_cached_tokens for s in sequences),
-            cache_miss_reason=first.cache_miss_reason.value if first.cache_miss_reason is not None else None,
-            metrics=request_metrics(sequences),
-            checkpoint_positions=list(checkpoint_positions),
-            finished=finished,
-        )
+        return _request_output(request_id, prompt, prompt_token_ids, checkpoint_positions, sequences, completions,
+                               finished)
+
+    def make_delta_output(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                          checkpoint_positions: Sequence[int], sequences: Sequence[Request]) -> RequestOutput:
+        """The output of one prompt's sequences, not all finished, that is new since its previous delta
+        output (vLLM's `RequestOutputKind.DELTA`): each completion's token ids and logprobs since then, and
+        the text since then up to where it may still change: an unfinished sequence holds back a trailing
+        incomplete character and a tail that may start a stop string (`stop_prefix_len`; nothing with
+        `include_stop_str_in_output`), which later outputs send or the stop cuts. A finished sibling sends
+        the rest of its final text once. The concatenated texts are always a prefix of `make_output`'s
+        text, which the prompt's last, finished output carries whole. Work per call is in proportion to
+        what is new, not to the output so far."""
+        if all(s.is_finished for s in sequences):
+            raise ValueError("make_delta_output is for prompts still running: the finished output is make_output's")
+        return _request_output(request_id, prompt, prompt_token_ids, checkpoint_positions, sequences,
+                               [self._delta(sequence) for sequence in sequences], finished=False)
+
+    def _delta(self, sequence: Request) -> CompletionOutput:
+        logprobs = [] if sequence.params.logprobs is not None else None
+        if not sequence.output_token_ids:
+            return CompletionOutput(sequence.index, "", [], sequence.finish_reason, logprobs)
+        state = self._state(sequence)
+        if sequence.is_finished:
+            text = self._text(sequence)
+            end = len(text)
+        else:
+            text = state.detokenizer.text  # the committed text itself (no copy) unless a character is pending
+            end = len(text)
+            while end > state.sent_chars and text[end - 1] == REPLACEMENT:
+                end -= 1
+            if state.stops and not sequence.params.include_stop_str_in_output:
+                end -= stop_prefix_len(text[max(0, end - state.max_stop_len + 1):end], state.stops)
+        new_text = text[state.sent_chars:end] if end > state.sent_chars else ""
+        state.sent_chars = max(state.sent_chars, end)
+        start, state.sent_tokens = state.sent_tokens, len(sequence.output_token_ids)
+        if logprobs is not None:
+            logprobs = sequence.output_logprobs[start:]
+        return CompletionOutput(sequence.index, new_text, sequence.output_token_ids[start:], sequence.finish_reason,
+                                logprobs)
 
     def free(self, request_id: str) -> None:
         """Drop the text state of an aborted sequence (unknown ids are ignored)."""
@@ -183,6 +208,47 @@ class OutputProcessor:
         if state.stop_at is not None:
             return state.detokenizer.final_text[: state.stop_at]
         return state.detokenizer.final_text if sequence.is_finished else state.detokenizer.text
+
+
+def _request_output(request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    checkpoint_positions: Sequence[int], sequences: Sequence[Request],
+                    completions: list[CompletionOutput], finished: bool) -> RequestOutput:
+    first = sequences[0]
+    prompt_logprobs = None
+    if first.params.prompt_logprobs is not None:  # the first sequence scores the prompt for all
+        entries = first.prompt_logprobs
+        prompt_logprobs = [None] + [entries.get(t) for t in range(1, len(prompt_token_ids))]
+    return RequestOutput(
+        prompt_logprobs=prompt_logprobs,
+        request_id=request_id,
+        prompt=prompt,
+        prompt_token_ids=prompt_token_ids,  # the prompt's one list: not copied per step (256 streams of
+        # 3,700-token prompts copied ~1M ids a step: 0.8 s of a 30-s GIL profile of the 256-session run)
+        outputs=completions,
+        num_cached_tokens=max(s.num_cached_tokens for s in sequences),
+        cache_miss_reason=first.cache_miss_reason.value if first.cache_miss_reason is not None else None,
+        metrics=request_metrics(sequences),
+        checkpoint_positions=list(checkpoint_positions),
+        finished=finished,
+    )
+
+
+def stop_prefix_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the tail of `text` held back because a stop string may begin there. Stop strings of at
+    most EXACT_STOP_CHARS characters in all: exactly the longest tail that is a proper prefix of one (a
+    Python step per candidate length and string). Longer ones: the longest stop string's length - 1
+    (vLLM's rule: O(1), the text comes that much later), since the exact check grows as their number
+    times their length squared (128 strings of 1,024 characters: ~61 ms per chunk, issue 27). Only the
+    last (longest stop - 1) characters of `text` matter."""
+    if sum(map(len, stops)) > EXACT_STOP_CHARS:
+        return min(len(text), max(map(len, stops)) - 1)
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
 
 
 def request_metrics(sequences: Sequence[Request]) -> RequestMetrics:

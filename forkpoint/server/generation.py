@@ -108,8 +108,9 @@ class Generation:
     a structured-output constraint is compiled before the prompts go to the engine thread (None: behind
     the replicas' ingress, each replica compiles it, server/replicas/deployment.py); constraint_param:
     the request field that carried the constraint, named by the 400 when it does not compile (None: the
-    prompt field). stream: the response streams, so every step's output is wanted; otherwise the engine
-    reports each prompt only at its first token and when it finishes.
+    prompt field). stream: the response streams, so every step's output is wanted (as a delta: only what
+    is new, the finished output whole); otherwise the engine reports each prompt only at its first token
+    and when it finishes.
     """
 
     def __init__(self, worker: EngineWorker, admission: Admission, metrics: ServerMetrics, *,
@@ -145,6 +146,12 @@ class Generation:
     @property
     def params(self) -> SamplingParams:
         return self._params
+
+    @property
+    def deltas(self) -> bool:
+        """Whether the outputs before each prompt's finished one carry only what is new (a streamed
+        response: the engine's delta outputs); the finished output is cumulative either way."""
+        return self._stream
 
     async def start(self) -> None:
         """Admit, compile the request's constraint (off the engine thread, in `grammars`) and submit
@@ -199,8 +206,9 @@ class Generation:
         self._metrics.count(self._endpoint, self._outcome)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Yield (prompt index, cumulative output) until every prompt has finished: every step's with
-        `stream`, else the output of its first token and its finished one.
+        """Yield (prompt index, output) until every prompt has finished: with `stream` every step's, only
+        what is new except the finished one (`deltas`); else the cumulative outputs of its first token and
+        its finished one.
 
         Raises `EngineFailure` or `ServerShuttingDown` when the engine thread ends the request.
         """

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from forkpoint.engine.output_processor import stop_prefix_len
 from forkpoint.inputs.template_sandbox import TemplateSandbox
 from forkpoint.outputs import CompletionOutput, RequestOutput
 from forkpoint.sampling_params import SamplingParams
@@ -357,7 +358,8 @@ async def stream_deltas(gen: Generation, fmt: ResponseFormatter,
                         last: dict[int, RequestOutput]) -> AsyncIterator[Delta]:
     """The new output of each choice (index: prompt index x n + completion index) as the engine makes
     it, the last one of each choice with its finish_reason; `last` keeps each prompt's latest output
-    (through `fmt.transform`) for the usage. Raises what `gen.outputs()` raises."""
+    (through `fmt.transform`; the finished one is cumulative) for the usage. Raises what `gen.outputs()`
+    raises."""
     n = gen.params.n
     # a kept stop string is not rewritten when it completes (the text is cut after it): nothing to hold back
     stops = [] if gen.params.include_stop_str_in_output else gen.params.stop
@@ -365,18 +367,35 @@ async def stream_deltas(gen: Generation, fmt: ResponseFormatter,
     async for index, raw in gen.outputs():
         output = fmt.transform(raw)
         last[index] = output
+        cumulative = output.finished or not gen.deltas
         for completion in output.outputs:
             key = index * n + completion.index
-            delta = _delta_of(key, completion, cursors.setdefault(key, _ChoiceCursor()), stops)
+            cursor = cursors.setdefault(key, _ChoiceCursor())
+            delta = (_delta_of(key, completion, cursor, stops) if cumulative
+                     else _delta_since(key, completion, cursor))
             if delta is not None:
                 delta.output = output
                 yield delta
 
 
+def _delta_since(index: int, completion: CompletionOutput, cursor: _ChoiceCursor) -> Delta | None:
+    """`completion` of a delta output (the engine's `make_delta_output`: only what is new, its text
+    already held back where it may change) as the next chunk, advancing `cursor`; None when it is empty."""
+    finish = completion.finish_reason if not cursor.finished else None
+    if not completion.text and not completion.token_ids and finish is None:
+        return None
+    delta = Delta(index, completion.text, completion.token_ids, completion.logprobs, finish,
+                  text_offset=cursor.text_len)
+    cursor.text_len += len(completion.text)
+    cursor.num_tokens += len(completion.token_ids)
+    cursor.finished = finish is not None or cursor.finished
+    return delta
+
+
 def _delta_of(index: int, completion: CompletionOutput, cursor: _ChoiceCursor, stops: list[str]) -> Delta | None:
-    """The output of `completion` past `cursor` (advancing it), or None when there is nothing to
-    send yet. Until the choice finishes, two tails of the cumulative text are held back because
-    the engine may still rewrite them: replacement characters (a multi-byte character whose
+    """The output of `completion`, cumulative, past `cursor` (advancing it), or None when there is
+    nothing to send yet. Until the choice finishes, two tails of the cumulative text are held back
+    because the engine may still rewrite them: replacement characters (a multi-byte character whose
     remaining bytes are in the next token) and the start of a stop string (the engine cuts the
     text where a stop string begins once it is complete; `stops` is empty when the request keeps
     them, as vLLM holds nothing back then)."""
@@ -385,7 +404,7 @@ def _delta_of(index: int, completion: CompletionOutput, cursor: _ChoiceCursor, s
     end = len(text)
     if completion.finish_reason is None:
         end = len(text.rstrip("\ufffd"))
-        end -= _stop_prefix_len(text[:end], stops)
+        end -= stop_prefix_len(text[:end], stops)
     if end <= cursor.text_len and finish is None:
         return None
     tokens = completion.token_ids[cursor.num_tokens:]
@@ -395,25 +414,3 @@ def _delta_of(index: int, completion: CompletionOutput, cursor: _ChoiceCursor, s
     cursor.num_tokens = len(completion.token_ids)
     cursor.finished = finish is not None or cursor.finished
     return delta
-
-
-# stop strings longer than this in all are held back whole, not checked exactly (`_stop_prefix_len`)
-EXACT_STOP_CHARS = 2048
-
-
-def _stop_prefix_len(text: str, stops: list[str]) -> int:
-    """Length of the tail of `text` held back because a stop string may begin there. Stop strings of at
-    most EXACT_STOP_CHARS characters in all: exactly the longest tail that is a proper prefix of one (a
-    Python step per candidate length and string, for every streamed chunk, on the event loop). Longer
-    ones: the longest stop string's length - 1 (vLLM's rule: O(1), the text comes that much later), since
-    the exact check grows as their number times their length squared (128 strings of 1,024 characters:
-    ~61 ms of the event loop per chunk, issue 27)."""
-    if sum(map(len, stops)) > EXACT_STOP_CHARS:
-        return min(len(text), max(map(len, stops)) - 1)
-    longest = 0
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:size]):
-                longest = size
-                break
-    return longest

@@ -81,8 +81,9 @@ class NewRequest:
     turn_positions: tuple[int, ...] = ()
     turn_end_reusable: bool = True
     tenant: str = ""  # the client (`user`; "" for none) whose checkpoint share it draws on
-    # the HTTP response streams: the engine reports the prompt every step; otherwise only in the step of its
-    # first token and when it finishes (a cumulative output per step costs in proportion to the output)
+    # the HTTP response streams: the engine reports the prompt every step, as deltas (only what is new) until
+    # the finished output; otherwise only in the step of its first token and when it finishes (a cumulative
+    # output costs in proportion to the output so far)
     stream: bool = True
 
     def engine_prompt(self, engine: Any) -> Any:
@@ -234,7 +235,8 @@ class EngineWorker:
         try:
             for request in command.requests:
                 self._engine.add_request(request.request_id, request.engine_prompt(self._engine), request.params,
-                                         stream=request.stream, report_first_token=not request.stream,
+                                         stream=request.stream, deltas=request.stream,
+                                         report_first_token=not request.stream,
                                          tenant=request.tenant)
                 added.append(request.request_id)
         except Exception as exc:

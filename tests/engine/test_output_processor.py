@@ -185,3 +185,94 @@ def test_the_stop_token_text_is_left_out_unless_stop_strings_are_kept(llm):
     assert stopped.text == decode(llm, stopped.token_ids[:-1])
     assert generated(llm, prompt(6), **by_token, include_stop_str_in_output=True).text == decode(llm, stopped.token_ids)
     llm.engine.output_processor.check_integrity(set())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_delta_outputs_add_up_to_a_prefix_of_the_finished_output(llm, seed):
+    """A prompt added with deltas=True reports only what is new until its finished output, which is whole and
+    equal to the cumulative mode's; what the deltas sent is always a prefix of it (held back where a stop
+    string may start, cut there once it completes), with the same token ids and logprobs."""
+    text = llm.generate(prompt(seed), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    greedy = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
+    cases = [SamplingParams(**greedy, stop=[text[17:30]]),
+             SamplingParams(**greedy, stop=[text[17:30]], include_stop_str_in_output=True),
+             SamplingParams(temperature=1.0, seed=seed, n=3, max_tokens=24, ignore_eos=True, logprobs=2,
+                            stop=[text[30:34], text[12:15]]),
+             SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)]
+    engine = llm.engine
+    for i, params in enumerate(cases):
+        engine.add_request(f"cumulative-{i}", prompt(seed), params)
+        engine.add_request(f"delta-{i}", prompt(seed), params, deltas=True)
+    finals, sent = {}, {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+            elif output.request_id.startswith("delta"):
+                for c in output.outputs:
+                    key = (output.request_id, c.index)
+                    so_far = sent.get(key, ("", [], []))
+                    sent[key] = (so_far[0] + c.text, so_far[1] + c.token_ids, so_far[2] + (c.logprobs or []))
+    for i in range(len(cases)):
+        whole, delta = finals[f"cumulative-{i}"], finals[f"delta-{i}"]
+        assert ([(o.text, o.token_ids, o.finish_reason, o.logprobs) for o in delta.outputs]
+                == [(o.text, o.token_ids, o.finish_reason, o.logprobs) for o in whole.outputs])
+        for o in delta.outputs:
+            text_sent, ids_sent, logprobs_sent = sent.get((delta.request_id, o.index), ("", [], []))
+            assert o.text.startswith(text_sent) and o.token_ids[: len(ids_sent)] == ids_sent
+            assert o.logprobs is None or o.logprobs[: len(logprobs_sent)] == logprobs_sent
+    plain = finals["delta-3"].outputs[0]
+    assert len(sent[("delta-3", 0)][1]) == 15 and len(sent[("delta-3", 0)][0]) > len(plain.text) // 2
+    assert len(engine.output_processor) == 0
+    engine.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer(tmp_path_factory):
+    """The Qwen3.5 tokenizer alone (the embedded model's vocabulary, inputs/qwen_vocab.py), no weights."""
+    from transformers import AutoTokenizer
+
+    from forkpoint.inputs import qwen_vocab
+
+    directory = tmp_path_factory.mktemp("qwen_tokenizer")
+    qwen_vocab.write_tokenizer(directory, model_max_length=4096)
+    return AutoTokenizer.from_pretrained(str(directory))
+
+
+def test_delta_outputs_never_send_part_of_a_character_or_of_a_stop_string(qwen_tokenizer):
+    """Tokens fed one at a time through `make_delta_output` (multi-byte characters split over byte tokens,
+    a stop string that starts inside a word and one that never completes): every delta is new text whose
+    concatenation is always a prefix of the finished text, with no replacement character, and the
+    finished output equals the cumulative one."""
+    from forkpoint.cache.hashing import PrefixHasher
+    from forkpoint.engine.output_processor import OutputProcessor
+    from forkpoint.engine.request import Request, RequestStatus
+
+    text = "naïve café 日本語 🤖🧪 tool ok <stop-here> tail after"
+    ids = qwen_tokenizer.encode(text, add_special_tokens=False)
+    for stops, include in (([], False), (["<stop-h", "🧪 tx"], False), (["<stop-h"], True)):
+        params = SamplingParams(max_tokens=len(ids), ignore_eos=True, stop=stops, include_stop_str_in_output=include)
+        processors = OutputProcessor(qwen_tokenizer, eos_token_ids=(), max_model_len=1 << 20)
+        requests = [Request(f"{mode}", f"{mode}", 0, [1], (), params, 0.0, PrefixHasher([1], 16), None)
+                    for mode in ("delta", "whole")]
+        sent, finished = "", {}
+        for token in ids:
+            for request in requests:
+                reason = processors.append_token(request, token, None, 0.0)
+                if reason is not None and not request.is_finished:  # as the scheduler finishes it
+                    request.finish_reason, request.status = reason, RequestStatus.FINISHED
+            if all(r.is_finished for r in requests):
+                break
+            delta = processors.make_delta_output("delta", None, [1], [], [requests[0]]).outputs[0]
+            assert "\ufffd" not in delta.text
+            sent += delta.text
+        for request in requests:
+            finished[request.request_id] = processors.make_output(request.request_id, None, [1], [], [request])
+        final = finished["delta"].outputs[0]
+        assert final.text == finished["whole"].outputs[0].text and final.text.startswith(sent), (stops, sent)
+        if stops:
+            assert final.finish_reason == "stop" and final.text.endswith("<stop-h" if include else "ok ")
+        else:
+            # everything but the last token's text (which comes with the finished output) was sent as it came
+            assert final.text == text and sent == qwen_tokenizer.decode(ids[:-1])

@@ -1,10 +1,10 @@
 """Stop strings at the request caps (`MAX_STOP_STRINGS` strings of `MAX_STOP_CHARS` characters) cost little
-where they are matched: the engine thread finds them in a window of each new token's text
-(engine/output_processor.py: bounded per token, without a model), and the event loop holds back, from each
-streamed chunk, the tail of the text that may start one (server/serving.py `_delta_of`): streams with the
-capped stop strings are compared with the same streams with one short stop string, by the event loop's CPU
-seconds per streamed token (read from /proc: scheduling noise on a shared machine moves latencies, not a
-thread's own CPU time), and by /health's latency meanwhile."""
+where they are matched: the engine thread finds them in a window of each new token's text and holds back,
+from each streamed delta, the tail of the text that may start one (engine/output_processor.py `append_token`,
+`make_delta_output`: bounded per token, without a model); the event loop only forwards the deltas
+(server/serving.py `stream_deltas`): streams with the capped stop strings are compared with the same streams
+with one short stop string, by the event loop's CPU seconds per streamed token (read from /proc: scheduling
+noise on a shared machine moves latencies, not a thread's own CPU time), and by /health's latency meanwhile."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from forkpoint.cache.hashing import PrefixHasher
 from forkpoint.engine.output_processor import OutputProcessor
+from forkpoint.engine.request import Request
 from forkpoint.sampling_params import SamplingParams
 from forkpoint.server.config import ServerConfig
 from forkpoint.server.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
@@ -97,15 +98,16 @@ def loads(spare_llm) -> tuple[Load, Load]:
 
 
 def _append_ms(tokenizer, token_ids: list[int], stops: list[str]) -> list[float]:
-    """Milliseconds of each `OutputProcessor.append_token` over `token_ids`, for one sequence with `stops`."""
+    """Milliseconds of each `OutputProcessor.append_token` and the streamed delta after it (what the engine
+    does per token of a streamed response) over `token_ids`, for one sequence with `stops`."""
     processor = OutputProcessor(tokenizer, eos_token_ids=(), max_model_len=1 << 20)
-    request = SimpleNamespace(request_id="r", prompt_token_ids=[0], output_token_ids=[], processors=None,
-                              output_logprobs=[], first_token_time=None, num_tokens=1,
-                              params=SamplingParams(stop=stops, max_tokens=None, ignore_eos=True))
+    params = SamplingParams(stop=stops, max_tokens=None, ignore_eos=True)
+    request = Request("r", "r", 0, [0], (), params, 0.0, PrefixHasher([0], 16), None)
     times = []
     for token_id in token_ids:
         start = time.perf_counter()
         assert processor.append_token(request, token_id, None, 0.0) is None  # no stop string matched
+        processor.make_delta_output("r", None, [0], [], [request])
         times.append(1e3 * (time.perf_counter() - start))
     return times
 
@@ -115,9 +117,10 @@ def _mean(values: list[float]) -> float:
 
 
 def test_capped_stop_strings_cost_the_engine_little_per_token(spare_llm):
-    """The engine thread looks for the stop strings in each new token's text: with the capped ones, in a
-    text past MAX_STOP_CHARS characters, that costs well under a millisecond a token more than one short
-    one (the search is a window of the new text, not every prefix of every stop string)."""
+    """The engine thread looks for the stop strings in each new token's text and holds back a possible start
+    of one from the streamed delta: with the capped ones, in a text past MAX_STOP_CHARS characters, that
+    costs well under a millisecond a token more than one short one (the search is a window of the new text,
+    not every prefix of every stop string)."""
     tokenizer = spare_llm.engine.tokenizer
     text = " ".join(f"word{i} and some more text, number {i * 7 % 13};" for i in range(120))
     token_ids = tokenizer.encode(text, add_special_tokens=False)

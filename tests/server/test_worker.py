@@ -26,8 +26,8 @@ class ScriptedEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def add_request(self, request_id, prompt, params, *, stream: bool = True, report_first_token: bool = False,
-                    tenant: str = "") -> None:
+    def add_request(self, request_id, prompt, params, *, stream: bool = True, deltas: bool = False,
+                    report_first_token: bool = False, tenant: str = "") -> None:
         self.requests.append(request_id)
 
     def abort_request(self, request_id) -> None:
