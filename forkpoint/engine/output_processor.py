@@ -49,6 +49,7 @@ class _SequenceText:
     held_out: int = 0  # trailing output tokens not in the text: 1 once a stop token ended the sequence
     sent_tokens: int = 0  # delta reports (`make_delta_output`): output tokens reported so far
     sent_chars: int = 0  # and characters of the text reported so far
+    sent_all: bool = False  # the sequence has finished and its delta outputs have sent its whole text
 
 
 class OutputProcessor:
@@ -140,18 +141,19 @@ class OutputProcessor:
         if not sequence.output_token_ids:
             return CompletionOutput(sequence.index, "", [], sequence.finish_reason, logprobs)
         state = self._state(sequence)
-        if sequence.is_finished:
-            text = self._text(sequence)
+        if sequence.is_finished:  # the rest of the final text, once
+            new_text = "" if state.sent_all else self._text(sequence)[state.sent_chars:]
+            state.sent_all = True
+        else:  # the text past what was sent, and before it as far back as a stop string may have started
+            back = min(state.sent_chars, max(state.max_stop_len - 1, 0))
+            text = state.detokenizer.tail(state.sent_chars - back)
             end = len(text)
-        else:
-            text = state.detokenizer.text  # the committed text itself (no copy) unless a character is pending
-            end = len(text)
-            while end > state.sent_chars and text[end - 1] == REPLACEMENT:
+            while end > back and text[end - 1] == REPLACEMENT:
                 end -= 1
             if state.stops and not sequence.params.include_stop_str_in_output:
                 end -= stop_prefix_len(text[max(0, end - state.max_stop_len + 1):end], state.stops)
-        new_text = text[state.sent_chars:end] if end > state.sent_chars else ""
-        state.sent_chars = max(state.sent_chars, end)
+            new_text = text[back:end] if end > back else ""
+        state.sent_chars += len(new_text)
         start, state.sent_tokens = state.sent_tokens, len(sequence.output_token_ids)
         if logprobs is not None:
             logprobs = sequence.output_logprobs[start:]
@@ -190,14 +192,14 @@ class OutputProcessor:
 
     def _stop_string_found(self, request: Request) -> bool:
         state = self._state(request)
-        text = state.detokenizer.text
         start = max(0, state.searched - state.max_stop_len + 1)
-        hits = [(index, stop) for index, stop in ((text.find(stop, start), stop) for stop in state.stops)
-                if index >= 0]
-        state.searched = len(text)
+        window = state.detokenizer.tail(start)  # text[start:]: a match ending in the new text starts here
+        hits = [(index, stop) for index, stop in ((window.find(stop), stop) for stop in state.stops) if index >= 0]
+        state.searched = start + len(window)
         if not hits:
             return False
         index, stop = min(hits, key=lambda hit: hit[0])
+        index += start
         state.stop_at = index + len(stop) if request.params.include_stop_str_in_output else index
         return True
 

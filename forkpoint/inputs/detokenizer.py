@@ -40,6 +40,7 @@ from transformers import PreTrainedTokenizerBase
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 REPLACEMENT = "\ufffd"
+FOLD_PIECES = 64  # committed pieces kept apart before they are joined into one string (IncrementalDetokenizer)
 
 
 class IncrementalDetokenizer:
@@ -64,7 +65,13 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
-        self._committed = ""  # text of ids[:read_offset]
+        # text of ids[:read_offset] = _older + "".join(_recent): appending a piece to one string would copy
+        # the whole text every token (the string is shared with outputs, so never extended in place); the
+        # recent pieces are folded into _older every FOLD_PIECES pieces, so each character is copied
+        # about len / FOLD_PIECES times in all, and `tail` reads the end without joining the rest
+        self._older = ""
+        self._recent: list[str] = []
+        self._recent_len = 0
         self._pending = ""  # text the tokens past read_offset add so far (may end incomplete)
 
     @property
@@ -74,19 +81,40 @@ class IncrementalDetokenizer:
 
     @property
     def text(self) -> str:
-        """The text so far, without a trailing incomplete character."""
-        return self._committed + self._pending.rstrip(REPLACEMENT)
+        """The text so far, without a trailing incomplete character (O(length): a new string)."""
+        return self._older + "".join(self._recent) + self._pending.rstrip(REPLACEMENT)
 
     @property
     def final_text(self) -> str:
         """The text of every token, replacement characters of an incomplete tail included."""
-        return self._committed + self._pending
+        return self._older + "".join(self._recent) + self._pending
+
+    @property
+    def text_length(self) -> int:
+        """len(text), without building it."""
+        return len(self._older) + self._recent_len + len(self._pending.rstrip(REPLACEMENT))
+
+    def tail(self, start: int) -> str:
+        """text[start:], in time in proportion to its length and the number of recent pieces (not to the
+        text's length)."""
+        pending = self._pending.rstrip(REPLACEMENT)
+        skip = start - len(self._older)
+        if skip < 0:
+            return self._older[start:] + "".join(self._recent) + pending
+        parts = [pending[max(0, skip - self._recent_len):]]
+        position = self._recent_len  # where the piece below ends
+        for piece in reversed(self._recent):
+            if position <= skip:
+                break
+            position -= len(piece)
+            parts.append(piece[max(0, skip - position):])
+        return "".join(reversed(parts))
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append `token_ids`; returns the text they completed (possibly empty)."""
         if not token_ids:
             return ""
-        before = self.text
+        before = self.text_length
         start = 0
         if self._bare_added:
             for i, token in enumerate(token_ids):
@@ -97,7 +125,17 @@ class IncrementalDetokenizer:
                     start = i + 1
                 self._last_added = content is not None
         self._extend(token_ids[start:])
-        return self.text[len(before):]
+        return self.tail(before)
+
+    def _commit(self, text: str) -> None:
+        if not text:
+            return
+        self._recent.append(text)
+        self._recent_len += len(text)
+        if len(self._recent) >= FOLD_PIECES:
+            self._older += "".join(self._recent)
+            self._recent.clear()
+            self._recent_len = 0
 
     def _extend(self, token_ids: Sequence[int]) -> None:
         if not token_ids:
@@ -107,7 +145,7 @@ class IncrementalDetokenizer:
         full = self._decode(self._ids[self._prefix_offset:])
         new_text = full[len(prefix_text):]
         if len(full) > len(prefix_text) and not full.endswith(REPLACEMENT):
-            self._committed += new_text
+            self._commit(new_text)
             self._pending = ""
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         else:
@@ -117,7 +155,7 @@ class IncrementalDetokenizer:
         """Append an added token whose text is `content` as it is; the next window starts before it, so
         the tokens after it decode in its context."""
         self._ids.append(token_id)
-        self._committed += self._pending + content
+        self._commit(self._pending + content)
         self._pending = ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
 

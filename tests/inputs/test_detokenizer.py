@@ -202,3 +202,23 @@ def test_a_python_tokenizer_gets_the_spaces_flag_in_its_decode(qwen):
         detok.add(ids)
         assert detok.text == "hello there" and set(seen) == {flag}
         seen.clear()
+
+
+def test_a_long_text_is_read_whole_or_by_its_tail(qwen, pieces):
+    """Past FOLD_PIECES committed pieces the text is kept as one string plus recent pieces: `text`,
+    `text_length`, `final_text` and `tail(start)` (from inside the folded string, the recent pieces or an
+    incomplete character) stay those of a full decode."""
+    from forkpoint.inputs.detokenizer import FOLD_PIECES
+
+    tokenizer = qwen.tokenizer
+    ids = (pieces["text"] + pieces["partial"]) * 6
+    assert len(ids) > 3 * FOLD_PIECES
+    detok = IncrementalDetokenizer(tokenizer)
+    for done in range(1, len(ids) + 1):
+        streamed = detok.add(ids[done - 1:done])
+        full = tokenizer.decode(ids[:done], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        text = full.rstrip("\ufffd")
+        assert detok.text == text and detok.text_length == len(text) and detok.final_text == full
+        assert text.endswith(streamed)
+        for start in (0, len(text) // 3, max(0, len(text) - 5), len(text)):
+            assert detok.tail(start) == text[start:], (done, start)
