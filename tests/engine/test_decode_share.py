@@ -61,6 +61,15 @@ def test_the_share_is_the_floor_or_the_largest_other_client():
         EngineConfig(max_decode_share=0)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from("abcde"), st.integers(1, 6)), st.sampled_from("abcdef"), st.integers(1, 5))
+def test_the_share_from_the_two_largest_counts_is_the_rule(counts, own, floor):
+    """decode_share reads only the two largest counts (one pass a step, not one per client): it is the
+    floor or the largest other client's count, ties for the largest included."""
+    running = Counter(counts)
+    assert decode_share(floor, own, running) == max([floor] + [n for client, n in running.items() if client != own])
+
+
 def test_a_lone_client_is_never_capped():
     turns = DecodeTurns(SHARE)
     big = _decoders("big", 64)
