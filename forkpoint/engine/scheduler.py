@@ -274,13 +274,14 @@ class Scheduler:
                 # no room for them in this step's tokens or in the free blocks (drafts never evict or
                 # preempt anything): decode plainly
                 request.draft_token_ids, verifying = (), False
-            count = 1 + len(request.draft_token_ids) if verifying else self._chunk(
-                planning, request, request.num_computed_tokens, budget)
-            if not verifying and self._capped(request, request.num_computed_tokens):
+            start = request.num_computed_tokens
+            count = 1 + len(request.draft_token_ids) if verifying else self._chunk(planning, request, start, budget)
+            capped = not verifying and self._capped(request, start)
+            if capped:
                 planning.release_held_prefill()  # only the first running prefill leaves room for the others
             if count == 0:
                 continue
-            needed = self.speculation.blocks_needed(request) if verifying else request.num_computed_tokens + count
+            needed = self.speculation.blocks_needed(request) if verifying else start + count
             if not self._grow_blocks(request, needed, planning.requests):
                 if request.status is RequestStatus.FINISHED:
                     planning.finished.append(request)
@@ -295,13 +296,13 @@ class Scheduler:
                 planning.verifies.append(spec)
             else:
                 count = 1 if verifying else count
-                if verifying or not is_prefill(request, request.num_computed_tokens):
+                if verifying or not is_prefill(request, start):
                     self.last_decode_at = now
-                elif self._capped(request, request.num_computed_tokens):
-                    planning.take_prefill(context_cost(count, request.num_computed_tokens, self.attention_parity))
+                elif capped:
+                    planning.take_prefill(context_cost(count, start, self.attention_parity))
                 else:
                     planning.take_short(count, client_of(request))
-                self._plan_chunk(planning, request, request.num_computed_tokens, count, None)
+                self._plan_chunk(planning, request, start, count, None)
             budget -= count
             planning.take_seq()
 
@@ -312,7 +313,8 @@ class Scheduler:
             # tokens: a burst that does not fit them is ordered by client (engine/fair_order.py)
             fit, seq_tokens = ((budget, 0) if planning.short_left is None else
                                (min(budget, planning.short_left + planning.prefill_cap()), SHORT_SEQUENCE_TOKENS))
-            in_step = Counter(client_of(r) for r in dict.fromkeys(planning.requests))
+            # the step's sequences per client, for the decode share's cap on admissions (read only when some wait)
+            in_step = Counter(client_of(r) for r in dict.fromkeys(planning.requests)) if self.waiting else Counter()
             self.held_slots.trim(self.config.max_num_seqs - len(self.running), now)
             for request in admission_order(self.waiting, self.running, fit, room,
                                            planning.chunk_cap or self.chunk_cap, seq_tokens):
@@ -521,8 +523,9 @@ class Scheduler:
         In a step that decodes, a long prefill takes at most the step's prefill room left
         (`StepPlanning.prefill_cap`) over its context factor (engine/prefill_budget.py `context_tokens`),
         and scored rows at most `score_rows_with_decodes` (`StepPlanning.score_cap`)."""
+        num_tokens = request.num_tokens
         capped = planning.chunked is None or request.request_id in planning.chunked
-        count = min(request.num_tokens - start, budget, (planning.chunk_cap if capped else None) or self.chunk_cap)
+        count = min(num_tokens - start, budget, (planning.chunk_cap if capped else None) or self.chunk_cap)
         prefill_cap = planning.prefill_cap()
         if prefill_cap is not None and self._capped(request, start, admitting):
             count = min(count, context_tokens(prefill_cap, start, self.attention_parity,
@@ -530,11 +533,11 @@ class Scheduler:
         elif planning.short_left is not None and is_prefill(request, start):
             # a short prefill: the step's short room (and its client's repeat room)
             count = min(count, planning.short_cap(client_of(request)) - SHORT_SEQUENCE_TOKENS)
-        to_score = len(request.prompt_token_ids) - 1 - start
-        rows_left = (planning.score_cap or self.score_rows) - planning.score_rows
-        if request.params.prompt_logprobs is not None and to_score > rows_left:
-            count = min(count, rows_left)
-        if self.config.checkpoint_exact and start + count < request.num_tokens:
+        if request.params.prompt_logprobs is not None:
+            rows_left = (planning.score_cap or self.score_rows) - planning.score_rows
+            if len(request.prompt_token_ids) - 1 - start > rows_left:
+                count = min(count, rows_left)
+        if self.config.checkpoint_exact and start + count < num_tokens:
             count -= (start + count) % SCAN_CHUNK_TOKENS
         return max(count, 0)
 

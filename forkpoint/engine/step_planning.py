@@ -91,14 +91,15 @@ class StepPlanning:
                     kind: SegmentKind, phase: int) -> None:
         """Plan tokens [start, end) of `request` as one segment read from state row `initial`, written
         to rows `dests`, in `phase` of the forward."""
+        num_tokens = request.num_tokens
+        scored = request.params.prompt_logprobs is not None
+        rows = max(0, min(end, len(request.prompt_token_ids) - 1) - start) if scored else 0  # prompt-logit rows
         self.segments.append(Segment(
             request_id=request.request_id, start=start, end=end, token_ids=request.tokens(start, end),
             block_table=request.blocks, initial_slot=initial, dest_slots=dests, kind=kind, phase=phase,
-            samples=end == request.num_tokens, multimodal=request.multimodal,
-            prompt_logit_rows=0 if request.params.prompt_logprobs is None else max(
-                0, min(end, len(request.prompt_token_ids) - 1) - start),
-            next_token=request.tokens(end, end + 1)[0] if end < request.num_tokens else None))
-        self.score_rows += self.segments[-1].prompt_logit_rows
+            samples=end == num_tokens, multimodal=request.multimodal, prompt_logit_rows=rows,
+            next_token=request.tokens(end, end + 1)[0] if end < num_tokens else None))
+        self.score_rows += rows
         self.requests.append(request)
 
     def prefill_cap(self) -> int | None:
