@@ -28,6 +28,14 @@ def plan_with_sampling(step: ScheduledStep, num_unseen: int = 0) -> StepPlan:
     sampled sequence has on the device only (1 for a step fed from the step before)."""
     by_id = {request.request_id: request for request in step.requests}
     rows = tuple(_token_sampling(by_id[s.request_id], num_unseen) for s in step.plan.segments if s.samples)
+    return dataclasses.replace(step.plan, sampling=StepSampling(rows, _prompt_scorings(step, by_id)))
+
+
+def _prompt_scorings(step: ScheduledStep, by_id: dict[str, Request]) -> tuple[PromptScoring, ...]:
+    """The step's prompt scorings, in packed order; none when no request in it asks for prompt logprobs
+    (a decode step's segments are then not even put in packed order)."""
+    if all(request.params.prompt_logprobs is None for request in step.requests):
+        return ()
     producers = {id(checkpoint): producer for checkpoint, producer in step.written}
     writes = _writes(step)
     scores = []
@@ -51,7 +59,7 @@ def plan_with_sampling(step: ScheduledStep, num_unseen: int = 0) -> StepPlan:
         targets = tuple(request.prompt_token_ids[first: first + count])
         scores.append(PromptScoring(segment.request_id, segment.start, k, targets, boundary_token, boundary,
                                     boundary_of, written is not None and written.prompt_scores_k is not None))
-    return dataclasses.replace(step.plan, sampling=StepSampling(rows, tuple(scores)))
+    return tuple(scores)
 
 
 def record_prompt_scores(step: ScheduledStep, result: StepResult, registry: CheckpointRegistry | None) -> None:
