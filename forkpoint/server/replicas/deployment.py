@@ -156,7 +156,9 @@ class EngineReplica:
 
     async def generate(self, request: NewRequest, route: str = "direct") -> AsyncIterator[list[RequestOutput]]:
         """Run one prompt: first yield `[]` once the engine accepted it (a ValueError naming the
-        problem otherwise), then its cumulative outputs, one list per engine step, until it finishes.
+        problem otherwise), then its outputs, one list per engine step that reports it, until it finishes
+        (a streamed request's are deltas until the finished one; one that does not stream gets its first
+        token's and its finished output: `NewRequest.stream`).
         Cancelling the call aborts the prompt. `route` is the router's decision, counted here."""
         self._routes[route] += 1
         finished = False
