@@ -147,11 +147,6 @@ class Generation:
     def params(self) -> SamplingParams:
         return self._params
 
-    @property
-    def deltas(self) -> bool:
-        """Whether the outputs before each prompt's finished one carry only what is new (a streamed
-        response: the engine's delta outputs); the finished output is cumulative either way."""
-        return self._stream
 
     async def start(self) -> None:
         """Admit, compile the request's constraint (off the engine thread, in `grammars`) and submit

@@ -22,7 +22,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from forkpoint.engine.output_processor import stop_prefix_len
 from forkpoint.inputs.template_sandbox import TemplateSandbox
 from forkpoint.outputs import CompletionOutput, RequestOutput
 from forkpoint.sampling_params import SamplingParams
@@ -358,21 +357,18 @@ async def stream_deltas(gen: Generation, fmt: ResponseFormatter,
                         last: dict[int, RequestOutput]) -> AsyncIterator[Delta]:
     """The new output of each choice (index: prompt index x n + completion index) as the engine makes
     it, the last one of each choice with its finish_reason; `last` keeps each prompt's latest output
-    (through `fmt.transform`; the finished one is cumulative) for the usage. Raises what `gen.outputs()`
-    raises."""
+    (through `fmt.transform`; the finished one is cumulative) for the usage. A streamed `gen`'s outputs
+    are the engine's deltas (only what is new, the text already held back where it may change) until
+    each prompt's finished, cumulative one. Raises what `gen.outputs()` raises."""
     n = gen.params.n
-    # a kept stop string is not rewritten when it completes (the text is cut after it): nothing to hold back
-    stops = [] if gen.params.include_stop_str_in_output else gen.params.stop
     cursors: dict[int, _ChoiceCursor] = {}
     async for index, raw in gen.outputs():
         output = fmt.transform(raw)
         last[index] = output
-        cumulative = output.finished or not gen.deltas
         for completion in output.outputs:
             key = index * n + completion.index
             cursor = cursors.setdefault(key, _ChoiceCursor())
-            delta = (_delta_of(key, completion, cursor, stops) if cumulative
-                     else _delta_since(key, completion, cursor))
+            delta = _rest_of(key, completion, cursor) if output.finished else _delta_since(key, completion, cursor)
             if delta is not None:
                 delta.output = output
                 yield delta
@@ -392,25 +388,16 @@ def _delta_since(index: int, completion: CompletionOutput, cursor: _ChoiceCursor
     return delta
 
 
-def _delta_of(index: int, completion: CompletionOutput, cursor: _ChoiceCursor, stops: list[str]) -> Delta | None:
-    """The output of `completion`, cumulative, past `cursor` (advancing it), or None when there is
-    nothing to send yet. Until the choice finishes, two tails of the cumulative text are held back
-    because the engine may still rewrite them: replacement characters (a multi-byte character whose
-    remaining bytes are in the next token) and the start of a stop string (the engine cuts the
-    text where a stop string begins once it is complete; `stops` is empty when the request keeps
-    them, as vLLM holds nothing back then)."""
-    text = completion.text
+def _rest_of(index: int, completion: CompletionOutput, cursor: _ChoiceCursor) -> Delta | None:
+    """The part of a finished, cumulative `completion` past `cursor` (what the deltas sent: always a prefix
+    of it), with its finish_reason unless sent already; None when nothing is left."""
     finish = completion.finish_reason if not cursor.finished else None
-    end = len(text)
-    if completion.finish_reason is None:
-        end = len(text.rstrip("\ufffd"))
-        end -= stop_prefix_len(text[:end], stops)
-    if end <= cursor.text_len and finish is None:
+    if len(completion.text) <= cursor.text_len and finish is None:
         return None
     tokens = completion.token_ids[cursor.num_tokens:]
     logprobs = completion.logprobs[cursor.num_tokens:] if completion.logprobs is not None else None
-    delta = Delta(index, text[cursor.text_len:end], tokens, logprobs, finish, text_offset=cursor.text_len)
-    cursor.text_len = max(cursor.text_len, end)
+    delta = Delta(index, completion.text[cursor.text_len:], tokens, logprobs, finish, text_offset=cursor.text_len)
+    cursor.text_len = max(cursor.text_len, len(completion.text))
     cursor.num_tokens = len(completion.token_ids)
-    cursor.finished = finish is not None or cursor.finished
+    cursor.finished = True
     return delta
