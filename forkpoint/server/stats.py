@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from forkpoint.kernels import kernel_variants
 from forkpoint.llm import LLM
-from forkpoint.server.config import ServerConfig
+from forkpoint.server.config import MarkerPolicy, ServerConfig
 from forkpoint.server.gc_pauses import GENERATIONS
 from forkpoint.server.json_body import BodyLimits
 from forkpoint.speculative_config import SpeculativeConfig
@@ -37,12 +37,20 @@ ACTIVITY_KEYS = ("prompt_tokens_total", "prompt_tokens_computed", "generation_to
 def startup_summary(llm: LLM, config: ServerConfig, max_request_bytes: int, body_limits: BodyLimits,
                     load_time_s: float | None) -> list[str]:
     """The lines the server logs once at start-up."""
+    return (engine_summary(llm, config.served_model_name, config.marker_policy, load_time_s)
+            + server_summary(config, max_request_bytes, body_limits))
+
+
+def engine_summary(llm: LLM, served_model_name: str, marker_policy: MarkerPolicy,
+                   load_time_s: float | None) -> list[str]:
+    """The start-up lines on the engine: model, memory, pools, checkpoints, graphs, tiers, kernels (built
+    where the engine runs: in its own process with --engine-process)."""
     engine = llm.engine
     cfg = engine.config
     values = engine.metrics()
     loaded = f", loaded in {load_time_s:.1f} s" if load_time_s is not None else ""
     lines = [
-        f"model {engine.model_path} (served as {config.served_model_name}), {str(engine.dtype).removeprefix('torch.')} "
+        f"model {engine.model_path} (served as {served_model_name}), {str(engine.dtype).removeprefix('torch.')} "
         f"on {engine.device}, max_model_len {engine.max_model_len}{loaded}",
         engine.startup.summary(),
         f"memory: {engine.memory.summary()}",
@@ -54,7 +62,7 @@ def startup_summary(llm: LLM, config: ServerConfig, max_request_bytes: int, body
     if cfg.enable_checkpoints:
         lines.append(f"checkpoints on: marker {cfg.checkpoint_token!r} (id {llm.checkpoint_token_id}), at most "
                      f"{cfg.max_checkpoints_per_request} per request, consumers wait at most "
-                     f"{cfg.checkpoint_wait_s:g} s for a producer; marker in client text: {config.marker_policy.value}")
+                     f"{cfg.checkpoint_wait_s:g} s for a producer; marker in client text: {marker_policy.value}")
     else:
         lines.append("checkpoints off: markers and checkpoint controls are ignored")
     lines.append(engine.runner.graph_summary() if engine.graphs_off_reason is None
@@ -65,13 +73,16 @@ def startup_summary(llm: LLM, config: ServerConfig, max_request_bytes: int, body
         lines.append(disk_tier_summary(values, cfg.checkpoint_dir))
     variants = kernel_variants(engine.device.type == "cuda")
     lines.append("kernels: " + ", ".join(f"{op} {variant}" for op, variant in variants.items()))
-    lines.append(http_summary())
-    lines.append(f"requests: at most {max_request_bytes:,} bytes (--max-request-bytes), "
-                 f"{body_limits.max_objects:,} JSON objects (--max-request-objects) and {body_limits.max_values:,} "
-                 "values (--max-request-values), "
-                 f"{config.max_waiting_requests} prompts waiting (--max-waiting-requests); stats every "
-                 + (f"{config.log_stats_interval_s:g} s" if config.log_stats else "- (--disable-log-stats)"))
     return lines
+
+
+def server_summary(config: ServerConfig, max_request_bytes: int, body_limits: BodyLimits) -> list[str]:
+    """The start-up lines on the HTTP server: its parser and loop, the request limits, the stats interval."""
+    stats = f"{config.log_stats_interval_s:g} s" if config.log_stats else "- (--disable-log-stats)"
+    return [http_summary(),
+            f"requests: at most {max_request_bytes:,} bytes (--max-request-bytes), {body_limits.max_objects:,} JSON "
+            f"objects (--max-request-objects) and {body_limits.max_values:,} values (--max-request-values), "
+            f"{config.max_waiting_requests} prompts waiting (--max-waiting-requests); stats every {stats}"]
 
 
 def http_summary(available: Callable[[str], bool] | None = None) -> str:
