@@ -1,10 +1,12 @@
 """/v1/chat/completions choices: the assistant message with `content`, `reasoning_content`
-(reasoning.py) and `tool_calls` (tool_parsers.py), whole or streamed.
+(reasoning.py) and `tool_calls` (tool_parsers/), whole or streamed. /v1/responses and /v1/messages shape
+their output from these choices, so they read tool calls the same way.
 
 How the output text is read, by the request's options:
 
     thinking (the prompt opened <think>, or the output opens one)   -> reasoning_content, then:
-    tool_choice "auto" with tools      -> content, with <tool_call> blocks taken out as tool_calls
+    tool_choice "auto" with tools      -> content, with the tool-call blocks taken out as tool_calls (in
+                                          every format tool_parsers/ reads, or those of `tool_formats`)
     tool_choice "required"             -> the constrained JSON list of {"name", "parameters"} as tool_calls
     tool_choice {"function": {name}}   -> the constrained JSON arguments as one call to that function
     no tools, or tool_choice "none"    -> content
@@ -25,13 +27,15 @@ from transformers import PreTrainedTokenizerBase
 from forkpoint.server.protocol import ChatCompletionRequest, NamedToolChoice
 from forkpoint.server.reasoning import ReasoningParser
 from forkpoint.server.responses import Delta, ResponseFormatter
-from forkpoint.server.tool_parsers import Qwen3XMLToolParser, ToolCall, ToolCallStream
+from forkpoint.server.tool_parsers import ALL_FORMATS, ToolCall, ToolCallParser, ToolCallStream
 
 
 @dataclass(frozen=True)
 class ChatOptions:
     """tool_mode: "none", "auto", "required" or "named"; function: the named function;
-    thinking: the output starts inside a thought; parallel: more than one call is kept."""
+    thinking: the output starts inside a thought; parallel: more than one call is kept;
+    tool_formats: the formats "auto" reads calls in (tool_parsers.FORMATS' names; vLLM's
+    --tool-call-parser names one, see chat_args.tool_call_formats)."""
 
     tool_mode: str = "none"
     function: str | None = None
@@ -39,9 +43,11 @@ class ChatOptions:
     thinking: bool = False
     parallel: bool = True
     prompt_logprobs: int | None = None
+    tool_formats: tuple[str, ...] = ALL_FORMATS
 
     @classmethod
-    def of(cls, body: ChatCompletionRequest, *, thinking: bool) -> ChatOptions:
+    def of(cls, body: ChatCompletionRequest, *, thinking: bool,
+           tool_formats: tuple[str, ...] = ALL_FORMATS) -> ChatOptions:
         choice = body.tool_choice
         tools = tuple(t.function.model_dump(exclude_none=True) for t in body.tools or ())
         if not tools or choice == "none":
@@ -50,7 +56,7 @@ class ChatOptions:
             mode, function = "named", choice.function.name
         else:
             mode, function = choice or "auto", None
-        return cls(mode, function, tools, thinking, body.parallel_tool_calls, body.prompt_logprobs)
+        return cls(mode, function, tools, thinking, body.parallel_tool_calls, body.prompt_logprobs, tool_formats)
 
 
 @dataclass
@@ -70,7 +76,7 @@ class ChatFormat(ResponseFormatter):
                  options: ChatOptions | None = None) -> None:
         super().__init__(tokenizer, top_logprobs)
         self.options = options or ChatOptions()
-        self._parser = Qwen3XMLToolParser(self.options.tools)
+        self._parser = ToolCallParser(self.options.tools, self.options.tool_formats)
         self._states: dict[int, _ChoiceState] = {}
 
     def choice(self, delta: Delta) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Tool-call and reasoning parsers on given texts, whole and streamed in every split."""
+"""Tool-call (Qwen3.5's XML format; tool_parsers/ tests the others) and reasoning parsers on given texts,
+whole and streamed in every split."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import json
 import pytest
 
 from forkpoint.server.reasoning import ReasoningParser, prompt_opens_thinking
-from forkpoint.server.tool_parsers import Qwen3XMLToolParser
+from forkpoint.server.tool_parsers import ToolCallParser
+from tests.server.tool_parsers.streamed import assert_streams_as_whole
 
 TOOLS = [
     {"name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -22,7 +24,7 @@ ARGS = {"city": "San Francisco, CA", "days": 3, "metric": True, "hours": [1, 2],
 
 
 def test_parse_calls_and_content():
-    parser = Qwen3XMLToolParser(TOOLS)
+    parser = ToolCallParser(TOOLS)
     noop = "\n<tool_call>\n<function=noop>\n</function>\n</tool_call>"
     content, calls = parser.parse("Let me check.\n\n" + CALL + noop)
     assert content == "Let me check."
@@ -32,7 +34,7 @@ def test_parse_calls_and_content():
 
 
 def test_not_a_call_stays_content():
-    parser = Qwen3XMLToolParser(TOOLS)
+    parser = ToolCallParser(TOOLS)
     for text in ("no calls here", "<tool_call>\n<function=unknown>\n</function>\n</tool_call>",
                  "<tool_call>\nnot xml\n</tool_call>", "cut off <tool_call>\n<function=get_weather>\n<param"):
         content, calls = parser.parse(text)
@@ -40,27 +42,28 @@ def test_not_a_call_stays_content():
 
 
 def test_values_that_do_not_fit_their_schema_stay_text():
-    parser = Qwen3XMLToolParser(TOOLS)
+    parser = ToolCallParser(TOOLS)
     _, calls = parser.parse("<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n"
                             "</function>\n</tool_call>")
     assert json.loads(calls[0].arguments) == {"days": "three"}
 
 
-@pytest.mark.parametrize("step", [1, 2, 3, 7, 50])
-def test_streaming_equals_whole(step):
-    parser = Qwen3XMLToolParser(TOOLS)
-    text = "Checking <tool the weather.\n" + CALL + "\nDone."
-    stream = parser.stream()
-    content, calls = "", []
-    for i in range(0, len(text), step):
-        piece = stream.feed(text[i:i + step])
-        assert "<tool_call" not in piece.content  # never leaks a call's markup
-        content += piece.content
-        calls += piece.calls
-    content += stream.finish().content
-    whole_content, whole_calls = parser.parse(text)
-    assert content.strip() == whole_content
-    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
+@pytest.mark.parametrize("formats", [("qwen3_xml",), ("qwen3_xml", "hermes", "nemotron_json")])
+def test_streaming_equals_whole(formats):
+    parser = ToolCallParser(TOOLS, formats)
+    noop = "<tool_call>\n<function=noop>\n</function>\n</tool_call>"
+    assert_streams_as_whole(parser, "Checking <tool the weather.\n" + CALL + "\nDone." + noop)
+    assert_streams_as_whole(parser, "<tool_call>\n<function=unknown>\n</function>\n</tool_call> <tool_call>\n"
+                                    "<function=noop>")  # not a call, then an unfinished one: content
+
+
+def test_a_tail_that_may_start_a_call_is_held_back():
+    stream = ToolCallParser(TOOLS).stream()
+    assert stream.feed("Let me <").content == "Let me "
+    assert stream.feed("tool_c").content == ""
+    assert stream.feed("ar is red").content == "<tool_car is red"
+    assert stream.feed(" <TOOLC").content == " "
+    assert stream.finish().content == "<TOOLC"
 
 
 @pytest.mark.parametrize("starts_in_reasoning, text, reasoning, content", [

@@ -1,11 +1,15 @@
-"""Logits processors, structured outputs, tool calls and reasoning over HTTP, through the official
-openai client (random weights: the format is forced by the constraints, and the tests check that
-the server reads it back as OpenAI clients expect)."""
+"""Logits processors, structured outputs, tool calls (in the embedded template's XML format and, with a
+Hermes template, in Hermes' JSON) and reasoning over HTTP, through the official openai client (random
+weights: the format is forced by the constraints, and the tests check that the server reads it back as
+OpenAI clients expect)."""
 
 from __future__ import annotations
 
 import json
 import re
+
+from forkpoint.server.config import ServerConfig
+from tests.server.conftest import serve
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
@@ -145,3 +149,75 @@ def test_reasoning_content_with_thinking(server):
     streamed = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks
                        if c.choices)
     assert streamed == message.model_extra["reasoning_content"]
+
+
+# A chat template in Hermes' format (Qwen3-Next's, Granite-4.0-H's, Falcon-H1's): served with --chat-template,
+# the model's calls (forced here by a grammar) come back as tool_calls, and go back into the conversation
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+
+To call a function, write a JSON object with its name and arguments between <tool_call> and </tool_call>:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call>
+
+Functions:
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}<|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for m in messages if m.role != 'system' %}
+{%- if m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content or '' }}
+{%- for call in m.tool_calls or [] %}
+{%- set args = call.function.arguments if call.function.arguments is string else call.function.arguments | tojson %}
+<tool_call>
+{{ '{"name": ' ~ (call.function.name | tojson) ~ ', "arguments": ' ~ args ~ '}' }}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+HERMES_CALL = ('start: <tool_call> "\\n{\\"name\\": \\"get_weather\\", \\"arguments\\": {\\"city\\": \\"" CITY '
+               '"\\", \\"days\\": " DAYS "}}\\n" </tool_call>\nCITY: "Paris" | "Oslo"\nDAYS: /[1-7]/')
+
+
+def test_tool_choice_auto_reads_a_hermes_templates_calls(spare_llm):
+    with serve(spare_llm, ServerConfig(chat_template=HERMES_TEMPLATE)) as running:
+        client = running.client()
+        asked = running.post("/detokenize", json={"tokens": ids_of_chat(running, USER, [WEATHER])}).json()["prompt"]
+        assert '{"name": <function-name>, "arguments": <args-json-object>}' in asked and "<function=" not in asked
+        kwargs = {"model": running.model, "messages": USER, "tools": [WEATHER], "max_tokens": 60, "temperature": 1.0,
+                  "seed": 9, "extra_body": {"structured_outputs": {"grammar": HERMES_CALL}}}
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        [call] = choice.message.tool_calls
+        args = json.loads(call.function.arguments)
+        assert call.function.name == "get_weather" and args["city"] in ("Paris", "Oslo") and 1 <= args["days"] <= 7
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in streamed] == [
+            (0, "get_weather", args)]
+        assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip()
+        # the call and its result render back in the template's format
+        turn = [*USER, choice.message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        history = running.post("/detokenize", json={"tokens": ids_of_chat(running, turn, [WEATHER])}).json()["prompt"]
+        rendered = f'{{"name": "get_weather", "arguments": {call.function.arguments}}}'
+        assert f"<tool_call>\n{rendered}\n</tool_call>" in history
+        assert "<tool_response>\nsunny\n</tool_response>" in history
+        follow = client.chat.completions.create(model=running.model, messages=turn, tools=[WEATHER], max_tokens=2,
+                                                temperature=0)
+        assert follow.choices[0].message.content is not None
+
+
+def ids_of_chat(server, messages: list[dict], tools: list[dict]) -> list[int]:
+    return server.post("/tokenize", json={"messages": messages, "tools": tools}).json()["tokens"]

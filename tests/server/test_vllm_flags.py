@@ -73,11 +73,22 @@ def test_vllm_chat_switches_parse_when_they_name_the_formats_forkpoint_reads():
     assert args.chat_template is None
 
 
-@pytest.mark.parametrize("flags", [["--tool-call-parser", "hermes"], ["--reasoning-parser", "granite"]])
+# Qwen3-Next, Granite-4.0-H and Falcon-H1 write Hermes' JSON calls; Nemotron Nano v2 NVIDIA's <TOOLCALL> list
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "nemotron_json"])
+def test_vllm_tool_call_parsers_of_the_other_families_parse(parser):
+    args = build_parser().parse_args(["serve", "Qwen/Qwen3-Next-80B-A3B-Instruct", "--enable-auto-tool-choice",
+                                      "--tool-call-parser", parser])
+    assert args.tool_call_parser == parser
+
+
+@pytest.mark.parametrize("flags", [["--tool-call-parser", "llama3_json"], ["--tool-call-parser", "granite"],
+                                   ["--reasoning-parser", "granite"]])
 def test_a_parser_of_another_format_is_refused_listing_the_ones_read(flags, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", *flags])
-    assert "invalid choice" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "invalid choice" in err
+    assert ("'hermes'" in err and "'qwen3_coder'" in err) if flags[0] == "--tool-call-parser" else "'qwen3'" in err
 
 
 def test_chat_template_is_a_file_or_the_template_itself(tmp_path, capsys):
