@@ -1,7 +1,9 @@
-"""The FastAPI app of the OpenAI-compatible server: `build_app(llm, config)`.
+"""The FastAPI app of the OpenAI-compatible server: `build_app(llm, config)`, or
+`build_process_app(worker, front, config)` for an engine in its own process (`--engine-process`).
 
-One process, one engine thread (`EngineWorker`, started and stopped with the app's lifespan);
-handlers run on the event loop and never touch the engine directly. Tokenisation and prompt
+One engine thread (`EngineWorker`, started and stopped with the app's lifespan), in this process or in
+the engine process (process_worker.py: each process then has its own GIL); handlers run on the event
+loop and never touch the engine directly. Tokenisation and prompt
 building run in a pool of `--tokenizer-workers` threads (the fast tokenizer is only read, and its
 Rust encode releases the GIL), so one huge prompt holds up no other request's prompt; a request's
 structured-output constraint is compiled in threads of its own (`grammar_threads.py`) before the request
@@ -21,8 +23,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -30,9 +33,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Scope
+from transformers import PreTrainedTokenizerBase
 
 from forkpoint import __version__ as forkpoint_version
 from forkpoint.inputs.markers import validate_token_ids
+from forkpoint.inputs.processor import InputProcessor
 from forkpoint.inputs.segment_tokens import SegmentEncoder
 from forkpoint.inputs.template_sandbox import TemplateLimits, TemplateSandbox
 from forkpoint.llm import LLM
@@ -44,6 +49,7 @@ from forkpoint.server.config import (
     default_max_request_objects,
     default_max_request_values,
 )
+from forkpoint.server.engine_front import EngineFront
 from forkpoint.server.errors import (
     CLIENT_CLOSED_REQUEST,
     RequestTooLarge,
@@ -60,6 +66,7 @@ from forkpoint.server.messages_errors import error_body_for
 from forkpoint.server.messages_protocol import CountTokensRequest, MessagesRequest
 from forkpoint.server.messages_serving import AnthropicMessages
 from forkpoint.server.metrics import ServerMetrics
+from forkpoint.server.process_worker import ProcessWorker
 from forkpoint.server.prompt_threads import PromptThreads
 from forkpoint.server.prompts import PromptBuilder
 from forkpoint.server.protocol import (
@@ -73,7 +80,7 @@ from forkpoint.server.response_store import ResponseStore
 from forkpoint.server.responses_protocol import ResponsesRequest
 from forkpoint.server.responses_serving import OpenAIResponses
 from forkpoint.server.serving import OpenAIServing
-from forkpoint.server.stats import log_stats_forever, startup_summary
+from forkpoint.server.stats import engine_summary, log_stats_forever, server_summary
 from forkpoint.server.worker import EngineWorker
 
 logger = logging.getLogger("forkpoint.server")
@@ -88,13 +95,68 @@ ERROR_OUTCOMES = {400: "invalid_request", 404: "invalid_request", 413: "invalid_
 OFF_LOOP_CHECK_BYTES = 64 << 10
 
 
+@dataclass(frozen=True)
+class _ServedEngine:
+    """What the app serves, from an engine in this process (`build_app`) or in its own (`build_process_app`).
+
+    worker: the engine's worker (its thread here, or the engine process's `ProcessWorker`); front: the
+    prompt settings; tokenizer / inputs: the engine's, for prompts built in this process; grammars: where
+    constraints compile (threads here, or the engine process); startup_lines: the engine's start-up lines;
+    before_serving: blocking work before the first request (run in a thread); close_grammars: at the end."""
+
+    worker: EngineWorker | ProcessWorker
+    front: EngineFront
+    tokenizer: PreTrainedTokenizerBase
+    inputs: InputProcessor
+    grammars: GrammarThreads | ProcessWorker
+    startup_lines: Callable[[], list[str]]
+    before_serving: Callable[[], None]
+    close_grammars: Callable[[], None]
+
+
 def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = None) -> FastAPI:
     """An app serving `llm`. It takes over `llm.engine`: from the app's startup to its shutdown
     only the app's engine thread may use it (`app.state.worker.call(fn)` runs `fn(engine)` there).
     load_time_s: how long building `llm` took, for the start-up summary.
     """
     engine = llm.engine
-    worker = EngineWorker(engine)
+    grammars = GrammarThreads(engine.grammars)  # constraints compile here, not on the engine thread
+
+    def before_serving() -> None:
+        # structured outputs' vocabulary view, built here and not on the first constrained request (which
+        # held the engine thread and the GIL for seconds: every stream and /health stalled)
+        try:
+            engine.grammars.prepare()
+        except ValueError as err:  # a slow tokenizer: constrained requests get this error as a 400
+            logger.info("structured outputs unavailable: %s", err)
+        # a host tier pinned ahead is still being pinned: wait for it here, not beside the first steps
+        began = time.perf_counter()
+        engine.wait_for_host_tier()
+        if time.perf_counter() - began > 0.5:
+            logger.info("waited %.1f s for the host tier's pinned memory before serving", time.perf_counter() - began)
+
+    served = _ServedEngine(
+        worker=EngineWorker(engine), front=EngineFront.of(llm, []), tokenizer=llm.get_tokenizer(),
+        inputs=engine.inputs, grammars=grammars,
+        startup_lines=lambda: engine_summary(llm, config.served_model_name, config.marker_policy, load_time_s),
+        before_serving=before_serving, close_grammars=grammars.shutdown)
+    return _build(served, config)
+
+
+def build_process_app(worker: ProcessWorker, front: EngineFront, config: ServerConfig) -> FastAPI:
+    """An app serving the engine process behind `worker` (process_worker.py; `front`: what it sent when it
+    was ready): prompts are rendered, tokenised and checked here, constraints compile and the engine
+    steps there, each process with its own GIL. The app's lifespan starts the worker and shuts the engine
+    process down."""
+    tokenizer = front.load_tokenizer()
+    served = _ServedEngine(
+        worker=worker, front=front, tokenizer=tokenizer, inputs=front.input_processor(tokenizer), grammars=worker,
+        startup_lines=lambda: list(front.summary), before_serving=lambda: None, close_grammars=lambda: None)
+    return _build(served, config)
+
+
+def _build(served: _ServedEngine, config: ServerConfig) -> FastAPI:
+    worker, front, tokenizer = served.worker, served.front, served.tokenizer
     gc_pauses = GcPauses()
 
     def snapshot() -> dict[str, float]:
@@ -106,56 +168,43 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
                           max_waiting_per_client=config.max_waiting_per_user)
     metrics = ServerMetrics(snapshot, lambda: admission.waiting, lambda: admission.running,
                             endpoints=tuple(GENERATION_ENDPOINTS.values()))
-    tokenizer = llm.get_tokenizer()
-    takes_images = engine.images.processor is not None
+    takes_images = front.takes_images
     # the fast tokenizer is safe to share: encode, decode and template rendering only read it; daemon threads,
     # so a prompt still tokenising does not hold the process past the shutdown timeout (prompt_threads.py)
     tokenizer_pool = PromptThreads(config.tokenizer_workers, "forkpoint-tokenizer")
     prompts = PromptBuilder(
-        tokenizer, checkpoint_token=engine.config.checkpoint_token, checkpoint_token_id=llm.checkpoint_token_id,
-        max_checkpoints=engine.config.max_checkpoints_per_request, policy=config.marker_policy,
-        images=engine.images if takes_images else None, executor=tokenizer_pool,
-        processor=engine.inputs, turn_boundaries=engine.config.enable_checkpoints and engine.config.auto_checkpoints,
+        tokenizer, checkpoint_token=front.checkpoint_token, checkpoint_token_id=front.checkpoint_token_id,
+        max_checkpoints=front.max_checkpoints_per_request, policy=config.marker_policy,
+        images=front.images if takes_images else None, executor=tokenizer_pool,
+        processor=served.inputs, turn_boundaries=front.turn_boundaries,
         segments=SegmentEncoder(tokenizer, config.token_cache_bytes) if config.token_cache_bytes > 0 else None,
         chat_template=config.chat_template,
     )
     max_request_bytes = (config.max_request_bytes if config.max_request_bytes is not None else
-                         default_max_request_bytes(tokenizer, engine.max_model_len, takes_images=takes_images))
-    limits = body_limits(config, engine.max_model_len)
+                         default_max_request_bytes(tokenizer, front.max_model_len, takes_images=takes_images))
+    limits = body_limits(config, front.max_model_len)
     # request-supplied chat templates run in a child process with limits (the rendered prompt may be as
     # long as a request body), only when the operator trusts them
     sandbox = (TemplateSandbox(TemplateLimits(max_output_chars=max_request_bytes))
                if config.trust_request_chat_template else None)
-    # structured-output constraints compile here, not on the engine thread, which only copies them
-    grammars = GrammarThreads(engine.grammars)
     serving = OpenAIServing(model_name=config.served_model_name, model_aliases=config.served_model_aliases,
-                            max_model_len=engine.max_model_len,
+                            max_model_len=front.max_model_len,
                             prompts=prompts, worker=worker, admission=admission, metrics=metrics,
-                            default_max_tokens=engine.generation_defaults.max_new_tokens, template_sandbox=sandbox,
-                            cache_isolation=config.cache_isolation, grammars=grammars)
+                            default_max_tokens=front.default_max_tokens, template_sandbox=sandbox,
+                            cache_isolation=config.cache_isolation, grammars=served.grammars)
     created = int(time.time())
     response_store = ResponseStore(config.responses_store_bytes)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        for line in startup_summary(llm, config, max_request_bytes, limits, load_time_s):
+        for line in served.startup_lines() + server_summary(config, max_request_bytes, limits):
             logger.info("%s", line)
-        # structured outputs' vocabulary view, built here and not on the first constrained request (which
-        # held the engine thread and the GIL for seconds: every stream and /health stalled)
-        try:
-            await asyncio.to_thread(engine.grammars.prepare)
-        except ValueError as err:  # a slow tokenizer: constrained requests get this error as a 400
-            logger.info("structured outputs unavailable: %s", err)
-        # a host tier pinned ahead is still being pinned: wait for it here, not beside the first steps
-        began = time.perf_counter()
-        await asyncio.to_thread(engine.wait_for_host_tier)
-        if time.perf_counter() - began > 0.5:
-            logger.info("waited %.1f s for the host tier's pinned memory before serving", time.perf_counter() - began)
+        await asyncio.to_thread(served.before_serving)
         gc_pauses.install()
         worker.start()
         stats = (asyncio.create_task(log_stats_forever(snapshot, config.log_stats_interval_s))
                  if config.log_stats else None)
-        # `forkpoint serve` (uvicorn on the main thread) exits when the engine thread ends on its own; an app
+        # `forkpoint serve` (uvicorn on the main thread) exits when the engine ends on its own; an app
         # embedded in another program's thread (the tests' servers) answers /health 503 and leaves that to it
         watchdog = (asyncio.create_task(exit_when_engine_ends(worker))
                     if threading.current_thread() is threading.main_thread() else None)
@@ -171,7 +220,7 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
                     await stats
             await asyncio.to_thread(worker.shutdown, config.shutdown_timeout_s)
             tokenizer_pool.shutdown(wait=False, cancel_futures=True)
-            grammars.shutdown()
+            served.close_grammars()
             if sandbox is not None:
                 sandbox.close()
 
@@ -188,7 +237,7 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 while the engine thread runs, 503 otherwise."""
+        """200 while the engine runs, 503 otherwise."""
         if worker.is_alive():
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "engine not running"}, status_code=503)
@@ -196,13 +245,14 @@ def build_app(llm: LLM, config: ServerConfig, *, load_time_s: float | None = Non
     app.add_api_route("/ping", health, methods=["GET", "POST"])  # vLLM's (SageMaker's) name for the probe
 
     add_openai_routes(app, serving=serving, prompts=prompts, tokenizer=tokenizer, metrics=metrics,
-                      model_root=str(engine.model_path), max_model_len=engine.max_model_len,
+                      model_root=front.model_path, max_model_len=front.max_model_len,
                       served_model_names=config.served_model_names, created=created,
                       response_store=response_store)
     return app
 
 
-async def exit_when_engine_ends(worker: EngineWorker, poll_s: float = 0.2, grace_s: float = 1.0) -> None:
+async def exit_when_engine_ends(worker: EngineWorker | ProcessWorker, poll_s: float = 0.2,
+                                grace_s: float = 1.0) -> None:
     """Wait for the engine thread to end on its own (a failure no later step can run past, such as an
     unusable runner: worker.py), then, `grace_s` later (the failed requests' errors go out; /health
     answers 503 meanwhile), end the server process with exit status 1 for its supervisor to restart it.

@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server",
-                                description="Run the OpenAI-compatible HTTP server (one process, one engine thread).")
+                                description="Run the OpenAI-compatible HTTP server (one process, one engine thread; "
+                                            "--engine-process: the engine in a process of its own).")
     add_engine_args(serve, positional_model=True)
     http = serve.add_argument_group("server")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
@@ -124,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="require 'Authorization: Bearer <KEY>' (any of the keys given) on every route but /health "
                            "and /metrics, else 401; each key is a client for admission and checkpoint shares "
                            "(default: $FORKPOINT_API_KEY, else no key)")
+    http.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                      help="run the engine (model, scheduler, step loop) in a process of its own, as vLLM's engine "
+                           "core: the HTTP handlers, chat templates and tokenisation stay here, and no request's "
+                           "Python work takes the GIL the step loop needs (default: off, one process)")
     http.add_argument("--disable-log-stats", action="store_true",
                       help="no periodic stats line (throughput, queues, pools, checkpoint reuse) in the log")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -202,14 +207,37 @@ def run_serve(args: argparse.Namespace) -> int:
     check_engine_kwargs(server_engine_kwargs(args, replicas=True))
     http = uvicorn_options(args)  # before anything loads: a TLS key without its certificate is refused here
     if args.data_parallel_size != 1 or args.ray_address is not None:
+        if args.engine_process:
+            raise ValueError("--engine-process is for one engine; replicas (--data-parallel-size, --ray-address) "
+                             "already run each engine in its own process: drop --engine-process")
         from forkpoint.server.replicas.launch import serve_replicas
 
         return serve_replicas(args, config, server_engine_kwargs(args, replicas=True), http)
+    if args.engine_process:
+        return _serve_engine_process(args, config, http)
     start = time.perf_counter()
     llm = LLM(**server_engine_kwargs(args))
     app = build_app(llm, config, load_time_s=time.perf_counter() - start)
     freeze_startup_heap()
     uvicorn.run(app, **http)
+    return 0
+
+
+def _serve_engine_process(args: argparse.Namespace, config: ServerConfig, http: dict) -> int:
+    """`forkpoint serve --engine-process`: the engine in a spawned process, this one serving HTTP."""
+    import uvicorn
+
+    from forkpoint.server.app import build_process_app
+    from forkpoint.server.process_worker import start_engine_process
+
+    worker, front = start_engine_process(server_engine_kwargs(args), served_model_name=config.served_model_name,
+                                         marker_policy=config.marker_policy, log_level=args.log_level)
+    try:
+        app = build_process_app(worker, front, config)
+        freeze_startup_heap()
+        uvicorn.run(app, **http)
+    finally:  # after the app's own shutdown this returns at once; else (the app never started) it stops the engine
+        worker.shutdown(timeout_s=0.0)
     return 0
 
 

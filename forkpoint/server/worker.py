@@ -12,6 +12,10 @@ answers through futures and per-request `OutputSink`s.
 All commands waiting in the queue are applied before each step, so requests that arrive together
 (one producer and its consumers) are scheduled together. A failure the engine cannot continue from
 (a tensor-parallel rank failed) ends every request and the thread, so /health reports 503.
+
+Each step's deliveries go out together through `deliver` ({sink: outputs or the exception that ends
+it}); by default each sink's `deliver_threadsafe`. An engine in its own process (engine_child.py)
+sends them to the server process in one message instead.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +51,17 @@ class EngineFailure(RuntimeError):
 class RequestOutOfMemory(EngineFailure):
     """The request ran out of memory alone in the smallest step (engine/memory_retry.py): the
     client's to fix (a 400), not the server's."""
+
+
+# one step's deliveries: each sink (an `OutputSink`, or any hashable the worker's `deliver` understands) with
+# the outputs of its requests that progressed, or the exception that ends them
+Deliveries = Mapping[Hashable, "list[RequestOutput] | BaseException"]
+
+
+def deliver_each(deliveries: Deliveries) -> None:
+    """The default delivery: each `OutputSink`'s own `deliver_threadsafe`."""
+    for sink, item in deliveries.items():
+        sink.deliver_threadsafe(item)
 
 
 class OutputSink:
@@ -98,7 +113,7 @@ class NewRequest:
 @dataclass(frozen=True)
 class _Add:
     requests: Sequence[NewRequest]
-    sink: OutputSink
+    sink: Hashable
     done: concurrent.futures.Future
 
 
@@ -119,15 +134,17 @@ class _Stop:
 
 
 class EngineWorker:
-    """Owns `engine` on a background thread between `start()` and `shutdown()`."""
+    """Owns `engine` on a background thread between `start()` and `shutdown()`; `deliver` hands each
+    step's outputs and failures to their sinks (engine thread; default: `deliver_each`)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, deliver: Callable[[Deliveries], None] = deliver_each) -> None:
         self._engine = engine
+        self._deliver = deliver
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="forkpoint-engine", daemon=True)
         self._metrics: dict[str, float] = {}
         # engine thread only:
-        self._sinks: dict[str, OutputSink] = {}
+        self._sinks: dict[str, Hashable] = {}
         self._deadline: float | None = None
         self._fatal: BaseException | None = None  # the engine cannot step any more
 
@@ -149,9 +166,14 @@ class EngineWorker:
 
         Raises the engine's ValueError (nothing was added) or `ServerShuttingDown`.
         """
+        await asyncio.wrap_future(self.submit(requests, sink))
+
+    def submit(self, requests: Sequence[NewRequest], sink: Hashable) -> concurrent.futures.Future:
+        """`add_many` from any thread: the future is done (None, or the error `add_many` raises) on the
+        engine thread once the engine took the requests, before any step reports them."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._send(_Add(requests, sink, done), done)
-        await asyncio.wrap_future(done)
+        return done
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort these requests (unknown or finished ids are ignored); frees their resources."""
@@ -266,7 +288,7 @@ class EngineWorker:
             logger.exception("engine step failed; aborting the requests in flight")
             self._fail_all(EngineFailure(f"the engine failed while generating: {type(exc).__name__}: {exc}"))
             return
-        batches: dict[OutputSink, list[RequestOutput]] = defaultdict(list)
+        batches: dict[Hashable, list[RequestOutput]] = defaultdict(list)
         for output in outputs:
             sink = self._sinks.get(output.request_id)
             if sink is None:
@@ -274,9 +296,9 @@ class EngineWorker:
             batches[sink].append(output)
             if output.finished:
                 del self._sinks[output.request_id]
-        for sink, batch in batches.items():
-            sink.deliver_threadsafe(batch)
-        self._metrics = dict(self._engine.metrics())
+        self._metrics = dict(self._engine.metrics())  # before the outputs: a reader of both sees them agree
+        if batches:
+            self._deliver(batches)
 
     def _fail_some(self, request_ids: Sequence[str], exc: BaseException) -> None:
         """End the sinks of `request_ids` (already ended in the engine) with `exc`; a sink that also
@@ -286,8 +308,8 @@ class EngineWorker:
             if sink in sinks:
                 self._engine.abort_request(request_id)
                 del self._sinks[request_id]
-        for sink in sinks:
-            sink.deliver_threadsafe(exc)
+        if sinks:
+            self._deliver(dict.fromkeys(sinks, exc))
 
     def _fail_all(self, exc: BaseException) -> None:
         """Abort every request in flight and end its sink with `exc`."""
@@ -300,8 +322,8 @@ class EngineWorker:
             except Exception:
                 logger.exception("aborting request %s failed", request_id)
         self._sinks.clear()
-        for sink in sinks:
-            sink.deliver_threadsafe(exc)
+        if sinks:
+            self._deliver(dict.fromkeys(sinks, exc))
 
     def _fail_pending_commands(self) -> None:
         while True:

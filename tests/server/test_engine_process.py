@@ -1,0 +1,224 @@
+"""`--engine-process`: the engine in a process of its own behind the same HTTP server. Outputs equal the
+one-process server's, errors keep their codes, a client that goes away leaves nothing behind, a dead
+engine process fails what was in flight and /health says so, and Ctrl-C stops both processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from forkpoint.server.app import build_process_app
+from forkpoint.server.cli import main
+from forkpoint.server.config import ServerConfig
+from forkpoint.server.engine_messages import Failure
+from forkpoint.server.process_worker import ProcessWorker, start_engine_process
+from forkpoint.server.worker import EngineFailure, RequestOutOfMemory, ServerShuttingDown
+from tests.server.conftest import MARKER, TEST_LLM_KWARGS, RunningServer, uvicorn_thread
+
+
+def engine_state(engine) -> tuple[bool, float]:
+    """(has unfinished requests, state slots in use) after the pools' integrity check (engine thread)."""
+    engine.check_integrity()
+    return engine.has_unfinished_requests(), engine.metrics()["state_slots_used"]
+
+
+def engine_metrics(engine) -> dict[str, float]:
+    return engine.metrics()
+
+
+@contextmanager
+def process_server(config: ServerConfig, graceful_timeout_s: float = 5) -> Iterator[tuple[RunningServer,
+                                                                                          ProcessWorker]]:
+    worker, front = start_engine_process(dict(TEST_LLM_KWARGS), served_model_name=config.served_model_name,
+                                         marker_policy=config.marker_policy, log_level="warning")
+    try:
+        app = build_process_app(worker, front, config)
+        with uvicorn_thread(app, graceful_timeout_s) as (url, server, thread):
+            yield RunningServer(url, app, None, server, thread), worker
+    finally:
+        worker.shutdown(timeout_s=0.0)
+
+
+@pytest.fixture(scope="module")
+def remote():
+    with process_server(ServerConfig(served_model_name="forkpoint-test")) as (running, worker):
+        yield running, worker
+    assert worker._process.exitcode == 0  # stopped by its Stop, not killed
+
+
+def wait_idle(worker: ProcessWorker, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while worker.call(engine_state).result(timeout=60) != (False, 0):
+        assert time.monotonic() < deadline, "the engine process still holds requests or state slots"
+        time.sleep(0.05)
+
+
+def test_outputs_equal_the_one_process_server(server, remote):
+    """Greedy chat with logprobs (whole and streamed), seeded sampling with n = 2, and a constraint: the
+    same tokens, text and logprobs as the one-process server on the same model."""
+    there = remote[0].client()
+    here = server.client()
+    chat = {"messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 12, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}
+    a = there.chat.completions.create(model=remote[0].model, **chat)
+    b = here.chat.completions.create(model=server.model, **chat)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.choices[0].logprobs.model_dump() == b.choices[0].logprobs.model_dump()
+    assert a.usage.completion_tokens == 12
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in there.chat.completions.create(
+        model=remote[0].model, stream=True, **chat) if chunk.choices)
+    assert streamed == a.choices[0].message.content
+    sampled = {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 1.0, "n": 2, "seed": 7}
+    assert ([c.text for c in there.completions.create(model=remote[0].model, **sampled).choices]
+            == [c.text for c in here.completions.create(model=server.model, **sampled).choices])
+    constrained = {"prompt": "Yes or no?", "max_tokens": 5,
+                   "extra_body": {"structured_outputs": {"choice": ["yes", "no"]}}}
+    text = there.completions.create(model=remote[0].model, **constrained).choices[0].text
+    assert text in ("yes", "no") and text == here.completions.create(model=server.model, **constrained).choices[0].text
+    wait_idle(remote[1])
+
+
+def test_checkpoints_are_reused_and_metrics_come_from_the_engine_process(remote, anchor_text):
+    running, worker = remote
+    client = running.client()
+    prompt = anchor_text("engine-process") + MARKER
+    first = client.completions.create(model=running.model, prompt=prompt + " first", max_tokens=2)
+    second = client.completions.create(model=running.model, prompt=prompt + " second", max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    deadline = time.monotonic() + 10  # the engine process sends its metrics when they change
+    while running.metric("forkpoint_checkpoint_hits_total") < 1:
+        assert time.monotonic() < deadline, "the checkpoint hit never reached /metrics"
+        time.sleep(0.05)
+    wait_idle(worker)
+
+
+def test_errors_keep_their_codes(remote):
+    running, _ = remote
+    client = running.client()
+    with pytest.raises(openai.BadRequestError) as bad:  # compiled in the engine process
+        client.completions.create(model=running.model, prompt="x", max_tokens=2,
+                                  extra_body={"structured_outputs": {"regex": "("}})
+    assert bad.value.body["param"] == "structured_outputs"
+    with pytest.raises(openai.BadRequestError) as long:
+        client.completions.create(model=running.model, prompt=[1] * 5000, max_tokens=2)
+    assert long.value.body["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("error", [ValueError("bad prompt"), ServerShuttingDown("bye"), EngineFailure("step"),
+                                   RequestOutOfMemory("too big")])
+def test_a_failure_crosses_the_pipe_as_its_own_kind(error):
+    again = Failure.of(error).error()
+    assert type(again) is type(error) and str(again) == str(error)
+
+
+def test_any_other_failure_arrives_as_an_engine_failure_naming_it():
+    again = Failure.of(KeyError("slot")).error()
+    assert isinstance(again, EngineFailure) and "KeyError" in str(again)
+
+
+def test_a_call_must_be_a_module_level_function(remote):
+    with pytest.raises(ValueError, match="module-level function"):
+        remote[1].call(lambda engine: engine.metrics())
+
+
+def test_a_client_that_goes_away_leaves_nothing_behind(remote):
+    running, worker = remote
+    body = {"model": running.model, "prompt": "go on and on", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{running.base_url}/v1/completions", json=body, timeout=60) as response:
+        chunks = 0
+        for line in response.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks == 3:
+                break
+    wait_idle(worker)
+    aborted = worker.call(engine_metrics).result(timeout=60)["requests_aborted"]
+    assert aborted >= 1
+    deadline = time.monotonic() + 10  # the engine process sends its metrics when they change
+    while worker.metrics_snapshot()["requests_aborted"] != aborted:
+        assert time.monotonic() < deadline, "the abort never reached the server process's metrics"
+        time.sleep(0.05)
+
+
+def test_a_dead_engine_process_fails_the_requests_in_flight_and_health():
+    with process_server(ServerConfig(served_model_name="m")) as (running, worker):
+        errors: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {"model": "m", "prompt": "keep going", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{running.base_url}/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    started.set()
+                    if line.startswith("data: ") and line != "data: [DONE]" and "error" in json.loads(line[6:]):
+                        errors.append(json.loads(line[6:])["error"]["message"])
+
+        thread = threading.Thread(target=stream, daemon=True)
+        thread.start()
+        assert started.wait(60)
+        worker._process.kill()
+        thread.join(60)
+        assert errors and "engine process exited" in errors[0]
+        assert httpx.get(f"{running.base_url}/health", timeout=10).status_code == 503
+        assert not worker.is_alive()
+        with pytest.raises(openai.APIStatusError) as refused:
+            running.client().completions.create(model="m", prompt="anyone?", max_tokens=2)
+        assert refused.value.status_code >= 500
+
+
+def test_serve_engine_process_stops_on_ctrl_c(tmp_path: Path):
+    """`forkpoint serve --engine-process` answers, and Ctrl-C (SIGINT to the process group, as a terminal
+    sends it) stops the server and its engine process: the server exits 0 and no process of the group is left."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = open(tmp_path / "serve.log", "w+")
+    args = [sys.executable, "-m", "forkpoint.server.cli", "serve", "--engine-process", "--port", str(port),
+            "--max-model-len", "1024", "--served-model-name", "m"]
+    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, log.seek(0) or log.read()
+            time.sleep(0.3)
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
+            "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(timeout=60) == 0, log.seek(0) or log.read()
+        deadline = time.monotonic() + 20
+        while True:  # the engine process ends after the server's Stop (it ignores the SIGINT itself)
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, "the engine process outlived the server"
+            time.sleep(0.1)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        log.close()
+
+
+def test_engine_process_with_replicas_is_refused(capsys):
+    assert main(["serve", "--engine-process", "--data-parallel-size", "2"]) == 2
+    assert "--engine-process" in capsys.readouterr().err
