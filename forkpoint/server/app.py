@@ -191,7 +191,8 @@ def _build(served: _ServedEngine, config: ServerConfig) -> FastAPI:
                             max_model_len=front.max_model_len,
                             prompts=prompts, worker=worker, admission=admission, metrics=metrics,
                             default_max_tokens=front.default_max_tokens, template_sandbox=sandbox,
-                            cache_isolation=config.cache_isolation, grammars=served.grammars)
+                            cache_isolation=config.cache_isolation, grammars=served.grammars,
+                            tool_formats=config.tool_formats)
     created = int(time.time())
     response_store = ResponseStore(config.responses_store_bytes)
 

@@ -39,8 +39,7 @@ def chat_template_value(text: str) -> str:
 
 def tool_call_formats(parser: str | None) -> tuple[str, ...]:
     """The tool-call formats to read under --tool-call-parser `parser`: the one it names (as vLLM reads only
-    its parser's), or every format without the flag; for `ChatOptions.tool_formats`. (The server does not
-    pass the flag there yet: every format is read, the named one included.)"""
+    its parser's), or every format without the flag (`ServerConfig.tool_formats`)."""
     return ALL_FORMATS if parser is None else (VLLM_TOOL_CALL_PARSERS[parser],)
 
 
@@ -56,8 +55,9 @@ def add_chat_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                        help="accepted for vLLM command lines when it names a format forkpoint reads: qwen3_coder "
                             "and qwen3_xml (Qwen3.5, Nemotron-3-Nano), hermes (Qwen3-Next, Granite-4.0-H, "
-                            "Falcon-H1), nemotron_json (Nemotron Nano v2); tool calls are read in all of these "
-                            "formats in any case; another parser is an error")
+                            "Falcon-H1), nemotron_json (Nemotron Nano v2): tool calls are then read in that "
+                            "format only (default: in all of them; they cannot be mistaken for each other); "
+                            "another parser is an error")
     group.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                        help="accepted for vLLM command lines when it names the format forkpoint reads, "
                             "<think>...</think> (vLLM's qwen3 and deepseek_r1): reasoning is always returned as "

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from forkpoint.server.bench_cli import add_bench_args, run_bench
-from forkpoint.server.chat_args import add_chat_args
+from forkpoint.server.chat_args import add_chat_args, tool_call_formats
 from forkpoint.server.config import (
     DEFAULT_MODEL_NAME,
     MIN_DEFAULT_REQUEST_OBJECTS,
@@ -182,14 +182,9 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     return (from_env,) if from_env else ()
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from forkpoint import LLM
-    from forkpoint.server.app import build_app
-
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = ServerConfig(
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The server's settings from `forkpoint serve`'s parsed arguments."""
+    return ServerConfig(
         served_model_name=args.served_model_name[0] if args.served_model_name else _model_name(args.model),
         served_model_aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
         cors=CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
@@ -203,7 +198,18 @@ def run_serve(args: argparse.Namespace) -> int:
         api_keys=api_keys(args),
         token_cache_bytes=int(args.token_cache_mib * 2**20),
         responses_store_bytes=int(args.responses_store_mib * 2**20), chat_template=args.chat_template,
+        tool_formats=tool_call_formats(args.tool_call_parser),
     )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from forkpoint import LLM
+    from forkpoint.server.app import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = server_config(args)
     check_engine_kwargs(server_engine_kwargs(args, replicas=True))
     http = uvicorn_options(args)  # before anything loads: a TLS key without its certificate is refused here
     if args.data_parallel_size != 1 or args.ray_address is not None:

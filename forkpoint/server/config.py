@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 
 from forkpoint.inputs.segment_tokens import DEFAULT_CACHE_BYTES
+from forkpoint.server.tool_parsers import ALL_FORMATS
 
 DEFAULT_MODEL_NAME = "forkpoint-default"
 # the fewest JSON objects --max-request-objects defaults to (server/json_body.py says why a limit)
@@ -119,6 +120,8 @@ class ServerConfig:
     cors: the cross-origin policy (`CorsPolicy`; vLLM's default: any origin, method and header).
     chat_template: vLLM's --chat-template: the Jinja template chat prompts render with instead of the
         tokenizer's (None: the tokenizer's; a request's own, where trusted, still wins).
+    tool_formats: the formats tool calls are read in under tool_choice "auto" (server/tool_parsers/ names;
+        default: all of them; --tool-call-parser names one, as vLLM reads only its parser's).
     api_keys: vLLM's --api-key: with keys, every route but /health and /metrics needs
         `Authorization: Bearer <one of them>` (401 otherwise), and a request's client (its admission
         places, its checkpoint share) is the key it presented, not its `user` field (server/auth.py).
@@ -143,6 +146,7 @@ class ServerConfig:
     token_cache_bytes: int = DEFAULT_CACHE_BYTES
     responses_store_bytes: int = 64 * 2**20
     chat_template: str | None = None
+    tool_formats: tuple[str, ...] = ALL_FORMATS
     served_model_aliases: tuple[str, ...] = ()
     cors: CorsPolicy = field(default_factory=CorsPolicy)
 

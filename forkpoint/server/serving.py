@@ -50,6 +50,7 @@ from forkpoint.server.responses import (
     ResponseFormatter,
     prompt_logprobs_json,
 )
+from forkpoint.server.tool_parsers import ALL_FORMATS
 from forkpoint.server.worker import EngineFailure, EngineWorker, RequestOutOfMemory, ServerShuttingDown
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (without a generation config)
@@ -144,7 +145,8 @@ class OpenAIServing:
     def __init__(self, *, model_name: str, max_model_len: int, prompts: PromptBuilder, worker: EngineWorker,
                  admission: Admission, metrics: ServerMetrics, default_max_tokens: int | None = None,
                  template_sandbox: TemplateSandbox | None = None, cache_isolation: str = "none",
-                 model_aliases: tuple[str, ...] = (), grammars: GrammarThreads | None = None) -> None:
+                 model_aliases: tuple[str, ...] = (), grammars: GrammarThreads | None = None,
+                 tool_formats: tuple[str, ...] = ALL_FORMATS) -> None:
         self.cache_isolation = cache_isolation  # "user" / "api-key": requests without cache_salt are salted by it
         self.template_sandbox = template_sandbox  # runs request-supplied chat templates (None: they are a 400)
         self.default_max_tokens = default_max_tokens  # the model's generation_config.json max_new_tokens
@@ -156,6 +158,7 @@ class OpenAIServing:
         self.admission = admission
         self.metrics = metrics
         self.grammars = grammars  # compiles constraints off the engine thread (None: the engine compiles them)
+        self.tool_formats = tool_formats  # the formats tool_choice "auto" reads calls in (--tool-call-parser)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
@@ -229,7 +232,8 @@ class OpenAIServing:
         params = sampling_params(body, max_tokens=max_tokens, logprobs=top, prompt_logprobs=body.prompt_logprobs,
                                  structured=structured or forced)
         # a constrained output is the answer itself: an open <think> in the prompt does not apply to it
-        options = ChatOptions.of(body, thinking=prompt.opens_thinking and params.structured_outputs is None)
+        options = ChatOptions.of(body, thinking=prompt.opens_thinking and params.structured_outputs is None,
+                                 tool_formats=self.tool_formats)
         return ChatPlan(prompt, params, ChatFormat(self.prompts.tokenizer, top, options))
 
     def _max_tokens(self, requested: int | None, prompts: list[EnginePrompt], prompt_param: str,

@@ -221,3 +221,13 @@ def test_tool_choice_auto_reads_a_hermes_templates_calls(spare_llm):
 
 def ids_of_chat(server, messages: list[dict], tools: list[dict]) -> list[int]:
     return server.post("/tokenize", json={"messages": messages, "tools": tools}).json()["tokens"]
+
+
+def test_tool_call_parser_narrows_the_formats_read(spare_llm):
+    """--tool-call-parser qwen3_coder (ServerConfig.tool_formats): a Hermes call is not read, it stays content."""
+    with serve(spare_llm, ServerConfig(chat_template=HERMES_TEMPLATE, tool_formats=("qwen3_xml",))) as running:
+        choice = running.client().chat.completions.create(
+            model=running.model, messages=USER, tools=[WEATHER], max_tokens=60, temperature=1.0, seed=9,
+            extra_body={"structured_outputs": {"grammar": HERMES_CALL}}).choices[0]
+        assert choice.finish_reason == "stop" and not choice.message.tool_calls
+        assert '<tool_call>\n{"name": "get_weather"' in choice.message.content

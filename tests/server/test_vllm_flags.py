@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 import forkpoint
-from forkpoint.server.cli import build_parser, main
+from forkpoint.server.cli import build_parser, main, server_config
 from forkpoint.server.config import CorsPolicy, ServerConfig
 from forkpoint.server.engine_args import engine_kwargs
 from tests.server.conftest import serve
@@ -79,6 +79,13 @@ def test_vllm_tool_call_parsers_of_the_other_families_parse(parser):
     args = build_parser().parse_args(["serve", "Qwen/Qwen3-Next-80B-A3B-Instruct", "--enable-auto-tool-choice",
                                       "--tool-call-parser", parser])
     assert args.tool_call_parser == parser
+
+
+@pytest.mark.parametrize(("flags", "formats"), [([], ("qwen3_xml", "hermes", "nemotron_json")),
+                                                (["--tool-call-parser", "qwen3_coder"], ("qwen3_xml",)),
+                                                (["--tool-call-parser", "hermes"], ("hermes",))])
+def test_the_tool_call_parser_names_the_formats_the_server_reads(flags, formats):
+    assert server_config(build_parser().parse_args(["serve", *flags])).tool_formats == formats
 
 
 @pytest.mark.parametrize("flags", [["--tool-call-parser", "llama3_json"], ["--tool-call-parser", "granite"],

@@ -107,7 +107,8 @@ def build_cluster_app(cluster: ClusterWorker, info: ReplicaInfo, tokenizer: PreT
     serving = OpenAIServing(model_name=config.served_model_name, model_aliases=config.served_model_aliases,
                             max_model_len=info.max_model_len,
                             prompts=prompts, worker=cluster, admission=admission, metrics=metrics,
-                            default_max_tokens=info.default_max_tokens, cache_isolation=config.cache_isolation)
+                            default_max_tokens=info.default_max_tokens, cache_isolation=config.cache_isolation,
+                            tool_formats=config.tool_formats)
     created = int(time.time())
 
     async def poll() -> None:
