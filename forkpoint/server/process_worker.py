@@ -121,7 +121,8 @@ class ProcessWorker:
 
     async def add_many(self, requests: Sequence[NewRequest], sink: OutputSink) -> None:
         """Add all `requests` in one go (all or none), delivering their outputs to `sink`. Raises the
-        engine's ValueError (nothing was added), `ServerShuttingDown`, or `EngineFailure`."""
+        engine's ValueError (nothing was added) or `ServerShuttingDown` (also once the engine process has
+        exited)."""
         sink_id = next(self._ids)
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
@@ -188,11 +189,11 @@ class ProcessWorker:
     # ---- internals -----------------------------------------------------------------------------
 
     def _check_running(self) -> None:
-        """(lock held) Raise ServerShuttingDown or EngineFailure when no command can be served."""
+        """(lock held) Raise ServerShuttingDown when no command can be served."""
         if self._stopping:
             raise ServerShuttingDown("the server is shutting down")
-        if self._ended.is_set():
-            raise EngineFailure(f"the engine process has exited (code {self._process.exitcode})")
+        if self._ended.is_set():  # as EngineWorker's "not running": a 503, /health says why
+            raise ServerShuttingDown(f"the engine process has exited (code {self._process.exitcode})")
 
     def _request(self, message: Callable[[int], object]) -> concurrent.futures.Future:
         call_id = next(self._ids)
@@ -200,7 +201,7 @@ class ProcessWorker:
         with self._lock:
             try:
                 self._check_running()
-            except (ServerShuttingDown, EngineFailure) as error:
+            except ServerShuttingDown as error:
                 done.set_exception(error)
                 return done
             self._pending[call_id] = done
