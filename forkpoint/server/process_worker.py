@@ -66,7 +66,9 @@ def start_engine_process(engine_kwargs: dict[str, Any], *, served_model_name: st
     event_reader, event_writer = context.Pipe(duplex=False)
     process = context.Process(target=run_engine_process, name="forkpoint-engine",
                               args=(engine_kwargs, served_model_name, marker_policy, log_level, command_reader,
-                                    event_writer), daemon=True)
+                                    event_writer))  # not a daemon: it may start processes of its own
+                                                    # (tensor-parallel ranks, compile workers); it ends on Stop or
+                                                    # when this process's pipe closes
     process.start()
     command_reader.close()  # the child's ends: ours closed, so its exit closes the pipes
     event_writer.close()
