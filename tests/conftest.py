@@ -1,11 +1,25 @@
-"""Shared fixtures: tiny transformers-built checkpoints and engine integrity checks."""
+"""Shared fixtures: tiny transformers-built checkpoints and engine integrity checks; one intra-op thread per
+test process."""
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
 
-from tests.tiny_models import build_tiny_model
+import pytest
+
+# One intra-op thread per test process, and per child process (`forkpoint serve` children, Ray replicas: set
+# before torch is imported, inherited by them). The tests' ops are small, and a second OpenMP thread
+# spin-waits at every op's barrier whenever anything else wants a core (an in-process server's threads, a
+# child server, Ray replicas, another job on the machine): tests/engine/test_{speculative,faults,memory_retry,
+# decode_share}.py took 489 s with two threads beside one other busy process, 49 s with one (54 s and 56 s
+# on an idle 2-core machine). OMP_NUM_THREADS set by the caller wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+from tests.tiny_models import build_tiny_model  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 pytest.register_assert_rewrite("tests.helpers")  # detailed failures from its asserts (before the tests import it)
 
