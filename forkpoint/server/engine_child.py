@@ -19,6 +19,7 @@ Stop, its pipe closes and this process stops as if told to stop at once.
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import gc
 import logging
@@ -61,6 +62,7 @@ def run_engine_process(engine_kwargs: dict[str, Any], served_model_name: str, ma
     """The engine process's entry point (multiprocessing, spawn): load the engine, send `Ready` (or
     `StartFailed`), serve commands until Stop or the server process is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID`: every thread's stack (the server sends it before a kill)
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     try:
         began = time.perf_counter()

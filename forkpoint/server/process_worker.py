@@ -24,8 +24,10 @@ import concurrent.futures
 import itertools
 import logging
 import multiprocessing
+import os
 import pickle
 import queue
+import signal
 import threading
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
@@ -184,7 +186,9 @@ class ProcessWorker:
             self._sender.join(timeout=5)
         self._process.join(timeout=STOP_GRACE_S)
         if self._process.is_alive():
-            logger.error("the engine process did not stop; killing it")
+            logger.error("the engine process did not stop; its threads' stacks follow in its log, then it is killed")
+            os.kill(self._process.pid, signal.SIGUSR1)  # engine_child registers faulthandler for it
+            self._process.join(timeout=1.0)
             self._process.kill()
             self._process.join()
 
