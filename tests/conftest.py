@@ -1,9 +1,11 @@
-"""Shared fixtures: tiny transformers-built checkpoints and engine integrity checks; one intra-op thread per
-test process."""
+"""Shared fixtures: tiny transformers-built checkpoints, the session's engines on the embedded default model, and
+what keeps the suite fast on 2 cores (one intra-op thread per process, one grammar vocabulary per tokenizer)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import threading
 
 import pytest
 
@@ -51,3 +53,67 @@ def tiny_model_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def moe_model(tiny_model_factory):
     return tiny_model_factory("qwen3_5_moe_text")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_grammar_vocabulary_per_tokenizer():
+    """llguidance's view of a vocabulary (`llguidance.hf.from_tokenizer`: ~4 s for the 248k-entry Qwen3.5
+    vocabulary of the embedded default model) built once per distinct tokenizer and arguments, and handed to
+    every later engine of the session that asks for the same one (structured outputs, and every server's
+    start-up, which prepares it). The key is the serialised tokenizer itself (vocabulary, merges, added
+    tokens), so a tokenizer that differs in anything gets its own build; forkpoint's code around the call
+    (structured/compiler.py) runs unchanged. Child processes build their own."""
+    import llguidance.hf
+
+    build = llguidance.hf.from_tokenizer
+    built: dict[tuple, object] = {}
+    lock = threading.Lock()
+
+    def from_tokenizer(hf_tokenizer, n_vocab=None, eos_token=None, slices=None):
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        if backend is None:  # not a fast tokenizer: the real function's error
+            return build(hf_tokenizer, n_vocab=n_vocab, eos_token=eos_token, slices=slices)
+        key = (hashlib.sha256(backend.to_str().encode()).hexdigest(), n_vocab,
+               tuple(eos_token) if isinstance(eos_token, list) else eos_token,
+               None if eos_token is not None else hf_tokenizer.eos_token_id,
+               None if slices is None else tuple(slices))
+        with lock:
+            if key not in built:
+                built[key] = build(hf_tokenizer, n_vocab=n_vocab, eos_token=eos_token, slices=slices)
+            return built[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llguidance.hf, "from_tokenizer", from_tokenizer)
+        yield
+
+
+@pytest.fixture(scope="session")
+def auto_checkpoints_engine():
+    """One engine on the embedded default model with automatic checkpoints on (as `forkpoint serve` runs)
+    and the server tests' small pools (tests/server/conftest.py's TEST_LLM_KWARGS), for the tests that
+    serve or drive such an engine: building one costs ~8 s on 2 cores (the Qwen3.5 tokenizer, the weights,
+    the grammar vocabulary). Use `auto_llm`, which clears its prefix cache first, or clear it yourself
+    (`reset_prefix_cache()`) in a module-scoped fixture. Its counters (`metrics()`) run on from test to
+    test: compare a reading before with one after."""
+    from forkpoint import LLM
+    from tests.server.conftest import TEST_LLM_KWARGS
+
+    return LLM(**{**TEST_LLM_KWARGS, "auto_checkpoints": True})
+
+
+@pytest.fixture(scope="session")
+def plain_default_llm():
+    """An engine on the embedded default model without checkpoints (the server tests' pools, TEST_LLM_KWARGS):
+    the reference that computes every prompt from scratch, for outputs served with reuse."""
+    from forkpoint import LLM
+    from tests.server.conftest import TEST_LLM_KWARGS
+
+    return LLM(**{**TEST_LLM_KWARGS, "enable_checkpoints": False})
+
+
+@pytest.fixture
+def auto_llm(auto_checkpoints_engine):
+    """`auto_checkpoints_engine` with no checkpoint and no indexed prompt: the test's first prompt computes
+    from scratch, as on a new engine."""
+    assert auto_checkpoints_engine.reset_prefix_cache(), "a request of an earlier test is still unfinished"
+    return auto_checkpoints_engine

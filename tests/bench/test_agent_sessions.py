@@ -12,9 +12,8 @@ import sys
 
 import pytest
 
-from forkpoint import LLM
 from forkpoint.server.config import ServerConfig
-from tests.server.conftest import TEST_LLM_KWARGS, serve
+from tests.server.conftest import serve
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
@@ -31,8 +30,7 @@ from agent_sessions import (  # noqa: E402
 from forkpoint.inputs.turns import common_prefix_length  # noqa: E402
 
 
-def test_agent_sessions_bench(tmp_path):
-    llm = LLM(**{**TEST_LLM_KWARGS, "auto_checkpoints": True})
+def test_agent_sessions_bench(tmp_path, auto_llm):
     log_path = tmp_path / "server.log"  # the in-process server's debug lines, as a started server writes them
     handler = logging.FileHandler(log_path)
     server_logger = logging.getLogger("forkpoint.server")
@@ -40,7 +38,7 @@ def test_agent_sessions_bench(tmp_path):
     server_logger.addHandler(handler)
     server_logger.setLevel(logging.DEBUG)
     try:
-        with serve(llm, ServerConfig(served_model_name="agents", log_stats=False)) as running:
+        with serve(auto_llm, ServerConfig(served_model_name="agents", log_stats=False)) as running:
             res = agent_sessions.main(["--url", running.base_url, "--sessions", "2", "--turns", "3", "--system-words",
                                        "40", "--doc-words", "30", "--tool-words", "15", "--reply-tokens", "3",
                                        "--server-log", str(log_path), "--out", str(tmp_path),
@@ -83,13 +81,12 @@ def test_agent_sessions_bench(tmp_path):
     assert (tmp_path / "agent_sessions.png").stat().st_size > 0
 
 
-def test_agent_sessions_bench_through_the_agent_apis(tmp_path):
+def test_agent_sessions_bench_through_the_agent_apis(tmp_path, auto_llm):
     """--api responses, responses-chained and messages on one server (a seed each: no mode reads another's
     prompts): every turn after the first caches what it shares with the previous one but for the assistant
     header, the nonce phase caches nothing, and `/tokenize` of the chat messages the bench says the server
     renders counts the server's prompt tokens at every turn (so the shared column is the rendered prompt's)."""
-    llm = LLM(**{**TEST_LLM_KWARGS, "auto_checkpoints": True})
-    with serve(llm, ServerConfig(served_model_name="agents", log_stats=False)) as running:
+    with serve(auto_llm, ServerConfig(served_model_name="agents", log_stats=False)) as running:
         for seed, api in enumerate(("responses", "responses-chained", "messages"), start=1):
             res = agent_sessions.main(["--url", running.base_url, "--api", api, "--seed", str(seed), "--sessions",
                                        "2", "--turns", "3", "--system-words", "40", "--doc-words", "30",

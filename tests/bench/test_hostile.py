@@ -9,9 +9,8 @@ import os
 import re
 import sys
 
-from forkpoint import LLM
 from forkpoint.server.config import ServerConfig
-from tests.server.conftest import TEST_LLM_KWARGS, serve
+from tests.server.conftest import serve
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
@@ -25,12 +24,12 @@ REFUSED = {  # case -> (status, the error's param)
 ACCEPTED = ("cross_tenant_user", "cross_tenant_salt", "marker_in_tool_description")
 
 
-def test_hostile_cheap_cases(tmp_path, monkeypatch, capsys):
+def test_hostile_cheap_cases(tmp_path, monkeypatch, capsys, auto_llm):
     monkeypatch.setattr(hostile, "WARM_S", 0.5)
     monkeypatch.setattr(hostile, "SETTLE_S", 0.2)
-    llm = LLM(**{**TEST_LLM_KWARGS, "auto_checkpoints": True})  # a repeated prompt is cached (the oracle)
+    # automatic checkpoints: a repeated prompt is cached (the oracle)
     config = ServerConfig(served_model_name="hostile", log_stats=False, cache_isolation="user")
-    with serve(llm, config) as running:
+    with serve(auto_llm, config) as running:
         assert hostile.main(["--url", running.base_url, "--cases", ",".join([*REFUSED, *ACCEPTED]),
                              "--server-arg=--cache-isolation=user", "--out", str(tmp_path), "--name", "hostile"]) == 0
         running.engine_call(lambda engine: engine.check_integrity())

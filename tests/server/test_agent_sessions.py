@@ -12,10 +12,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from forkpoint import LLM, SamplingParams
+from forkpoint import SamplingParams
 from forkpoint.inputs.turns import common_prefix_length
 from forkpoint.server.config import ServerConfig
-from tests.server.conftest import TEST_LLM_KWARGS, serve
+from tests.server.conftest import serve
+
+CREATED = ("checkpoints_created_chat_turn", "checkpoints_created_turn_end", "checkpoints_created_prompt_end")
 
 SESSIONS = 12
 TURNS = 4
@@ -73,17 +75,18 @@ def run_session(running, session: int) -> list[Turn]:
     return turns
 
 
-def test_concurrent_sessions_reuse_what_each_turn_shares():
-    llm = LLM(**{**TEST_LLM_KWARGS, "auto_checkpoints": True})
-    with serve(llm, ServerConfig(served_model_name="agents", log_stats=False)) as running:
+def test_concurrent_sessions_reuse_what_each_turn_shares(auto_llm, plain_default_llm):
+    with serve(auto_llm, ServerConfig(served_model_name="agents", log_stats=False)) as running:
+        before = running.engine_call(lambda engine: engine.metrics())
         with ThreadPoolExecutor(SESSIONS) as pool:
             sessions = list(pool.map(lambda s: run_session(running, s), range(SESSIONS)))
         metrics = running.wait_idle()
         running.engine_call(lambda engine: engine.check_integrity())
+    created = {name: metrics[name] - before[name] for name in CREATED}
     # thinking off: the template re-renders each reply, so a session holds its turn boundary only (no prompt end,
     # turn end or junction): 12 sessions fit a pool of 32 checkpoints
-    assert metrics["checkpoints_created_chat_turn"] == SESSIONS * TURNS
-    assert metrics["checkpoints_created_turn_end"] == metrics["checkpoints_created_prompt_end"] == 0
+    assert created["checkpoints_created_chat_turn"] == SESSIONS * TURNS
+    assert created["checkpoints_created_turn_end"] == created["checkpoints_created_prompt_end"] == 0
     turns = [t for session in sessions for t in session]
     for t in turns:
         assert t.prompt_tokens == len(t.ids)
@@ -100,7 +103,7 @@ def test_concurrent_sessions_reuse_what_each_turn_shares():
 
     # the same prompts on an engine that cannot reuse anything: every turn of a quarter of the sessions (the
     # others take the same paths; all of them would take half a minute here)
-    plain = LLM(**{**TEST_LLM_KWARGS, "enable_checkpoints": False})
+    plain = plain_default_llm
     checked = [t for t in turns if t.session % 4 == 0]
     references = plain.generate([{"prompt_token_ids": t.ids} for t in checked],
                                 SamplingParams(temperature=0.0, max_tokens=REPLY_TOKENS, logprobs=0, ignore_eos=True),

@@ -3,16 +3,19 @@ marker, reported as cached_tokens (official openai client)."""
 
 from __future__ import annotations
 
-from forkpoint import LLM
 from forkpoint.server.cli import build_parser
 from forkpoint.server.config import ServerConfig
 from forkpoint.server.engine_args import engine_kwargs
-from tests.server.conftest import TEST_LLM_KWARGS, serve
+from tests.server.conftest import serve
 
 
-def test_second_chat_turn_reuses_the_first():
-    llm = LLM(**{**TEST_LLM_KWARGS, "auto_checkpoints": True})
-    with serve(llm, ServerConfig(served_model_name="auto")) as running:
+def _metric(running, name: str) -> float:
+    return running.engine_call(lambda engine: engine.metrics()[name])
+
+
+def test_second_chat_turn_reuses_the_first(auto_llm):
+    with serve(auto_llm, ServerConfig(served_model_name="auto")) as running:
+        hits = _metric(running, "checkpoint_hits_turn_end")
         client = running.client()
         messages = [{"role": "system", "content": "You answer questions about the weather. " * 6},
                     {"role": "user", "content": "What is the weather in Paris?"}]
@@ -25,20 +28,20 @@ def test_second_chat_turn_reuses_the_first():
         # at least the whole first prompt (the turn-end checkpoint also covers the reply when the
         # template renders it back to the same tokens)
         assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
-        assert running.engine_call(lambda engine: engine.metrics()["checkpoint_hits_turn_end"]) >= 1
+        assert _metric(running, "checkpoint_hits_turn_end") >= hits + 1
         running.engine_call(lambda engine: engine.check_integrity())
 
 
-def test_an_exact_repeat_of_a_completion_prompt_computes_one_token():
+def test_an_exact_repeat_of_a_completion_prompt_computes_one_token(auto_llm):
     """A ~240-token text prompt sent again through /v1/completions reuses all but its last token (the prompt-end
     checkpoint), whole, streamed and with n=2, as `LLM.generate` does offline; the served outputs stay the same.
     (The servers of the other tests run with automatic checkpoints off, markers only: there a repeat reuses
     nothing, by configuration. `forkpoint serve` turns them on, as `LLM()` does.)"""
     args = build_parser().parse_args(["serve"])
     assert engine_kwargs(args)["auto_checkpoints"] is True
-    llm = LLM(**{**TEST_LLM_KWARGS, "auto_checkpoints": True})
     text = "Quarterly summary: " + " ".join(f"line {i} reads value {i * 3 % 17};" for i in range(26))
-    with serve(llm, ServerConfig(served_model_name="auto")) as running:
+    with serve(auto_llm, ServerConfig(served_model_name="auto")) as running:
+        hits = _metric(running, "checkpoint_hits_prompt_end")
         client = running.client()
         first = client.completions.create(model="auto", prompt=text, max_tokens=4, temperature=0)
         prompt = first.usage.prompt_tokens
@@ -55,5 +58,5 @@ def test_an_exact_repeat_of_a_completion_prompt_computes_one_token():
         two = client.completions.create(model="auto", prompt=text, max_tokens=4, temperature=0, n=2)
         assert two.usage.prompt_tokens == prompt and two.usage.prompt_tokens_details.cached_tokens == prompt - 1
         assert [c.text for c in two.choices] == [first.choices[0].text] * 2
-        assert running.engine_call(lambda engine: engine.metrics()["checkpoint_hits_prompt_end"]) >= 3
+        assert _metric(running, "checkpoint_hits_prompt_end") >= hits + 3
         running.engine_call(lambda engine: engine.check_integrity())

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from forkpoint import LLM, SamplingParams
+from forkpoint import SamplingParams
 from forkpoint.inputs.chat import chat_encoder
 from forkpoint.inputs.turns import Breakpoint, breakpoint_positions, common_prefix_length
 from forkpoint.server.config import ServerConfig
-from tests.server.conftest import TEST_LLM_KWARGS, serve
+from tests.server.conftest import serve
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a fact up.",
                                            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
@@ -20,15 +20,15 @@ HEADER_SLACK = 4  # the next turn also shares the assistant header after the bou
 
 
 @pytest.fixture(scope="module")
-def running():
-    llm = LLM(**{**TEST_LLM_KWARGS, "auto_checkpoints": True})
-    with serve(llm, ServerConfig(served_model_name="turns")) as server:
+def running(auto_checkpoints_engine):
+    assert auto_checkpoints_engine.reset_prefix_cache()
+    with serve(auto_checkpoints_engine, ServerConfig(served_model_name="turns")) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def plain():
-    return LLM(**{**TEST_LLM_KWARGS, "enable_checkpoints": False})
+def plain(plain_default_llm):
+    return plain_default_llm
 
 
 def miss_reason(usage) -> str | None:
@@ -38,6 +38,7 @@ def miss_reason(usage) -> str | None:
 @pytest.mark.parametrize("thinking,tools", [(False, True), (True, False)], ids=["thinking-off-tools", "thinking-on"])
 def test_each_turn_reuses_what_it_shares_with_the_previous(running, plain, thinking, tools):
     client = running.client()
+    hits = running.engine_call(lambda engine: engine.metrics()["checkpoint_hits_chat_turn"])
     kwargs = {"enable_thinking": thinking}
     messages = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": f"Document {thinking}: " + "the river floods every spring. " * 12}]
@@ -77,7 +78,7 @@ def test_each_turn_reuses_what_it_shares_with_the_previous(running, plain, think
         else:
             messages = messages + [reply, {"role": "user", "content": f"Question {turn}: when does it flood?"}]
     metrics = running.engine_call(lambda engine: engine.metrics())
-    assert metrics["checkpoint_hits_chat_turn"] >= 3
+    assert metrics["checkpoint_hits_chat_turn"] >= hits + 3
     running.engine_call(lambda engine: engine.check_integrity())
 
 

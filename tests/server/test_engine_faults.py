@@ -90,11 +90,14 @@ sys.exit(main(["serve", *sys.argv[1:]]))
 """
 
 
-def test_serve_exits_nonzero_once_the_engine_cannot_serve(tmp_path: Path):
-    args = ["--max-model-len", "2048", "--served-model-name", "faults", "--log-level", "warning"]
+def test_serve_exits_nonzero_once_the_engine_cannot_serve(tiny_model_factory, tmp_path: Path):
+    # the tiny word-level model: what is under test is the process's exit, and it starts in a third of
+    # the embedded model's time (no 248k-token vocabulary to load and to prepare for structured outputs)
+    model_dir, _ = tiny_model_factory("qwen3_5_text")
+    args = [str(model_dir), "--max-model-len", "2048", "--served-model-name", "faults", "--log-level", "warning"]
     with serve_process(args, tmp_path / "serve.log", command=("-c", UNUSABLE_SERVE)) as running:
         failed = httpx.post(f"{running.base_url}/v1/completions", timeout=60,
-                            json={"model": "faults", "prompt": "hi", "max_tokens": 2})
+                            json={"model": "faults", "prompt": "w1 w2", "max_tokens": 2})
         assert failed.status_code == 500 and "rank 1 died" in failed.text, failed.text
         try:  # 503 until the process is gone
             assert httpx.get(f"{running.base_url}/health", timeout=5).status_code == 503

@@ -12,14 +12,13 @@ import uuid
 import openai
 import pytest
 
-from forkpoint import LLM
 from forkpoint.server.chat_format import ChatFormat, ChatOptions
 from forkpoint.server.config import ServerConfig
 from forkpoint.server.responses import Delta
 from forkpoint.server.responses_input import items_to_messages, to_chat
 from forkpoint.server.responses_output import OutputStream, output_items
 from forkpoint.server.responses_protocol import ResponsesRequest, parse_items
-from tests.server.conftest import TEST_LLM_KWARGS, serve
+from tests.server.conftest import serve
 
 CONVERT = {"type": "function", "name": "convert", "description": "Convert a temperature.",
            "parameters": {"type": "object", "properties": {"unit": {"type": "string", "enum": ["c", "f"]}},
@@ -33,10 +32,11 @@ HEADER_SLACK = 4  # turn 2 shares turn 1's prompt but for the assistant header (
 
 
 @pytest.fixture(scope="module")
-def reusing():
+def reusing(auto_checkpoints_engine):
     """A server with automatic (chat turn) checkpoints, and tenants by `user`."""
-    llm = LLM(**{**TEST_LLM_KWARGS, "auto_checkpoints": True})
-    with serve(llm, ServerConfig(served_model_name="responses", cache_isolation="user", log_stats=False)) as running:
+    assert auto_checkpoints_engine.reset_prefix_cache()
+    config = ServerConfig(served_model_name="responses", cache_isolation="user", log_stats=False)
+    with serve(auto_checkpoints_engine, config) as running:
         yield running
 
 

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from forkpoint import LLM, SamplingParams
+from forkpoint.inputs.default_model import ensure_default_model
 from forkpoint.server.cli import build_parser, main
 from forkpoint.server.config import ServerConfig
 from forkpoint.server.engine_args import engine_kwargs
@@ -80,7 +81,7 @@ def word_servers(word_mtp_model):
 @pytest.fixture(scope="module")
 def chat_servers(tmp_path_factory):
     """The embedded default model (the real Qwen3.5 chat template) with an MTP head added."""
-    source = LLM(**SMALL).engine.model_path
+    source = ensure_default_model()  # where LLM() without a model loads it from
     directory = tmp_path_factory.mktemp("default_mtp")
     add_mtp_weights(source, directory)
     (directory / "forkpoint_default.json").unlink()  # a copy, not the embedded model
