@@ -8,7 +8,9 @@ for tests that need their own server configuration: they start short-lived serve
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -158,16 +160,19 @@ class ServeProcess:
 
 @contextmanager
 def serve_process(args: Sequence[str], log_path: Path, start_timeout_s: float = 120,
-                  command: Sequence[str] = ("-m", "forkpoint.server.cli", "serve")) -> Iterator[ServeProcess]:
+                  command: Sequence[str] = ("-m", "forkpoint.server.cli", "serve"),
+                  new_session: bool = False) -> Iterator[ServeProcess]:
     """`python <command> --port P args...` (default `-m forkpoint.server.cli serve`) on a free loopback
     port, once `/health` answers 200; the test fails with the log if the process exits or does not
-    answer within `start_timeout_s`. A process still running at exit is killed."""
+    answer within `start_timeout_s`. A process still running at exit is killed (with `new_session`, it
+    leads a process group of its own, as a terminal's job: the whole group is killed)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with open(log_path, "w+") as log:
         process = subprocess.Popen([sys.executable, *command, "--port", str(port), *args],
-                                   stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                   stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                   start_new_session=new_session)
         running = ServeProcess(process, f"http://127.0.0.1:{port}", log)
         try:
             deadline = time.monotonic() + start_timeout_s
@@ -181,6 +186,9 @@ def serve_process(args: Sequence[str], log_path: Path, start_timeout_s: float = 
                 time.sleep(0.3)
             yield running
         finally:
+            if new_session:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
             if process.poll() is None:
                 process.kill()
-                process.wait()
+            process.wait()

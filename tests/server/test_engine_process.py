@@ -7,9 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +23,7 @@ from forkpoint.server.config import ServerConfig
 from forkpoint.server.engine_messages import Failure
 from forkpoint.server.process_worker import ProcessWorker, start_engine_process
 from forkpoint.server.worker import EngineFailure, RequestOutOfMemory, ServerShuttingDown
-from tests.server.conftest import MARKER, TEST_LLM_KWARGS, RunningServer, uvicorn_thread
+from tests.server.conftest import MARKER, TEST_LLM_KWARGS, RunningServer, serve_process, uvicorn_thread
 from tests.server.test_image_prompts import data_url, messages
 from tests.tiny_models import random_image
 
@@ -185,41 +182,21 @@ def test_a_dead_engine_process_fails_the_requests_in_flight_and_health():
 def test_serve_engine_process_stops_on_ctrl_c(tmp_path: Path):
     """`forkpoint serve --engine-process` answers, and Ctrl-C (SIGINT to the process group, as a terminal
     sends it) stops the server and its engine process: the server exits 0 and no process of the group is left."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log = open(tmp_path / "serve.log", "w+")
-    args = [sys.executable, "-m", "forkpoint.server.cli", "serve", "--engine-process", "--port", str(port),
-            "--max-model-len", "1024", "--served-model-name", "m"]
-    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline, log.seek(0) or log.read()
-            time.sleep(0.3)
-        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
+    args = ["--engine-process", "--max-model-len", "1024", "--served-model-name", "m"]
+    with serve_process(args, tmp_path / "serve.log", new_session=True) as running:
+        reply = httpx.post(f"{running.base_url}/v1/chat/completions", timeout=60, json={
             "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
-        os.killpg(process.pid, signal.SIGINT)
-        assert process.wait(timeout=60) == 0, log.seek(0) or log.read()
+        os.killpg(running.process.pid, signal.SIGINT)
+        assert running.process.wait(timeout=60) == 0, running.output()
         deadline = time.monotonic() + 20
         while True:  # the engine process ends after the server's Stop (it ignores the SIGINT itself)
             try:
-                os.killpg(process.pid, 0)
+                os.killpg(running.process.pid, 0)
             except ProcessLookupError:
                 break
             assert time.monotonic() < deadline, "the engine process outlived the server"
             time.sleep(0.1)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-        log.close()
 
 
 def test_engine_process_with_replicas_is_refused(capsys):
