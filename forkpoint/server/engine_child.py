@@ -120,7 +120,7 @@ class _EngineChild:
         self._stopped = threading.Event()
 
     def serve(self, front: EngineFront, commands: Connection) -> None:
-        self._outbox.put(Ready(front))
+        self._outbox.put(Ready(front, dict(self._llm.engine.metrics())))
         self._worker.start()
         threading.Thread(target=self._publish_metrics, name="forkpoint-engine-metrics", daemon=True).start()
         stopping: threading.Thread | None = None

@@ -3,7 +3,7 @@ value objects over one `multiprocessing` pipe, in order, each way.
 
     server process (ProcessWorker)                        engine process (engine_child.py)
     ------------------------------                        --------------------------------
-                                    <- Ready(front) | StartFailed(error)   once the model is loaded
+                                    <- Ready(front, metrics) | StartFailed(error)   once the model is loaded
     Add(sink_id, requests)          ->                    EngineWorker.submit -> Acknowledged(call_id=sink_id)
     Abort(request_ids)              ->                    EngineWorker.abort
     Compile(call_id, spec)          ->                    grammar threads -> Acknowledged(call_id)
@@ -89,7 +89,10 @@ class Stop:
 
 @dataclass(frozen=True)
 class Ready:
+    """The engine is loaded: what the front needs, and its metrics before any request."""
+
     front: EngineFront
+    metrics: dict[str, float]
 
 
 @dataclass(frozen=True)

@@ -87,13 +87,15 @@ def start_engine_process(engine_kwargs: dict[str, Any], *, served_model_name: st
         error = first.failure.error()
         raise (ValueError(str(error)) if isinstance(error, ValueError) else error)
     assert isinstance(first, Ready), f"the engine process sent {type(first).__name__} before Ready"
-    return ProcessWorker(process, command_writer, event_reader), first.front
+    return ProcessWorker(process, command_writer, event_reader, first.metrics), first.front
 
 
 class ProcessWorker:
-    """`EngineWorker`'s surface over the engine process `process` (its command and event pipes)."""
+    """`EngineWorker`'s surface over the engine process `process` (its command and event pipes); `metrics`:
+    the engine's metrics as it was ready."""
 
-    def __init__(self, process: BaseProcess, commands: Connection, events: Connection) -> None:
+    def __init__(self, process: BaseProcess, commands: Connection, events: Connection,
+                 metrics: dict[str, float]) -> None:
         self._process = process
         self._commands = commands
         self._events = events
@@ -103,7 +105,7 @@ class ProcessWorker:
         self._open: dict[int, set[str]] = {}  # sink id -> its requests not finished yet
         self._sink_of: dict[str, int] = {}
         self._pending: dict[int, concurrent.futures.Future] = {}
-        self._metrics: dict[str, float] = {}
+        self._metrics = metrics  # the engine's, as last sent (Ready's first)
         self._ended = threading.Event()  # the events pipe ended: the engine process stopped or died
         self._stopping = False
         self._outgoing: queue.SimpleQueue = queue.SimpleQueue()

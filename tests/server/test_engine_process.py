@@ -45,6 +45,7 @@ def process_server(config: ServerConfig, graceful_timeout_s: float = 5,
                                          served_model_name=config.served_model_name,
                                          marker_policy=config.marker_policy, log_level="warning")
     try:
+        assert worker.metrics_snapshot()["kv_blocks_total"] > 0  # /metrics and the stats line have them at once
         app = build_process_app(worker, front, config)
         with uvicorn_thread(app, graceful_timeout_s) as (url, server, thread):
             yield RunningServer(url, app, None, server, thread), worker
