@@ -14,7 +14,8 @@
 #                                               # by part at step budgets 8192 (default), 4096, 2048
 #   STEPS=d bash bench/run_gpu_sessions.sh      # tool32, host64, restart32: sessions whose tools take time, and
 #                                               # issue 32's and the restart's rows after their fixes
-# STEPS may also list step names in the order wanted, e.g. STEPS="restart32 host64".
+# STEPS may also list step names in the order wanted, e.g. STEPS="restart32 host64"; a step name with "proc"
+# appended (tool32proc, on256proc) runs that step's server with --engine-process (the engine in its own process).
 #
 # Steps (workload: --turns 6 --system-words 1400 --doc-words 800 --tool-words 160 --reply-tokens 64, i.e. a
 # ~1,855-token shared system prompt, ~1,100-token documents, ~220-token tool results; prompts ~2,970 tokens at
@@ -51,7 +52,7 @@
 # TOOL_SECONDS (1.0, tool32's mean tool time), STEP_TRACE (0; 1: each step's server runs under bench/step_trace.py and
 # <step>.steps.jsonl in logs.tar.gz has one line of counts per engine step, with its plan and settle times, and
 # <step>.requests.jsonl one line per request with the client's send, headers, first-token and end times on the
-# same clock), PHASES (all; reuse: no no-reuse phase), PROFILE_AT
+# same clock), PHASES (all; reuse: no no-reuse phase), REUSE_ONLY (step names run without their no-reuse phase), PROFILE_AT
 # (unset; S: S seconds after each step's first server is up, py-spy, installed from .whl/tools, samples the thread
 # holding its GIL for PROFILE_S seconds (default 30) into <step>.gil.txt in logs.tar.gz, collapsed stacks), SERVER_LOG_LEVEL (debug: the start-up summary, the stats lines, each request's time to first token by part
 # and the checkpoints' life cycle; each step's server log is <step>.server.log in logs.tar.gz), PYTHON (python3), INSTALL (1: install the
@@ -87,8 +88,9 @@ case "$STEPS" in
 esac
 left() { echo $(( TOTAL - ($(date +%s) - START) )); }
 
-step_args() {  # the step's own arguments of agent_sessions.py
+step_args() {  # the step's own arguments of agent_sessions.py; NAMEproc: step NAME with --engine-process
   case "$1" in
+    *proc) step_args "${1%proc}" > /dev/null || return 1; echo "$(step_args "${1%proc}") --server-arg=--engine-process" ;;
     off32) echo "--sessions $SMALL_SESSIONS --thinking off" ;;
     off256) echo "--sessions $LARGE_SESSIONS --thinking off" ;;
     on256) echo "--sessions $LARGE_SESSIONS --thinking on" ;;
@@ -104,7 +106,7 @@ step_args() {  # the step's own arguments of agent_sessions.py
 }
 
 step_need() {  # seconds a step needs to print its first table (server start after the first, phase A, margin)
-  case "$1" in
+  case "${1%proc}" in
     off256 | on256 | host64) echo 90 ;;
     on32) echo 60 ;;
     restart32) echo 110 ;;
@@ -186,6 +188,7 @@ for name in $STEP_LIST; do
   ARGS="$SHAPE_ARGS $WORKLOAD_ARGS $(step_args "$name") --server-log-level $SERVER_LOG_LEVEL --server-log $LOGS/$name.server.log --out $OUT --name $name"
   [ "${STEP_TRACE:-0}" = 1 ] && ARGS="$ARGS --step-trace $LOGS/$name.steps.jsonl --request-log $LOGS/$name.requests.jsonl"
   [ "${PHASES:-all}" = reuse ] && ARGS="$ARGS --phases reuse"
+  case " ${REUSE_ONLY:-} " in *" $name "*) ARGS="$ARGS --phases reuse" ;; esac
   echo "== $name: timeout $BUDGET s, at $(( $(date +%s) - START )) s: agent_sessions.py $ARGS"
   [ -n "${PROFILE_AT:-}" ] && profile_server "$name" &
   T0=$(date +%s)
