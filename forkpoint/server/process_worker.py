@@ -15,6 +15,11 @@ Commands go out through one sender thread, so a large prompt's pickling and pipe
 the event loop. If the engine process dies, every request in flight ends with `EngineFailure`,
 `is_alive()` turns False (/health 503) and `forkpoint serve` exits 1 for its supervisor, as when the
 engine thread ends (app.exit_when_engine_ends).
+
+Several threads ask whether the engine process has exited (the reader at the pipe's end, `shutdown`,
+/health's `is_alive`); one at a time reaps it (`_exit_code`). multiprocessing's `Process.join` and
+`is_alive` are not safe from two threads at once: one thread's waitpid takes the exit status, and until
+that thread records it, another one's waitpid finds no child and reads the process as running.
 """
 
 from __future__ import annotations
@@ -107,6 +112,7 @@ class ProcessWorker:
         self._pending: dict[int, concurrent.futures.Future] = {}
         self._metrics = metrics  # the engine's, as last sent (Ready's first)
         self._ended = threading.Event()  # the events pipe ended: the engine process stopped or died
+        self._reaping = threading.Lock()  # `_process`'s waitpid and signals: one thread at a time (`_exit_code`)
         self._stopping = False
         self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
         self._reader = threading.Thread(target=self._read, name="forkpoint-engine-events", daemon=True)
@@ -119,7 +125,7 @@ class ProcessWorker:
         self._sender.start()
 
     def is_alive(self) -> bool:
-        return self._process.is_alive() and not self._ended.is_set()
+        return self._exit_code(0.0) is None and not self._ended.is_set()
 
     def metrics_snapshot(self) -> dict[str, float]:
         """The engine's metrics as the engine process last sent them (a fresh dict each time they change)."""
@@ -186,22 +192,39 @@ class ProcessWorker:
         self._outgoing.put(None)  # the sender closes the command pipe: the engine process's reader ends
         if self._sender.ident is not None:
             self._sender.join(timeout=5)
-        self._process.join(timeout=STOP_GRACE_S)
-        if self._process.is_alive():
+        if self._exit_code(STOP_GRACE_S) is None:
             logger.error("the engine process did not stop; its threads' stacks follow in its log, then it is killed")
-            os.kill(self._process.pid, signal.SIGUSR1)  # engine_child registers faulthandler for it
-            self._process.join(timeout=1.0)
-            self._process.kill()
-            self._process.join()
+            self._signal(signal.SIGUSR1)  # engine_child registers faulthandler for it
+            if self._exit_code(1.0) is None:
+                self._signal(signal.SIGKILL)
+            self._exit_code(None)
 
     # ---- internals -----------------------------------------------------------------------------
+
+    def _exit_code(self, timeout_s: float | None) -> int | None:
+        """The engine process's exit code once it has exited, waiting up to `timeout_s` (None: for ever);
+        None while it runs. Any thread: the wait is on the process's sentinel, which reaps nothing; the
+        reaping (`join`, whose waitpid records the exit code) happens under `_reaping`, so a thread never
+        reads an exited process as alive because another thread's waitpid took its exit status and has
+        not recorded it yet (that made shutdown kill an engine process that had already exited)."""
+        if not multiprocessing.connection.wait([self._process.sentinel], timeout_s):
+            return None
+        with self._reaping:
+            self._process.join()
+            return self._process.exitcode
+
+    def _signal(self, signum: int) -> None:
+        """Send `signum` to the engine process unless it has been reaped (then its pid may name another process)."""
+        with self._reaping:
+            if self._process.exitcode is None:  # under the lock: not reaped, so the pid is still the engine process's
+                os.kill(self._process.pid, signum)
 
     def _check_running(self) -> None:
         """(lock held) Raise ServerShuttingDown when no command can be served."""
         if self._stopping:
             raise ServerShuttingDown("the server is shutting down")
         if self._ended.is_set():  # as EngineWorker's "not running": a 503, /health says why
-            raise ServerShuttingDown(f"the engine process has exited (code {self._process.exitcode})")
+            raise ServerShuttingDown(f"the engine process has exited (code {self._exit_code(0.0)})")
 
     def _request(self, message: Callable[[int], object]) -> concurrent.futures.Future:
         call_id = next(self._ids)
@@ -290,7 +313,6 @@ class ProcessWorker:
         was told to stop, EngineFailure when it died)."""
         self._ended.set()
         self._outgoing.put(None)  # the sender closes the command pipe: a stopping engine process then exits
-        self._process.join(timeout=STOP_GRACE_S)
         with self._lock:
             stopping = self._stopping
             sinks, pending = list(self._sinks.values()), list(self._pending.values())
@@ -298,10 +320,10 @@ class ProcessWorker:
             self._open.clear()
             self._sink_of.clear()
             self._pending.clear()
-        if stopping:
+        if stopping:  # shutdown waits for the exit
             message = "the server is shutting down; the request was aborted"
         else:
-            message = f"the engine process exited (code {self._process.exitcode})"
+            message = f"the engine process exited (code {self._exit_code(STOP_GRACE_S)})"
             logger.critical("%s; failing %d request(s) in flight", message, len(sinks))
         kind = ServerShuttingDown if stopping else EngineFailure
         for sink in sinks:

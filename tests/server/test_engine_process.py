@@ -1,10 +1,12 @@
 """`--engine-process`: the engine in a process of its own behind the same HTTP server. Outputs equal the
 one-process server's, errors keep their codes, a client that goes away leaves nothing behind, a dead
-engine process fails what was in flight and /health says so, and Ctrl-C stops both processes."""
+engine process fails what was in flight and /health says so, a stop while streams run ends the engine
+process at once, and Ctrl-C stops both processes."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import threading
@@ -26,6 +28,13 @@ from forkpoint.server.worker import EngineFailure, RequestOutOfMemory, ServerShu
 from tests.server.conftest import MARKER, TEST_LLM_KWARGS, RunningServer, serve_process, uvicorn_thread
 from tests.server.test_image_prompts import data_url, messages
 from tests.tiny_models import random_image
+
+
+@pytest.fixture
+def tiny_engine(tiny_model_factory) -> dict:
+    """`LLM` arguments of the tiny word-level model (prompts are words "w0".."w151": tiny_models.words)."""
+    directory, _ = tiny_model_factory("qwen3_5_text")
+    return {"model": str(directory), "max_model_len": 2048, "num_kv_blocks": 512, "max_num_seqs": 32}
 
 
 def engine_state(engine) -> tuple[bool, float]:
@@ -178,6 +187,74 @@ def test_a_dead_engine_process_fails_the_requests_in_flight_and_health():
         with pytest.raises(openai.APIStatusError) as refused:
             running.client().completions.create(model="m", prompt="anyone?", max_tokens=2)
         assert refused.value.status_code == 503
+
+
+def test_a_stop_while_streams_run_ends_the_engine_process_at_once(tiny_engine, monkeypatch, caplog):
+    """Shutdown while 16 streams are mid-flight and a /health probe asks `is_alive()` meanwhile: the engine
+    process exits 0 within 5 s, shutdown logs no error and raises nothing, and every stream ends
+    with the shutdown's error event. The interleaving that made shutdown kill an engine process that had already
+    exited (2 of ~8 benchmark runs on a loaded machine) is forced here: another thread of the server (the probe,
+    or the reader thread at the events pipe's end) reaps the exited process first and is descheduled before it
+    records the exit code; a shutdown that then reads the process as running logs 'did not stop' and signals a
+    pid that no longer exists (ProcessLookupError)."""
+    with process_server(ServerConfig(served_model_name="m"), engine_kwargs=tiny_engine) as (running, worker):
+        ends: list[str] = []
+        started = threading.Semaphore(0)
+
+        def stream() -> None:
+            body = {"model": "m", "prompt": "w1 w2 w3", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            last = ""
+            with httpx.stream("POST", f"{running.base_url}/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        if not last:
+                            started.release()
+                        last = line
+            ends.append(last)
+
+        streams = [threading.Thread(target=stream, daemon=True) for _ in range(16)]
+        for thread in streams:
+            thread.start()
+        for _ in streams:
+            assert started.acquire(timeout=60)
+        probing = threading.Event()
+
+        def probe() -> None:  # what /health asks
+            while not probing.is_set():
+                worker.is_alive()
+                time.sleep(0.001)
+
+        stopper, pid, real_waitpid = threading.current_thread(), worker._process.pid, os.waitpid
+        reaped = threading.Event()
+
+        def waitpid(waited: int, options: int) -> tuple[int, int]:
+            if waited != pid:
+                return real_waitpid(waited, options)
+            if threading.current_thread() is stopper:
+                reaped.wait(1.0)  # another thread reaps the engine process first ...
+                return real_waitpid(waited, options)
+            result = real_waitpid(waited, options)
+            if result[0] == pid:
+                reaped.set()
+                time.sleep(0.5)  # ... and waits for a core before it records the exit code (a loaded machine)
+            return result
+
+        monkeypatch.setattr(os, "waitpid", waitpid)  # multiprocessing's Process.join / is_alive call it
+        prober = threading.Thread(target=probe, daemon=True)
+        prober.start()
+        began = time.monotonic()
+        with caplog.at_level(logging.ERROR, logger="forkpoint.server"):
+            worker.shutdown(timeout_s=0.0)
+        took = time.monotonic() - began
+        probing.set()
+        prober.join(10)
+        monkeypatch.undo()
+        assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert worker._process.exitcode == 0 and not worker.is_alive()
+        assert took < 5, f"the engine process took {took:.1f} s to stop"
+        for thread in streams:
+            thread.join(30)
+        assert len(ends) == 16 and all("shutting down" in json.loads(end[6:])["error"]["message"] for end in ends)
 
 
 def test_serve_engine_process_stops_on_ctrl_c(tmp_path: Path):
