@@ -1,7 +1,8 @@
 """`--engine-process`: the engine in a process of its own behind the same HTTP server. Outputs equal the
 one-process server's, errors keep their codes, a client that goes away leaves nothing behind, a dead
 engine process fails what was in flight and /health says so, a stop while streams run ends the engine
-process at once, and Ctrl-C stops both processes."""
+process at once, and Ctrl-C stops both processes. The tests of the processes around the engine run the
+tiny word-level model (`tiny_engine`): it starts in a fraction of the embedded model's time."""
 
 from __future__ import annotations
 
@@ -163,13 +164,13 @@ def test_a_client_that_goes_away_leaves_nothing_behind(remote):
         time.sleep(0.05)
 
 
-def test_a_dead_engine_process_fails_the_requests_in_flight_and_health():
-    with process_server(ServerConfig(served_model_name="m")) as (running, worker):
+def test_a_dead_engine_process_fails_the_requests_in_flight_and_health(tiny_engine):
+    with process_server(ServerConfig(served_model_name="m"), engine_kwargs=tiny_engine) as (running, worker):
         errors: list[str] = []
         started = threading.Event()
 
         def stream() -> None:
-            body = {"model": "m", "prompt": "keep going", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            body = {"model": "m", "prompt": "w1 w2 w3", "max_tokens": 2000, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", f"{running.base_url}/v1/completions", json=body, timeout=60) as response:
                 for line in response.iter_lines():
                     started.set()
@@ -185,7 +186,7 @@ def test_a_dead_engine_process_fails_the_requests_in_flight_and_health():
         assert httpx.get(f"{running.base_url}/health", timeout=10).status_code == 503
         assert not worker.is_alive()
         with pytest.raises(openai.APIStatusError) as refused:
-            running.client().completions.create(model="m", prompt="anyone?", max_tokens=2)
+            running.client().completions.create(model="m", prompt="w4", max_tokens=2)
         assert refused.value.status_code == 503
 
 
@@ -257,13 +258,13 @@ def test_a_stop_while_streams_run_ends_the_engine_process_at_once(tiny_engine, m
         assert len(ends) == 16 and all("shutting down" in json.loads(end[6:])["error"]["message"] for end in ends)
 
 
-def test_serve_engine_process_stops_on_ctrl_c(tmp_path: Path):
+def test_serve_engine_process_stops_on_ctrl_c(tiny_engine, tmp_path: Path):
     """`forkpoint serve --engine-process` answers, and Ctrl-C (SIGINT to the process group, as a terminal
     sends it) stops the server and its engine process: the server exits 0 and no process of the group is left."""
-    args = ["--engine-process", "--max-model-len", "1024", "--served-model-name", "m"]
+    args = [tiny_engine["model"], "--engine-process", "--max-model-len", "1024", "--served-model-name", "m"]
     with serve_process(args, tmp_path / "serve.log", new_session=True) as running:
         reply = httpx.post(f"{running.base_url}/v1/chat/completions", timeout=60, json={
-            "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+            "model": "m", "messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 3, "ignore_eos": True})
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
         os.killpg(running.process.pid, signal.SIGINT)
         assert running.process.wait(timeout=60) == 0, running.output()
