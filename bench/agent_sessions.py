@@ -665,8 +665,10 @@ def model_dir_for(args: argparse.Namespace, scratch: Path) -> str | None:
     if args.shape == "default":
         return args.model
     from e2e_gpu import full_config, make_model_dir, tiny_config
+    from e2e_gpu_shapes import with_fp8
 
-    cfg = full_config() if args.shape == "qwen3.5-35b-a3b" else tiny_config()
+    cfg = {"qwen3.5-35b-a3b": full_config, "qwen3.5-35b-a3b-fp8": lambda: with_fp8(full_config()),
+           "qwen3.5-tiny": tiny_config}[args.shape]()
     args.server_arg = ["--load-format", "dummy", *args.server_arg]
     return str(make_model_dir(cfg, scratch / args.shape))
 
@@ -747,8 +749,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default=None, help="a running server (default: start one)")
     parser.add_argument("--model", default=None, help="model directory for the started server (default: embedded)")
-    parser.add_argument("--shape", default="default", choices=["default", "qwen3.5-35b-a3b", "qwen3.5-tiny"],
-                        help="serve a config of these shapes with --load-format dummy (default: --model)")
+    parser.add_argument("--shape", default="default",
+                        choices=["default", "qwen3.5-35b-a3b", "qwen3.5-35b-a3b-fp8", "qwen3.5-tiny"],
+                        help="serve a config of these shapes with --load-format dummy (default: --model); "
+                             "-fp8: the release's block-wise FP8 layout (fits an 80 GB card)")
     parser.add_argument("--server-arg", action="append", default=[], help="one more argument for `forkpoint serve`")
     parser.add_argument("--server-log-level", default="warning")
     parser.add_argument("--server-log", default=None,

@@ -673,3 +673,59 @@ def test_paged_attention_and_moe_no_host_sync():
     cos, sin = (torch.rand(q.shape[0], 64, generator=gen, device=DEV).bfloat16() for _ in range(2))
     run()
     _no_sync(run)
+
+
+def test_prefill_ops_capture_first_once_their_uploads_are_made_ahead():
+    """runner/piecewise.py captures a step's recurrent core before any core of the step runs: once the
+    kernels are compiled (another offsets layout ran), `prepare_*` for the new offsets makes their
+    uploads, and a CUDA graph captured then of the conv, the chunked delta rule and the SSD scan on those
+    offsets (thread-local capture mode, as the runner's) replays to the eager calls' results, bitwise."""
+    from forkpoint.kernels.conv1d import prepare_varlen
+    from forkpoint.kernels.gated_delta import prepare_chunked as prepare_gdn
+    from forkpoint.kernels.ssd import prepare_chunked as prepare_ssd
+
+    fla = pytest.importorskip("forkpoint.kernels.gated_delta.fla")
+    ssd = pytest.importorskip("forkpoint.kernels.ssd.fla")
+    tri = pytest.importorskip("forkpoint.kernels.conv1d.triton")
+    gen = torch.Generator(device=DEV).manual_seed(25)
+    x = torch.randn(300, 1024, generator=gen, device=DEV).bfloat16()
+    weight = torch.randn(1024, 4, generator=gen, device=DEV).bfloat16()
+    q, k, v, g, beta, _ = _gdn_inputs(gen, [300], 4, 8, 128, 128)
+    sx = torch.randn(300, 8, 64, generator=gen, device=DEV).bfloat16()
+    sdt = F.softplus(torch.randn(300, 8, generator=gen, device=DEV) - 1.0)
+    sa = -torch.rand(8, generator=gen, device=DEV) - 0.1
+    sb, sc = ((0.5 * torch.randn(300, 2, 128, generator=gen, device=DEV)).bfloat16() for _ in range(2))
+
+    def ops(lens):
+        cu = _offsets(lens)
+        cu_dev = torch.tensor(cu).pin_memory().to(DEV, non_blocking=True)
+        n = len(lens)
+        c0 = torch.zeros(n, 1024, 3, device=DEV, dtype=torch.bfloat16)
+        s0 = torch.zeros(n, 8, 128, 128, device=DEV)
+        h0 = torch.zeros(n, 8, 64, 128, device=DEV)
+        return lambda: (tri.causal_conv1d_varlen(x, weight, None, c0, cu_dev, cu),
+                        fla.chunk_gated_delta_rule(q, k, v, g, beta, s0, cu_dev, cu),
+                        ssd.chunk_ssd(sx, sdt, sa, sb, sc, h0, cu_dev, cu))
+
+    ops([100, 150, 50])()  # compile and autotune on another layout
+    lens = [7, 230, 1, 62]
+    run = ops(lens)
+    prepare_varlen(_offsets(lens), torch.device(DEV))
+    prepare_gdn(_offsets(lens), torch.device(DEV))
+    prepare_ssd(_offsets(lens), torch.device(DEV))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            captured = run()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    eager = run()
+    torch.cuda.synchronize()
+    for got, want in zip(torch.utils._pytree.tree_leaves(captured), torch.utils._pytree.tree_leaves(eager)):
+        assert torch.equal(got, want), "a graph captured before any eager call must replay to the eager results"

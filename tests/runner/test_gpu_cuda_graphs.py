@@ -269,3 +269,63 @@ def test_gdn_core_graph_two_phase_prefill_time(model_dir):
     assert piecewise.core_graph_steps == steps
     print(f"GPU_GRAPHS 880-token two-phase prefill step, median: GDN core graph {with_cores:.2f} ms, "
           f"eager GDN cores {without:.2f} ms ({len(llm.engine.model_config.gdn_layer_ids)} GDN layers)")
+
+
+def one_to_n_generation(llm: LLM, seed: int) -> list:
+    """Greedy outputs (logprobs 5) of an anchor, three consumers through its checkpoint and two plain
+    prompts, one of them chunked beside decodes (max_num_batched_tokens 64)."""
+    assert llm.reset_prefix_cache()  # every call starts without checkpoints: the same steps each time
+    generator = torch.Generator().manual_seed(seed)
+    anchor = random_ids(generator, 90)
+    prompts = [{"prompt_token_ids": anchor + [llm.checkpoint_token_id] + random_ids(generator, n)} for n in (4, 1, 30)]
+    prompts += [{"prompt_token_ids": random_ids(generator, n)} for n in (170, 6)]
+    params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=5)
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_core_captured_first_equals_core_captured_after_an_eager_core(model_dir):
+    """The step's core graph captured before any core runs (the default) and replayed for the first
+    recurrent layer too gives bitwise the outputs of the earlier order (first core eager, then the
+    capture): the same kernels on the same rows. Every step replays its core graph either way."""
+    llm = make_llm(model_dir, max_num_batched_tokens=64, cuda_graph_sizes=(1, 2, 4, 8, 16, 32, 64))
+    piecewise = llm.engine.runner.piecewise
+    assert piecewise.capture_core_first
+    results = []
+    for first in (True, False, True):
+        piecewise.capture_core_first = first
+        steps_before = piecewise.core_graph_steps
+        results.append(one_to_n_generation(llm, seed=21))
+        assert piecewise.core_graph_steps > steps_before and piecewise.core_capture_failures == 0
+    for other in results:
+        assert [o.outputs[0].token_ids for o in other] == [o.outputs[0].token_ids for o in results[0]]
+        assert max(max_logprob_diff(a, b) for a, b in zip(other, results[0])) == 0.0
+        assert [o.num_cached_tokens for o in other] == [0, 90, 90, 0, 0]
+    llm.engine.check_integrity()
+
+
+def test_a_failed_core_capture_leaves_later_steps_capturing(model_dir):
+    """One step's core capture is broken on purpose (a host sync inside it, as an upload there would
+    be): that step runs its cores eagerly with unchanged outputs, and every later step captures and
+    replays again (torch 2.11 left its allocator recording to the graph pool after a failed capture,
+    so every later capture failed: runner/piecewise.py `_end_pool_recording`)."""
+    llm = make_llm(model_dir, max_num_batched_tokens=64, cuda_graph_sizes=(1, 2, 4, 8, 16, 32, 64))
+    piecewise = llm.engine.runner.piecewise
+    reference = one_to_n_generation(llm, seed=22)
+    core = piecewise._recurrent_core
+    broken = []
+
+    def sync_in_first_capture(*args):
+        if torch.cuda.is_current_stream_capturing() and not broken:
+            broken.append(True)
+            torch.cuda.synchronize()  # not permitted while capturing: the capture is invalidated
+        return core(*args)
+
+    piecewise._recurrent_core = sync_in_first_capture
+    failures, steps = piecewise.core_capture_failures, piecewise.core_graph_steps
+    outs = one_to_n_generation(llm, seed=22)
+    assert broken and piecewise.core_capture_failures == failures + 1
+    later_steps = piecewise.core_graph_steps - steps
+    assert later_steps >= 5, f"after the failed capture only {later_steps} steps replayed a core graph"
+    assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in reference]
+    assert max(max_logprob_diff(o, r) for o, r in zip(outs, reference)) == 0.0
+    llm.engine.check_integrity()
