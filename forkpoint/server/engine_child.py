@@ -28,6 +28,7 @@ import signal
 import threading
 import time
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from forkpoint.llm import LLM
@@ -104,11 +105,27 @@ class _Outbox:
     def _run(self) -> None:
         try:
             while (event := self._queue.get()) is not None:
-                self._events.send(event)
+                self._events.send_bytes(_pickled(event))
         except OSError:  # the server process is gone: nobody reads
             logger.warning("the server process closed its pipe; events are dropped")
         finally:
             self._events.close()
+
+
+def _pickled(event: object) -> bytes:
+    """`event` as `Connection.send` pickles it. A call's result or a step's outputs that do not pickle
+    fail only their own waiters (the call, the step's requests) with a TypeError naming why; the pipe and
+    the engine go on."""
+    try:
+        return ForkingPickler.dumps(event)
+    except Exception as error:  # noqa: BLE001 - whatever pickling raised, it ends only this event's waiters
+        failure = Failure.of(TypeError(f"the engine process's {type(event).__name__} did not pickle: {error}"))
+        logger.error("%s", failure.message)
+        if isinstance(event, Acknowledged):
+            return ForkingPickler.dumps(Acknowledged(event.call_id, failure=failure))
+        if isinstance(event, Delivered):
+            return ForkingPickler.dumps(Delivered([(sink_id, failure) for sink_id, _ in event.items], event.metrics))
+        raise
 
 
 class _EngineChild:

@@ -146,6 +146,18 @@ def test_a_call_must_be_a_module_level_function(remote):
         remote[1].call(lambda engine: engine.metrics())
 
 
+def engine_lock(engine) -> threading.Lock:
+    """A call's result that does not pickle."""
+    return threading.Lock()
+
+
+def test_a_result_that_does_not_pickle_fails_its_call_only(remote):
+    _, worker = remote
+    with pytest.raises(EngineFailure, match="TypeError.*did not pickle"):
+        worker.call(engine_lock).result(timeout=60)
+    assert worker.is_alive() and "requests_aborted" in worker.call(engine_metrics).result(timeout=60)
+
+
 def test_a_client_that_goes_away_leaves_nothing_behind(remote):
     running, worker = remote
     body = {"model": running.model, "prompt": "go on and on", "max_tokens": 400, "ignore_eos": True, "stream": True}
