@@ -53,11 +53,11 @@ so the core of recurrent layer j is `model.recurrent_core` with static inputs,
 (`model.prepare_recurrent_core`: the kernels' chunk lists for the step's offsets), captures one
 graph of the core on the step's metadata into the shared pool before any core runs, and for every
 recurrent layer, the first included, copies the offset and parameters in and replays: a few small
-copies and a replay instead of ~20 eager launches per phase. (`capture_core_first = False`: the
-first core runs eagerly and the capture follows it, the order before session 25: ~4 ms more host
-time per step at 35B shapes, profiled in docs/server.md, session 19.) The kernels compiled and
-autotuned at warm-up, and their autotune keys hold no per-step size, so nothing compiles, autotunes
-or uploads inside the capture. A parallel layer's attention half (`model.attention_core`) runs
+copies and a replay instead of ~20 eager launches per phase. (`capture_core_first = False`, and the
+process's first step with a core: the first core runs eagerly and the capture follows it, the order
+before session 25: ~4 ms more host time per step at 35B shapes, profiled in docs/server.md, session
+19.) The kernels' autotune keys hold no per-step size, so once one core has run eagerly nothing
+autotunes or uploads inside a capture. A parallel layer's attention half (`model.attention_core`) runs
 eagerly after its Mamba2 half. The graph is dropped at the end of the step. Everything it allocates
 is transient (its output goes into core_out, final states into the pool by `index_copy_`), so
 sharing the pieces' memory pool is safe; a step whose capture fails runs its cores eagerly (warned
@@ -224,6 +224,7 @@ class PiecewiseForward:
         # capture the step's core graph before its first core runs (no eager core; plain attribute:
         # bench/core_capture.py times steps both ways)
         self.capture_core_first = True
+        self._core_ran_eagerly = False  # capture first only once a core has run eagerly (autotuned)
         self.core_graph_steps = 0  # steps whose later recurrent cores replayed a captured core
         self.core_capture_failures = 0
         self.core_capture_failure_cause: str | None = None  # the first failure: message and where it was raised
@@ -381,18 +382,20 @@ class PiecewiseForward:
     def _first_recurrent_core(self, batch: ForwardBatch, num_tokens: int, conv: torch.Tensor,
                               ssm: torch.Tensor) -> torch.cuda.CUDAGraph | None:
         """The step's first recurrent core, with the step's core graph captured: before the core runs
-        (`capture_core_first`: its uploads made ahead, then the graph replayed for this layer too) or
-        right after it runs eagerly. Returns the graph, or None when the capture failed (this core
-        then ran eagerly; the step's later cores run eagerly too)."""
-        if self.capture_core_first:
+        (`capture_core_first`, once any core has run eagerly in this process: its uploads made ahead,
+        then the graph replayed for this layer too) or right after it runs eagerly. Returns the graph,
+        or None when the capture failed (this core then ran eagerly; the step's later cores run
+        eagerly too)."""
+        if self.capture_core_first and self._core_ran_eagerly:
             self.model.prepare_recurrent_core(batch, self.device)
             graph = self._capture_recurrent_core(batch, num_tokens, conv, ssm)
             if graph is None:
                 self._recurrent_core(batch, num_tokens, conv, ssm)
             else:
                 graph.replay()
-        else:
+        else:  # the process's first core runs eagerly: its kernels autotune (a capture cannot)
             self._recurrent_core(batch, num_tokens, conv, ssm)
+            self._core_ran_eagerly = True
             graph = self._capture_recurrent_core(batch, num_tokens, conv, ssm)
         self.core_graph_steps += graph is not None
         return graph
