@@ -139,12 +139,6 @@ class CausalLM(Protocol):
         [T, *core_shape] and returns the recurrent part. One CUDA graph of it serves every layer."""
         ...
 
-    def prepare_recurrent_core(self, batch: ForwardBatch, device: torch.device) -> None:
-        """Make ahead, on `device`, the host-to-device uploads `recurrent_core` makes for `batch` (its
-        kernels' chunk lists, cached per offsets), so that a CUDA graph capture of `recurrent_core`
-        on `batch` that follows records none (runner/piecewise.py captures before any core runs)."""
-        ...
-
     def finish(self, layer_id: int, residual: torch.Tensor, p: NamedTuple | None,
                core: torch.Tensor | None) -> torch.Tensor:
         """residual: [T, hidden], the stream entering the layer; p, core: its projection and core

@@ -24,10 +24,10 @@ from torch import nn
 
 from forkpoint.cache.state_pool import RecurrentStateSpec
 from forkpoint.config import ModelConfig
-from forkpoint.kernels.conv1d import causal_conv1d_step_inplace, causal_conv1d_varlen, prepare_varlen
+from forkpoint.kernels.conv1d import causal_conv1d_step_inplace, causal_conv1d_varlen
 from forkpoint.kernels.norms import group_mean_square, grouped_gated_rms_norm, rms_norm
 from forkpoint.kernels.rotary import apply_rotary
-from forkpoint.kernels.ssd import chunk_ssd, prepare_chunked, softplus_dt, ssd_step_inplace
+from forkpoint.kernels.ssd import chunk_ssd, softplus_dt, ssd_step_inplace
 from forkpoint.mamba2_config import Mamba2Config
 from forkpoint.models.attention_core import attention_core
 from forkpoint.models.recurrent import two_phase_core
@@ -213,11 +213,6 @@ class Mamba2Mixer(nn.Module):
         x, b, c = self._split(conv_out)
         _, final_ssm = chunk_ssd(x, p.dt, args.A, b, c, ssm_initial, cu_seqlens, cu_seqlens_host, D=args.D, out=out)
         return final_conv, final_ssm
-
-    def prepare_phase(self, cu_seqlens_host: tuple[int, ...], device: torch.device) -> None:
-        """`RecurrentKernels.prepare_phase`: the packed conv's and the SSD scan's chunk lists."""
-        prepare_varlen(cu_seqlens_host, device)
-        prepare_chunked(cu_seqlens_host, device)
 
     def finish(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """core: [T, H, P]; z: [T, I] -> [T, hidden]. Token-wise."""

@@ -30,7 +30,6 @@ from forkpoint.cache.sizing import PoolShapes
 from forkpoint.config import ModelConfig
 from forkpoint.models.layers import RotaryEmbedding, mrope_axes
 from forkpoint.models.mamba2 import Mamba2CoreParams, Mamba2Mixer
-from forkpoint.models.recurrent import prepare_two_phase_core
 from forkpoint.step.batch import ForwardBatch
 from forkpoint.step.caches import LayerCaches
 
@@ -153,11 +152,6 @@ class Mamba2HybridLM(nn.Module):
         mamba_p, mamba_out = layer.mamba_part(p, out)
         return layer.mamba_mixer().core(mamba_p, batch, conv_states, ssm_states, mamba_out, params=params,
                                         row_offset=row_offset)
-
-    def prepare_recurrent_core(self, batch: ForwardBatch, device: torch.device) -> None:
-        """`CausalLM.prepare_recurrent_core`: the Mamba2 core's uploads for `batch`, made ahead."""
-        layer = self.model.layers[self.config.recurrent_layer_ids[0]]
-        prepare_two_phase_core(layer.mamba_mixer(), batch, device)
 
     def finish(self, layer_id: int, residual: torch.Tensor, p: NamedTuple | None,
                core: torch.Tensor | None) -> torch.Tensor:

@@ -28,8 +28,8 @@ from forkpoint.cache.sizing import PoolShapes
 from forkpoint.cache.state_pool import RecurrentStateSpec
 from forkpoint.config import ModelConfig
 from forkpoint.kernels.activation import sigmoid_gate_mul
-from forkpoint.kernels.conv1d import causal_conv1d_step_inplace, causal_conv1d_varlen, prepare_varlen
-from forkpoint.kernels.gated_delta import chunk_gated_delta_rule, prepare_chunked, recurrent_gated_delta_rule_inplace
+from forkpoint.kernels.conv1d import causal_conv1d_step_inplace, causal_conv1d_varlen
+from forkpoint.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule_inplace
 from forkpoint.kernels.gating import gdn_gating
 from forkpoint.kernels.rotary import qk_norm_rotary_
 from forkpoint.models.attention_core import attention_core
@@ -44,7 +44,7 @@ from forkpoint.models.layers import (
     mrope_axes,
 )
 from forkpoint.models.mtp import MultiTokenPredictor
-from forkpoint.models.recurrent import prepare_two_phase_core, two_phase_core
+from forkpoint.models.recurrent import two_phase_core
 from forkpoint.models.vision import VisionTransformer
 from forkpoint.step.batch import ForwardBatch
 from forkpoint.step.caches import LayerCaches
@@ -171,11 +171,6 @@ class GatedDeltaNet(StackedProjections):
         o, final_ssm = chunk_gated_delta_rule(q, k, v, p.g, p.beta, ssm_initial, cu_seqlens, cu_seqlens_host)
         out.copy_(o)
         return final_conv, final_ssm
-
-    def prepare_phase(self, cu_seqlens_host: tuple[int, ...], device: torch.device) -> None:
-        """`RecurrentKernels.prepare_phase`: the packed conv's and the chunked rule's chunk lists."""
-        prepare_varlen(cu_seqlens_host, device)
-        prepare_chunked(cu_seqlens_host, device)
 
     def finish(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """core, z: [T, HV, V] -> [T, hidden]: gated norm and output projection. Token-wise."""
@@ -382,10 +377,6 @@ class HybridForCausalLM(nn.Module):
         `core` of that layer (same function, GDN layers share their shapes); writes `out` [T, HV, V]."""
         gdn = self.model.layers[self.config.gdn_layer_ids[0]].linear_attn
         return gdn.core(p, batch, conv_states, ssm_states, out, params=params, row_offset=row_offset)
-
-    def prepare_recurrent_core(self, batch: ForwardBatch, device: torch.device) -> None:
-        """`CausalLM.prepare_recurrent_core`: the GDN core's uploads for `batch`, made ahead."""
-        prepare_two_phase_core(self.model.layers[self.config.gdn_layer_ids[0]].linear_attn, batch, device)
 
     def finish(self, layer_id: int, residual: torch.Tensor, p: GDNProjection | AttentionProjection,
                core: torch.Tensor) -> torch.Tensor:

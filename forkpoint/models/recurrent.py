@@ -54,24 +54,10 @@ class RecurrentKernels(Protocol):
         (conv [n, conv_dim, W-1], ssm [n, ...] fp32) of every segment."""
         ...
 
-    def prepare_phase(self, cu_seqlens_host: tuple[int, ...], device: torch.device, /) -> None:
-        """Make ahead, on `device`, the uploads `phase_scan` makes for a phase of these offsets (the
-        kernels' `prepare_*`: chunk lists), so that a CUDA graph capture of the core records none."""
-        ...
-
 
 def _token_rows(p: NamedTuple, start: int, end: int) -> NamedTuple:
     """Views of rows start:end of every field of p."""
     return type(p)(*(t[start:end] for t in p))
-
-
-def prepare_two_phase_core(kernels: RecurrentKernels, batch: ForwardBatch, device: torch.device) -> None:
-    """Make ahead the uploads `two_phase_core` makes for `batch` (each scanned phase's chunk lists), so
-    that a CUDA graph capture of it that follows records no host-to-device copy (runner/piecewise.py
-    captures the step's core before any core runs). Host work only, no launch beyond those uploads."""
-    for phase in batch.phases:
-        if not phase.single_tokens:
-            kernels.prepare_phase(phase.cu_seqlens_host, device)
 
 
 def two_phase_core(kernels: RecurrentKernels, p: NamedTuple, batch: ForwardBatch, conv_state: torch.Tensor,

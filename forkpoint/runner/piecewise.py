@@ -49,19 +49,14 @@ parameters (GDN: the conv weight; Mamba2: conv weight and bias, A_log, D). The p
 states of all L recurrent layers (`LayerCaches.conv_stack / ssm_stack`, flattened to [L * S, ...]),
 so the core of recurrent layer j is `model.recurrent_core` with static inputs,
 `recurrent_row_offset` = j * S (a device scalar) and `core_params` (layer j's
-`recurrent_core_params` copied in). With graphs, each step makes its core's uploads ahead
-(`model.prepare_recurrent_core`: the kernels' chunk lists for the step's offsets), captures one
-graph of the core on the step's metadata into the shared pool before any core runs, and for every
-recurrent layer, the first included, copies the offset and parameters in and replays: a few small
-copies and a replay instead of ~20 eager launches per phase. (`capture_core_first = False`, and the
-process's first step with a core: the first core runs eagerly and the capture follows it, the order
-before session 25: ~4 ms more host time per step at 35B shapes, profiled in docs/server.md, session
-19.) The kernels' autotune keys hold no per-step size, so once one core has run eagerly nothing
-autotunes or uploads inside a capture. A parallel layer's attention half (`model.attention_core`) runs
-eagerly after its Mamba2 half. The graph is dropped at the end of the step. Everything it allocates
-is transient (its output goes into core_out, final states into the pool by `index_copy_`), so
-sharing the pieces' memory pool is safe; a step whose capture fails runs its cores eagerly (warned
-once, counted), and the next step captures again.
+`recurrent_core_params` copied in). With graphs, each step runs its first recurrent core eagerly
+(Triton / fla compile and autotune, chunk indices upload, outside any capture), captures one graph
+of it on the step's metadata into the shared pool, and for every later recurrent layer copies the
+offset and parameters in and replays: a few small copies and a replay instead of ~20 eager
+launches per phase. A parallel layer's attention half (`model.attention_core`) runs eagerly after
+its Mamba2 half. The graph is dropped at the end of the step. Everything it allocates is
+transient (its output goes into core_out, final states into the pool by `index_copy_`), so sharing
+the pieces' memory pool is safe; a step whose capture fails runs its cores eagerly (warned once).
 
 Padding rows (T..Tb-1) compute token-wise garbage that stays finite: the stream enters piece 0 as
 zeros, cos/sin rows only ever hold cos/sin values, core rows hold an earlier step's real outputs (or
@@ -200,9 +195,7 @@ class PiecewiseForward:
     sizes: bucket token counts (sorted, deduplicated); capture: record one CUDA graph per piece and
     bucket now (device must be CUDA), else run the pieces eagerly on the static buffers;
     capture_cores (with capture): one graph of the GDN core per step, replayed for every GDN layer
-    (a plain attribute: the GPU tests time steps with and without it); `capture_core_first` (plain
-    attribute, on by default): that graph is captured before the step's first core runs and replayed
-    for it as well, instead of after an eager first core (module docstring).
+    (a plain attribute: the GPU tests time steps with and without it).
     """
 
     def __init__(self, model: CausalLM, sizes: Sequence[int], device: torch.device, *,
@@ -221,10 +214,6 @@ class PiecewiseForward:
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._recurrent_index = {layer_id: j for j, layer_id in enumerate(model.config.recurrent_layer_ids)}
         self.capture_cores = capture_cores
-        # capture the step's core graph before its first core runs (no eager core; plain attribute:
-        # bench/core_capture.py times steps both ways)
-        self.capture_core_first = True
-        self._core_ran_eagerly = False  # capture first only once a core has run eagerly (autotuned)
         self.core_graph_steps = 0  # steps whose later recurrent cores replayed a captured core
         self.core_capture_failures = 0
         self.core_capture_failure_cause: str | None = None  # the first failure: message and where it was raised
@@ -379,34 +368,12 @@ class PiecewiseForward:
         self.model.recurrent_core(_first_rows(self.projection[kind], num_tokens), batch, conv, ssm, self.core_params,
                                   self.recurrent_row_offset, out=self.core_out[kind][:num_tokens])
 
-    def _first_recurrent_core(self, batch: ForwardBatch, num_tokens: int, conv: torch.Tensor,
-                              ssm: torch.Tensor) -> torch.cuda.CUDAGraph | None:
-        """The step's first recurrent core, with the step's core graph captured: before the core runs
-        (`capture_core_first`, once any core has run eagerly in this process: its uploads made ahead,
-        then the graph replayed for this layer too) or right after it runs eagerly. Returns the graph,
-        or None when the capture failed (this core then ran eagerly; the step's later cores run
-        eagerly too)."""
-        if self.capture_core_first and self._core_ran_eagerly:
-            self.model.prepare_recurrent_core(batch, self.device)
-            graph = self._capture_recurrent_core(batch, num_tokens, conv, ssm)
-            if graph is None:
-                self._recurrent_core(batch, num_tokens, conv, ssm)
-            else:
-                graph.replay()
-        else:  # the process's first core runs eagerly: its kernels autotune (a capture cannot)
-            self._recurrent_core(batch, num_tokens, conv, ssm)
-            self._core_ran_eagerly = True
-            graph = self._capture_recurrent_core(batch, num_tokens, conv, ssm)
-        self.core_graph_steps += graph is not None
-        return graph
-
     def _capture_recurrent_core(self, batch: ForwardBatch, num_tokens: int, conv: torch.Tensor,
                                 ssm: torch.Tensor) -> torch.cuda.CUDAGraph | None:
         """One graph of `_recurrent_core` on this step's metadata, or None (warned once) if capture
-        fails. Nothing may compile, autotune or upload inside the capture: the step's core ran
-        eagerly just before, or its uploads were made ahead (`prepare_recurrent_core`) and its
-        kernels compiled at warm-up. Not `torch.cuda.graph`: that synchronises and empties the
-        caches. A failed capture leaves the graph pool usable for the next one (`_end_pool_recording`)."""
+        fails. Called right after the step's first, eager recurrent core, so nothing compiles,
+        autotunes or uploads inside the capture. Not `torch.cuda.graph`: that synchronises and
+        empties the caches."""
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.stream(self._stream):
@@ -415,11 +382,7 @@ class PiecewiseForward:
                 try:
                     self._recurrent_core(batch, num_tokens, conv, ssm)
                 finally:
-                    try:
-                        graph.capture_end()
-                    except RuntimeError:
-                        self._end_pool_recording()
-                        raise
+                    graph.capture_end()
         except RuntimeError as err:
             if self.core_capture_failure_cause is None:
                 self.core_capture_failure_cause = capture_failure_cause(err)
@@ -430,21 +393,6 @@ class PiecewiseForward:
             self.core_capture_failures += 1
             return None
         return graph
-
-    def _end_pool_recording(self) -> None:
-        """After a capture whose `capture_end` raised: stop the caching allocator's routing of this
-        thread's allocations to the graph pool. torch 2.11's `capture_end` raises before it ends that
-        recording (fixed upstream by pytorch/pytorch#180395, in 2.12), which left every later capture
-        into the pool failing ("beginAllocateToPool: already recording to mempool_id") and so every
-        later step's cores eager. Where `capture_end` had ended it (a fixed torch), the allocator
-        refuses the second end, which is ignored."""
-        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-        if end is None:
-            return
-        try:
-            end(self.device.index if self.device.index is not None else torch.cuda.current_device(), self._pool)
-        except RuntimeError:  # "not currently recording to mempool_id": nothing left to end
-            pass
 
     @property
     def captured(self) -> bool:
@@ -497,13 +445,14 @@ class PiecewiseForward:
                 continue
             conv, ssm, rows_per_layer = stacked
             self._select_recurrent_layer(layer_id, rows_per_layer)
-            if capture_core:
-                capture_core = False  # one attempt per step
-                core_graph = self._first_recurrent_core(batch, num_tokens, conv, ssm)
-            elif core_graph is not None:
+            if core_graph is not None:
                 core_graph.replay()
             else:
                 self._recurrent_core(batch, num_tokens, conv, ssm)
+                if capture_core:
+                    capture_core = False  # one attempt per step
+                    core_graph = self._capture_recurrent_core(batch, num_tokens, conv, ssm)
+                    self.core_graph_steps += core_graph is not None
             if kind == "parallel":  # its attention half, eagerly after the Mamba2 half
                 self.model.attention_core(layer_id, self._projection_rows(layer_id, num_tokens), batch, caches,
                                           out=self._core_rows(layer_id, num_tokens))

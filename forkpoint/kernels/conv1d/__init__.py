@@ -27,9 +27,4 @@ def causal_conv1d_step_inplace(x, *args, **kwargs):
     return _impl(x).causal_conv1d_step_inplace(x, *args, **kwargs)
 
 
-@functools.wraps(reference.prepare_varlen)
-def prepare_varlen(cu_seqlens_host, device):
-    return select_variant("conv1d", "triton", device.type == "cuda").prepare_varlen(cu_seqlens_host, device)
-
-
-__all__ = ["causal_conv1d_step", "causal_conv1d_step_inplace", "causal_conv1d_varlen", "prepare_varlen"]
+__all__ = ["causal_conv1d_step", "causal_conv1d_step_inplace", "causal_conv1d_varlen"]

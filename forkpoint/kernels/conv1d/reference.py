@@ -75,12 +75,6 @@ def causal_conv1d_varlen(
     return tuple(part.contiguous() for part in y.split(tuple(split), dim=-1)), final_state
 
 
-def prepare_varlen(cu_seqlens_host: Sequence[int], device: torch.device) -> None:
-    """Make ahead, on `device`, what `causal_conv1d_varlen` uploads for these segment offsets (the GPU
-    variant's chunk list), so that a CUDA graph capture of the call that follows records no
-    host-to-device copy. The reference makes nothing ahead (it keeps no uploads between calls)."""
-
-
 def check_split(split: Sequence[int] | None, dim: int) -> None:
     """ValueError unless `split` is None or 1 to 3 positive channel counts summing to `dim`."""
     if split is not None and not (1 <= len(split) <= 3 and all(int(n) > 0 for n in split) and sum(split) == dim):

@@ -74,11 +74,6 @@ def chunk_indices(cu_seqlens_host: Sequence[int], chunk_size: int, device) -> to
     return _chunk_indices_cached(tuple(int(v) for v in cu_seqlens_host), int(chunk_size), torch.device(device))
 
 
-def prepare_varlen(cu_seqlens_host: Sequence[int], device) -> None:
-    """`reference.prepare_varlen`: the chunk list of `causal_conv1d_varlen`'s tile, uploaded and cached."""
-    chunk_indices(cu_seqlens_host, VARLEN_TILE.tokens, device)
-
-
 @triton.jit(do_not_specialize=["NT"])  # the step's chunk count: one variant for any count
 def _varlen_kernel(x, w, b, s0, y, sT, cu_seqlens, chunk_idx, NT, D, stride_xt, TT, S1, S2,
                    W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,

@@ -29,11 +29,4 @@ def recurrent_gated_delta_rule_inplace(q, *args, **kwargs):
     return select_variant("gated_delta", "triton", q.is_cuda).recurrent_gated_delta_rule_inplace(q, *args, **kwargs)
 
 
-@functools.wraps(reference.prepare_chunked)
-def prepare_chunked(cu_seqlens_host, device, **kwargs):
-    return select_variant("gated_delta", "fla", device.type == "cuda").prepare_chunked(cu_seqlens_host, device,
-                                                                                      **kwargs)
-
-
-__all__ = ["chunk_gated_delta_rule", "prepare_chunked", "recurrent_gated_delta_rule",
-           "recurrent_gated_delta_rule_inplace"]
+__all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "recurrent_gated_delta_rule_inplace"]

@@ -58,11 +58,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqle
     return o[0].to(v.dtype), final_state
 
 
-def prepare_chunked(cu_seqlens_host, device, *, chunk_size=64) -> None:
-    """`reference.prepare_chunked`: the chunk list `chunk_gated_delta_rule` passes fla, uploaded and cached."""
-    chunk_indices(cu_seqlens_host, chunk_size, device)
-
-
 def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state, *, scale=None, use_qk_l2norm=True):
     """One token per sequence (decode) through fla's fused recurrent kernel.
 

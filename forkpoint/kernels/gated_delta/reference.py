@@ -198,12 +198,6 @@ def chunk_gated_delta_rule(
     return o.to(out_dtype), final_state
 
 
-def prepare_chunked(cu_seqlens_host: Sequence[int], device: torch.device, *, chunk_size: int = 64) -> None:
-    """Make ahead, on `device`, what `chunk_gated_delta_rule` uploads for these segment offsets (the GPU
-    variant's chunk list), so that a CUDA graph capture of the call that follows records no
-    host-to-device copy. The reference makes nothing ahead (it keeps no uploads between calls)."""
-
-
 def recurrent_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

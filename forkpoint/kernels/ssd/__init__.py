@@ -32,9 +32,4 @@ def softplus_dt(dt, *args, **kwargs):
     return select_variant("ssd", "triton", dt.is_cuda).softplus_dt(dt, *args, **kwargs)
 
 
-@functools.wraps(reference.prepare_chunked)
-def prepare_chunked(cu_seqlens_host, device, **kwargs):
-    return select_variant("ssd", "fla", device.type == "cuda").prepare_chunked(cu_seqlens_host, device, **kwargs)
-
-
-__all__ = ["chunk_ssd", "prepare_chunked", "softplus_dt", "ssd_step", "ssd_step_inplace"]
+__all__ = ["chunk_ssd", "softplus_dt", "ssd_step", "ssd_step_inplace"]

@@ -55,12 +55,6 @@ def chunk_offsets(cu_seqlens_host, chunk_size: int, device) -> tuple[torch.Tenso
     return _chunk_offsets_cached(key, int(chunk_size), torch.device(device)), total
 
 
-def prepare_chunked(cu_seqlens_host, device, *, chunk_size=64) -> None:
-    """`reference.prepare_chunked`: `chunk_ssd`'s chunk list and chunk offsets, uploaded and cached."""
-    chunk_indices(cu_seqlens_host, chunk_size, device)
-    chunk_offsets(cu_seqlens_host, chunk_size, device)
-
-
 def _chunk_states(k, v, g, h0, cu_seqlens, offsets, num_chunks, chunk_size):
     """fla's `chunk_fwd_h` (V-first states) with the chunk offsets and count given, so nothing is
     read back from the device. k: [1, T, H, N]; v: [1, T, H, P]; g: [1, T, H] fp32 (cumulative, log2

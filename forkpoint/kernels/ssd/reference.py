@@ -167,12 +167,6 @@ def chunk_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     return _written(y.to(x.dtype), out), final
 
 
-def prepare_chunked(cu_seqlens_host: Sequence[int], device: torch.device, *, chunk_size: int = 64) -> None:
-    """Make ahead, on `device`, what `chunk_ssd` uploads for these segment offsets (the GPU variant's
-    chunk list and chunk offsets), so that a CUDA graph capture of the call that follows records no
-    host-to-device copy. The reference makes nothing ahead (it keeps no uploads between calls)."""
-
-
 def ssd_recurrence(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                    initial_state: torch.Tensor, cu_seqlens_host: Sequence[int], *,
                    D: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
