@@ -66,9 +66,12 @@ def test_hub_names_are_served_as_given_with_their_revision(tmp_path):
     assert _model_name(str(tmp_path)) == tmp_path.name
 
 
-def test_serve_process_answers_and_stops_on_sigint(tmp_path):
-    args = ["--max-model-len", "2048", "--served-model-name", "cli-test", "--marker-in-user-content", "reject",
-            "--log-level", "warning"]
+def test_serve_process_answers_and_stops_on_sigint(tmp_path, tiny_model_factory):
+    # the tiny word-level model (tests/tiny_models.py): what is under test is the process, and it starts
+    # in a fraction of the embedded model's time
+    directory, _ = tiny_model_factory("qwen3_5_text")
+    args = [str(directory), "--max-model-len", "2048", "--served-model-name", "cli-test",
+            "--marker-in-user-content", "reject", "--log-level", "warning"]
     with serve_process(args, tmp_path / "serve.log") as running:
         base, process = running.base_url, running.process
         assert httpx.get(f"{base}/v1/models").json()["data"][0]["max_model_len"] == 2048

@@ -2,7 +2,9 @@
 a little more, however long the prompt being tokenised would still take (issue 27, item 9).
 
 The server runs as a child process because what is under test is the process's exit: Python joins
-a thread pool's threads at interpreter exit, after the app has shut down.
+a thread pool's threads at interpreter exit, after the app has shut down. It serves the tiny
+word-level model (tests/tiny_models.py): what is under test is the server's tokenizer threads, not
+the model, and it starts in a fraction of the embedded model's time.
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ from tests.server.conftest import serve_process
 SHUTDOWN_TIMEOUT_S = 1.0
 # past the timeout: uvicorn's and the lifespan's own steps, and interpreter exit, on a loaded CPU
 EXIT_MARGIN_S = 4.0
-# spaces are the text with the most characters per token (~128 for the Qwen3.5 vocabulary), so the
-# longest legal prompt in characters: 32,000 tokens, ~5 s to length-check and ~5 s to tokenise
-SLOW_PROMPT = " " * (32_000 * 128)
+# the tiny model's word-level tokenizer reads one run of emoji as one (unknown) word: a prompt of one
+# token however long, and the slowest text per byte of JSON for it (~5 MB/s on one core). 2M emoji
+# (8 MB) take ~2 s to length-check and tokenise; SLOW_PROMPTS of them, in one request, keep one
+# tokenizer thread busy ~12 s (2 cores), well past the signal at 2 s plus the allowed exit time (with
+# the threads made non-daemon again, the bug, the process outlives the wait and the test fails)
+SLOW_PROMPT = "\N{GRINNING FACE}" * 2_000_000
+SLOW_PROMPTS = 6
 
 
 def _post_in_thread(url: str, body: dict, result: dict) -> threading.Thread:
@@ -38,18 +44,21 @@ def _post_in_thread(url: str, body: dict, result: dict) -> threading.Thread:
     return thread
 
 
-def test_serve_exits_within_the_timeout_while_a_prompt_is_tokenised(tmp_path):
+def test_serve_exits_within_the_timeout_while_a_prompt_is_tokenised(tmp_path, tiny_model_factory):
     # SIGINT (Ctrl-C): before the fix the process exited 13.3 s after it, joining the busy thread at exit.
-    # SIGTERM exits through uvicorn's re-raised signal before that join; one server start (~20-45 s on
-    # 2 cores) is what this test costs, so only the signal that failed is sent.
+    # SIGTERM exits through uvicorn's re-raised signal before that join; one server start is what this
+    # test costs, so only the signal that failed is sent.
     stop = signal.SIGINT
-    args = ["--max-model-len", "32768", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--tokenizer-workers", "2",
+    directory, _ = tiny_model_factory("qwen3_5_text")
+    # the default body limit admits max_model_len of the tiny vocabulary's longest tokens: ~1.3 MB
+    args = [str(directory), "--max-model-len", "4096", "--max-request-bytes", str(1 << 30),
+            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--tokenizer-workers", "2",
             "--log-level", "warning", "--disable-log-stats"]
     with serve_process(args, tmp_path / "serve.log") as running:
         result: dict = {}
-        # two prompts in one request: one tokenizer thread busy for ~20 s
+        # the prompts of one request: one tokenizer thread busy for ~12 s
         thread = _post_in_thread(f"{running.base_url}/v1/completions",
-                                 {"prompt": [SLOW_PROMPT, SLOW_PROMPT], "max_tokens": 1}, result)
+                                 {"prompt": [SLOW_PROMPT] * SLOW_PROMPTS, "max_tokens": 1}, result)
         time.sleep(2.0)  # the body is sent and parsed: the prompts are being tokenised
         assert thread.is_alive(), result
         stopped = time.monotonic()
