@@ -21,9 +21,9 @@ from tests.runner.test_decode_graphs import without_scratch
 from tests.runner.test_gpu_cuda_graphs import (  # noqa: F401 (model_dir: a fixture)
     GRAPH_LOGPROB_TOL,
     GRAPH_REL_TOL,
+    assert_same_pool_writes,
     make_llm,
     model_dir,
-    slot_rows,
 )
 
 pytestmark = [
@@ -73,15 +73,8 @@ class VerifyVsEager:
         self.worst = max(self.worst, rel)
         self.steps += 1
         self.padded += seqs > n
-        for i, (tensor, old, new) in enumerate(zip(tensors, before, after)):
-            kv = i >= num_states
-            old_rows, new_rows = slot_rows(old, self.block_size, kv), slot_rows(new, self.block_size, kv)
-            rows = slot_rows(tensor, self.block_size, kv)
-            written = (old_rows != new_rows).any(dim=1)
-            assert torch.equal(rows[~written], old_rows[~written]), "the replay wrote rows the eager step did not"
-            if written.any():
-                ref = new_rows[written].float()
-                assert ((rows[written].float() - ref).norm() / ref.norm().clamp_min(1e-6)).item() <= GRAPH_REL_TOL
+        assert_same_pool_writes(tensors, before, after, [i >= num_states for i in range(len(tensors))],
+                                self.block_size)
         return hidden
 
 

@@ -14,7 +14,7 @@ import torch
 
 from forkpoint import LLM, SamplingParams
 from forkpoint.runner.decode_graphs import DecodeGraphs
-from tests.engine.test_speculative import SPEC, K, OracleDrafts, continuations
+from tests.engine.test_speculative import SPEC, K, OracleDrafts, continuations, generate_checked
 from tests.helpers import assert_same_outputs
 from tests.runner.test_decode_graphs import scratch_rows, without_scratch
 from tests.tiny_models import add_mtp_weights, token_words
@@ -40,20 +40,6 @@ def make_graphs(engine, sizes=(1, 2, 4), drafts=K, max_blocks=None) -> DecodeGra
                         scratch_block=engine.block_pool.scratch_block, block_size=engine.block_pool.block_size,
                         scratch_state_slot=engine.state_pool.scratch_slot, device=engine.device, capture=False,
                         drafts=drafts)
-
-
-def generate_each(llm: LLM, prompts, params) -> list:
-    """Each prompt with its own params, step by step, the engine's integrity checked after every step."""
-    engine = llm.engine
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        engine.add_request(f"p{i}", prompt, p)
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out
-        engine.check_integrity()
-    return [outputs[f"p{i}"] for i in range(len(prompts))]
 
 
 def is_uniform_verify(batch, drafts=K) -> bool:
@@ -116,7 +102,7 @@ def test_verify_steps_through_static_buffers_match_eager(mtp_model):
     both = BothPaths(engine, make_graphs(engine))
     engine.runner.forward_hidden = both
     OracleDrafts(llm, continuations(reference))
-    assert_same_outputs(generate_each(llm, PROMPTS, params), reference)
+    assert_same_outputs(generate_checked(llm, PROMPTS, params), reference)
     # verify steps of 3 sequences (bucket 4: padded) and fewer; prefill and ragged verify steps eager
     assert both.verify_steps >= 3 and both.padded >= 1 and both.other_steps >= 2, vars(both)
     assert 3 in both.sizes
@@ -139,7 +125,7 @@ def test_generation_with_verify_graphs_equals_plain(moe_model, tmp_path_factory)
     forward_hidden = graphs.forward_hidden
     graphs.forward_hidden = lambda batch: seqs.append(batch.decode.num_tokens) or forward_hidden(batch)
     OracleDrafts(llm, continuations(reference), corrupt=False)
-    assert_same_outputs(generate_each(llm, PROMPTS, params), reference)
+    assert_same_outputs(generate_checked(llm, PROMPTS, params), reference)
     assert seqs == [3, 3, 2, 1] and graphs.replays == 4
     metrics = llm.metrics()
     assert metrics["spec_verifications"] == 9 and metrics["spec_mean_acceptance_length"] == K + 1
@@ -157,7 +143,7 @@ def test_what_the_verify_graphs_take(moe_model, tmp_path_factory):
     forward_hidden = runner.forward_hidden
     runner.forward_hidden = lambda batch: batches.append(batch) or forward_hidden(batch)
     OracleDrafts(llm, continuations(reference))
-    generate_each(llm, PROMPTS, params)
+    generate_checked(llm, PROMPTS, params)
     uniform = [b for b in batches if is_uniform_verify(b)]
     ragged = [b for b in batches if b.phases and all(p.single_tokens for p in b.phases) and not is_uniform_verify(b)]
     prefill = batches[0]
