@@ -8,12 +8,16 @@ request, and a new last message, so the engine computes little while the server 
 the whole conversation each time (the chat template, transformers' message handling, the body's JSON:
 Python work in the server process). Per phase: the streams'
 tokens per second (chunks received, one token each, over the phase), the p50 over streams of each one's
-largest gap between chunks, and the loaders' requests done and their p50 time. One process shares one GIL
-between the step loop and that prompt work; with --engine-process the step loop has its own.
+largest gap between chunks, the loaders' requests done and their p50 time, and the mean hand-off and delivery
+of the time to first token (the server's `forkpoint_request_{handoff,delivery}_time_seconds` over the phase:
+with --engine-process each includes a crossing of the pipe). One process shares one GIL between the step loop
+and that prompt work; with --engine-process the step loop has its own. The mode "engine process, 5 ms" is
+`--engine-process --gil-switch-interval-ms 5`: CPython's switch interval, as before the option.
 
 Usage:
     python bench/engine_process.py                                   # both modes, embedded model
     python bench/engine_process.py --streams 32 --loaders 4 --messages 3000 --seconds 20
+    python bench/engine_process.py --modes "engine process, 5 ms" "engine process" --rounds 2
 Writes bench/results/engine_process_cpu.json and .png.
 """
 
@@ -30,11 +34,13 @@ import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from agent_sessions import first_token_parts, mean_parts_ms  # noqa: E402
 from host_info import code_version, machine_info, machine_line  # noqa: E402
 from plots import write_results  # noqa: E402
 from served import start_server  # noqa: E402
 
-MODES = {"one process": [], "engine process": ["--engine-process"]}
+MODES = {"one process": [], "engine process, 5 ms": ["--engine-process", "--gil-switch-interval-ms", "5"],
+         "engine process": ["--engine-process"]}
 
 
 async def _stream(client: httpx.AsyncClient, model: str, tokens: int, until: float, times: list[float]) -> None:
@@ -84,17 +90,21 @@ async def phase(url: str, model: str, args: argparse.Namespace, loaded: bool) ->
         until = began + args.seconds
         streams = [[] for _ in range(args.streams)]
         loads: list[float] = []
+        parts = first_token_parts(url)
         tasks = [_stream(client, model, args.stream_tokens, until, times) for times in streams]
         if loaded:
             tasks += [_load(client, model, args.messages, until, loads, i) for i in range(args.loaders)]
         await asyncio.gather(*tasks)
         elapsed = time.monotonic() - began
+    means = mean_parts_ms(parts, first_token_parts(url))
     gaps = [max(b - a for a, b in zip(times, times[1:])) for times in streams if len(times) > 1]
     return {"phase": "loaded" if loaded else "alone", "seconds": round(elapsed, 2),
             "stream_tokens_per_s": round(sum(len(t) for t in streams) / elapsed, 1),
             "largest_gap_ms_p50": round(1e3 * statistics.median(gaps), 1) if gaps else None,
             "loader_requests": len(loads),
-            "loader_request_s_p50": round(statistics.median(loads), 3) if loads else None}
+            "loader_request_s_p50": round(statistics.median(loads), 3) if loads else None,
+            "handoff_ms_mean": round(means.get("handoff", 0.0), 2),
+            "delivery_ms_mean": round(means.get("delivery", 0.0), 2)}
 
 
 def plot(result: dict, path: str) -> None:
@@ -104,7 +114,7 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
     labels = [m["mode"] for m in result["modes"]]
     xs = range(len(labels))
     for offset, name in ((-0.2, "alone"), (0.2, "loaded")):
@@ -114,7 +124,7 @@ def plot(result: dict, path: str) -> None:
     left.set_ylabel("streams' tokens/s")
     right.set_ylabel("largest gap per stream, p50 (ms)")
     for ax in (left, right):
-        ax.set_xticks(list(xs), labels)
+        ax.set_xticks(list(xs), labels, rotation=15)
         ax.legend()
     fig.suptitle(f"{result['streams']} streams beside {result['loaders']} clients of {result['messages']}-message "
                  f"chats ({result['model']})")
@@ -132,6 +142,7 @@ def main() -> int:
     parser.add_argument("--messages", type=int, default=1000)
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--rounds", type=int, default=1, help="times each mode runs (alternating)")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--server-arg", action="append", default=[], help="one more argument for `forkpoint serve`")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--name", default="engine_process_cpu")
@@ -141,7 +152,8 @@ def main() -> int:
               "messages": args.messages, "modes": []}
     print(machine_line(result["machine"]), flush=True)
     for round_ in range(args.rounds):
-        for mode, flags in MODES.items():
+        for mode in args.modes:
+            flags = MODES[mode]
             process, url = start_server(["--log-level", "warning", *flags, *args.server_arg], args.model, 600)
             try:
                 model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
@@ -153,13 +165,14 @@ def main() -> int:
                 process.terminate()
                 process.wait(timeout=120)
             result["modes"].append({"mode": mode if args.rounds == 1 else f"{mode} #{round_ + 1}", "phases": phases})
-    print(f"{'mode':<18} {'phase':<7} {'stream tokens/s':>16} {'largest gap p50 (ms)':>21} {'loader requests':>16} "
-          f"{'loader p50 (s)':>15}")
+    print(f"{'mode':<24} {'phase':<7} {'stream tokens/s':>16} {'largest gap p50 (ms)':>21} {'loader requests':>16} "
+          f"{'loader p50 (s)':>15} {'hand-off (ms)':>14} {'delivery (ms)':>14}")
     for m in result["modes"]:
         for p in m["phases"]:
-            print(f"{m['mode']:<18} {p['phase']:<7} {p['stream_tokens_per_s']:>16.1f} "
+            print(f"{m['mode']:<24} {p['phase']:<7} {p['stream_tokens_per_s']:>16.1f} "
                   f"{p['largest_gap_ms_p50'] or 0:>21.1f} {p['loader_requests']:>16} "
-                  f"{p['loader_request_s_p50'] or 0:>15.3f}")
+                  f"{p['loader_request_s_p50'] or 0:>15.3f} {p['handoff_ms_mean']:>14.1f} "
+                  f"{p['delivery_ms_mean']:>14.1f}")
     print(f"commit {result['code']['commit']} (forkpoint modified: {result['code']['forkpoint_modified']})")
     print(f"wrote {write_results(result, args.out, args.name, plot)}")
     return 0

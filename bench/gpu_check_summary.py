@@ -19,6 +19,7 @@ FAMILIES = ("qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "nemotron_h", "gra
 FILE_FAMILY = {
     "test_gpu_cuda_graphs": "qwen3_5_moe_text",
     "test_gpu_decode_graphs": "qwen3_5_moe_text",
+    "test_gpu_verify_graphs": "qwen3_5_moe_text",
     "test_gpu_async_scheduling": "qwen3_5_moe_text",
     "test_gpu_gated_attention": "qwen3_5_moe_text",
 }

@@ -15,7 +15,8 @@
 #   STEPS=d bash bench/run_gpu_sessions.sh      # tool32, host64, restart32: sessions whose tools take time, and
 #                                               # issue 32's and the restart's rows after their fixes
 # STEPS may also list step names in the order wanted, e.g. STEPS="restart32 host64"; a step name with "proc"
-# appended (tool32proc, on256proc) runs that step's server with --engine-process (the engine in its own process).
+# appended (tool32proc, on256proc) runs that step's server with --engine-process (the engine in its own process);
+# "proc5" (tool32proc5) the same with --gil-switch-interval-ms 5, CPython's switch interval as before that option.
 #
 # Steps (workload: --turns 6 --system-words 1400 --doc-words 800 --tool-words 160 --reply-tokens 64, i.e. a
 # ~1,855-token shared system prompt, ~1,100-token documents, ~220-token tool results; prompts ~2,970 tokens at
@@ -90,6 +91,8 @@ left() { echo $(( TOTAL - ($(date +%s) - START) )); }
 
 step_args() {  # the step's own arguments of agent_sessions.py; NAMEproc: step NAME with --engine-process
   case "$1" in
+    *proc5) step_args "${1%proc5}" > /dev/null || return 1
+            echo "$(step_args "${1%proc5}") --server-arg=--engine-process --server-arg=--gil-switch-interval-ms=5" ;;
     *proc) step_args "${1%proc}" > /dev/null || return 1; echo "$(step_args "${1%proc}") --server-arg=--engine-process" ;;
     off32) echo "--sessions $SMALL_SESSIONS --thinking off" ;;
     off256) echo "--sessions $LARGE_SESSIONS --thinking off" ;;
@@ -106,7 +109,8 @@ step_args() {  # the step's own arguments of agent_sessions.py; NAMEproc: step N
 }
 
 step_need() {  # seconds a step needs to print its first table (server start after the first, phase A, margin)
-  case "${1%proc}" in
+  local base="${1%proc5}"
+  case "${base%proc}" in
     off256 | on256 | host64) echo 90 ;;
     on32) echo 60 ;;
     restart32) echo 110 ;;

@@ -11,7 +11,10 @@ the first difference and acceptance falls to 1 (session 15's rows at 16 and 64 s
 of a speculative run goes through a verify step, whatever the acceptance. The MTP head still runs
 (its pass and chain: its cost is in the numbers). Per batch size N: N sequences of --prompt-len random
 tokens decode --tokens greedy tokens; TPOT = decode wall time / tokens per sequence (the prefill step
-excluded). Results: a printed table and bench/results/<name>.json (and .png when matplotlib imports).
+excluded). With CUDA graphs, uniform verify steps (every sequence verifies k drafts, as here) replay the
+whole-step verify graphs (runner/decode_graphs.py); at acceptance k + 1 the row also times the same steps
+with them detached (`oracle_a{k+1}_verify_graphs_off_tpot_ms`: the piecewise graphs). Results: a printed
+table and bench/results/<name>.json (and .png when matplotlib imports).
 
 Usage:
     python bench/speculative_oracle.py                                   # tiny CPU model (tests/tiny_models.py)
@@ -164,6 +167,15 @@ def main() -> None:
             same = [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
             row[f"oracle_a{accepted + 1}_tpot_ms"] = tpot * 1e3
             row[f"oracle_a{accepted + 1}_same_tokens"] = same
+            verify_graphs = spec.engine.runner.verify_graphs
+            if accepted == args.k and verify_graphs is not None:  # the same steps without the verify graphs
+                row["verify_graph_replays"] = verify_graphs.replays
+                spec.engine.runner.verify_graphs = None
+                oracle = OracleDrafter(spec, continuations, args.k, accepted, vocab)
+                tpot, _ = decode_tpot(spec, prompts, params)
+                spec.engine.runner.drafter.execute = oracle._execute
+                spec.engine.runner.verify_graphs = verify_graphs
+                row[f"oracle_a{accepted + 1}_verify_graphs_off_tpot_ms"] = tpot * 1e3
         print(json.dumps(row))
     rows = list(rows.values())
     machine = machine_info()
@@ -173,6 +185,9 @@ def main() -> None:
     for row in rows:
         print(f"{row['seqs']:>4} {row['plain_tpot_ms']:>9.2f} "
               + " ".join(f"{row[f'oracle_a{a + 1}_tpot_ms']:>9.2f}" for a in range(args.k + 1))
+              + (f"   (verify graphs off at acc {args.k + 1}: "
+                 f"{row[f'oracle_a{args.k + 1}_verify_graphs_off_tpot_ms']:.2f})"
+                 if f"oracle_a{args.k + 1}_verify_graphs_off_tpot_ms" in row else "")
               + f"   oracle outputs equal the reference at every a: "
               f"{all(row[f'oracle_a{a + 1}_same_tokens'] for a in range(args.k + 1))}; speculative (MTP drafts) "
               f"equals plain: {row['speculative_equals_plain']}")

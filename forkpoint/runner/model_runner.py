@@ -240,7 +240,9 @@ class ModelRunner:
     and image steps alike) and the others (more tokens than its largest bucket) through the model's
     plain forward. When its graphs are captured, decode steps run as whole-forward graphs
     (`decode_graphs`, runner/decode_graphs.py; captured here, after the pools exist), one replay
-    per step; a plain attribute, so benchmarks can detach it (None). Then the varlen cores of
+    per step; a plain attribute, so benchmarks can detach it (None). With a drafter, the uniform verify
+    steps (every sequence verifies k drafts) run the same way (`verify_graphs`: DecodeGraphs with
+    k drafts, the target forward of the speculative step). Then the varlen cores of
     prefill and mixed steps are compiled and autotuned by a warm-up on the pools' scratch rows
     (runner/warmup.py; `warmup` reports it), so no served step compiles.
 
@@ -262,10 +264,14 @@ class ModelRunner:
         self.sampling = StepSampler(model.config.vocab_size, device)  # penalty counts, generators across steps
         self.scratch_block, self.scratch_slot = storage.scratch_block, storage.scratch_slot
         self.decode_graphs: DecodeGraphs | None = None
+        self.verify_graphs: DecodeGraphs | None = None  # with a drafter: its uniform verify steps
         self.warmup: WarmupReport | None = None
         if piecewise is not None and piecewise.captured:
-            # speculative steps verify several rows per sequence: never a decode graph's step
-            self.decode_graphs = self._capture_decode_graphs() if drafter is None else None
+            # with a drafter every step runs `forward_hidden` (runner/speculative.py): no decode graphs
+            if drafter is None:
+                self.decode_graphs = self._capture_decode_graphs()
+            else:
+                self.verify_graphs = self._capture_decode_graphs(drafts=drafter.k)
             max_context = warmup_max_context(model.config.max_position_embeddings, piecewise.sizes[-1])
             self.warmup = warm_up(self, max_tokens=piecewise.sizes[-1], max_seqs=storage.num_request_slots,
                                   max_context=max_context)
@@ -279,10 +285,11 @@ class ModelRunner:
             return "CUDA graphs: none, every step runs eagerly"
         parts = [f"CUDA graphs: {len(piecewise.sizes)} piecewise buckets ({piecewise.sizes[0]}..{piecewise.sizes[-1]} "
                  "tokens)"]
-        if self.decode_graphs is not None:
-            sizes = sorted(self.decode_graphs.graphs)
-            parts.append(f"{len(sizes)} decode buckets ({sizes[0]}..{sizes[-1]} sequences)" if sizes else
-                         "decode graphs empty")
+        for graphs in (self.decode_graphs, self.verify_graphs):
+            if graphs is not None:
+                sizes = sorted(graphs.graphs)
+                parts.append(f"{len(sizes)} {graphs.kind} buckets ({sizes[0]}..{sizes[-1]} sequences)" if sizes
+                             else f"{graphs.kind} graphs empty")
         if not piecewise.capture_cores:
             parts.append("recurrent cores eager (core graphs off)")
         elif piecewise.core_capture_failures:
@@ -292,14 +299,16 @@ class ModelRunner:
             parts.append(f"recurrent core graph captured per step ({piecewise.core_graph_steps} steps so far)")
         return ", ".join(parts)
 
-    def _capture_decode_graphs(self) -> DecodeGraphs:
-        """Decode buckets up to the number of request slots (the most sequences a decode step can
-        hold), block tables as wide as the model's context (or the whole pool, if smaller)."""
+    def _capture_decode_graphs(self, drafts: int = 0) -> DecodeGraphs:
+        """Decode buckets (drafts = 0), or verify buckets of `drafts` drafts per sequence, up to the
+        most sequences such a step can hold (a verifying sequence holds 1 + drafts request slots),
+        block tables as wide as the model's context (or the whole pool, if smaller)."""
         piecewise, storage = self.piecewise, self.storage
         max_blocks = min(storage.num_blocks, -(-self.model.config.max_position_embeddings // self.block_size))
-        return DecodeGraphs(self.model, self.caches, decode_bucket_sizes(piecewise.sizes, storage.num_request_slots),
-                            max_blocks, scratch_block=storage.scratch_block, block_size=self.block_size,
-                            scratch_state_slot=storage.scratch_slot, device=self.device, capture=True,
+        max_seqs = max(1, storage.num_request_slots // (1 + drafts))
+        return DecodeGraphs(self.model, self.caches, decode_bucket_sizes(piecewise.sizes, max_seqs), max_blocks,
+                            scratch_block=storage.scratch_block, block_size=self.block_size,
+                            scratch_state_slot=storage.scratch_slot, device=self.device, capture=True, drafts=drafts,
                             pool=torch.cuda.graph_pool_handle(), stream=piecewise.capture_stream)
 
     def prepare(self, plan: StepPlan, feed: torch.Tensor | None = None) -> tuple[ForwardBatch, list[Segment]]:
@@ -338,8 +347,11 @@ class ModelRunner:
 
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
         """The stream leaving the last layer [T, hidden] of one prepared batch (the speculative step's
-        forward), through the piecewise graphs when they take it (never the decode graphs: they hold
-        logits only). Valid until the next forward."""
+        forward): uniform verify steps through the verify graphs, the others through the piecewise
+        graphs when they take it (never the decode graphs: they hold logits only). Valid until the
+        next forward."""
+        if self.verify_graphs is not None and self.verify_graphs.accepts(batch):
+            return self.verify_graphs.forward_hidden(batch)
         if self.piecewise is not None and self.piecewise.accepts(batch):
             return self.piecewise.forward_hidden(batch, self.caches)
         return self.model.forward_hidden(batch, self.caches)

@@ -39,6 +39,11 @@ from forkpoint.server.http_args import add_http_args, uvicorn_options
 # client, keep one 5 s; uvicorn's and vLLM's default is 5 s too, which races them: bench/agent_sessions.py at 256
 # sessions, docs/server.md)
 KEEP_ALIVE_S = 30.0
+# --engine-process's GIL switch interval in both processes (ms): a message through the pipe passes four threads
+# (event loop, sender; reader, engine thread on the way in; engine thread, outbox; reader, event loop on the way
+# out), each of which waited up to CPython's 5 ms for the GIL behind the thread holding it (bench/pipe_crossing.py,
+# docs/server.md "The pipe's crossings")
+DEFAULT_GIL_SWITCH_INTERVAL_MS = 0.5
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run the engine (model, scheduler, step loop) in a process of its own, as vLLM's engine "
                            "core: the HTTP handlers, chat templates and tokenisation stay here, and no request's "
                            "Python work takes the GIL the step loop needs (default: off, one process)")
+    http.add_argument("--gil-switch-interval-ms", type=_positive_float, default=None, metavar="MS",
+                      help="with --engine-process: the Python interpreter's GIL switch interval in both processes, "
+                           "the longest a thread that wants the GIL waits for the thread holding it; every message "
+                           "through the pipe waits for it at each thread it passes (default: "
+                           f"{DEFAULT_GIL_SWITCH_INTERVAL_MS}; CPython's own: 5)")
     http.add_argument("--disable-log-stats", action="store_true",
                       help="no periodic stats line (throughput, queues, pools, checkpoint reuse) in the log")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -219,6 +229,9 @@ def run_serve(args: argparse.Namespace) -> int:
         from forkpoint.server.replicas.launch import serve_replicas
 
         return serve_replicas(args, config, server_engine_kwargs(args, replicas=True), http)
+    if args.gil_switch_interval_ms is not None and not args.engine_process:
+        raise ValueError("--gil-switch-interval-ms sets the switch interval of --engine-process's two processes; a "
+                         "one-process server keeps CPython's: add --engine-process, or drop --gil-switch-interval-ms")
     if args.engine_process:
         return _serve_engine_process(args, config, http)
     start = time.perf_counter()
@@ -236,8 +249,15 @@ def _serve_engine_process(args: argparse.Namespace, config: ServerConfig, http: 
     from forkpoint.server.app import build_process_app
     from forkpoint.server.process_worker import start_engine_process
 
+    switch_ms = args.gil_switch_interval_ms or DEFAULT_GIL_SWITCH_INTERVAL_MS
+    # this process's entry point sets its own interpreter's interval (the reader, the sender and the event loop
+    # each wait up to one for the GIL on every crossing); the engine process sets its own at its entry point
+    sys.setswitchinterval(switch_ms / 1e3)
+    logging.getLogger("forkpoint.server").info("GIL switch interval %g ms in the server and engine processes",
+                                               switch_ms)
     worker, front = start_engine_process(server_engine_kwargs(args), served_model_name=config.served_model_name,
-                                         marker_policy=config.marker_policy, log_level=args.log_level)
+                                         marker_policy=config.marker_policy, log_level=args.log_level,
+                                         switch_interval_s=switch_ms / 1e3)
     try:
         app = build_process_app(worker, front, config)
         freeze_startup_heap()
@@ -274,6 +294,17 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"speculative: mean acceptance length {metrics['spec_mean_acceptance_length']:.2f}, "
               f"{metrics['spec_accepted_tokens']} of {metrics['spec_draft_tokens']} draft tokens accepted")
     return 0
+
+
+def _positive_float(text: str) -> float:
+    """A number > 0, as an argparse type."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 def _json_strings(text: str) -> list[str]:

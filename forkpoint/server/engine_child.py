@@ -25,6 +25,7 @@ import gc
 import logging
 import queue
 import signal
+import sys
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -59,9 +60,15 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [engine]: %(message)s"
 
 
 def run_engine_process(engine_kwargs: dict[str, Any], served_model_name: str, marker_policy: MarkerPolicy,
-                       log_level: str, commands: Connection, events: Connection) -> None:
+                       log_level: str, commands: Connection, events: Connection,
+                       switch_interval_s: float | None = None) -> None:
     """The engine process's entry point (multiprocessing, spawn): load the engine, send `Ready` (or
-    `StartFailed`), serve commands until Stop or the server process is gone."""
+    `StartFailed`), serve commands until Stop or the server process is gone. `switch_interval_s`: this
+    interpreter's GIL switch interval (None: CPython's 5 ms), set here because it is the process's own
+    setting: the command reader and the outbox thread each wait up to one interval for the GIL while the
+    engine thread holds it, on every message that crosses (docs/server.md, "The pipe's crossings")."""
+    if switch_interval_s is not None:
+        sys.setswitchinterval(switch_interval_s)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID`: every thread's stack (the server sends it before a kill)
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)

@@ -64,16 +64,19 @@ STOP_GRACE_S = 10.0  # beyond the shutdown timeout: the engine's last step and i
 
 
 def start_engine_process(engine_kwargs: dict[str, Any], *, served_model_name: str, marker_policy: MarkerPolicy,
-                         log_level: str = "info") -> tuple[ProcessWorker, EngineFront]:
+                         log_level: str = "info", switch_interval_s: float | None = None,
+                         ) -> tuple[ProcessWorker, EngineFront]:
     """Spawn the engine process with `LLM(**engine_kwargs)` and wait until it is ready. Raises ValueError
     with the engine's message when it cannot start (a bad configuration, a missing model), or
-    EngineFailure when the process died without one."""
+    EngineFailure when the process died without one. switch_interval_s: the engine process's GIL switch
+    interval (`sys.setswitchinterval`; None: CPython's 5 ms); this process's own is its entry point's to set
+    (`forkpoint serve` sets both from --gil-switch-interval-ms)."""
     context = multiprocessing.get_context("spawn")  # never fork a process that holds threads (and CUDA)
     command_reader, command_writer = context.Pipe(duplex=False)
     event_reader, event_writer = context.Pipe(duplex=False)
     process = context.Process(target=run_engine_process, name="forkpoint-engine",
                               args=(engine_kwargs, served_model_name, marker_policy, log_level, command_reader,
-                                    event_writer))  # not a daemon: it may start processes of its own
+                                    event_writer, switch_interval_s))  # not a daemon: it may start processes of its own
                                                     # (tensor-parallel ranks, compile workers); it ends on Stop or
                                                     # when this process's pipe closes
     process.start()

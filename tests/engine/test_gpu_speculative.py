@@ -3,9 +3,11 @@ the GPU kernels' head sizes with random MTP weights, drafts from the oracle of t
 (30% corrupted). Greedy tokens equal the plain engine's with checkpoints (markers, turn ends), with
 logprobs within the graph tolerance; with `checkpoint_exact` the issue asks for bit-identical
 results. The verify step runs every position through the single-token recurrent kernels as plain
-decode does, but through the piecewise graphs (plain decode: whole-step CUDA graphs) and with k + 1
-rows per sequence in each GEMM, padded to a bucket (beyond 16 rows the dense projections leave the
-row-stable Triton kernel for F.linear): this test says whether the bits still agree."""
+decode does, as a whole-step graph when every sequence verifies k drafts (runner/decode_graphs.py's
+verify graphs; the other verify steps through the piecewise graphs) and with k + 1 rows per sequence
+in each GEMM, padded to a bucket (beyond 16 rows the dense projections leave the row-stable Triton
+kernel for F.linear): this test says whether the bits still agree, with the verify graphs and
+without them."""
 
 from __future__ import annotations
 
@@ -56,8 +58,9 @@ def test_greedy_tokens_equal_the_plain_engine_on_cuda(mtp_dir):
     for outputs in (ours, again):
         assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
         assert worst_diff(outputs, reference) <= GRAPH_LOGPROB_TOL
-    runner = llm.engine.runner  # the verify steps ran through the captured pieces
+    runner = llm.engine.runner  # the verify steps ran through the verify graphs and the captured pieces
     assert runner.piecewise is not None and runner.piecewise.captured and runner.decode_graphs is None
+    assert runner.verify_graphs is not None and runner.verify_graphs.replays > 0
     metrics = llm.metrics()
     assert metrics["spec_verifications"] > 0 and 0.0 < metrics["spec_acceptance_rate_pos_1"] < 1.0
     assert metrics["checkpoint_hits"] > 0
@@ -66,7 +69,16 @@ def test_greedy_tokens_equal_the_plain_engine_on_cuda(mtp_dir):
 
 
 def test_checkpoint_exact_results_are_bit_identical(mtp_dir):
-    reference, ours, again, _ = _run_both(mtp_dir, checkpoint_exact=True)
-    for outputs in (ours, again):
+    reference, ours, again, llm = _run_both(mtp_dir, checkpoint_exact=True)
+    runner = llm.engine.runner
+    graphs = runner.verify_graphs
+    assert graphs is not None and graphs.replays > 0
+    runner.verify_graphs = None  # every verify step through the piecewise graphs
+    assert llm.reset_prefix_cache()
+    graphs_off = generate_checked(llm, PROMPTS, GREEDY)
+    print(f"GPU_SPEC checkpoint_exact: {graphs.replays} verify graph replays; max |logprob diff| vs plain "
+          f"{max(worst_diff(ours, reference), worst_diff(again, reference)):.2e} with the verify graphs, "
+          f"{worst_diff(graphs_off, reference):.2e} without")
+    for outputs in (ours, again, graphs_off):
         assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
         assert worst_diff(outputs, reference) == 0.0

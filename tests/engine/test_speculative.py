@@ -81,10 +81,11 @@ def continuations(outputs) -> dict[tuple[int, ...], list[int]]:
 
 
 def generate_checked(llm: LLM, prompts, params) -> list:
-    """`llm.generate` step by step, checking the engine's integrity after every step."""
+    """`llm.generate` step by step, checking the engine's integrity after every step. params: one
+    SamplingParams for all prompts, or a list of one per prompt."""
     engine = llm.engine
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"p{i}", prompt, params)
+        engine.add_request(f"p{i}", prompt, params[i] if isinstance(params, list) else params)
     outputs = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -72,6 +72,20 @@ def slot_rows(tensor: torch.Tensor, block_size: int, is_kv: bool) -> torch.Tenso
     return tensor.reshape(tensor.shape[0] * block_size, -1) if is_kv else tensor.reshape(tensor.shape[0], -1)
 
 
+def assert_same_pool_writes(tensors, before, after, is_kv, block_size: int) -> None:
+    """Pool tensors after a graph step against their copies `before` and `after` the eager step (the
+    tensors restored to `before` in between): rows the eager step wrote hold its values to bf16
+    rounding (GRAPH_REL_TOL), every other row is bit-identical."""
+    for tensor, old, new, kv in zip(tensors, before, after, is_kv):
+        old_rows, new_rows = slot_rows(old, block_size, kv), slot_rows(new, block_size, kv)
+        rows = slot_rows(tensor, block_size, kv)
+        written = (old_rows != new_rows).any(dim=1)
+        assert torch.equal(rows[~written], old_rows[~written]), "the graph path wrote rows the eager step did not"
+        if written.any():
+            ref = new_rows[written].float()
+            assert ((rows[written].float() - ref).norm() / ref.norm().clamp_min(1e-6)).item() <= GRAPH_REL_TOL
+
+
 class GraphVsEager:
     """Stands in for `ModelRunner.forward`: each step runs eagerly, the pools are restored, then it
     runs through the graphs. Checks the logits, that the graphs write the pools' rows the eager step
@@ -100,14 +114,7 @@ class GraphVsEager:
         self.steps += 1
         self.padded += runner.piecewise.bucket(batch.num_tokens) > batch.num_tokens
         self.image_steps += batch.embedding_overrides is not None and batch.mrope_positions is not None
-        for tensor, old, new, kv in zip(tensors, before, after, is_kv):
-            old_rows, new_rows = slot_rows(old, self.block_size, kv), slot_rows(new, self.block_size, kv)
-            rows = slot_rows(tensor, self.block_size, kv)
-            written = (old_rows != new_rows).any(dim=1)
-            assert torch.equal(rows[~written], old_rows[~written]), "the graph path wrote rows the eager step did not"
-            if written.any():
-                ref = new_rows[written].float()
-                assert ((rows[written].float() - ref).norm() / ref.norm().clamp_min(1e-6)).item() <= GRAPH_REL_TOL
+        assert_same_pool_writes(tensors, before, after, is_kv, self.block_size)
         return eager
 
 

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ import pytest
 
 from forkpoint.server.app import build_process_app
 from forkpoint.server.cli import main
-from forkpoint.server.config import ServerConfig
+from forkpoint.server.config import MarkerPolicy, ServerConfig
 from forkpoint.server.engine_messages import Failure
 from forkpoint.server.process_worker import ProcessWorker, start_engine_process
 from forkpoint.server.worker import EngineFailure, RequestOutOfMemory, ServerShuttingDown
@@ -278,6 +279,7 @@ def test_serve_engine_process_stops_on_ctrl_c(tiny_engine, tmp_path: Path):
         reply = httpx.post(f"{running.base_url}/v1/chat/completions", timeout=60, json={
             "model": "m", "messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 3, "ignore_eos": True})
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+        assert "GIL switch interval 0.5 ms in the server and engine processes" in running.output()
         os.killpg(running.process.pid, signal.SIGINT)
         assert running.process.wait(timeout=60) == 0, running.output()
         deadline = time.monotonic() + 20
@@ -288,6 +290,33 @@ def test_serve_engine_process_stops_on_ctrl_c(tiny_engine, tmp_path: Path):
                 break
             assert time.monotonic() < deadline, "the engine process outlived the server"
             time.sleep(0.1)
+
+
+def switch_interval(engine) -> float:
+    return sys.getswitchinterval()
+
+
+def test_the_engine_process_sets_its_switch_interval(tiny_engine):
+    """The engine process runs with the GIL switch interval it was given (its command reader and outbox thread wait
+    up to one interval for the GIL on every message: docs/server.md "The pipe's crossings"); this process's own
+    is left alone (its entry point's to set)."""
+    here = sys.getswitchinterval()
+    worker, _ = start_engine_process(tiny_engine, served_model_name="m", marker_policy=MarkerPolicy("allow"),
+                                     log_level="warning", switch_interval_s=0.0007)
+    try:
+        worker.start()
+        assert worker.call(switch_interval).result(timeout=60) == pytest.approx(0.0007)
+        assert sys.getswitchinterval() == here
+    finally:
+        worker.shutdown(timeout_s=0.0)
+
+
+def test_a_switch_interval_without_the_engine_process_is_refused(capsys):
+    assert main(["serve", "--gil-switch-interval-ms", "1"]) == 2
+    assert "--engine-process" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--engine-process", "--gil-switch-interval-ms", "0"])
+    assert "must be > 0" in capsys.readouterr().err
 
 
 def test_engine_process_with_replicas_is_refused(capsys):
