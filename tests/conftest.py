@@ -1,5 +1,6 @@
 """Shared fixtures: tiny transformers-built checkpoints, the session's engines on the embedded default model, and
-what keeps the suite fast on 2 cores (one intra-op thread per process, one grammar vocabulary per tokenizer)."""
+what keeps the suite fast on 2 cores (one intra-op thread per process, one grammar vocabulary per tokenizer, one
+default TLS context per process)."""
 
 from __future__ import annotations
 
