@@ -1,5 +1,6 @@
 """Shared fixtures: tiny transformers-built checkpoints, the session's engines on the embedded default model, and
-what keeps the suite fast on 2 cores (one intra-op thread per process, one grammar vocabulary per tokenizer)."""
+what keeps the suite fast on 2 cores (one intra-op thread per process, one grammar vocabulary per tokenizer, one
+default TLS context per process)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,45 @@ def one_grammar_vocabulary_per_tokenizer():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(llguidance.hf, "from_tokenizer", from_tokenizer)
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_tls_context_per_process():
+    """httpx builds a TLS context for every client it makes, loading the whole CA bundle each time (~40 ms on 2
+    cores, more on a busy machine), and `httpx.get`/`httpx.post` and every OpenAI client make one: ~45 s of the
+    suite's CPU went there, for tests that speak plain HTTP to loopback servers. The default context (verify on,
+    no client certificate, the environment's CA settings) is built once per setting and shared, as one client
+    shares it between its connections; any other `verify` or `cert` goes to httpx's own function. The
+    OpenAI client's copy of httpx (`httpx2`, where installed) gets the same."""
+    import importlib
+
+    patches = []
+    for name in ("httpx._transports.default", "httpx2._transports.default"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        patches.append((module, _shared_default_tls_context(module.create_ssl_context)))
+    with pytest.MonkeyPatch.context() as patch:
+        for module, create in patches:
+            patch.setattr(module, "create_ssl_context", create)
+        yield
+
+
+def _shared_default_tls_context(create_ssl_context):
+    built: dict[tuple, object] = {}
+    lock = threading.Lock()
+
+    def create(verify=True, cert=None, trust_env=True):
+        if verify is not True or cert:
+            return create_ssl_context(verify=verify, cert=cert, trust_env=trust_env)
+        key = (trust_env, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        with lock:
+            if key not in built:
+                built[key] = create_ssl_context(verify=True, cert=None, trust_env=trust_env)
+            return built[key]
+
+    return create
 
 
 @pytest.fixture(scope="session")

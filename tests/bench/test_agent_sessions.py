@@ -104,10 +104,11 @@ def test_agent_sessions_bench_through_the_agent_apis(tmp_path, auto_llm):
 
 def test_agent_sessions_bench_after_a_restart(tmp_path):
     """--restart: the server started again on the same --checkpoint-dir computes, for the first turn of
-    new sessions, only what they do not share with each other's (and the first server's) system prompt."""
-    res = agent_sessions.main(["--restart", "--sessions", "2", "--turns", "1", "--system-words", "60", "--doc-words",
-                               "20", "--tool-words", "5", "--reply-tokens", "2", "--out", str(tmp_path),
-                               "--start-timeout", "300"])
+    new sessions, only what they do not share with each other's (and the first server's) system prompt.
+    (--phases reuse: the no-reuse phase after it is test_agent_sessions_bench's.)"""
+    res = agent_sessions.main(["--restart", "--phases", "reuse", "--sessions", "2", "--turns", "1", "--system-words",
+                               "60", "--doc-words", "20", "--tool-words", "5", "--reply-tokens", "2", "--out",
+                               str(tmp_path), "--start-timeout", "300"])
     [row] = res["restart"]["turns"]
     assert row["shared_tokens"] > 200 and row["cached_tokens"] == row["shared_tokens"]
     assert res["restart"]["computed_tokens"] == res["restart"]["prompt_tokens"] - 2 * row["shared_tokens"]

@@ -25,8 +25,9 @@ ACCEPTED = ("cross_tenant_user", "cross_tenant_salt", "marker_in_tool_descriptio
 
 
 def test_hostile_cheap_cases(tmp_path, monkeypatch, capsys, auto_llm):
-    monkeypatch.setattr(hostile, "WARM_S", 0.5)
-    monkeypatch.setattr(hostile, "SETTLE_S", 0.2)
+    # the test reads no latency, gap or RSS figure: the bystander needs only to be streaming, and no RSS settle
+    monkeypatch.setattr(hostile, "WARM_S", 0.25)
+    monkeypatch.setattr(hostile, "SETTLE_S", 0.0)
     # automatic checkpoints: a repeated prompt is cached (the oracle)
     config = ServerConfig(served_model_name="hostile", log_stats=False, cache_isolation="user")
     with serve(auto_llm, config) as running:

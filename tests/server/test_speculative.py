@@ -36,29 +36,33 @@ K = 3
 SPEC = {"method": "mtp", "num_speculative_tokens": K}
 SMALL = {"max_model_len": 1024, "num_kv_blocks": 512, "checkpoint_pool_size": 16}
 SPEC_JSON = json.dumps(SPEC)
+CHAT_TOKENS = 12  # the most tokens a request with drafts asks the chat servers for
 SAME_SCHEMA = {"type": "object", "properties": {"same": {"type": "boolean"}}, "required": ["same"]}
 
 
 class PlainContinuations(dict):
-    """prompt ids -> the plain engine's greedy continuation (64 tokens, EOS ignored), computed on first
-    use with `llm` (an engine no server owns): the oracle's drafts for any request a test sends."""
+    """prompt ids -> the plain engine's greedy continuation (`max_tokens` tokens, EOS ignored), computed on
+    first use with `llm` (an engine no server owns): the oracle's drafts for any request a test sends. A
+    request of up to max_tokens - K tokens gets a full draft at every step."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: LLM, max_tokens: int) -> None:
         super().__init__()
         self.llm = llm
+        self.max_tokens = max_tokens
 
     def __missing__(self, prompt_ids: tuple[int, ...]) -> list[int]:
-        params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True)
         out = self.llm.generate({"prompt_token_ids": list(prompt_ids)}, params, use_tqdm=False)[0]
         self[prompt_ids] = list(out.outputs[0].token_ids)
         return self[prompt_ids]
 
 
-def _servers(directory, name: str, **kwargs) -> Iterator[tuple[RunningServer, RunningServer]]:
-    """(plain server, speculative server with oracle drafts) on the model in `directory`."""
+def _servers(directory, name: str, continuations: PlainContinuations,
+             **kwargs) -> Iterator[tuple[RunningServer, RunningServer]]:
+    """(plain server, speculative server with oracle drafts from `continuations`) on the model in `directory`."""
     plain = LLM(str(directory), **SMALL, **kwargs)
     spec = LLM(str(directory), **SMALL, **kwargs, speculative_config=SPEC)
-    OracleDrafts(spec, PlainContinuations(LLM(str(directory), **SMALL, enable_checkpoints=False)))
+    OracleDrafts(spec, continuations)
     with serve(plain, ServerConfig(served_model_name=name)) as plain_server, \
             serve(spec, ServerConfig(served_model_name=name, log_stats_interval_s=0.2)) as spec_server:
         yield plain_server, spec_server
@@ -75,17 +79,22 @@ def word_mtp_model(tiny_model_factory, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def word_servers(word_mtp_model):
-    yield from _servers(word_mtp_model, "tiny-mtp", auto_checkpoints=False)
+    continuations = PlainContinuations(LLM(str(word_mtp_model), **SMALL, enable_checkpoints=False), 64)
+    yield from _servers(word_mtp_model, "tiny-mtp", continuations, auto_checkpoints=False)
 
 
 @pytest.fixture(scope="module")
-def chat_servers(tmp_path_factory):
-    """The embedded default model (the real Qwen3.5 chat template) with an MTP head added."""
+def chat_servers(tmp_path_factory, plain_default_llm):
+    """The embedded default model (the real Qwen3.5 chat template) with an MTP head added. The oracle's
+    continuations come from the session's plain engine on the embedded model itself (the copy's weights but
+    for the head), CHAT_TOKENS + K tokens long: its tests ask for at most CHAT_TOKENS tokens with drafts
+    (the structured request verifies none), and each token of a continuation costs a pass over the real
+    Qwen3.5 vocabulary."""
     source = ensure_default_model()  # where LLM() without a model loads it from
     directory = tmp_path_factory.mktemp("default_mtp")
     add_mtp_weights(source, directory)
     (directory / "forkpoint_default.json").unlink()  # a copy, not the embedded model
-    yield from _servers(directory, "default-mtp")
+    yield from _servers(directory, "default-mtp", PlainContinuations(plain_default_llm, CHAT_TOKENS + K))
 
 
 def _completion(server: RunningServer, **kwargs):
@@ -173,7 +182,7 @@ def test_chat_with_the_qwen_template_equals_the_server_without_it(chat_servers):
         answers = []
         for server in (plain, spec):
             out = server.client().chat.completions.create(model=server.model, messages=history, temperature=0.0,
-                                                          max_tokens=12, logprobs=True, top_logprobs=2)
+                                                          max_tokens=CHAT_TOKENS, logprobs=True, top_logprobs=2)
             answers.append(out)
         theirs, ours = answers
         assert ours.choices[0].message.content == theirs.choices[0].message.content
@@ -190,10 +199,10 @@ def test_chat_with_the_qwen_template_equals_the_server_without_it(chat_servers):
         history += [{"role": "assistant", "content": theirs.choices[0].message.content},
                     {"role": "user", "content": "And a blue one?"}]
     stream = spec.client().chat.completions.create(model=spec.model, messages=history, temperature=0.0,
-                                                   max_tokens=12, stream=True)
+                                                   max_tokens=CHAT_TOKENS, stream=True)
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     reference = plain.client().chat.completions.create(model=plain.model, messages=history, temperature=0.0,
-                                                       max_tokens=12)
+                                                       max_tokens=CHAT_TOKENS)
     assert streamed == reference.choices[0].message.content
     spec.wait_idle()
     spec.engine_call(lambda engine: engine.check_integrity())
