@@ -18,6 +18,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from forkpoint.inputs.template_render import render_template
 from forkpoint.inputs.template_sandbox import SandboxedTemplate
 
 # OpenAI-style text content parts are joined with a newline, as vLLM does for templates that
@@ -34,7 +35,7 @@ def render_chat(
     chat_template: str | SandboxedTemplate | None = None,
     **template_kwargs: Any,
 ) -> str:
-    """Render one conversation to prompt text with ``tokenizer.apply_chat_template``.
+    """Render one conversation to prompt text as ``tokenizer.apply_chat_template`` does (`template_render.py`).
 
     messages: a non-empty list of dicts, each with a ``role`` (str) and a ``content`` that is a
         str or a list of OpenAI-style parts ``{"type": "text", "text": str}``; the text parts
@@ -81,13 +82,8 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, 
     if isinstance(chat_template, SandboxedTemplate):  # a request's own template: never in this process
         return chat_template.render(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
                                     **template_kwargs)
-    rendered = tokenizer.apply_chat_template(
-        conversation,
-        chat_template=chat_template,
-        add_generation_prompt=add_generation_prompt,
-        tokenize=False,
-        **template_kwargs,
-    )
+    rendered = render_template(tokenizer, conversation, chat_template=chat_template,
+                               add_generation_prompt=add_generation_prompt, **template_kwargs)
     if not isinstance(rendered, str):
         raise ValueError(
             f"the chat template rendered a {type(rendered).__name__}, not a str: pass one "

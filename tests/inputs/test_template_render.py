@@ -1,0 +1,144 @@
+"""render_template: the text of `tokenizer.apply_chat_template(..., tokenize=False)`, without its copies, on
+fresh random conversations (tool calls with dict arguments, reasoning fields, None values, names, tools,
+documents, thinking on/off/unset) under several templates: the default model's Qwen3.5 template, plain
+ChatML, and one that reads the last user query's index, reasoning fields, the special tokens, documents
+and a message's optional keys (what the Qwen3 family's templates do); and the cases it hands to
+transformers itself."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from forkpoint.inputs import LoadedTokenizer, template_render
+from forkpoint.inputs.template_render import render_template
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'"
+          " + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# the last user query that is not a tool response: assistant messages after it show their reasoning
+LAST_QUERY = """{{- bos_token if bos_token is defined else '' -}}
+{%- if tools %}<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>{% endif -%}
+{%- if documents %}{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}{% endif -%}
+{%- set ns = namespace(multi_step=true, last_query=messages|length - 1) -%}
+{%- for message in messages[::-1] -%}
+{%- set index = (messages|length - 1) - loop.index0 -%}
+{%- if ns.multi_step and message.role == 'user' and not message.content.startswith('<tool_response>') -%}
+{%- set ns.multi_step = false -%}{%- set ns.last_query = index -%}
+{%- endif -%}
+{%- endfor -%}
+{%- for message in messages -%}
+<|im_start|>{{ message.role }}{% if message.name is defined %} ({{ message.name }}){% endif %}
+{% if message.role == 'assistant' and loop.index0 > ns.last_query and message.reasoning_content is defined -%}
+<think>{{ message.reasoning_content }}</think>{% endif -%}
+{{ message.content }}{% if message.thinking is defined %}|{{ message.thinking }}{% endif -%}
+{%- for call in message.tool_calls or [] -%}
+<call>{{ call.function.name }}{{ call.function.arguments | tojson }}</call>
+{%- endfor -%}
+<|im_end|>
+{% endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a fact up.",
+                                           "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+WORDS = ["river", "flood", "<tool_response>", "é", "日本", "\n", " ", "{}", "'", '"', "None", "x" * 30]
+
+
+def words(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(WORDS) for _ in range(rng.randint(0, n)))
+
+
+def random_conversation(rng: random.Random) -> list[dict]:
+    messages = [{"role": "system", "content": "agent " + words(rng, 6)}] if rng.random() < 0.8 else []
+    for _ in range(rng.randint(1, 5)):
+        user = {"role": "user", "content": words(rng, 8) or "hi"}
+        if rng.random() < 0.2:
+            user["name"] = rng.choice(["ann", None])
+        messages.append(user)
+        if rng.random() < 0.8:
+            reply = {"role": "assistant", "content": words(rng, 8), "tool_calls": None}
+            if rng.random() < 0.4:
+                reply["tool_calls"] = [{"id": f"c{i}", "type": "function", "function": {
+                    "name": "lookup", "arguments": {"q": words(rng, 3), "n": rng.randint(0, 9), "on": True}}}
+                    for i in range(rng.randint(1, 2))]
+            field = rng.choice([None, "reasoning_content", "thinking", "reasoning"])
+            if field is not None:
+                reply[field] = words(rng, 4) if rng.random() < 0.8 else None
+            messages.append(reply)
+        for _ in range(rng.randint(0, 2)):
+            messages.append({"role": "tool", "tool_call_id": "c0", "content": "<tool_response>" + words(rng, 5)})
+    return messages
+
+
+@pytest.mark.parametrize("template", [None, CHATML, LAST_QUERY], ids=["qwen3.5", "chatml", "last-query"])
+def test_random_conversations_render_as_apply_chat_template(qwen: LoadedTokenizer, template: str | None):
+    tokenizer = qwen.tokenizer
+    rng = random.Random(7)
+    direct = 0
+    for _ in range(120):
+        messages = random_conversation(rng)
+        kwargs = {}
+        if rng.random() < 0.5:
+            kwargs["tools"] = TOOLS
+        if rng.random() < 0.2:
+            kwargs["documents"] = [{"title": "t", "text": words(rng, 4)}]
+        thinking = rng.choice([None, True, False])
+        if thinking is not None:
+            kwargs["enable_thinking"] = thinking
+        for end in range(1, len(messages) + 1):
+            for generation in (True, False):
+                conversation = messages[:end]
+                want = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                                     add_generation_prompt=generation, **kwargs)
+                direct += template_render._direct(tokenizer, conversation, template, kwargs)
+                assert render_template(tokenizer, conversation, chat_template=template,
+                                       add_generation_prompt=generation, **kwargs) == want
+    assert direct > 1000  # the conversations took the direct path, not the fallback
+
+
+class Text(str):
+    """A str subclass: transformers turns it into a plain str, so it takes the fallback."""
+
+
+@pytest.mark.parametrize("case", ["str-subclass", "tuple-message", "own-parameter", "callable-tool", "int-key"])
+def test_values_transformers_rebuilds_take_its_own_path(qwen: LoadedTokenizer, case: str):
+    tokenizer = qwen.tokenizer
+    conversation = [{"role": "user", "content": "hi"}]
+    kwargs: dict = {}
+    if case == "str-subclass":
+        conversation = [{"role": "user", "content": Text("hi")}]
+    elif case == "tuple-message":
+        conversation = [{"role": "user", "content": "hi", "extra": ({"a": 1}, [2])}]
+    elif case == "own-parameter":
+        conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "par"}]
+        kwargs = {"continue_final_message": True}
+    elif case == "callable-tool":
+        def lookup(q: str) -> str:
+            """Look a fact up.
+
+            Args:
+                q: the question
+            """
+            return q
+        kwargs = {"tools": [lookup]}
+    else:
+        conversation = [{"role": "user", "content": "hi", "meta": {1: "x"}}]
+    want = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=case != "own-parameter",
+                                         **kwargs)
+    assert render_template(tokenizer, conversation, chat_template=None,
+                           add_generation_prompt=case != "own-parameter", **kwargs) == want
+    assert template_render._direct(tokenizer, conversation, None, kwargs) == (case == "tuple-message")
+
+
+def test_a_template_error_is_the_same_either_way(qwen: LoadedTokenizer):
+    template = "{{ raise_exception('no ' + messages[0].role) }}"
+    conversation = [{"role": "user", "content": "hi"}]
+    with pytest.raises(Exception) as direct:
+        render_template(qwen.tokenizer, conversation, chat_template=template, add_generation_prompt=True)
+    with pytest.raises(Exception) as library:
+        qwen.tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False)
+    assert type(direct.value) is type(library.value) and str(direct.value) == str(library.value) == "no user"
