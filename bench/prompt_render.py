@@ -9,8 +9,9 @@ checkout's. Each round runs one child process per tree (alternating which goes f
 machine load); a child builds fresh apps and sends every session's request of each turn, in turn order, one
 at a time in its own thread, and times the stages by wrapping functions both versions have:
 
-    render     the chat template's three renderings (the prompt, its history, the next-turn probe):
-               `inputs/chat._render`, transformers' `apply_chat_template` (before) or `render_template`
+    render     the chat template's renderings (the prompt, its history, the next-turn probe: three before,
+               `inputs/chat._render` through transformers' `apply_chat_template`; after, `render_template`,
+               the prompt and its history in one pass by `render_chat_and_history`)
     segments   splitting the rendered texts into turn pieces, the cache lookups, joining the ids
                (`SegmentEncoder.encode` less the tokenizer's own calls)
     new text   the tokenizer's Rust encode of the pieces not cached yet (the turn's new reply and tool
@@ -55,6 +56,7 @@ def child(args: argparse.Namespace) -> None:
     from forkpoint import LLM
     from forkpoint.inputs import chat
     from forkpoint.inputs.segment_tokens import DEFAULT_CACHE_BYTES, SegmentEncoder
+    from forkpoint.server import prompts as prompts_module
     from forkpoint.server.prompts import PromptBuilder
     from forkpoint.server.protocol import ChatCompletionRequest
     from forkpoint.server.request_params import template_kwargs
@@ -77,6 +79,8 @@ def child(args: argparse.Namespace) -> None:
 
     timed(PromptBuilder, "from_messages", "total")
     timed(chat, "_render", "render")
+    if hasattr(prompts_module, "render_chat_and_history"):  # the prompt and its history in one pass (absent before it)
+        timed(prompts_module, "render_chat_and_history", "render")
     timed(SegmentEncoder, "encode", "segments+new")
     timed(type(tokenizer), "encode", "new text")
     timed(PromptBuilder, "_process", "process")

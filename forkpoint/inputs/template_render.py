@@ -20,27 +20,39 @@ and the same variables:
     the special tokens     tokenizer.special_tokens_map, overridden by
     template kwargs        the rest
 
+One pass for two renderings (`render_template_and_history`): the server renders each prompt with its
+generation prompt and then without it (the turn boundary). A template that ends in
+``{% if add_generation_prompt %}...{% endif %}`` and reads the flag nowhere else (`split_template`: Qwen3.5's,
+ChatML's) renders the same text up to that `if` both times, so it is compiled as two templates, the head and
+the generation prompt, and one pass over the conversation gives both texts.
+
 Anything else (a value of another type anywhere, a tokenizer class with its own `apply_chat_template`,
 a dict of named templates, `documents` that are not dicts, callables as tools, a template kwarg named
 like one of `apply_chat_template`'s own parameters) goes through
 `apply_chat_template` itself. The text is the same either way: tests render random conversations both
-ways (tool calls, reasoning fields, None values, thinking on and off, several templates).
+ways (tool calls, reasoning fields, None values, thinking on and off, several templates), and whole chat
+prompts built both ways (`tests/server/test_prompts.py`).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jinja2
+from jinja2 import nodes
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import chat_template_utils
 
 PLAIN_SCALARS = (str, int, float, bool, type(None))
-# apply_chat_template's own parameters: a template kwarg of one of these names (a client's chat_template_kwargs
-# may hold "continue_final_message") changes what it does, so such calls go through it
-OWN_PARAMETERS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {
-    "self", "kwargs", "tools", "documents"}
+# apply_chat_template's and render_jinja_template's own parameters and `messages`: a template kwarg of one of these
+# names (a client's chat_template_kwargs may hold "continue_final_message") changes what they do or is an error
+# there, so such calls go through them
+OWN_PARAMETERS = (frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
+                  | frozenset(inspect.signature(chat_template_utils.render_jinja_template).parameters)
+                  | {"messages"}) - {"self", "kwargs", "tools", "documents"}
 
 
 def render_template(tokenizer: PreTrainedTokenizerBase, conversation: Sequence[Mapping[str, Any]], *,
@@ -49,17 +61,75 @@ def render_template(tokenizer: PreTrainedTokenizerBase, conversation: Sequence[M
     tokenize=False, **template_kwargs)``: the same value (see the module docstring), and the same errors
     (the fallback raises them)."""
     if _direct(tokenizer, conversation, chat_template, template_kwargs):
-        kwargs = dict(template_kwargs)
-        tools, documents = kwargs.pop("tools", None), kwargs.pop("documents", None)
-        template = chat_template_utils._compile_jinja_template(tokenizer.get_chat_template(chat_template, tools))
-        messages = chat_template_utils._alias_reasoning_fields(
-            [{key: value for key, value in message.items() if value is not None} for message in conversation])
-        return template.render(messages=messages, tools=tools, documents=documents,
-                               add_generation_prompt=add_generation_prompt,
-                               **{**tokenizer.special_tokens_map, **kwargs})
+        source = tokenizer.get_chat_template(chat_template, template_kwargs.get("tools"))
+        return chat_template_utils._compile_jinja_template(source).render(
+            _variables(tokenizer, conversation, add_generation_prompt, template_kwargs))
     return tokenizer.apply_chat_template(conversation, chat_template=chat_template,
                                          add_generation_prompt=add_generation_prompt, tokenize=False,
                                          **template_kwargs)
+
+
+def render_template_and_history(tokenizer: PreTrainedTokenizerBase, conversation: Sequence[Mapping[str, Any]], *,
+                                chat_template: str | None, **template_kwargs: Any) -> tuple[Any, str | None]:
+    """(`render_template(..., add_generation_prompt=True)`, the same conversation's rendering without the
+    generation prompt, or None where one pass cannot give it): one pass over the conversation where the template
+    ends in its generation prompt (`split_template`), else one rendering and no history."""
+    if _direct(tokenizer, conversation, chat_template, template_kwargs):
+        source = tokenizer.get_chat_template(chat_template, template_kwargs.get("tools"))
+        split = split_template(source)
+        if split is not None:
+            head, generation, tail = split
+            context = head.new_context(_variables(tokenizer, conversation, True, template_kwargs))
+            try:
+                history = head.environment.concat(head.root_render_func(context))
+                prompt = generation.environment.concat(generation.root_render_func(
+                    generation.new_context(context.get_all())))
+            except Exception:  # noqa: BLE001 - as `Template.render` does: the same error, its traceback rewritten
+                head.environment.handle_exception()
+            return history + prompt + tail, history + tail
+    return render_template(tokenizer, conversation, chat_template=chat_template, add_generation_prompt=True,
+                           **template_kwargs), None
+
+
+@functools.lru_cache(maxsize=16)
+def split_template(source: str) -> tuple[jinja2.Template, jinja2.Template, str] | None:
+    """(head, generation, tail) of a template whose last statement is ``{% if add_generation_prompt %}...{% endif %}``
+    (no elif or else, followed by constant text at most) and which reads `add_generation_prompt` nowhere else:
+    rendering it is rendering the head, then the generation prompt (the `if`'s body, in the head's context: its
+    top-level variables, macros and namespaces), then the tail, so without the generation prompt it is head + tail.
+    Compiled in transformers' environment for that template (its sandbox and filters). None for any other shape
+    (extends, blocks, includes and imports too): such templates render twice."""
+    environment = chat_template_utils._compile_jinja_template(source).environment
+    tree = environment.parse(source)
+    if any(True for _ in tree.find_all((nodes.Extends, nodes.Block, nodes.Include, nodes.Import, nodes.FromImport))):
+        return None
+    last = max((i for i, node in enumerate(tree.body) if isinstance(node, nodes.If)), default=None)
+    if last is None:
+        return None
+    switch, after = tree.body[last], tree.body[last + 1:]
+    if (not isinstance(switch.test, nodes.Name) or switch.test.name != "add_generation_prompt" or switch.elif_
+            or switch.else_ or sum(1 for n in tree.find_all(nodes.Name) if n.name == "add_generation_prompt") != 1
+            or not all(isinstance(n, nodes.Output) and all(isinstance(d, nodes.TemplateData) for d in n.nodes)
+                       for n in after)):
+        return None
+
+    def template(body: list[nodes.Node]) -> jinja2.Template:
+        code = environment.compile(nodes.Template(body, lineno=1))
+        return environment.template_class.from_code(environment, code, environment.make_globals(None))
+
+    tail = "".join(d.data for n in after for d in n.nodes)
+    return template(tree.body[:last]), template(switch.body), tail
+
+
+def _variables(tokenizer: PreTrainedTokenizerBase, conversation: Sequence[Mapping[str, Any]],
+               add_generation_prompt: bool, template_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What the template sees (the module docstring's table), for a conversation `_direct` accepts."""
+    kwargs = dict(template_kwargs)
+    tools, documents = kwargs.pop("tools", None), kwargs.pop("documents", None)
+    messages = chat_template_utils._alias_reasoning_fields(
+        [{key: value for key, value in message.items() if value is not None} for message in conversation])
+    return {**tokenizer.special_tokens_map, **kwargs, "messages": messages, "tools": tools, "documents": documents,
+            "add_generation_prompt": add_generation_prompt}
 
 
 def _direct(tokenizer: PreTrainedTokenizerBase, conversation: Sequence[Mapping[str, Any]], chat_template: str | None,

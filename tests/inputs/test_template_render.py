@@ -12,7 +12,7 @@ import random
 import pytest
 
 from forkpoint.inputs import LoadedTokenizer, template_render
-from forkpoint.inputs.template_render import render_template
+from forkpoint.inputs.template_render import render_template, render_template_and_history, split_template
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'"
           " + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -97,7 +97,40 @@ def test_random_conversations_render_as_apply_chat_template(qwen: LoadedTokenize
                 direct += template_render._direct(tokenizer, conversation, template, kwargs)
                 assert render_template(tokenizer, conversation, chat_template=template,
                                        add_generation_prompt=generation, **kwargs) == want
+            # one pass for both: the prompt and its history, as the two renderings give them
+            conversation = messages[:end]
+            both = tuple(tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                                       add_generation_prompt=generation, **kwargs)
+                         for generation in (True, False))
+            assert render_template_and_history(tokenizer, conversation, chat_template=template, **kwargs) == both
     assert direct > 1000  # the conversations took the direct path, not the fallback
+    assert split_template(template or tokenizer.chat_template) is not None
+
+
+GENERATION = "{% if add_generation_prompt %}<|im_start|>assistant\n{{ ns.tag }}{{ tail_of('x') }}{% endif %}"
+HEAD = ("{% macro tail_of(x) %}[{{ x }}]{% endmacro %}{% set ns = namespace(tag='') %}"
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}\n{% if m.role == 'user' %}{% set ns.tag = m.content %}"
+        "{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("template, splits", [
+    (HEAD + GENERATION, True),  # the generation prompt reads the head's namespace and macro
+    (HEAD + GENERATION + "\n\n", True),  # constant text after it
+    (HEAD + GENERATION.replace("{% endif %}", "{% else %}END{% endif %}"), False),
+    (HEAD + "{{ add_generation_prompt }}" + GENERATION, False),  # read elsewhere too
+    (HEAD + GENERATION + "{{ messages | length }}", False),  # a non-constant tail
+    ("{% if add_generation_prompt %}go:{% endif %}" + HEAD, False),  # not last
+    (HEAD + GENERATION.replace("add_generation_prompt", "add_generation_prompt and true"), False),
+])
+def test_split_templates_render_the_prompt_and_its_history_in_one_pass(qwen: LoadedTokenizer, template: str,
+                                                                       splits: bool):
+    assert (split_template(template) is not None) == splits
+    conversation = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                    {"role": "user", "content": "c"}]
+    want = tuple(qwen.tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                                    add_generation_prompt=g) for g in (True, False))
+    full, history = render_template_and_history(qwen.tokenizer, conversation, chat_template=template)
+    assert full == want[0] and history == (want[1] if splits else None)
 
 
 class Text(str):
