@@ -19,7 +19,8 @@ at a time in its own thread, and times the stages by wrapping functions both ver
     process    the engine's processor: markers, checks, position map, block hashes
     other      the rest of `from_messages` (message policy, turn-boundary prefixes, dataclasses)
 
-Per turn, each child reports the median over sessions; the table shows the median over rounds. Both trees'
+Per turn, each child reports the median over sessions; the table shows the median over rounds, and "GIL-held"
+(the total less the new text's tokenisation: what 32 requests arriving together serialise on). Both trees'
 prompts must have the same token ids, turn positions and checkpoint positions (a digest per turn, asserted).
 
 Usage:
@@ -138,12 +139,13 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def table(res: dict) -> str:
-    head = f"{'turn':>4} {'tokens':>6} {'total before':>12} {'after':>6} {'x':>5}   " + "  ".join(
-        f"{s + ' b/a':>13}" for s in STAGES)
+    head = (f"{'turn':>4} {'tokens':>6} {'total before':>12} {'after':>6} {'x':>5} {'GIL-held b/a':>13}   "
+            + "  ".join(f"{s + ' b/a':>13}" for s in STAGES))
     lines = [head]
     for b, a in zip(res["paths"]["before"], res["paths"]["after"]):
+        held = f"{b['total'] - b['new text']:.2f}/{a['total'] - a['new text']:.2f}"
         lines.append(f"{b['turn']:>4} {b['tokens']:>6.0f} {b['total']:>12.2f} {a['total']:>6.2f} "
-                     f"{b['total'] / a['total']:>5.2f}   " +
+                     f"{b['total'] / a['total']:>5.2f} {held:>13}   " +
                      "  ".join(f"{b[s]:>6.2f}/{a[s]:<6.2f}" for s in STAGES))
     return "\n".join(lines)
 
@@ -157,8 +159,9 @@ def plot(res: dict, path: str) -> None:
             labels.append(f"turn {row['turn']}\n{name}")
             for stage in STAGES:
                 parts[stage].append(row[stage])
+    after = (res["code"].get("commit") or "this tree")[:7]
     stacked_bars(Path(path), labels, parts, "ms per request (one at a time, median)",
-                 f"chat prompt path by stage: {res['config']['before']} vs {res['code'].get('commit', 'this tree')}",
+                 f"chat prompt path by stage: {res['config']['before']} vs {after}",
                  size=(max(8, len(labels) * 0.8), 4))
 
 
