@@ -32,6 +32,15 @@ like one of `apply_chat_template`'s own parameters) goes through
 `apply_chat_template` itself. The text is the same either way: tests render random conversations both
 ways (tool calls, reasoning fields, None values, thinking on and off, several templates), and whole chat
 prompts built both ways (`tests/server/test_prompts.py`).
+
+Only on verified transformers versions (`DIRECT_PATH`, computed once at import): the direct path uses
+transformers' private helpers (`_compile_jinja_template`, `_alias_reasoning_fields`) and copies what its
+`apply_chat_template` prepares for the template, both of which change between minor versions (5.0 and 5.17
+have no `_alias_reasoning_fields`). So it is taken only where transformers' major.minor version is one of
+`VERIFIED_TRANSFORMERS`, those the tests above passed on, and every private name it uses exists; on any other
+version every call goes through `apply_chat_template`, with no error. To verify a new version, run
+`tests/inputs/test_template_render.py` and `tests/server/test_prompts.py` on it with `VERIFIED_TRANSFORMERS`
+extended.
 """
 
 from __future__ import annotations
@@ -42,17 +51,50 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jinja2
+import transformers
 from jinja2 import nodes
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import chat_template_utils
 
 PLAIN_SCALARS = (str, int, float, bool, type(None))
+# transformers major.minor versions whose `apply_chat_template` the direct path reproduces: the tests compared the
+# two on these (the module docstring); any other version renders through `apply_chat_template` only
+VERIFIED_TRANSFORMERS = ("5.25",)
+# the private names of transformers' chat_template_utils that the direct path calls
+PRIVATE_HELPERS = ("_compile_jinja_template", "_alias_reasoning_fields")
+# bound once, None where this transformers lacks them (DIRECT_PATH is then False and they are never called)
+_compile_jinja_template = getattr(chat_template_utils, "_compile_jinja_template", None)
+_alias_reasoning_fields = getattr(chat_template_utils, "_alias_reasoning_fields", None)
+
+
+def _parameters(function: Any) -> frozenset[str] | None:
+    """The names of `function`'s parameters; None where it is missing or has no signature inspect can read."""
+    try:
+        return frozenset(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+_APPLY_PARAMETERS = _parameters(getattr(PreTrainedTokenizerBase, "apply_chat_template", None))
+_RENDER_PARAMETERS = _parameters(getattr(chat_template_utils, "render_jinja_template", None))
 # apply_chat_template's and render_jinja_template's own parameters and `messages`: a template kwarg of one of these
 # names (a client's chat_template_kwargs may hold "continue_final_message") changes what they do or is an error
 # there, so such calls go through them
-OWN_PARAMETERS = (frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
-                  | frozenset(inspect.signature(chat_template_utils.render_jinja_template).parameters)
+OWN_PARAMETERS = ((_APPLY_PARAMETERS or frozenset()) | (_RENDER_PARAMETERS or frozenset())
                   | {"messages"}) - {"self", "kwargs", "tools", "documents"}
+
+
+def direct_path_supported(version: str) -> bool:
+    """Whether transformers `version` (its ``__version__``), as installed, may take the direct path: its
+    major.minor is verified, every private helper it calls exists, and both signatures were read."""
+    major_minor = ".".join(version.split(".")[:2])
+    return (major_minor in VERIFIED_TRANSFORMERS
+            and all(callable(getattr(chat_template_utils, name, None)) for name in PRIVATE_HELPERS)
+            and _APPLY_PARAMETERS is not None and _RENDER_PARAMETERS is not None)
+
+
+# the gate: False renders every call through `apply_chat_template`
+DIRECT_PATH = direct_path_supported(transformers.__version__)
 
 
 def render_template(tokenizer: PreTrainedTokenizerBase, conversation: Sequence[Mapping[str, Any]], *,
@@ -62,7 +104,7 @@ def render_template(tokenizer: PreTrainedTokenizerBase, conversation: Sequence[M
     (the fallback raises them)."""
     if _direct(tokenizer, conversation, chat_template, template_kwargs):
         source = tokenizer.get_chat_template(chat_template, template_kwargs.get("tools"))
-        return chat_template_utils._compile_jinja_template(source).render(
+        return _compile_jinja_template(source).render(
             _variables(tokenizer, conversation, add_generation_prompt, template_kwargs))
     return tokenizer.apply_chat_template(conversation, chat_template=chat_template,
                                          add_generation_prompt=add_generation_prompt, tokenize=False,
@@ -98,8 +140,11 @@ def split_template(source: str) -> tuple[jinja2.Template, jinja2.Template, str] 
     rendering it is rendering the head, then the generation prompt (the `if`'s body, in the head's context: its
     top-level variables, macros and namespaces), then the tail, so without the generation prompt it is head + tail.
     Compiled in transformers' environment for that template (its sandbox and filters). None for any other shape
-    (extends, blocks, includes and imports too): such templates render twice."""
-    environment = chat_template_utils._compile_jinja_template(source).environment
+    (extends, blocks, includes and imports too): such templates render twice; None too where this transformers
+    lacks `_compile_jinja_template` (the direct path is then off)."""
+    if _compile_jinja_template is None:
+        return None
+    environment = _compile_jinja_template(source).environment
     tree = environment.parse(source)
     if any(True for _ in tree.find_all((nodes.Extends, nodes.Block, nodes.Include, nodes.Import, nodes.FromImport))):
         return None
@@ -126,7 +171,7 @@ def _variables(tokenizer: PreTrainedTokenizerBase, conversation: Sequence[Mappin
     """What the template sees (the module docstring's table), for a conversation `_direct` accepts."""
     kwargs = dict(template_kwargs)
     tools, documents = kwargs.pop("tools", None), kwargs.pop("documents", None)
-    messages = chat_template_utils._alias_reasoning_fields(
+    messages = _alias_reasoning_fields(
         [{key: value for key, value in message.items() if value is not None} for message in conversation])
     return {**tokenizer.special_tokens_map, **kwargs, "messages": messages, "tools": tools, "documents": documents,
             "add_generation_prompt": add_generation_prompt}
@@ -134,8 +179,10 @@ def _variables(tokenizer: PreTrainedTokenizerBase, conversation: Sequence[Mappin
 
 def _direct(tokenizer: PreTrainedTokenizerBase, conversation: Sequence[Mapping[str, Any]], chat_template: str | None,
             template_kwargs: dict[str, Any]) -> bool:
-    """Whether `render_template` may skip `apply_chat_template`: transformers' own method and template
-    lookup, one template string, a non-empty list of dict messages and every value plain JSON."""
+    """Whether `render_template` may skip `apply_chat_template`: a verified transformers (`DIRECT_PATH`), its own
+    method and template lookup, one template string, a non-empty list of dict messages and every value plain JSON."""
+    if not DIRECT_PATH:
+        return False
     cls = type(tokenizer)
     if (cls.apply_chat_template is not PreTrainedTokenizerBase.apply_chat_template
             or cls.get_chat_template is not PreTrainedTokenizerBase.get_chat_template

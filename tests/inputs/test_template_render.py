@@ -3,16 +3,25 @@ fresh random conversations (tool calls with dict arguments, reasoning fields, No
 documents, thinking on/off/unset) under several templates: the default model's Qwen3.5 template, plain
 ChatML, and one that reads the last user query's index, reasoning fields, the special tokens, documents
 and a message's optional keys (what the Qwen3 family's templates do); and the cases it hands to
-transformers itself."""
+transformers itself, and the gate that keeps the direct path to verified transformers versions."""
 
 from __future__ import annotations
 
+import importlib
 import random
 
 import pytest
+import transformers
+from transformers.utils import chat_template_utils
 
 from forkpoint.inputs import LoadedTokenizer, template_render
-from forkpoint.inputs.template_render import render_template, render_template_and_history, split_template
+from forkpoint.inputs.template_render import (
+    PRIVATE_HELPERS,
+    direct_path_supported,
+    render_template,
+    render_template_and_history,
+    split_template,
+)
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'"
           " + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -175,3 +184,63 @@ def test_a_template_error_is_the_same_either_way(qwen: LoadedTokenizer):
     with pytest.raises(Exception) as library:
         qwen.tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False)
     assert type(direct.value) is type(library.value) and str(direct.value) == str(library.value) == "no user"
+
+
+def test_the_direct_path_is_on_for_the_installed_transformers():
+    """So the equality tests above compare the direct path, not the fallback, with transformers' rendering."""
+    assert template_render.DIRECT_PATH, (
+        f"transformers {transformers.__version__} is not in VERIFIED_TRANSFORMERS"
+        f" {template_render.VERIFIED_TRANSFORMERS} or lacks a private helper: verify it (this file and"
+        " tests/server/test_prompts.py with it added) and add it")
+    assert direct_path_supported(transformers.__version__)
+
+
+@pytest.mark.parametrize("version", ["5.0.0", "5.17.0", "5.2.5", "5.250.0", "5.26.0", "6.25.0", "4.25.1", "", "dev"])
+def test_an_unverified_transformers_version_turns_the_direct_path_off(version: str):
+    assert not direct_path_supported(version)
+
+
+@pytest.mark.parametrize("name", PRIVATE_HELPERS)
+def test_a_missing_private_helper_turns_the_direct_path_off(monkeypatch, name: str):
+    monkeypatch.delattr(chat_template_utils, name)
+    assert not direct_path_supported(transformers.__version__)
+
+
+def test_the_module_imports_without_the_helpers_and_turns_the_direct_path_off(monkeypatch):
+    """transformers 5.0 and 5.17 have no `_alias_reasoning_fields`; the import must not fail on any 5.x."""
+    for name in (*PRIVATE_HELPERS, "render_jinja_template"):
+        monkeypatch.delattr(chat_template_utils, name)
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    try:
+        module = importlib.reload(template_render)
+        assert module.DIRECT_PATH is False and module._compile_jinja_template is None
+        assert module.split_template(CHATML) is None
+    finally:
+        monkeypatch.undo()
+        importlib.reload(template_render)
+    assert template_render.DIRECT_PATH
+
+
+def test_with_the_direct_path_off_everything_renders_through_apply_chat_template(qwen: LoadedTokenizer, monkeypatch):
+    monkeypatch.setattr(template_render, "DIRECT_PATH", False)
+
+    def never(*args, **kwargs):
+        raise AssertionError("the direct path was taken")
+
+    for name in ("_compile_jinja_template", "_alias_reasoning_fields", "_variables", "split_template"):
+        monkeypatch.setattr(template_render, name, never)
+    tokenizer = qwen.tokenizer
+    rng = random.Random(11)
+    for template in (None, CHATML, LAST_QUERY):
+        for _ in range(10):
+            conversation = random_conversation(rng)
+            kwargs = {"tools": TOOLS, "enable_thinking": rng.choice([True, False])} if rng.random() < 0.5 else {}
+            assert not template_render._direct(tokenizer, conversation, template, kwargs)
+            want = [tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                                  add_generation_prompt=generation, **kwargs)
+                    for generation in (True, False)]
+            for generation, text in zip((True, False), want, strict=True):
+                assert render_template(tokenizer, conversation, chat_template=template,
+                                       add_generation_prompt=generation, **kwargs) == text
+            assert render_template_and_history(tokenizer, conversation, chat_template=template,
+                                               **kwargs) == (want[0], None)
