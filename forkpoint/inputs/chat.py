@@ -18,6 +18,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from forkpoint.inputs.template_render import render_template, render_template_and_history
 from forkpoint.inputs.template_sandbox import SandboxedTemplate
 
 # OpenAI-style text content parts are joined with a newline, as vLLM does for templates that
@@ -34,7 +35,7 @@ def render_chat(
     chat_template: str | SandboxedTemplate | None = None,
     **template_kwargs: Any,
 ) -> str:
-    """Render one conversation to prompt text with ``tokenizer.apply_chat_template``.
+    """Render one conversation to prompt text as ``tokenizer.apply_chat_template`` does (`template_render.py`).
 
     messages: a non-empty list of dicts, each with a ``role`` (str) and a ``content`` that is a
         str or a list of OpenAI-style parts ``{"type": "text", "text": str}``; the text parts
@@ -68,26 +69,49 @@ def render_chat_with_images(
     return text, images
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]], images: list[Any] | None, *,
-            add_generation_prompt: bool, chat_template: str | SandboxedTemplate | None, **template_kwargs: Any) -> str:
+def render_chat_and_history(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    chat_template: str | SandboxedTemplate | None = None,
+    **template_kwargs: Any,
+) -> tuple[str, list[Any], str | None]:
+    """`render_chat_with_images(..., add_generation_prompt=True)` and the same conversation rendered without the
+    generation prompt where one pass over it gives both (`template_render.render_template_and_history`), else
+    None; for `chat_encoder(..., rendered=(messages, history))`, so the turn boundary costs no second pass."""
+    images: list[Any] = []
+    conversation = _conversation(tokenizer, messages, images, chat_template)
+    if isinstance(chat_template, SandboxedTemplate):
+        text = chat_template.render(tokenizer, conversation, add_generation_prompt=True, **template_kwargs)
+        return text, images, None
+    text, history = render_template_and_history(tokenizer, conversation, chat_template=chat_template,
+                                                **template_kwargs)
+    return _text(text), images, history
+
+
+def _conversation(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]], images: list[Any] | None,
+                  chat_template: str | SandboxedTemplate | None) -> list[dict[str, Any]]:
+    """The messages checked and normalised for the template (string content, image parts collected)."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "the tokenizer has no chat template: pass chat_template=... (a Jinja template), "
             "use a tokenizer whose tokenizer_config.json or chat_template.jinja has one, "
             "or call generate() with a rendered prompt"
         )
-    conversation = [_normalize_message(index, message, images) for index, message in
-                    enumerate(_message_list(messages))]
+    return [_normalize_message(index, message, images) for index, message in enumerate(_message_list(messages))]
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]], images: list[Any] | None, *,
+            add_generation_prompt: bool, chat_template: str | SandboxedTemplate | None, **template_kwargs: Any) -> str:
+    conversation = _conversation(tokenizer, messages, images, chat_template)
     if isinstance(chat_template, SandboxedTemplate):  # a request's own template: never in this process
         return chat_template.render(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
                                     **template_kwargs)
-    rendered = tokenizer.apply_chat_template(
-        conversation,
-        chat_template=chat_template,
-        add_generation_prompt=add_generation_prompt,
-        tokenize=False,
-        **template_kwargs,
-    )
+    return _text(render_template(tokenizer, conversation, chat_template=chat_template,
+                                 add_generation_prompt=add_generation_prompt, **template_kwargs))
+
+
+def _text(rendered: Any) -> str:
     if not isinstance(rendered, str):
         raise ValueError(
             f"the chat template rendered a {type(rendered).__name__}, not a str: pass one "
@@ -168,17 +192,24 @@ def _image_source(part: Mapping[str, Any], where: str) -> Any:
     return url
 
 
-def chat_encoder(tokenizer: PreTrainedTokenizerBase, encode_text: Callable[[str], list[int]] | None = None, /, *,
+def chat_encoder(tokenizer: PreTrainedTokenizerBase, encode_text: Callable[[str], list[int]] | None = None,
+                 rendered: tuple[Sequence[Mapping[str, Any]], str | None] | None = None, /, *,
                  chat_template: str | None = None,
                  **template_kwargs: Any) -> Callable[[Sequence[Mapping[str, Any]], bool], list[int]]:
     """`encode(conversation, add_generation_prompt) -> token ids` of the rendered conversation (image
     parts as one placeholder each, markers as text), for `inputs/turns.py`. encode_text: tokenises the
     rendered text; it must equal ``tokenizer.encode(text, add_special_tokens=False)`` (a server's
-    `SegmentEncoder`); None: that call. (Positional-only, so a template variable may share its name.)"""
+    `SegmentEncoder`); None: that call. rendered: (messages, their rendering without the generation prompt)
+    from `render_chat_and_history` with the same template arguments: a conversation of the same message objects
+    takes that text instead of a rendering. (Positional-only, so a template variable may share its name.)"""
 
     def encode(conversation: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> list[int]:
-        text = _render(tokenizer, conversation, [], add_generation_prompt=add_generation_prompt,
-                       chat_template=chat_template, **template_kwargs)
+        if (not add_generation_prompt and rendered is not None and rendered[1] is not None
+                and len(conversation) == len(rendered[0]) and all(a is b for a, b in zip(conversation, rendered[0]))):
+            text = rendered[1]
+        else:
+            text = _render(tokenizer, conversation, [], add_generation_prompt=add_generation_prompt,
+                           chat_template=chat_template, **template_kwargs)
         if encode_text is not None:
             return encode_text(text)
         return list(tokenizer.encode(text, add_special_tokens=False))

@@ -111,9 +111,12 @@ class InputProcessor:
         return ProcessedPrompt(raw.text, token_ids, tuple(sorted(marked)), multimodal, hasher, turns,
                                turn_end_reusable)
 
-    def _position_map(self, raw_ids: list[int], images: list) -> list[int | None]:
+    def _position_map(self, raw_ids: list[int], images: list) -> Sequence[int | None]:
         """For each raw position p (0..len(raw_ids)): the number of processed tokens before it (markers
-        removed, each image's `<|image_pad|>` run expanded), None inside an image's run."""
+        removed, each image's `<|image_pad|>` run expanded), None inside an image's run. Without images or
+        markers (a chat prompt as a rule) that is p itself: a range, not a walk over the prompt."""
+        if not images and (self.checkpoint_token_id is None or self.checkpoint_token_id not in raw_ids):
+            return range(len(raw_ids) + 1)
         ids = np.asarray(raw_ids, dtype=object if _packed(raw_ids) is None else np.int64)
         weights = np.ones(len(raw_ids), np.int64)
         if self.checkpoint_token_id is not None:

@@ -87,7 +87,7 @@ class SegmentEncoder:
         self.tokenizer = tokenizer
         self.max_bytes = max_bytes
         self.openers = supported_openers(tokenizer)
-        self._added = tuple(sorted(tokenizer.get_added_vocab())) if self.openers else ()
+        self._added = _may_span(tuple(sorted(tokenizer.get_added_vocab())), self.openers) if self.openers else ()
         self._longest = max((len(token) for token in self._added), default=0)
         self._lock = threading.Lock()
         self._pieces: OrderedDict[tuple[str, str], array] = OrderedDict()  # (namespace, text) -> ids, LRU first
@@ -124,9 +124,12 @@ class SegmentEncoder:
         return [text[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
 
     def _exact_cut(self, text: str, k: int) -> bool:
-        """Whether no added token occurrence spans position k (starts before it and ends after it)."""
+        """Whether no added token occurrence spans position k (starts before it and ends after it): k is where
+    an opener starts, so only the tokens of `_may_span` can."""
         if k == 0:
             return False
+        if not self._added:
+            return True
         window = text[max(0, k - self._longest + 1): k + self._longest - 1]
         offset = max(0, k - self._longest + 1)
         for token in self._added:
@@ -173,6 +176,16 @@ class SegmentEncoder:
             while self._bytes > self.max_bytes:
                 old_key, old = self._pieces.popitem(last=False)
                 self._bytes -= _size(old_key, old)
+
+
+def _may_span(added: Sequence[str], openers: Sequence[str]) -> tuple[str, ...]:
+    """The added tokens that can span a cut made right before an opener: a token t occurring at s spans
+    k (s < k < s + len(t)) only if its tail t[k - s:] and the opener at k agree on their common length
+    (both read the text from k on). Others never do, so `_exact_cut` checks only these (for Qwen3.5's
+    `<|im_start|>`: none, as no added token has a `<` past its first character)."""
+    return tuple(token for token in added if any(
+        token[j:].startswith(opener) or opener.startswith(token[j:]) for j in range(1, len(token))
+        for opener in openers))
 
 
 def _size(key: tuple[str, str], ids: array) -> int:

@@ -42,7 +42,7 @@ from typing import Any
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from forkpoint.inputs.chat import chat_encoder, render_chat_with_images
+from forkpoint.inputs.chat import chat_encoder, render_chat_and_history, render_chat_with_images
 from forkpoint.inputs.images import ImageInput
 from forkpoint.inputs.markers import prompt_to_token_ids, strip_checkpoint_markers
 from forkpoint.inputs.multimodal import ImagePromptProcessor
@@ -166,11 +166,12 @@ class PromptBuilder:
                            for key, value in (template_kwargs or {}).items()}
         if self.chat_template is not None:
             template_kwargs.setdefault("chat_template", self.chat_template)
-        token_ids, sources, thinking = self._render(conversation, add_generation_prompt, template_kwargs, cache_salt)
+        token_ids, sources, thinking, history = self._render(conversation, add_generation_prompt, template_kwargs,
+                                                             cache_salt)
         self._only_placed_markers(messages, token_ids)
         turns, breakpoints, reusable = self._chat_positions(messages, conversation, token_ids,
                                                             add_generation_prompt and process, template_kwargs,
-                                                            cache_salt)
+                                                            cache_salt, history)
         images = self._load_images(sources) if sources else []
         salt = {"cache_salt": cache_salt} if cache_salt is not None else {}
         if self.processor is not None and process:
@@ -200,10 +201,12 @@ class PromptBuilder:
 
     def _chat_positions(self, messages: Sequence[ChatMessage], conversation: list[dict[str, Any]],
                         token_ids: list[int], add_generation_prompt: bool, template_kwargs: dict[str, Any] | None,
-                        cache_salt: str | None = None) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+                        cache_salt: str | None = None,
+                        history: str | None = None) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
         """(turn boundaries, cache breakpoint ends, whether the turn end can start the next turn) in
         `token_ids`, the rendered conversation's ids (inputs/turns.py; boundaries only with
-        `add_generation_prompt`). A 400 for more than MAX_BREAKPOINTS breakpoints."""
+        `add_generation_prompt`). history: `conversation` rendered without the generation prompt, where the
+        prompt's rendering gave it (not rendered again). A 400 for more than MAX_BREAKPOINTS breakpoints."""
         points = [Breakpoint(i, None) for i, message in enumerate(messages) if message.cache_control is not None]
         points += [Breakpoint(i, j) for i, message in enumerate(messages) if isinstance(message.content, list)
                    for j, part in enumerate(message.content) if part.cache_control is not None]
@@ -213,7 +216,7 @@ class PromptBuilder:
         if self.checkpoint_token_id is None or not (points or (self.turn_boundaries and add_generation_prompt)):
             return (), (), True
         encode = chat_encoder(self.tokenizer, functools.partial(self._encode_text, cache_salt=cache_salt),
-                              **(template_kwargs or {}))
+                              (conversation, history), **(template_kwargs or {}))
         try:
             breakpoints = breakpoint_positions(encode, conversation, token_ids, sorted(points, key=_order))
         except ValueError as err:
@@ -239,14 +242,19 @@ class PromptBuilder:
 
     def _render(self, conversation: list[dict[str, Any]], add_generation_prompt: bool,
                 template_kwargs: dict[str, Any] | None,
-                cache_salt: str | None = None) -> tuple[list[int], list[Any], bool]:
+                cache_salt: str | None = None) -> tuple[list[int], list[Any], bool, str | None]:
         """Token ids of the rendered conversation (markers still in), its image sources in order,
-        and whether the prompt leaves a thought open. A rendering that cannot fit max_model_len is
-        refused before it is tokenised whole."""
+        whether the prompt leaves a thought open, and the conversation rendered without the generation
+        prompt where the same pass gave it (`render_chat_and_history`), else None. A rendering that cannot
+        fit max_model_len is refused before it is tokenised whole."""
+        history = None
         try:
-            text, sources = render_chat_with_images(self.tokenizer, conversation,
-                                                    add_generation_prompt=add_generation_prompt,
-                                                    **(template_kwargs or {}))
+            if add_generation_prompt:
+                text, sources, history = render_chat_and_history(self.tokenizer, conversation,
+                                                                 **(template_kwargs or {}))
+            else:
+                text, sources = render_chat_with_images(self.tokenizer, conversation, add_generation_prompt=False,
+                                                        **(template_kwargs or {}))
             self._within_length(text, "messages")
             token_ids = self._encode_text(text, cache_salt=cache_salt)
         except ValueError as err:
@@ -256,7 +264,7 @@ class PromptBuilder:
                                   param="messages") from None
         if sources and self.images is None:
             raise invalid_request("this server takes no images: its model has no vision tower", param="messages")
-        return token_ids, sources, prompt_opens_thinking(text)
+        return token_ids, sources, prompt_opens_thinking(text), history
 
     def _encode_text(self, text: str, *, cache_salt: str | None = None) -> list[int]:
         """A rendered chat prompt's token ids: `prompt_to_token_ids`'s, through the segment cache when the

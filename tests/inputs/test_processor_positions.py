@@ -39,3 +39,22 @@ def test_positions_after_an_image_count_its_tokens(tiny_model_factory):
     extra = len(processed.token_ids) - len(raw)  # the image's tokens beyond its one placeholder
     assert extra > 0
     assert processed.turn_positions == (3, len(raw) - 2 + extra)
+
+
+def test_positions_without_markers_are_the_raw_ones_and_with_markers_count_them(text_llm):
+    """Seeded random prompts, markers or none: each turn position p maps to p minus the markers before it (the
+    marker-free case skips the walk over the prompt; both must agree with the count)."""
+    import random
+
+    marker = text_llm.checkpoint_token_id
+    rng = random.Random(3)
+    for _ in range(40):
+        ids = [rng.randrange(5, 100) for _ in range(rng.randint(2, 60))]
+        if rng.random() < 0.5:
+            ids.insert(rng.randrange(1, len(ids)), marker)
+        positions = sorted(rng.sample(range(1, len(ids)), min(3, len(ids) - 1)))
+        processed = text_llm.engine.inputs.process({"prompt_token_ids": ids}, turn_positions=positions)
+        marked = set(processed.checkpoint_positions)
+        want = {p - ids[:p].count(marker) for p in positions}
+        assert processed.turn_positions == tuple(sorted(p for p in want if 0 < p < len(processed.token_ids)
+                                                        and p not in marked))

@@ -105,6 +105,18 @@ def test_a_cut_that_an_added_token_spans_is_refused():
     assert encoder.encode(text) == plain(tokenizer, text)
 
 
+def test_only_added_tokens_that_can_span_a_cut_are_checked(qwen: LoadedTokenizer):
+    assert SegmentEncoder(qwen.tokenizer)._added == ()  # no Qwen3.5 added token has a "<" past its start
+    tokenizer = word_tokenizer("b<|im", "<|im_start|>user", "|><|im_start|>", "a|>", "<|im_end|>")
+    encoder = SegmentEncoder(tokenizer)
+    assert set(encoder._added) == {"b<|im", "|><|im_start|>"}  # one starting at the cut does not span it
+    rng = random.Random(5)
+    fragments = ["a", " b", "b", "user", " ", "<|im_start|>", "<|im", "|>", "<|im_end|>", "hello"]
+    for _ in range(300):  # texts where these tokens overlap the opener every way: the ids stay exact
+        text = "".join(rng.choice(fragments) for _ in range(rng.randint(1, 20)))
+        assert encoder.encode(text) == plain(tokenizer, text), repr(text)
+
+
 @pytest.mark.parametrize("flag", ["lstrip", "rstrip", "single_word"])
 def test_neighbour_dependent_added_tokens_disable_cuts(flag):
     tokenizer = word_tokenizer(**{flag: True})

@@ -12,6 +12,7 @@ import pytest
 from forkpoint.inputs import ensure_default_model, load_tokenizer
 from forkpoint.inputs.segment_tokens import SegmentEncoder
 from forkpoint.server.config import MarkerPolicy
+from forkpoint.server.errors import APIError
 from forkpoint.server.prompts import PromptBuilder
 from forkpoint.server.protocol import ChatCompletionRequest
 from forkpoint.server.request_params import template_kwargs
@@ -104,3 +105,42 @@ def test_the_server_builds_prompts_with_the_segment_cache(server):
     assert second == tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False,
                                                                      add_generation_prompt=True),
                                       add_special_tokens=False)
+
+
+def test_one_pass_rendering_builds_the_prompts_of_transformers_own(tokenizer, monkeypatch):
+    """The prompt and its history from one pass of the template (`inputs/template_render.py`, no copies) build
+    the same prompts (ids, markers, breakpoints, turn boundaries, turn-end reuse) as transformers'
+    `apply_chat_template` rendering each conversation on its own, tokenised whole."""
+    from forkpoint.inputs import chat
+    from forkpoint.inputs.template_render import split_template
+
+    assert split_template(tokenizer.tokenizer.chat_template) is not None  # the default template takes one pass
+    rng = random.Random(1)
+    requests = []
+    for session in range(12):
+        kwargs = {} if session % 3 == 0 else {"enable_thinking": session % 3 == 1}
+        tools = {"tools": TOOLS} if session % 2 else {}
+        requests += [ChatCompletionRequest.model_validate({"model": "m", "messages": messages,
+                                                           "chat_template_kwargs": kwargs, **tools})
+                     for messages in agent_session(rng, 4)]
+
+    def build(builder: PromptBuilder, body: ChatCompletionRequest):
+        try:
+            return builder.from_messages(body.messages, template_kwargs=template_kwargs(body))
+        except APIError as err:  # random markers may sit twice at one position: the same 400 either way
+            return err.message
+
+    fast = builders(tokenizer)[1]
+    built = [build(fast, body) for body in requests]
+
+    def library(tok, conversation, *, chat_template, add_generation_prompt, **kwargs):
+        return tok.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt, **kwargs)
+
+    monkeypatch.setattr(chat, "render_template", library)
+    monkeypatch.setattr(chat, "render_template_and_history", lambda tok, conversation, **kwargs: (
+        library(tok, conversation, add_generation_prompt=True, **kwargs), None))
+    reference = builders(tokenizer)[0]
+    for body, prompt in zip(requests, built, strict=True):
+        assert build(reference, body) == prompt
+    assert sum(1 for prompt in built if not isinstance(prompt, str) and prompt.turn_positions) > 0.8 * len(built)
