@@ -125,7 +125,7 @@ class SegmentEncoder:
 
     def _exact_cut(self, text: str, k: int) -> bool:
         """Whether no added token occurrence spans position k (starts before it and ends after it): k is where
-    an opener starts, so only the tokens of `_may_span` can."""
+        an opener starts, so only the tokens of `_may_span` can."""
         if k == 0:
             return False
         if not self._added:
