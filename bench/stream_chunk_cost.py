@@ -6,7 +6,9 @@ work from an engine delta `RequestOutput` to the SSE text of its chunk (serving.
 engine sends them) and are stepped round-robin, one output each per step, as the engine thread's
 deliveries reach the loop. Cases: `plain` (content only), `thinking` (a `<think>` opened by the prompt,
 reasoning then content), `logprobs` (top_logprobs 5), `tools` (tool_choice auto, a call in the output),
-`n4` (n = 4, usage included).
+`n4` (n = 4, usage included). A last row, `handover`: the engine thread handing each step's outputs to
+the streams' queues on the event loop (worker.py `deliver_each`), as the process's CPU time per output
+and the engine thread's time per step.
 
 --baseline REV also times the code of git revision REV (extracted to a temporary folder, run as a
 subprocess with the same arguments), alternating with this checkout's rep by rep, so both numbers come
@@ -35,7 +37,7 @@ import time
 import uuid
 from types import SimpleNamespace
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 CASES = ("plain", "thinking", "logprobs", "tools", "n4")
 WORDS = (" river", " basin", " flood", " level", " naïve", " café", " 日本語", " 🤖", " \"quoted\"", " back\\slash",
          "\n", " storm")
@@ -135,6 +137,48 @@ def time_case(tokenizer, case: str, streams: int, tokens: int, profiler: cProfil
     return {"seconds": time.perf_counter() - begin, "chunks": chunks, "sha256": digest}
 
 
+def time_handover(streams: int, steps: int, gap_s: float = 0.002) -> dict:
+    """The engine thread's hand-over of a step's outputs to `streams` sinks on a running event loop
+    (worker.py `deliver_each`), `steps` times `gap_s` apart (a decode step), each sink drained by a task:
+    the engine thread's seconds in `deliver_each`, and the process's CPU seconds over the run (both
+    threads: the loop's wake-ups and puts too; the gaps are sleeps)."""
+    import threading
+
+    from forkpoint.server import worker
+
+    async def run() -> dict:
+        loop = asyncio.get_running_loop()
+        sinks = [worker.OutputSink(loop) for _ in range(streams)]
+        got = [0]
+
+        async def drain(sink) -> None:
+            while True:
+                await sink.queue.get()
+                got[0] += 1
+
+        tasks = [asyncio.create_task(drain(sink)) for sink in sinks]
+        spent = [0.0]
+
+        def engine() -> None:
+            for _ in range(steps):
+                begin = time.perf_counter()
+                worker.deliver_each({sink: [None] for sink in sinks})
+                spent[0] += time.perf_counter() - begin
+                time.sleep(gap_s)
+
+        cpu = time.process_time()
+        thread = threading.Thread(target=engine)
+        thread.start()
+        while thread.is_alive() or got[0] < streams * steps:
+            await asyncio.sleep(0.001)
+        cpu = time.process_time() - cpu
+        for task in tasks:
+            task.cancel()
+        return {"seconds": cpu, "engine_seconds": spent[0], "chunks": got[0], "sha256": str(got[0])}
+
+    return asyncio.run(run())
+
+
 def load_tokenizer():
     from forkpoint import LLM
 
@@ -147,7 +191,8 @@ def child(args: argparse.Namespace) -> None:
     rng = random.Random(1)
     uuid.uuid4 = lambda: uuid.UUID(int=rng.getrandbits(128), version=4)
     tokenizer = load_tokenizer()
-    print(json.dumps({case: time_case(tokenizer, case, args.streams, args.tokens) for case in args.cases}))
+    res = {case: time_case(tokenizer, case, args.streams, args.tokens) for case in args.cases}
+    print(json.dumps({**res, "handover": time_handover(args.streams, args.tokens)}))
 
 
 def run_child(root: str, args: argparse.Namespace) -> dict:
@@ -198,11 +243,13 @@ def main() -> None:
             runs[label].append(run_child(root, args))
     rows = {}
     for label, reps in runs.items():
-        for case in args.cases:
+        for case in [*args.cases, "handover"]:
             chunks = reps[0][case]["chunks"]
             rows[f"{label}/{case}"] = {
                 "version": label, "case": case, "chunks": chunks, "sha256": reps[0][case]["sha256"],
                 "us_per_chunk": 1e6 * statistics.median(r[case]["seconds"] for r in reps) / chunks}
+        rows[f"{label}/handover"]["engine_us_per_step"] = 1e6 * statistics.median(
+            r["handover"]["engine_seconds"] for r in reps) / args.tokens
     res = {"config": {k: v for k, v in vars(args).items() if k != "child"}, "machine": machine_info(),
            "code": code_version(), "rows": rows}
     print(machine_line(res["machine"]))
@@ -212,6 +259,11 @@ def main() -> None:
         cells = [rows[f"{label}/{case}"] for label in roots]
         same = len({c["sha256"] for c in cells}) == 1
         print(f"{case:<10}" + "".join(f"{c['us_per_chunk']:>22.2f}" for c in cells) + f"{str(same):>13}")
+    cells = [rows[f"{label}/handover"] for label in roots]
+    print(f"{'handover':<10}" + "".join(f"{c['us_per_chunk']:>22.2f}" for c in cells)
+          + "   (process CPU per delivered output)")
+    print(f"{'  engine':<10}" + "".join(f"{c['engine_us_per_step']:>22.0f}" for c in cells)
+          + f"   (engine thread us per step of {args.streams} sinks)")
 
     def plot(result: dict, path: str) -> None:
         import matplotlib
@@ -221,10 +273,11 @@ def main() -> None:
 
         fig, ax = plt.subplots(figsize=(7, 3.5))
         width = 0.8 / len(roots)
+        cases = [*args.cases, "handover"]
         for k, label in enumerate(roots):
-            ax.bar([i + k * width for i in range(len(args.cases))],
-                   [result["rows"][f"{label}/{case}"]["us_per_chunk"] for case in args.cases], width, label=label)
-        ax.set_xticks([i + width * (len(roots) - 1) / 2 for i in range(len(args.cases))], args.cases)
+            ax.bar([i + k * width for i in range(len(cases))],
+                   [result["rows"][f"{label}/{case}"]["us_per_chunk"] for case in cases], width, label=label)
+        ax.set_xticks([i + width * (len(roots) - 1) / 2 for i in range(len(cases))], cases)
         ax.set_ylabel("µs per streamed chunk")
         ax.set_title(f"chat chunk host time, {args.streams} streams (CPU)")
         ax.legend()
