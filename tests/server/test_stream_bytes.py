@@ -1,4 +1,4 @@
-"""Streamed chunks' bytes (serving.py `_stream`, sse.py) against their construction before session 27:
+"""Streamed chunks' bytes (serving.py `_stream`, sse.py) against their construction before commit e75a60b:
 each chunk's dict built whole and `json.dumps`-ed, each logprob token's text one `tokenizer.decode([id])`
 at a time. Seeded random streams: content, reasoning, tool calls (auto, required, named), logprobs, n > 1,
 usage, every finish reason, /v1/completions' chunks too."""
@@ -34,7 +34,7 @@ def old_sse(payload: dict | str) -> str:
 
 
 async def old_stream(gen, fmt, header: dict, num_prompts: int, include_usage: bool):
-    """serving.py's `_stream` before session 27 (its error branches aside)."""
+    """serving.py's `_stream` before commit e75a60b (its error branches aside)."""
     chunk = {**header, "object": fmt.chunk_object_name}
     usage = _Usage()
     for choice in fmt.opening_chunks(num_prompts * gen.params.n):
@@ -48,7 +48,7 @@ async def old_stream(gen, fmt, header: dict, num_prompts: int, include_usage: bo
 
 
 class OneAtATime:
-    """The formatters' token texts before session 27: `tokenizer.decode([id])` every time."""
+    """The formatters' token texts before commit e75a60b: `tokenizer.decode([id])` every time."""
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
