@@ -159,16 +159,18 @@ class ChatFormat(ResponseFormatter):
         return [ToolCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False))
                 for item in value if isinstance(item, dict) and isinstance(item.get("name"), str)]
 
-    def _entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
     def _logprobs(self, delta: Delta) -> dict[str, Any] | None:
         if self.top_logprobs is None or delta.logprobs is None:
             return None
+        text = self.token_text
+
+        def entry(token_id: int, logprob: float | None) -> dict[str, Any]:
+            piece = text(token_id)
+            return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
+
         content = []
-        for token_id, entry in zip(delta.token_ids, delta.logprobs):
-            item = self._entry(token_id, entry.get(token_id))
-            item["top_logprobs"] = [self._entry(t, lp) for t, lp in self.top(entry)]
+        for token_id, lps in zip(delta.token_ids, delta.logprobs):
+            item = entry(token_id, lps.get(token_id))
+            item["top_logprobs"] = [entry(t, lp) for t, lp in self.top(lps)]
             content.append(item)
         return {"content": content}

@@ -16,7 +16,6 @@ is an `error` event in Anthropic's shape (messages_errors.py), as every error of
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -34,6 +33,7 @@ from forkpoint.server.request_params import template_kwargs
 from forkpoint.server.responses import Delta
 from forkpoint.server.responses_output import new_id
 from forkpoint.server.serving import ChatPlan, GenerationStream, OpenAIServing, stream_deltas
+from forkpoint.server.sse import encode_json
 from forkpoint.server.worker import EngineFailure, RequestOutOfMemory, ServerShuttingDown
 
 
@@ -110,5 +110,5 @@ class AnthropicMessages:
 
 
 def _event(event: dict[str, Any]) -> str:
-    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+    data = encode_json(event)
     return f"event: {event['type']}\ndata: {data}\n\n"

@@ -7,7 +7,7 @@ which compile in the engine process (its compiler's cache is the one the engine 
     event loop / any thread                       reader thread (events from the engine process)
     -----------------------                       ----------------------------------------------
     add_many: register the sink, send Add    ->   Acknowledged -> the add's future
-    abort: send Abort, forget the ids             Delivered    -> each sink's deliver_threadsafe
+    abort: send Abort, forget the ids             Delivered    -> the sinks' queues, one wake-up a loop
     call / compile: send, await the future        Metrics      -> metrics_snapshot
     shutdown: send Stop, wait for the end         end of pipe  -> every open sink and future fails
 
@@ -56,7 +56,7 @@ from forkpoint.server.engine_messages import (
     StartFailed,
     Stop,
 )
-from forkpoint.server.worker import EngineFailure, NewRequest, OutputSink, ServerShuttingDown
+from forkpoint.server.worker import EngineFailure, NewRequest, OutputSink, ServerShuttingDown, deliver_together
 
 logger = logging.getLogger("forkpoint.server")
 
@@ -308,8 +308,7 @@ class ProcessWorker:
                         self._sink_of.pop(output.request_id, None)
                 if not open_ids:
                     self._forget_sink(sink_id)
-        for sink, item in targets:
-            sink.deliver_threadsafe(item)
+        deliver_together(targets)
 
     def _end(self) -> None:
         """The engine process is gone: every open sink and waiting call fails (ServerShuttingDown when it

@@ -54,6 +54,8 @@ class ReasoningParser:
         return (reasoning if in_reasoning else None), (content or None)
 
     def feed(self, text: str) -> ReasoningDelta:
+        if self._state == "content" and self._content_started:  # past the thought: all content, nothing held
+            return ReasoningDelta(content=text)
         self._buffer += text
         out = ReasoningDelta()
         while True:

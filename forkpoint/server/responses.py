@@ -42,6 +42,7 @@ class ResponseFormatter(abc.ABC):
     def __init__(self, tokenizer: PreTrainedTokenizerBase, top_logprobs: int | None) -> None:
         self.tokenizer = tokenizer
         self.top_logprobs = top_logprobs  # None: no logprobs in the response
+        self._texts: dict[int, str] = {}  # token id -> its text, for this response's logprobs
 
     def transform(self, output: RequestOutput) -> RequestOutput:
         """The engine output as the response reports it (unchanged unless a subclass says otherwise)."""
@@ -60,7 +61,16 @@ class ResponseFormatter(abc.ABC):
         return []
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        """`tokenizer.decode([token_id])`, each id decoded once a response."""
+        text = self._texts.get(token_id)
+        if text is None:
+            # as token_texts: the Rust decode is the wrapper's when the tokenizer cleans up no spaces, and
+            # skips the wrapper's argument conversions (most of a streamed logprobs chunk's host time)
+            backend = getattr(self.tokenizer, "backend_tokenizer", None)
+            text = self._texts[token_id] = (
+                self.tokenizer.decode([token_id]) if backend is None or self.tokenizer.clean_up_tokenization_spaces
+                else backend.decode([token_id], skip_special_tokens=False))
+        return text
 
     def top(self, logprobs: dict[int, float]) -> list[tuple[int, float]]:
         return sorted(logprobs.items(), key=lambda item: -item[1])[: self.top_logprobs]

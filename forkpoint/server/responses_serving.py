@@ -49,6 +49,7 @@ from forkpoint.server.responses_output import (
 )
 from forkpoint.server.responses_protocol import ResponsesRequest, parse_items
 from forkpoint.server.serving import ChatPlan, GenerationStream, OpenAIServing, api_client, stream_deltas
+from forkpoint.server.sse import encode_json
 from forkpoint.server.worker import EngineFailure, RequestOutOfMemory, ServerShuttingDown
 
 # the chat request's fields a refusal may name, as the response request's fields they came from
@@ -177,5 +178,5 @@ class _EventWriter:
 
     def __call__(self, event: dict[str, Any]) -> str:
         event["sequence_number"] = self._next()
-        data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+        data = encode_json(event)
         return f"event: {event['type']}\ndata: {data}\n\n"

@@ -11,7 +11,6 @@ the shape of a choice, which `CompletionFormat` and `ChatFormat` supply. /v1/res
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -50,6 +49,7 @@ from forkpoint.server.responses import (
     ResponseFormatter,
     prompt_logprobs_json,
 )
+from forkpoint.server.sse import ChunkFrame, sse
 from forkpoint.server.tool_parsers import ALL_FORMATS
 from forkpoint.server.worker import EngineFailure, EngineWorker, RequestOutOfMemory, ServerShuttingDown
 
@@ -121,11 +121,6 @@ class GenerationStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
-
-
-def _sse(payload: dict[str, Any] | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n"
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -340,21 +335,21 @@ class OpenAIServing:
 
     async def _stream(self, gen: Generation, fmt: ResponseFormatter, header: dict[str, Any], num_prompts: int,
                       include_usage: bool) -> AsyncIterator[str]:
-        chunk = {**header, "object": fmt.chunk_object_name}
+        frame = ChunkFrame(header, fmt.chunk_object_name)  # id, created, model, object: serialised once
         usage = _Usage()
         try:
             for choice in fmt.opening_chunks(num_prompts * gen.params.n):
-                yield _sse({**chunk, "choices": [choice]})
+                yield frame.event(choice)
             async for delta in stream_deltas(gen, fmt, usage.last):
-                yield _sse({**chunk, "choices": [fmt.chunk_choice(delta)]})
+                yield frame.event(fmt.chunk_choice(delta))
             if include_usage:
-                yield _sse({**chunk, "choices": [], "usage": usage.as_dict()})
+                yield frame.with_fields([], usage=usage.as_dict())
         except RequestOutOfMemory as exc:  # the status line is sent: report in-band
-            yield _sse(error_body(str(exc), "invalid_request_error", code="out_of_memory"))
+            yield sse(error_body(str(exc), "invalid_request_error", code="out_of_memory"))
         except (EngineFailure, ServerShuttingDown) as exc:
-            yield _sse(error_body(str(exc), "server_error"))
+            yield sse(error_body(str(exc), "server_error"))
         gen.close()
-        yield _sse("[DONE]")
+        yield sse("[DONE]")
 
 
 async def stream_deltas(gen: Generation, fmt: ResponseFormatter,
@@ -371,7 +366,9 @@ async def stream_deltas(gen: Generation, fmt: ResponseFormatter,
         last[index] = output
         for completion in output.outputs:
             key = index * n + completion.index
-            cursor = cursors.setdefault(key, _ChoiceCursor())
+            cursor = cursors.get(key)
+            if cursor is None:
+                cursor = cursors[key] = _ChoiceCursor()
             delta = _rest_of(key, completion, cursor) if output.finished else _delta_since(key, completion, cursor)
             if delta is not None:
                 delta.output = output
